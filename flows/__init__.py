@@ -1,0 +1,1 @@
+"""Prefect flows: composition only; the work is in k3pipe/ and tasks/."""

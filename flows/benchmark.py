@@ -1,0 +1,136 @@
+"""The benchmark flow: for each engine arm, launch -> health gate -> workloads -> teardown, all in MLflow.
+
+    prefect: python -m flows.benchmark experiments/demo-cpu.yaml   (or `k3pipe run`, or the deployment)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.context import get_run_context
+
+from k3pipe.launchers import Launcher
+from k3pipe.record import ArmRecorder
+from k3pipe.settings import Settings, read_secret
+from k3pipe.sources import ModelRecord
+from k3pipe.specs import ExperimentSpec
+from k3pipe.tracking import Tracker
+from tasks.steps import (
+    benchmark_task,
+    engine_version_task,
+    fetch_model_task,
+    health_gate_task,
+    load_experiment_task,
+    plan_arm_task,
+    start_engine_task,
+    wait_ready_task,
+)
+
+
+def _flow_run_id() -> str:
+    try:
+        return str(get_run_context().flow_run.id)  # type: ignore[union-attr]
+    except Exception:
+        return "none"
+
+
+def _run_arm(
+    spec: ExperimentSpec,
+    experiment: str,
+    arm: str,
+    models: dict[str, ModelRecord],
+    tracker: Tracker,
+    settings: Settings,
+) -> dict[str, Any]:
+    logger = get_run_logger()
+    home = settings.home_dir
+    dirs = {"model": models["model"].path, **{f"models.{k}": r.path for k, r in models.items() if k != "model"}}
+    plan = plan_arm_task(spec, arm, home, dirs)
+    key = read_secret(plan.api_key_env)
+    if key is not None:
+        tracker.add_secret(key.get_secret_value())
+    recorder = ArmRecorder(tracker, plan, tags={"prefect.flow_run_id": _flow_run_id()})
+    log_path = home / "logs" / f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{recorder.run_id[:8]}.log"
+    outcome: dict[str, Any] = {"arm": arm, "mlflow_run_id": recorder.run_id, "status": "FAILED"}
+    launcher: Launcher | None = None
+    status, error = "FAILED", None
+    try:
+        recorder.log_plan(spec, experiment, models)
+        launcher = start_engine_task(plan, log_path, settings)
+        cold = wait_ready_task(plan, launcher)
+        check = health_gate_task(plan)
+        recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
+        rows = []
+        for workload in spec.workloads:
+            result, summary = benchmark_task(plan, workload, Path(models["model"].path))
+            recorder.log_workload(workload, result, summary)
+            rows.append({"arm": arm, "workload": workload.name, **summary.metrics()})
+        outcome["workloads"] = rows
+        failed = sum(int(r.get("failed") or 0) for r in rows)
+        status = "FINISHED" if failed == 0 else "FAILED"
+        if failed:
+            error = RuntimeError(f"{failed} request(s) failed; see requests.parquet of each workload")
+    except KeyboardInterrupt as exc:
+        status, error = "KILLED", exc
+        raise
+    except Exception as exc:
+        # recorded in MLflow and in the outcome; the flow fails after the other arms have run
+        status, error = "FAILED", exc
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
+        logger.error("arm %s failed: %s", arm, outcome["error"])
+    except BaseException as exc:
+        status, error = "KILLED", exc
+        raise
+    finally:
+        # teardown runs on every path, Ctrl-C included, so it calls the library, not a task
+        if launcher is not None:
+            logger.info("stopping engine (%s)", plan.launcher)
+            launcher.stop()
+        recorder.finish(status, error, log_path if launcher is not None and plan.launcher != "external" else None)
+        outcome["status"] = status
+        logger.info("arm %s: %s; MLflow run %s", arm, status, recorder.run_id)
+    return outcome
+
+
+@flow(name="benchmark")
+def benchmark(experiment: str = "experiments/demo-cpu.yaml", arms: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run every arm (or the named ``arms``) of the experiment file and record it in MLflow."""
+    logger = get_run_logger()
+    settings = Settings()
+    spec = load_experiment_task(experiment)
+    selected = arms or [a.name for a in spec.arms]
+    for name in selected:
+        spec.arm(name)  # unknown arm names fail before anything starts
+    home = settings.home_dir
+    models = {"model": fetch_model_task("model", spec.model, home)}
+    for name, extra in spec.extra_models.items():
+        models[name] = fetch_model_task(name, extra, home)
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    outcomes = []
+    for name in selected:
+        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings))
+    rows = [row for o in outcomes for row in o.get("workloads", [])]
+    columns = ["arm", "workload", "completed", "failed", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
+               "itl_ms_p50", "e2e_ms_p50", "output_throughput_tps", "request_throughput_rps"]
+    table = [{c: (round(r[c], 3) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows]
+    if table:
+        create_table_artifact(table=table, key="benchmark-summary", description=f"{spec.name}: workload summaries")
+    for o in outcomes:
+        link = tracker.run_link(o["mlflow_run_id"])
+        if link.startswith("http"):
+            create_link_artifact(link=link, link_text=f"MLflow run of {o['arm']}", key=f"mlflow-{o['arm']}")
+        logger.info("MLflow run of %s: %s", o["arm"], link)
+    bad = [o["arm"] for o in outcomes if o["status"] != "FINISHED"]
+    if bad:
+        details = "; ".join(f"{o['arm']}: {o.get('error', o['status'])}" for o in outcomes if o["arm"] in bad)
+        raise RuntimeError(f"arm(s) did not finish cleanly ({details}); see their MLflow runs")
+    return outcomes
+
+
+if __name__ == "__main__":
+    benchmark(sys.argv[1] if len(sys.argv) > 1 else "experiments/demo-cpu.yaml")

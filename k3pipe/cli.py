@@ -1,0 +1,133 @@
+"""The k3pipe command line: run, render, runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from k3pipe.errors import K3pipeError
+from k3pipe.settings import Settings, prepare_prefect_env
+
+app = typer.Typer(help="Repeatable, tracked inference-engine benchmarks.", no_args_is_help=True)
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def render(
+    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    arm: Annotated[str | None, typer.Option(help="Only this arm.")] = None,
+) -> None:
+    """Print, per arm, the engine's environment and exact command line."""
+    from k3pipe.plan import plan_arm
+    from k3pipe.specs import load_experiment
+
+    try:
+        spec = load_experiment(experiment)
+        home = Settings().home_dir
+        for a in spec.arms:
+            if arm and a.name != arm:
+                continue
+            plan = plan_arm(spec, a, home)
+            print(f"# arm {a.name}: engine {plan.engine}, launcher {plan.launcher}"
+                  + (f", image {plan.image}" if plan.image else ""))
+            print("# environment")
+            for k, v in plan.command.redacted_env().items():
+                print(f"{k}={v}")
+            if plan.launcher == "docker":
+                print("# command (arguments to the image's entrypoint)")
+            else:
+                print("# command")
+            print(" \\\n    ".join(_groups(plan.command.redacted_argv())))
+            print(f"# endpoint: {plan.base_url}  model: {plan.model}  key from: ${plan.api_key_env or '(none)'}")
+            print()
+    except K3pipeError as exc:
+        _fail(exc)
+
+
+def _groups(argv: list[str]) -> list[str]:
+    """One flag (with its values) per line, shell-quoted."""
+    import shlex
+
+    lines: list[list[str]] = [[]]
+    for token in argv:
+        if token.startswith("--") and lines[-1]:
+            lines.append([])
+        lines[-1].append(token)
+    return [shlex.join(group) for group in lines if group]
+
+
+@app.command()
+def run(
+    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
+) -> None:
+    """Run the experiment through the Prefect benchmark flow and record it in MLflow."""
+    from k3pipe.specs import load_experiment
+
+    settings = Settings()
+    try:
+        load_experiment(experiment)  # a bad file fails here, before Prefect starts
+    except K3pipeError as exc:
+        _fail(exc)
+    prepare_prefect_env(settings)
+    from flows.benchmark import benchmark
+
+    try:
+        outcomes = benchmark(str(experiment), arms=arm or None)
+    except KeyboardInterrupt:
+        typer.secho("interrupted: the engine was stopped", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        _fail(exc)
+        return
+    _print_outcomes(outcomes)
+
+
+def _print_outcomes(outcomes: list[dict]) -> None:
+    import pandas as pd
+
+    rows = [row for o in outcomes for row in o.get("workloads", [])]
+    if rows:
+        cols = ["arm", "workload", "completed", "failed", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
+                "itl_ms_p50", "e2e_ms_p50", "output_throughput_tps", "request_throughput_rps"]
+        frame = pd.DataFrame(rows)
+        print(frame[[c for c in cols if c in frame]].round(2).to_string(index=False))
+    for o in outcomes:
+        print(f"arm {o['arm']}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
+
+
+@app.command()
+def runs(limit: Annotated[int, typer.Option(help="How many runs.")] = 20) -> None:
+    """Recent runs in MLflow with their key metrics."""
+    import pandas as pd
+
+    from k3pipe.tracking import Tracker
+
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    frame = tracker.recent_runs(limit)
+    if frame.empty:
+        print(f"no runs yet in {settings.tracking_uri()}")
+        return
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        print(frame.round(2).to_string(index=False))
+    print(f"\nbrowse: {tracker.run_link(frame.iloc[0]['run_id'])}")
+
+
+def main() -> None:
+    try:
+        app()
+    except K3pipeError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

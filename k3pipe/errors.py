@@ -1,0 +1,65 @@
+"""The one error tree of k3pipe.
+
+Every error says what failed, with its context (file, field, URL, engine, log tail), and what to do
+next. Library code raises these, always ``from`` the underlying exception.
+
+    K3pipeError
+    ├── SpecError             an experiment file or field is invalid
+    ├── ModelSourceError      weights could not be fetched or verified
+    ├── LaunchError           the engine could not be started or died before it was healthy
+    ├── HealthError           the endpoint does not answer correctly
+    │   ├── EndpointAuthError       401/403: key, base URL path or one of the three settings
+    │   └── ModelNotServedError     the model id is not listed by /v1/models
+    ├── BenchmarkError        a workload could not run at all (single requests fail as records)
+    └── TrackingError         MLflow could not record the run
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BenchmarkError",
+    "EndpointAuthError",
+    "HealthError",
+    "K3pipeError",
+    "LaunchError",
+    "ModelNotServedError",
+    "ModelSourceError",
+    "SpecError",
+    "TrackingError",
+]
+
+
+class K3pipeError(Exception):
+    """Base class of every error k3pipe raises on purpose."""
+
+
+class SpecError(K3pipeError):
+    """An experiment spec is invalid: the message names the file, field path, value and choices."""
+
+
+class ModelSourceError(K3pipeError):
+    """Model weights could not be downloaded, found or verified."""
+
+
+class LaunchError(K3pipeError):
+    """The engine did not start, or exited before it became healthy (the message holds the log tail)."""
+
+
+class HealthError(K3pipeError):
+    """The endpoint is unreachable or answers wrongly."""
+
+
+class EndpointAuthError(HealthError):
+    """The endpoint refused the key (401/403)."""
+
+
+class ModelNotServedError(HealthError):
+    """The model id is not among the ids the endpoint lists."""
+
+
+class BenchmarkError(K3pipeError):
+    """A workload could not run at all."""
+
+
+class TrackingError(K3pipeError):
+    """The run could not be recorded."""

@@ -1,0 +1,196 @@
+"""The health gate: wait until the engine answers, fail fast when it dies, then prove the endpoint
+with the three settings (base URL, key, model id) and one streamed chat completion."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from k3pipe.errors import EndpointAuthError, HealthError, LaunchError, ModelNotServedError
+from k3pipe.launchers.base import Launcher
+
+__all__ = ["EndpointCheck", "check_endpoint", "server_root", "wait_until_healthy"]
+
+_AUTH_HINT = (
+    "check, in this order: the key (endpoint.api_key_env names an environment variable; is it set "
+    "and right?), the base URL's path (a gateway usually needs '/v1' or '/api/v1'), and that all "
+    "three settings (base URL, key, model id) are set"
+)
+
+
+class EndpointCheck(BaseModel):
+    """What the health gate proved about an endpoint."""
+
+    model_config = ConfigDict(frozen=True)
+
+    base_url: str = Field(description="The base URL that was checked.")
+    model: str = Field(description="The model id that answered.")
+    served_models: list[str] = Field(description="Ids listed by /v1/models.")
+    first_delta_s: float = Field(description="Time to the first delta of the probe request.")
+    reply_kinds: list[str] = Field(description="Delta fields seen: content, reasoning, ...")
+
+
+def server_root(base_url: str) -> str:
+    """'http://h:p/v1' -> 'http://h:p' (where /health and /version live)."""
+    parts = urlsplit(base_url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def wait_until_healthy(
+    url: str,
+    launcher: Launcher,
+    timeout_s: float,
+    poll_s: float = 1.0,
+    on_wait: Callable[[float], None] | None = None,
+) -> float:
+    """Poll ``url`` until it answers 200; return the seconds waited.
+
+    Fails fast with the log tail when the engine exits first, and with the tail on timeout.
+    """
+    t0 = time.perf_counter()
+    last_report = t0
+    last_error = "no answer yet"
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while True:
+            if not launcher.alive():
+                raise LaunchError(
+                    f"the engine exited with code {launcher.exit_code()} before {url} answered; "
+                    f"last log lines ({launcher.log_path}):\n{launcher.log_tail()}"
+                )
+            try:
+                resp = client.get(url)
+                if resp.status_code == 200:
+                    return time.perf_counter() - t0
+                last_error = f"HTTP {resp.status_code}"
+            except httpx.TransportError as exc:
+                last_error = type(exc).__name__
+            now = time.perf_counter()
+            if now - t0 > timeout_s:
+                raise LaunchError(
+                    f"the engine did not become healthy at {url} within {timeout_s:.0f} s "
+                    f"(last: {last_error}); raise launcher.startup_timeout_s if a cold start takes "
+                    f"longer; last log lines ({launcher.log_path}):\n{launcher.log_tail()}"
+                )
+            if on_wait and now - last_report >= 10:
+                on_wait(now - t0)
+                last_report = now
+            time.sleep(poll_s)
+
+
+def _headers(api_key: SecretStr | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+
+
+def _raise_for_status(resp: httpx.Response, what: str, base_url: str) -> None:
+    if resp.status_code in (401, 403):
+        raise EndpointAuthError(f"{what} at {base_url} answered {resp.status_code}: {_AUTH_HINT}")
+    if resp.status_code == 404:
+        raise HealthError(
+            f"{what} at {base_url} answered 404: the base URL's path is probably wrong "
+            "(it must end where '/models' and '/chat/completions' live, e.g. '/v1' or '/api/v1')"
+        )
+    if resp.status_code >= 400:
+        raise HealthError(f"{what} at {base_url} answered {resp.status_code}: {resp.text[:300]}")
+
+
+def check_endpoint(
+    base_url: str,
+    model: str,
+    api_key: SecretStr | None,
+    timeout_s: float = 60.0,
+    client: httpx.Client | None = None,
+) -> EndpointCheck:
+    """Prove the endpoint: the model is listed, and one streamed chat completion yields a delta."""
+    own = client is None
+    http = client or httpx.Client(timeout=timeout_s, trust_env=False)
+    try:
+        try:
+            resp = http.get(f"{base_url}/models", headers=_headers(api_key))
+        except httpx.ConnectError as exc:
+            raise HealthError(
+                f"nothing answers at {base_url} ({exc}); is the engine running and the base URL's "
+                "host and port right?"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise HealthError(f"could not reach {base_url}/models: {exc!r}") from exc
+        _raise_for_status(resp, "GET /models", base_url)
+        try:
+            ids = [str(m["id"]) for m in resp.json().get("data", [])]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HealthError(
+                f"GET {base_url}/models did not return an OpenAI model list: {resp.text[:300]}"
+            ) from exc
+        if model not in ids:
+            raise ModelNotServedError(
+                f"model id {model!r} is not served at {base_url}; it lists: "
+                f"{', '.join(repr(i) for i in ids) or 'no models'} (the id must match exactly; "
+                "set endpoint.model or model.served_name)"
+            )
+        return _probe(http, base_url, model, api_key, ids)
+    finally:
+        if own:
+            http.close()
+
+
+def _probe(
+    http: httpx.Client, base_url: str, model: str, api_key: SecretStr | None, ids: list[str]
+) -> EndpointCheck:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    kinds: list[str] = []
+    saw_choices = False
+    first: float | None = None
+    t0 = time.perf_counter()
+    try:
+        with http.stream(
+            "POST", f"{base_url}/chat/completions", json=body, headers=_headers(api_key)
+        ) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for_status(resp, "POST /chat/completions", base_url)
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except ValueError as exc:
+                    raise HealthError(f"the stream sent a line that is not JSON: {data[:200]}") from exc
+                if "error" in chunk:
+                    raise HealthError(f"the stream reported an error: {json.dumps(chunk['error'])[:300]}")
+                for choice in chunk.get("choices") or []:
+                    saw_choices = True
+                    delta = choice.get("delta") or {}
+                    for key in ("content", "reasoning", "reasoning_content", "tool_calls"):
+                        if delta.get(key):
+                            if first is None:
+                                first = time.perf_counter() - t0
+                            if key not in kinds:
+                                kinds.append(key)
+    except httpx.TransportError as exc:
+        raise HealthError(f"the probe request to {base_url}/chat/completions failed: {exc!r}") from exc
+    if not saw_choices:
+        raise HealthError(
+            f"the stream from {base_url}/chat/completions carried no choices ('Error reading "
+            "choices'): the stream was cut or the server is not OpenAI-compatible"
+        )
+    if first is None:
+        raise HealthError(
+            f"the stream from {base_url}/chat/completions carried choices but no content, reasoning "
+            "or tool-call delta"
+        )
+    return EndpointCheck(
+        base_url=base_url, model=model, served_models=ids, first_delta_s=first, reply_kinds=kinds
+    )

@@ -1,0 +1,118 @@
+"""Run the engine as a local process in its own process group, its output streamed to a log file."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+
+from k3pipe.errors import LaunchError
+from k3pipe.launchers.base import tail_file
+
+__all__ = ["ProcessLauncher"]
+
+# Launchers still running at interpreter exit are stopped, so an interrupted run leaves no engine
+# behind even when the caller's own cleanup never ran.
+_LIVE: weakref.WeakSet[ProcessLauncher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for launcher in list(_LIVE):
+        launcher.stop()
+
+
+class ProcessLauncher:
+    """An engine process started with ``start_new_session`` so that its whole group can be ended."""
+
+    kind = "process"
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        stop_timeout_s: float = 30.0,
+        cwd: Path | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.log_path: Path | None = log_path
+        self.stop_timeout_s = stop_timeout_s
+        self.cwd = cwd
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        if self._proc is not None:
+            raise LaunchError(f"engine already started (pid {self._proc.pid})")
+        assert self.log_path is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self._proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise LaunchError(
+                f"could not start the engine {self.argv[0]!r}: {exc}; check engine.executable "
+                "(run 'make engine' to build the engine's venv)"
+            ) from exc
+        finally:
+            log.close()
+        self.started_at = time.perf_counter()
+        _LIVE.add(self)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail_file(self.log_path, lines)
+
+    def _group_alive(self, pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        pgid = proc.pid  # the leader of a new session: its pid is the group id
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, else its zombie keeps the group "alive"
+            if not self._group_alive(pgid):
+                break
+            time.sleep(0.1)
+        if self._group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        _LIVE.discard(self)

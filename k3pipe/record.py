@@ -1,0 +1,143 @@
+"""What a benchmark run records in MLflow: one run per engine launch, one nested run per workload."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench import WorkloadResult, WorkloadSummary, records_frame
+from k3pipe.health import EndpointCheck
+from k3pipe.plan import ArmPlan
+from k3pipe.provenance import git_commit
+from k3pipe.sources import ModelRecord
+from k3pipe.specs import ExperimentSpec, WorkloadSpec
+from k3pipe.tracking import Tracker
+
+__all__ = ["ArmRecorder", "KEY_METRICS"]
+
+KEY_METRICS = ("ttft_ms_p50", "tpot_ms_p50", "e2e_ms_p50", "output_throughput_tps", "failed")
+
+
+def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    return {f"{prefix}.{k}": v for k, v in data.items()}
+
+
+class ArmRecorder:
+    """Writes one arm's run; every method is safe to call after a failure."""
+
+    def __init__(self, tracker: Tracker, plan: ArmPlan, tags: Mapping[str, str] | None = None) -> None:
+        self.tracker = tracker
+        self.plan = plan
+        self.run_id = tracker.start_run(
+            f"{plan.experiment}/{plan.arm}",
+            tags={
+                "k3pipe.experiment": plan.experiment,
+                "k3pipe.arm": plan.arm,
+                "k3pipe.engine": plan.engine,
+                "k3pipe.launcher": plan.launcher,
+                **(tags or {}),
+            },
+        )
+        self.workload_runs: dict[str, str] = {}
+
+    def log_plan(self, exp: ExperimentSpec, experiment_file: str, models: Mapping[str, ModelRecord]) -> None:
+        plan = self.plan
+        cmd = plan.command
+        params: dict[str, Any] = {
+            "experiment": plan.experiment,
+            "experiment_file": experiment_file,
+            "arm": plan.arm,
+            "engine": plan.engine,
+            "engine_version_declared": plan.engine_version,
+            "launcher": plan.launcher,
+            "image": plan.image,
+            "command": cmd.shell(),
+            "base_url": plan.base_url,
+            "model_id": plan.model,
+            "api_key_env": plan.api_key_env,
+            "k3pipe_commit": git_commit(),
+            **_flat("env", cmd.redacted_env()),
+            **_flat("arg", exp.arm(plan.arm).engine.args),
+        }
+        for name, rec in models.items():
+            params.update(
+                {
+                    f"{name}.source": rec.source,
+                    f"{name}.id": rec.model_id,
+                    f"{name}.revision": rec.requested_revision,
+                    f"{name}.resolved_revision": rec.resolved_revision,
+                    f"{name}.digest": rec.digest(),
+                    f"{name}.path": rec.path,
+                    f"{name}.files": len(rec.files),
+                    f"{name}.bytes": rec.total_bytes,
+                }
+            )
+            self.tracker.log_dict(self.run_id, rec.model_dump(), f"provenance/{name}.json")
+        self.tracker.log_params(self.run_id, {k: v for k, v in params.items() if v is not None})
+        self.tracker.log_dict(self.run_id, exp.model_dump(mode="json"), "experiment.json")
+        self.tracker.log_text(
+            self.run_id,
+            "\n".join(
+                [
+                    "# environment set for the engine (secrets redacted)",
+                    *(f"{k}={v}" for k, v in cmd.redacted_env().items()),
+                    "# command",
+                    cmd.shell(),
+                    "",
+                ]
+            ),
+            "command.txt",
+        )
+
+    def log_engine(self, cold_start_s: float | None, version: str | None, check: EndpointCheck | None) -> None:
+        if cold_start_s is not None:
+            self.tracker.log_metrics(self.run_id, {"cold_start_s": cold_start_s})
+        if version:
+            self.tracker.log_params(self.run_id, {"engine_version": version})
+        if check is not None:
+            self.tracker.log_dict(self.run_id, check.model_dump(), "endpoint_check.json")
+            self.tracker.log_metrics(self.run_id, {"probe_first_delta_s": check.first_delta_s})
+
+    def log_workload(self, workload: WorkloadSpec, result: WorkloadResult, summary: WorkloadSummary) -> str:
+        run_id = self.tracker.start_run(
+            f"{self.plan.arm}/{workload.name}",
+            tags={
+                "k3pipe.experiment": self.plan.experiment,
+                "k3pipe.arm": self.plan.arm,
+                "k3pipe.workload": workload.name,
+            },
+            parent_id=self.run_id,
+        )
+        self.workload_runs[workload.name] = run_id
+        try:
+            self.tracker.log_params(run_id, _flat("workload", workload.model_dump()))
+            metrics = summary.metrics()
+            self.tracker.log_metrics(run_id, metrics)
+            self.tracker.log_frame(run_id, records_frame(result), "requests.parquet")
+            self.tracker.log_dict(run_id, summary.model_dump(mode="json"), "summary.json")
+            self.tracker.log_metrics(
+                self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}
+            )
+            failed = bool(metrics.get("failed"))
+            self.tracker.end_run(run_id, "FAILED" if failed and not metrics.get("completed") else "FINISHED")
+        except BaseException:
+            self.tracker.end_run(run_id, "FAILED")
+            raise
+        return run_id
+
+    def finish(self, status: str, error: BaseException | None = None, log_path: Path | None = None) -> None:
+        """Attach the engine log and the error (if any), then close the run with ``status``."""
+        try:
+            if log_path is not None:
+                self.tracker.log_file(self.run_id, log_path, "logs")
+            if error is not None:
+                self.tracker.set_tags(self.run_id, {"k3pipe.error": f"{type(error).__name__}: {error}"[:4000]})
+                self.tracker.log_text(
+                    self.run_id,
+                    "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+                    "error.txt",
+                )
+        finally:
+            self.tracker.end_run(self.run_id, status)

@@ -1,0 +1,63 @@
+"""Settings from the environment (prefix ``K3PIPE_``). The only module that reads ``os.environ``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "prepare_prefect_env", "read_secret"]
+
+
+class Settings(BaseSettings):
+    """Where k3pipe keeps its state and how it reaches its services."""
+
+    model_config = SettingsConfigDict(env_prefix="K3PIPE_", extra="ignore")
+
+    home: Path = Field(
+        default=Path(".k3pipe"),
+        description="State directory: MLflow DB and artifacts, models, engine venvs, logs.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI; MLFLOW_TRACKING_URI wins; default SQLite in the home dir.",
+    )
+    mlflow_experiment: str = Field(default="k3pipe", description="MLflow experiment name.")
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    def tracking_uri(self) -> str:
+        """MLFLOW_TRACKING_URI if set, else K3PIPE_MLFLOW_TRACKING_URI, else SQLite under home."""
+        env = os.environ.get("MLFLOW_TRACKING_URI")
+        if env:
+            return env
+        if self.mlflow_tracking_uri:
+            return self.mlflow_tracking_uri
+        return f"sqlite:///{self.home_dir / 'mlflow' / 'mlflow.db'}"
+
+    def artifact_root(self) -> Path:
+        return self.home_dir / "mlflow" / "artifacts"
+
+    def process_env(self) -> dict[str, str]:
+        """The environment an engine process inherits (the spec's env is laid over it)."""
+        return dict(os.environ)
+
+
+def read_secret(env_name: str | None) -> SecretStr | None:
+    """The value of the environment variable a spec names for a key (None when unnamed or unset)."""
+    if not env_name:
+        return None
+    value = os.environ.get(env_name)
+    return SecretStr(value) if value else None
+
+
+
+def prepare_prefect_env(settings: Settings) -> None:
+    """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect)."""
+    os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")

@@ -1,0 +1,330 @@
+"""Experiment specs: YAML files loaded into frozen pydantic models.
+
+An experiment is one model (plus optional extra models such as a speculative draft), one or more
+engine arms (engine + launcher + endpoint) and the workloads each arm runs. Specs hold the NAME of
+the environment variable that carries an API key, never the key itself.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from k3pipe.errors import SpecError
+
+__all__ = [
+    "ArmSpec",
+    "EndpointSpec",
+    "EngineSpec",
+    "ExperimentSpec",
+    "LauncherSpec",
+    "LocalModel",
+    "ModelScopeModel",
+    "ModelSpec",
+    "WorkloadSpec",
+    "expand_home",
+    "load_experiment",
+    "parse_experiment",
+]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelScopeModel(_Spec):
+    """Weights downloaded from ModelScope with ``snapshot_download``."""
+
+    source: Literal["modelscope"] = Field(description="Download from the ModelScope hub.")
+    id: str = Field(description="ModelScope model id, 'owner/name', e.g. 'moonshotai/Kimi-K3'.")
+    revision: str = Field(default="master", description="Branch, tag or commit to download.")
+    allow_patterns: list[str] | None = Field(
+        default=None, description="Only download files matching these glob patterns."
+    )
+    served_name: str | None = Field(
+        default=None, description="Name the engine serves the model under (--served-model-name)."
+    )
+
+    @field_validator("id")
+    @classmethod
+    def _owner_name(cls, value: str) -> str:
+        if value.count("/") != 1 or value.startswith("/") or value.endswith("/"):
+            raise ValueError(f"model id {value!r} must look like 'owner/name'")
+        return value
+
+
+class LocalModel(_Spec):
+    """Weights already on disk (or made locally, like the tiny demo model)."""
+
+    source: Literal["local"] = Field(description="Use a directory on this machine.")
+    path: str = Field(description="Model directory; '{home}' expands to K3PIPE_HOME.")
+    served_name: str | None = Field(
+        default=None, description="Name the engine serves the model under (--served-model-name)."
+    )
+
+
+ModelSpec = Annotated[ModelScopeModel | LocalModel, Field(discriminator="source")]
+
+
+class EngineSpec(_Spec):
+    """Which engine runs and how: its kind, binary or image, environment and arguments."""
+
+    kind: str = Field(description="Engine kind, one of the registered engine modules (vllm, sglang).")
+    version: str | None = Field(default=None, description="Engine version, recorded with the run.")
+    image: str | None = Field(default=None, description="Container image (docker launcher).")
+    executable: list[str] | None = Field(
+        default=None,
+        description="Command prefix that starts the engine (process launcher); '{home}' expands.",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment for the engine.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Engine arguments: keys with '_' or '-', booleans as bare flags (false omits), "
+            "dicts as JSON, lists as repeated values; '{model}' and '{models.NAME}' expand to model dirs."
+        ),
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        from k3pipe.engines import engine_kinds
+
+        kinds = engine_kinds()
+        if value not in kinds:
+            raise ValueError(f"unknown engine kind {value!r}; expected one of {', '.join(kinds)}")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"environment variable name {key!r} is not valid")
+        return value
+
+
+class LauncherSpec(_Spec):
+    """Where the engine runs."""
+
+    kind: Literal["process", "docker", "external"] = Field(
+        default="process",
+        description="process: a local process group; docker: a container; external: already running.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address the engine binds to.")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="Port the engine listens on (default: the engine's)."
+    )
+    startup_timeout_s: float = Field(
+        default=900.0, gt=0, description="Longest wait for the engine to become healthy."
+    )
+    stop_timeout_s: float = Field(
+        default=30.0, gt=0, description="Grace period after SIGTERM before SIGKILL of the group."
+    )
+
+
+class EndpointSpec(_Spec):
+    """The three settings of an OpenAI-compatible endpoint: base URL, key and model id."""
+
+    base_url: str | None = Field(
+        default=None,
+        description="Base URL including its path, e.g. 'http://127.0.0.1:8000/v1' (default from launcher).",
+    )
+    api_key_env: str | None = Field(
+        default=None, description="NAME of the environment variable that holds the API key."
+    )
+    model: str | None = Field(
+        default=None, description="Model id sent in requests (default: the served name)."
+    )
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not an environment variable name: put the key in an environment "
+                "variable and name it here"
+            )
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"base URL {value!r} must start with http:// or https://")
+        return value.rstrip("/") if value else value
+
+
+class ArmSpec(_Spec):
+    """One engine configuration under test."""
+
+    name: str = Field(description="Arm name, unique within the experiment.")
+    engine: EngineSpec = Field(description="The engine and its arguments.")
+    launcher: LauncherSpec = Field(default_factory=LauncherSpec, description="Where the engine runs.")
+    endpoint: EndpointSpec = Field(default_factory=EndpointSpec, description="How clients reach it.")
+
+    @model_validator(mode="after")
+    def _external_needs_url(self) -> ArmSpec:
+        if self.launcher.kind == "external" and not self.endpoint.base_url:
+            raise ValueError("launcher.kind 'external' needs endpoint.base_url (the running endpoint)")
+        if self.launcher.kind == "process" and not self.engine.executable:
+            raise ValueError("launcher.kind 'process' needs engine.executable (the command that starts it)")
+        if self.launcher.kind == "docker" and not self.engine.image:
+            raise ValueError("launcher.kind 'docker' needs engine.image")
+        return self
+
+
+class WorkloadSpec(_Spec):
+    """One load shape: fixed concurrency over a fixed number of random prompts."""
+
+    name: str = Field(description="Workload name, unique within the experiment.")
+    input_tokens: int = Field(gt=0, description="Prompt length in tokens (the model's tokenizer).")
+    output_tokens: int = Field(gt=0, description="Tokens to generate (max_tokens, with ignore_eos).")
+    concurrency: int = Field(default=1, ge=1, description="Requests in flight at once.")
+    num_requests: int = Field(default=16, ge=1, description="Measured requests.")
+    warmup_requests: int = Field(default=0, ge=0, description="Requests sent first and not measured.")
+    seed: int = Field(default=0, description="Seed of the random prompts.")
+    api: Literal["chat", "completions"] = Field(
+        default="chat", description="chat: /chat/completions; completions: /completions."
+    )
+    ignore_eos: bool = Field(
+        default=True, description="Send ignore_eos so every request generates exactly output_tokens."
+    )
+    request_timeout_s: float = Field(default=600.0, gt=0, description="Per-request timeout.")
+
+
+class ExperimentSpec(_Spec):
+    """A whole study: model, engine arms and workloads."""
+
+    name: str = Field(description="Experiment name (the MLflow experiment's runs are tagged with it).")
+    description: str = Field(default="", description="What this experiment is for.")
+    model: ModelSpec = Field(description="The model under test.")
+    extra_models: dict[str, ModelSpec] = Field(
+        default_factory=dict,
+        description="Further models (e.g. a speculative draft), referenced in args as '{models.NAME}'.",
+    )
+    arms: list[ArmSpec] = Field(min_length=1, description="Engine configurations to run.")
+    workloads: list[WorkloadSpec] = Field(min_length=1, description="Workloads each arm runs.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ExperimentSpec:
+        for label, names in (
+            ("arms", [a.name for a in self.arms]),
+            ("workloads", [w.name for w in self.workloads]),
+        ):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"{label} names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def arm(self, name: str) -> ArmSpec:
+        for arm in self.arms:
+            if arm.name == name:
+                return arm
+        raise SpecError(
+            f"experiment {self.name!r} has no arm {name!r}; arms: {', '.join(a.name for a in self.arms)}"
+        )
+
+
+def expand_home(value: str, home: Path) -> str:
+    """Replace '{home}' with the state directory."""
+    return value.replace("{home}", str(home))
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("modelscope", "local") and out.endswith(("model", "]")):
+            # discriminated-union tag pydantic puts in the location: not a field of the file
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
+    """Field names allowed at the parent of ``loc`` (for 'extra field' errors)."""
+    model: Any = ExperimentSpec
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if part == "modelscope":
+            model = ModelScopeModel
+            continue
+        if part == "local":
+            model = LocalModel
+            continue
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return None
+        ann = fields[part].annotation
+        inner = _model_in(ann)
+        if inner is None:
+            return None
+        model = inner
+    fields = getattr(model, "model_fields", None)
+    return sorted(fields) if fields else None
+
+
+def _model_in(ann: Any) -> Any:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in getattr(ann, "__args__", ()) or ():
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _format_errors(source: str, exc: ValidationError) -> str:
+    lines = [f"{source}: invalid experiment ({exc.error_count()} problem(s))"]
+    for err in exc.errors():
+        loc = _loc(tuple(err["loc"]))
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            allowed = _fields_at(tuple(err["loc"]))
+            hint = f"; allowed fields: {', '.join(allowed)}" if allowed else ""
+            lines.append(f"  {loc}: unknown field{hint}")
+            continue
+        if err["type"] == "missing":
+            lines.append(f"  {loc}: required field is missing")
+            continue
+        if err["type"] == "union_tag_invalid":
+            lines.append(f"  {loc}: {err['msg']}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+        lines.append(f"  {loc}: {msg} (got {shown})")
+    return "\n".join(lines)
+
+
+def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
+    """Validate already-parsed YAML/JSON data; errors name ``source``, field path, value and choices."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: an experiment must be a mapping, got {type(data).__name__}")
+    try:
+        return ExperimentSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_errors(source, exc)) from exc
+
+
+def load_experiment(path: str | Path) -> ExperimentSpec:
+    """Load an experiment YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError as exc:
+        raise SpecError(f"{p}: experiment file not found") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML: {exc}") from exc
+    return parse_experiment(data, str(p))

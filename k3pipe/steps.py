@@ -1,0 +1,111 @@
+"""The steps of a benchmark, as plain functions: each is what one Prefect task calls.
+
+    launch_engine -> wait_ready -> engine_version -> health gate -> benchmark_workload (xN) -> stop
+
+Nothing here imports Prefect; progress goes to an optional callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from pydantic import SecretStr
+
+from k3pipe.bench import (
+    WorkloadResult,
+    WorkloadSummary,
+    load_tokenizer,
+    random_prompts,
+    run_workload,
+    summarize,
+)
+from k3pipe.engines import get_engine
+from k3pipe.errors import SpecError
+from k3pipe.health import wait_until_healthy
+from k3pipe.launchers import ExternalLauncher, Launcher, ProcessLauncher
+from k3pipe.plan import ArmPlan
+from k3pipe.settings import Settings
+from k3pipe.specs import WorkloadSpec
+
+__all__ = ["benchmark_workload", "engine_version", "launch_engine", "wait_ready"]
+
+Progress = Callable[[str], None]
+
+
+def launch_engine(plan: ArmPlan, log_path: Path, settings: Settings, api_key: SecretStr | None) -> Launcher:
+    """Start the engine of ``plan`` (returns once started; see :func:`wait_ready`)."""
+    launcher: Launcher
+    if plan.launcher == "external":
+        launcher = ExternalLauncher()
+    elif plan.launcher == "process":
+        env = settings.process_env()
+        env.update(plan.command.env)
+        key_var = get_engine(plan.engine).api_key_env_var
+        if api_key is not None and key_var:
+            env[key_var] = api_key.get_secret_value()
+        launcher = ProcessLauncher(plan.command.argv, env, log_path, stop_timeout_s=plan.stop_timeout_s)
+    else:
+        raise SpecError(
+            f"arm {plan.arm!r}: launcher.kind {plan.launcher!r} is not available in this k3pipe version; "
+            "use 'process' (a local engine) or 'external' (an endpoint that is already up)"
+        )
+    launcher.start()
+    return launcher
+
+
+def wait_ready(plan: ArmPlan, launcher: Launcher, progress: Progress | None = None) -> float:
+    """Wait until the engine answers its health URL; returns the seconds waited (0 for external)."""
+    if plan.health_url is None:
+        return 0.0
+
+    def waiting(elapsed: float) -> None:
+        if progress:
+            progress(f"waiting for {plan.engine} at {plan.health_url}: {elapsed:.0f} s")
+
+    return wait_until_healthy(plan.health_url, launcher, plan.startup_timeout_s, on_wait=waiting)
+
+
+def engine_version(plan: ArmPlan) -> str | None:
+    """The version the running engine reports, if it has a version endpoint."""
+    if not plan.version_url:
+        return plan.engine_version
+    try:
+        resp = httpx.get(plan.version_url, timeout=10.0, trust_env=False)
+        if resp.status_code == 200:
+            return get_engine(plan.engine).version_from(resp.json()) or plan.engine_version
+    except (httpx.HTTPError, ValueError):
+        pass
+    return plan.engine_version
+
+
+def benchmark_workload(
+    plan: ArmPlan,
+    workload: WorkloadSpec,
+    model_dir: Path,
+    api_key: SecretStr | None,
+    progress: Progress | None = None,
+) -> tuple[WorkloadResult, WorkloadSummary]:
+    """Build the workload's exact-length prompts with the model's tokenizer and run it."""
+    tokenizer = load_tokenizer(model_dir)
+    prompts = random_prompts(
+        tokenizer, workload.warmup_requests + workload.num_requests, workload.input_tokens, workload.seed
+    )
+    step = max(1, workload.num_requests // 4)
+
+    def on_progress(done: int, total: int) -> None:
+        if progress and (done % step == 0 or done == total):
+            progress(f"{workload.name}: {done}/{total} requests done")
+
+    async def go() -> WorkloadResult:
+        limits = httpx.Limits(max_connections=workload.concurrency + 4)
+        timeout = httpx.Timeout(workload.request_timeout_s, connect=30.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+            return await run_workload(
+                client, plan.base_url, plan.model, api_key, workload, prompts, on_progress=on_progress
+            )
+
+    result = asyncio.run(go())
+    return result, summarize(result)

@@ -1,0 +1,172 @@
+"""The MLflow adapter: runs, params, metrics, tags, artifacts, and the recent-runs view.
+
+Uses ``MlflowClient`` with explicit run ids (no fluent active-run state), so steps running in other
+threads, as Prefect tasks do, log to the right run. Every string that reaches MLflow passes through
+``scrub``, which replaces the values of secrets registered with the tracker.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+from k3pipe.errors import TrackingError
+
+__all__ = ["Tracker", "metric_name"]
+
+_PARAM_MAX = 6000
+_BAD_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def metric_name(name: str) -> str:
+    """MLflow names may not hold ':' (Prometheus names do): 'vllm:x' -> 'vllm_x'."""
+    return _BAD_NAME.sub("_", name)
+
+
+class Tracker:
+    """Records runs in MLflow (SQLite in K3PIPE_HOME by default, any tracking URI otherwise)."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        artifact_root: Path | None = None,
+        secrets: Iterable[str] = (),
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        if tracking_uri.startswith("sqlite:///"):
+            Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self._secrets = [s for s in secrets if s]
+        try:
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = artifact_root.resolve().as_uri() if artifact_root else None
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                self.experiment_id = found.experiment_id
+        except MlflowException as exc:
+            raise TrackingError(f"MLflow at {tracking_uri} refused experiment {experiment!r}: {exc}") from exc
+
+    def add_secret(self, value: str | None) -> None:
+        """Register a secret value that must never be written."""
+        if value:
+            self._secrets.append(value)
+
+    def scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def start_run(self, name: str, tags: Mapping[str, str] | None = None, parent_id: str | None = None) -> str:
+        all_tags = {k: self.scrub(str(v)) for k, v in (tags or {}).items()}
+        if parent_id:
+            all_tags["mlflow.parentRunId"] = parent_id
+        try:
+            run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        except MlflowException as exc:
+            raise TrackingError(f"could not create MLflow run {name!r}: {exc}") from exc
+        return str(run.info.run_id)
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        """Log params; a value too long for a param goes to params/NAME.txt and the param points there."""
+        batch: list[Param] = []
+        for key, value in params.items():
+            text = self.scrub(value if isinstance(value, str) else json.dumps(value, default=str))
+            if len(text) > _PARAM_MAX:
+                self.log_text(run_id, text, f"params/{key}.txt")
+                text = f"(long value: artifact params/{key}.txt)"
+            batch.append(Param(metric_name(key), text))
+        for i in range(0, len(batch), 100):
+            self.client.log_batch(run_id, params=batch[i : i + 100])
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float | int | None], step: int = 0) -> None:
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(metric_name(k), float(v), now, step)
+            for k, v in metrics.items()
+            if v is not None and v == v  # drop None and NaN
+        ]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(run_id, metrics=batch[i : i + 500])
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        batch = [RunTag(k, self.scrub(str(v))) for k, v in tags.items() if v is not None]
+        if batch:
+            self.client.log_batch(run_id, tags=batch)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, self.scrub(text), artifact_file)
+
+    def log_dict(self, run_id: str, data: Any, artifact_file: str) -> None:
+        self.log_text(run_id, json.dumps(data, indent=2, default=str), artifact_file)
+
+    def log_file(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        """Log a text file (an engine log), scrubbed of secrets on the way."""
+        if not path.exists():
+            return
+        name = f"{artifact_path}/{path.name}" if artifact_path else path.name
+        self.log_text(run_id, path.read_text(errors="replace"), name)
+
+    def log_frame(self, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
+        """Log a table as parquet."""
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / Path(artifact_file).name
+            frame.to_parquet(local, index=False)
+            parent = str(Path(artifact_file).parent)
+            self.client.log_artifact(run_id, str(local), None if parent == "." else parent)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """status: FINISHED, FAILED or KILLED."""
+        self.client.set_terminated(run_id, status=status)
+
+    def run_link(self, run_id: str) -> str:
+        """A URL to the run when the tracking server is HTTP, else how to open it."""
+        if self.tracking_uri.startswith(("http://", "https://")):
+            base = self.tracking_uri.rstrip("/")
+            return f"{base}/#/experiments/{self.experiment_id}/runs/{run_id}"
+        return f"mlflow ui --backend-store-uri {self.tracking_uri}  (then open run {run_id})"
+
+    def recent_runs(self, limit: int = 20, parents_only: bool = True) -> pd.DataFrame:
+        """Recent runs with their status and key metrics, newest first."""
+        runs = self.client.search_runs(
+            [self.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit * 5
+        )
+        rows = []
+        for run in runs:
+            parent = run.data.tags.get("mlflow.parentRunId")
+            if parents_only and parent:
+                continue
+            rows.append(
+                {
+                    "run_id": run.info.run_id,
+                    "name": run.info.run_name,
+                    "status": run.info.status,
+                    "start": pd.Timestamp(run.info.start_time, unit="ms"),
+                    **{k: v for k, v in run.data.metrics.items() if _is_key_metric(k)},
+                }
+            )
+            if len(rows) >= limit:
+                break
+        return pd.DataFrame(rows)
+
+    def children(self, run_id: str) -> list[Any]:
+        return list(
+            self.client.search_runs(
+                [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"
+            )
+        )
+
+
+def _is_key_metric(name: str) -> bool:
+    return name.endswith(("_p50", "_tps", "_rps", "_s")) or name in ("cold_start_s", "failed")

@@ -1,0 +1,95 @@
+"""Prefect tasks over k3pipe's steps. Retries only where repeating is safe (the model download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from k3pipe import steps
+from k3pipe.bench import WorkloadResult, WorkloadSummary
+from k3pipe.health import EndpointCheck, check_endpoint
+from k3pipe.launchers import Launcher
+from k3pipe.plan import ArmPlan, plan_arm
+from k3pipe.settings import Settings, read_secret
+from k3pipe.sources import ModelRecord, fetch_model
+from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec, load_experiment
+
+
+@task(name="load-experiment", cache_policy=NO_CACHE)
+def load_experiment_task(path: str) -> ExperimentSpec:
+    spec = load_experiment(path)
+    get_run_logger().info("experiment %s: %d arm(s), %d workload(s)", spec.name, len(spec.arms), len(spec.workloads))
+    return spec
+
+
+@task(name="fetch-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
+def fetch_model_task(name: str, spec: ModelScopeModel | LocalModel, home: Path) -> ModelRecord:
+    logger = get_run_logger()
+    record = fetch_model(spec, home, progress=lambda msg: logger.info("%s: %s", name, msg))
+    logger.info(
+        "%s: %d files, %.1f MB at %s (digest %s)",
+        name, len(record.files), record.total_bytes / 1e6, record.path, record.digest()[:12],
+    )
+    return record
+
+
+@task(name="plan-arm", cache_policy=NO_CACHE)
+def plan_arm_task(spec: ExperimentSpec, arm: str, home: Path, model_dirs: dict[str, str]) -> ArmPlan:
+    plan = plan_arm(spec, spec.arm(arm), home, model_dirs)
+    get_run_logger().info("arm %s command: %s", arm, plan.command.shell())
+    return plan
+
+
+@task(name="start-engine", cache_policy=NO_CACHE)
+def start_engine_task(plan: ArmPlan, log_path: Path, settings: Settings) -> Launcher:
+    launcher = steps.launch_engine(plan, log_path, settings, read_secret(plan.api_key_env))
+    pid = getattr(launcher, "pid", None)
+    get_run_logger().info("engine %s started (launcher %s, pid %s, log %s)", plan.engine, plan.launcher, pid, log_path)
+    return launcher
+
+
+@task(name="wait-ready", cache_policy=NO_CACHE)
+def wait_ready_task(plan: ArmPlan, launcher: Launcher) -> float:
+    logger = get_run_logger()
+    seconds = steps.wait_ready(plan, launcher, progress=logger.info)
+    logger.info("engine healthy after %.1f s (cold start)", seconds)
+    return seconds
+
+
+@task(name="health-gate", cache_policy=NO_CACHE)
+def health_gate_task(plan: ArmPlan) -> EndpointCheck:
+    check = check_endpoint(plan.base_url, plan.model, read_secret(plan.api_key_env))
+    get_run_logger().info(
+        "endpoint %s serves %s; probe first delta %.3f s (%s)",
+        plan.base_url, plan.model, check.first_delta_s, ", ".join(check.reply_kinds),
+    )
+    return check
+
+
+@task(name="engine-version", cache_policy=NO_CACHE)
+def engine_version_task(plan: ArmPlan) -> str | None:
+    return steps.engine_version(plan)
+
+
+@task(name="benchmark", cache_policy=NO_CACHE, task_run_name="benchmark-{workload.name}")
+def benchmark_task(
+    plan: ArmPlan, workload: WorkloadSpec, model_dir: Path
+) -> tuple[WorkloadResult, WorkloadSummary]:
+    logger = get_run_logger()
+    logger.info(
+        "%s: %d requests (+%d warm-up), %d in / %d out tokens, concurrency %d",
+        workload.name, workload.num_requests, workload.warmup_requests,
+        workload.input_tokens, workload.output_tokens, workload.concurrency,
+    )
+    result, summary = steps.benchmark_workload(
+        plan, workload, model_dir, read_secret(plan.api_key_env), progress=logger.info
+    )
+    m = summary.metrics()
+    logger.info(
+        "%s: ttft p50 %.1f ms, tpot p50 %.2f ms, output %.1f tok/s, %d failed",
+        workload.name, m.get("ttft_ms_p50") or float("nan"), m.get("tpot_ms_p50") or float("nan"),
+        m.get("output_throughput_tps") or 0.0, int(m.get("failed") or 0),
+    )
+    return result, summary
