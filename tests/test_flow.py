@@ -1,0 +1,198 @@
+"""The whole benchmark flow on the real vLLM, then what MLflow holds; and Ctrl-C during a benchmark."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from k3pipe.settings import Settings
+from k3pipe.tracking import Tracker
+from tests.conftest import REPO, demo_experiment, free_port, require_engine
+
+pytestmark = [pytest.mark.engine, pytest.mark.flow]
+
+WORKLOADS = [
+    {"name": "in64-out16", "input_tokens": 64, "output_tokens": 16, "concurrency": 2,
+     "num_requests": 6, "warmup_requests": 1, "seed": 3},
+    {"name": "in512-out16", "input_tokens": 512, "output_tokens": 16, "concurrency": 3,
+     "num_requests": 6, "warmup_requests": 1, "seed": 4},
+]
+
+
+def _processes_in_group(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _processes_with_port(port: int) -> list[int]:
+    needle = f"--port\0{port}\0".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def prefect_harness() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_flow_records_everything_in_mlflow(
+    prefect_harness: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    require_engine()
+    from flows.benchmark import benchmark
+
+    port = free_port()
+    key = "sk-" + secrets.token_hex(16)
+    monkeypatch.setenv("K3PIPE_DEMO_API_KEY", key)
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(demo_experiment(port, WORKLOADS)))
+
+    outcomes = benchmark(str(exp))
+
+    assert [o["status"] for o in outcomes] == ["FINISHED"]
+    assert _processes_with_port(port) == []
+
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    parent = tracker.client.get_run(outcomes[0]["mlflow_run_id"])
+    params, metrics = parent.data.params, parent.data.metrics
+    assert parent.info.status == "FINISHED"
+    assert params["engine"] == "vllm" and params["engine_version"] == "0.32.0"
+    assert f"--port {port}" in params["command"] and "--enforce-eager" in params["command"]
+    assert params["env.VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert re.fullmatch(r"[0-9a-f]{64}", params["model.digest"])
+    assert int(params["model.files"]) >= 5
+    assert params["k3pipe_commit"] != ""
+    assert params["api_key_env"] == "K3PIPE_DEMO_API_KEY"
+    assert 1 < metrics["cold_start_s"] < 900
+    parent_artifacts = {a.path for a in tracker.client.list_artifacts(parent.info.run_id)}
+    assert {"command.txt", "experiment.json", "endpoint_check.json", "logs", "provenance"} <= parent_artifacts
+    logs = [a.path for a in tracker.client.list_artifacts(parent.info.run_id, "logs")]
+    assert len(logs) == 1
+    log_text = Path(tracker.client.download_artifacts(parent.info.run_id, logs[0], str(tmp_path))).read_text()
+    assert "Starting vLLM" in log_text or "Application startup complete" in log_text
+
+    children = {c.data.tags["k3pipe.workload"]: c for c in tracker.children(parent.info.run_id)}
+    assert set(children) == {"in64-out16", "in512-out16"}
+    for spec in WORKLOADS:
+        child = children[spec["name"]]
+        m = child.data.metrics
+        assert child.info.status == "FINISHED"
+        assert m["completed"] == spec["num_requests"] and m["failed"] == 0
+        assert 0 < m["ttft_ms_p50"] < 20_000
+        assert 0 < m["tpot_ms_p50"] < 5_000
+        assert m["output_tokens_total"] == spec["num_requests"] * spec["output_tokens"]
+        assert 0 < m["output_throughput_tps"] <= m["output_throughput_bound_tps"] * 1.001
+        assert m["throughput_exceeds_bound"] == 0
+        assert child.data.params["workload.concurrency"] == str(spec["concurrency"])
+        frame = pd.read_parquet(
+            tracker.client.download_artifacts(child.info.run_id, "requests.parquet", str(tmp_path / spec["name"]))
+        )
+        assert len(frame) == spec["num_requests"] + spec["warmup_requests"]
+        assert metrics[f"{spec['name']}.ttft_ms_p50"] == m["ttft_ms_p50"]
+
+    # the key never reaches MLflow (DB or artifacts) nor the logs
+    home = Path(os.environ["K3PIPE_HOME"])
+    for path in (home / "mlflow").rglob("*"):
+        if path.is_file():
+            assert key.encode() not in path.read_bytes(), f"key leaked into {path}"
+    assert key not in caplog.text
+
+
+def test_bad_arm_fails_and_records(prefect_harness: None, tmp_path: Path) -> None:
+    """An engine that dies at start: the flow fails with the log tail; MLflow marks the run FAILED."""
+    require_engine()
+    from flows.benchmark import benchmark
+
+    port = free_port()
+    data = demo_experiment(port, WORKLOADS[:1])
+    data["arms"][0]["engine"]["args"]["max_model_len"] = 999_999  # above the tiny model's 4096
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(data))
+    with pytest.raises(RuntimeError, match="LaunchError"):
+        benchmark(str(exp))
+    assert _processes_with_port(port) == []
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    runs = tracker.client.search_runs([tracker.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FAILED"
+    assert "exited with code" in run.data.tags["k3pipe.error"]
+    assert {a.path for a in tracker.client.list_artifacts(run.info.run_id)} >= {"error.txt", "logs"}
+
+
+def test_ctrl_c_during_benchmark_leaves_no_engine(tmp_path: Path) -> None:
+    require_engine()
+    port = free_port()
+    long_workload = [{"name": "long", "input_tokens": 256, "output_tokens": 512, "concurrency": 2,
+                      "num_requests": 400, "seed": 5}]
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(demo_experiment(port, long_workload)))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    out = (tmp_path / "out.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3pipe.cli", "run", str(exp)],
+        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    pgid = None
+    try:
+        deadline = time.monotonic() + 600
+        text = ""
+        while "long: 400 requests" not in text:
+            assert proc.poll() is None, f"flow ended early:\n{text[-3000:]}"
+            assert time.monotonic() < deadline, f"benchmark never started:\n{text[-3000:]}"
+            time.sleep(1)
+            out.seek(0)
+            text = out.read()
+        match = re.search(r"pid (\d+)", text)
+        assert match, text[-3000:]
+        pgid = int(match.group(1))
+        assert _processes_in_group(pgid), "engine not running during the benchmark"
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        out.seek(0)
+        text = out.read()
+        assert proc.returncode != 0
+        assert _processes_in_group(pgid) == [], text[-3000:]
+        assert _processes_with_port(port) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if pgid and _processes_in_group(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+        out.close()

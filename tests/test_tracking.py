@@ -1,0 +1,70 @@
+"""The MLflow adapter against a real SQLite store under tmp_path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from k3pipe.settings import Settings
+from k3pipe.tracking import Tracker, metric_name
+
+
+@pytest.fixture
+def tracker(tmp_path: Path) -> Tracker:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return Tracker(uri, "test", tmp_path / "artifacts", secrets=["sk-topsecret-value"])
+
+
+def test_metric_names() -> None:
+    assert metric_name("vllm:time_to_first_token_seconds") == "vllm_time_to_first_token_seconds"
+    assert metric_name("in256.ttft_ms_p50") == "in256.ttft_ms_p50"
+
+
+def test_runs_params_metrics_artifacts(tracker: Tracker, tmp_path: Path) -> None:
+    parent = tracker.start_run("exp/arm", tags={"k3pipe.arm": "arm"})
+    child = tracker.start_run("arm/w", parent_id=parent)
+    tracker.log_params(parent, {"short": "v", "long": "x" * 7000, "nested": {"a": 1}})
+    tracker.log_metrics(child, {"ttft_ms_p50": 12.5, "vllm:x": 1, "none": None, "nan": float("nan")})
+    tracker.log_frame(child, pd.DataFrame({"a": [1, 2]}), "requests.parquet")
+    tracker.log_text(parent, "key sk-topsecret-value here", "notes.txt")
+    tracker.end_run(child)
+    tracker.end_run(parent, "FAILED")
+
+    run = tracker.client.get_run(parent)
+    assert run.data.params["short"] == "v"
+    assert run.data.params["nested"] == '{"a": 1}'
+    assert "artifact params/long.txt" in run.data.params["long"]
+    assert run.info.status == "FAILED"
+    crun = tracker.client.get_run(child)
+    assert crun.data.metrics == {"ttft_ms_p50": 12.5, "vllm_x": 1.0}
+    assert crun.data.tags["mlflow.parentRunId"] == parent
+    names = {f.path for f in tracker.client.list_artifacts(child)}
+    assert names == {"requests.parquet"}
+    local = tracker.client.download_artifacts(parent, "notes.txt", str(tmp_path))
+    assert Path(local).read_text() == "key *** here"
+    assert [c.info.run_id for c in tracker.children(parent)] == [child]
+
+
+def test_recent_runs_lists_parents_with_key_metrics(tracker: Tracker) -> None:
+    first = tracker.start_run("a")
+    tracker.log_metrics(first, {"cold_start_s": 40.0, "w.ttft_ms_p50": 9.0, "w.other": 1.0})
+    tracker.start_run("child", parent_id=first)
+    second = tracker.start_run("b")
+    frame = tracker.recent_runs(10)
+    assert list(frame["run_id"]) == [second, first]
+    row = frame.set_index("run_id").loc[first]
+    assert row["cold_start_s"] == 40.0 and row["w.ttft_ms_p50"] == 9.0
+    assert "w.other" not in frame.columns
+
+
+def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    settings = Settings()
+    assert settings.tracking_uri() == f"sqlite:///{tmp_path / 'k3home' / 'mlflow' / 'mlflow.db'}"
+    monkeypatch.setenv("K3PIPE_MLFLOW_TRACKING_URI", "sqlite:////tmp/other.db")
+    assert Settings().tracking_uri() == "sqlite:////tmp/other.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert Settings().tracking_uri() == "http://127.0.0.1:5999"
+    link = Tracker.run_link.__get__(type("T", (), {"tracking_uri": "http://127.0.0.1:5999", "experiment_id": "3"})())
+    assert link("abc") == "http://127.0.0.1:5999/#/experiments/3/runs/abc"
