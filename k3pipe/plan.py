@@ -8,7 +8,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.engines import RenderedCommand, get_engine, render_args
-from k3pipe.specs import ArmSpec, ExperimentSpec, LocalModel, ModelScopeModel, expand_home
+from k3pipe.sources import model_dir
+from k3pipe.specs import ArmSpec, ExperimentSpec, expand_home
 
 __all__ = ["ArmPlan", "default_model_dirs", "plan_arm"]
 
@@ -34,18 +35,11 @@ class ArmPlan(BaseModel):
     stop_timeout_s: float
 
 
-def _model_dir(spec: ModelScopeModel | LocalModel, home: Path) -> str:
-    if isinstance(spec, LocalModel):
-        return str(Path(expand_home(spec.path, home)).expanduser().resolve())
-    owner, name = spec.id.split("/")
-    return str(home / "models" / owner / name / spec.revision)
-
-
 def default_model_dirs(exp: ExperimentSpec, home: Path) -> dict[str, str]:
     """Where each model of the experiment lives: {'model': dir, 'models.NAME': dir}."""
-    dirs = {"model": _model_dir(exp.model, home)}
+    dirs = {"model": str(model_dir(exp.model, home))}
     for name, spec in exp.extra_models.items():
-        dirs[f"models.{name}"] = _model_dir(spec, home)
+        dirs[f"models.{name}"] = str(model_dir(spec, home))
     return dirs
 
 

@@ -1,0 +1,130 @@
+"""prefect.yaml's `benchmark` deployment, run for real: a Prefect server, a process work pool, a
+worker, `prefect deployment run`; the experiment uses the `external` launcher against the session's
+real vLLM, so the worker starts and stops no engine of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from k3pipe.settings import Settings
+from k3pipe.tracking import Tracker
+from tests.conftest import REPO, RunningEngine, free_port
+
+pytestmark = [pytest.mark.engine, pytest.mark.flow]
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def _stop(proc: subprocess.Popen[bytes], first: signal.Signals) -> None:
+    """Prefect's worker ignores SIGTERM for minutes: SIGINT twice, then SIGKILL of its group."""
+    if proc.poll() is not None:
+        return
+    for _ in range(2):
+        os.killpg(proc.pid, first)
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture
+def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
+    log = (tmp_path / "server.log").open("wb")
+    server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "Prefect server did not start"
+            time.sleep(0.5)
+        yield env
+    finally:
+        _stop(server, signal.SIGTERM)
+        log.close()
+
+
+def test_benchmark_deployment_runs_on_a_worker(
+    prefect_server: dict[str, str], vllm_engine: RunningEngine, tmp_path: Path
+) -> None:
+    env = {**prefect_server, "PREFECT_WORKER_QUERY_SECONDS": "2", "ENGINE_KEY": vllm_engine.api_key}
+    experiment = {
+        "name": "external-demo",
+        "model": {"source": "local", "path": str(Path(os.environ["K3PIPE_HOME"]).parent / "unused")},
+        "arms": [
+            {
+                "name": "gateway",
+                "engine": {"kind": "vllm"},
+                "launcher": {"kind": "external"},
+                "endpoint": {"base_url": vllm_engine.base_url, "api_key_env": "ENGINE_KEY",
+                             "model": vllm_engine.model},
+            }
+        ],
+        "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4}],
+    }
+    # the tokenizer comes from the model directory: point the local model at the tiny model
+    from tests.conftest import TINY_MODEL
+
+    experiment["model"]["path"] = str(TINY_MODEL)
+    exp = tmp_path / "external.yaml"
+    exp.write_text(yaml.safe_dump(experiment))
+
+    def prefect(*args: str, timeout: float = 120) -> str:
+        out = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout
+
+    prefect("work-pool", "create", "k3pipe", "--type", "process")
+    prefect("--no-prompt", "deploy", "--all")
+    worker_log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", "k3pipe"],
+        cwd=tmp_path, env=env, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        out = prefect(
+            "deployment", "run", "benchmark/benchmark", "--param", f"experiment={exp}", "--watch",
+            timeout=400,
+        )
+        assert "Completed" in out
+    finally:
+        _stop(worker, signal.SIGINT)
+        worker_log.close()
+
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    runs = tracker.recent_runs(5)
+    assert list(runs["name"]) == ["external-demo/gateway"]
+    assert list(runs["status"]) == ["FINISHED"]
+    run = tracker.client.get_run(runs["run_id"][0])
+    assert run.data.params["launcher"] == "external"
+    assert "prefect.flow_run_id" in run.data.tags and run.data.tags["prefect.flow_run_id"] != "none"
+    assert "cold_start_s" not in run.data.metrics
+    assert vllm_engine.api_key not in (tmp_path / "worker.log").read_text()
