@@ -1,6 +1,6 @@
 """The benchmark flow: for each engine arm, launch -> health gate -> workloads -> teardown, all in MLflow.
 
-    prefect: python -m flows.benchmark experiments/demo-cpu.yaml   (or `k3pipe run`, or the deployment)
+prefect: python -m flows.benchmark experiments/demo-cpu.yaml   (or `k3pipe run`, or the deployment)
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def _run_arm(
 ) -> dict[str, Any]:
     logger = get_run_logger()
     home = settings.home_dir
-    dirs = {"model": models["model"].path, **{f"models.{k}": r.path for k, r in models.items() if k != "model"}}
+    dirs = {
+        "model": models["model"].path,
+        **{f"models.{k}": r.path for k, r in models.items() if k != "model"},
+    }
     plan = plan_arm_task(spec, arm, home, dirs)
     key = read_secret(plan.api_key_env)
     if key is not None:
@@ -58,14 +61,15 @@ def _run_arm(
     log_path = home / "logs" / f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{recorder.run_id[:8]}.log"
     outcome: dict[str, Any] = {"arm": arm, "mlflow_run_id": recorder.run_id, "status": "FAILED"}
     launcher: Launcher | None = None
-    status, error = "FAILED", None
+    status = "FAILED"
+    error: BaseException | None = None
     try:
         recorder.log_plan(spec, experiment, models)
         launcher = start_engine_task(plan, log_path, settings)
         cold = wait_ready_task(plan, launcher)
         check = health_gate_task(plan)
         recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for workload in spec.workloads:
             result, summary = benchmark_task(plan, workload, Path(models["model"].path))
             recorder.log_workload(workload, result, summary)
@@ -91,14 +95,18 @@ def _run_arm(
         if launcher is not None:
             logger.info("stopping engine (%s)", plan.launcher)
             launcher.stop()
-        recorder.finish(status, error, log_path if launcher is not None and plan.launcher != "external" else None)
+        recorder.finish(
+            status, error, log_path if launcher is not None and plan.launcher != "external" else None
+        )
         outcome["status"] = status
         logger.info("arm %s: %s; MLflow run %s", arm, status, recorder.run_id)
     return outcome
 
 
 @flow(name="benchmark")
-def benchmark(experiment: str = "experiments/demo-cpu.yaml", arms: list[str] | None = None) -> list[dict[str, Any]]:
+def benchmark(
+    experiment: str = "experiments/demo-cpu.yaml", arms: list[str] | None = None
+) -> list[dict[str, Any]]:
     """Run every arm (or the named ``arms``) of the experiment file and record it in MLflow."""
     logger = get_run_logger()
     settings = Settings()
@@ -115,11 +123,26 @@ def benchmark(experiment: str = "experiments/demo-cpu.yaml", arms: list[str] | N
     for name in selected:
         outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings))
     rows = [row for o in outcomes for row in o.get("workloads", [])]
-    columns = ["arm", "workload", "completed", "failed", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
-               "itl_ms_p50", "e2e_ms_p50", "output_throughput_tps", "request_throughput_rps"]
-    table = [{c: (round(r[c], 3) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows]
+    columns = [
+        "arm",
+        "workload",
+        "completed",
+        "failed",
+        "ttft_ms_p50",
+        "ttft_ms_p99",
+        "tpot_ms_p50",
+        "itl_ms_p50",
+        "e2e_ms_p50",
+        "output_throughput_tps",
+        "request_throughput_rps",
+    ]
+    table = [
+        {c: (round(r[c], 3) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows
+    ]
     if table:
-        create_table_artifact(table=table, key="benchmark-summary", description=f"{spec.name}: workload summaries")
+        create_table_artifact(
+            table=table, key="benchmark-summary", description=f"{spec.name}: workload summaries"
+        )
     for o in outcomes:
         link = tracker.run_link(o["mlflow_run_id"])
         if link.startswith("http"):

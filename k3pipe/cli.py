@@ -35,8 +35,10 @@ def render(
             if arm and a.name != arm:
                 continue
             plan = plan_arm(spec, a, home)
-            print(f"# arm {a.name}: engine {plan.engine}, launcher {plan.launcher}"
-                  + (f", image {plan.image}" if plan.image else ""))
+            print(
+                f"# arm {a.name}: engine {plan.engine}, launcher {plan.launcher}"
+                + (f", image {plan.image}" if plan.image else "")
+            )
             print("# environment")
             for k, v in plan.command.redacted_env().items():
                 print(f"{k}={v}")
@@ -45,7 +47,9 @@ def render(
             else:
                 print("# command")
             print(" \\\n    ".join(_groups(plan.command.redacted_argv())))
-            print(f"# endpoint: {plan.base_url}  model: {plan.model}  key from: ${plan.api_key_env or '(none)'}")
+            print(
+                f"# endpoint: {plan.base_url}  model: {plan.model}  key from: ${plan.api_key_env or '(none)'}"
+            )
             print()
     except K3pipeError as exc:
         _fail(exc)
@@ -95,9 +99,23 @@ def _print_outcomes(outcomes: list[dict]) -> None:
 
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if rows:
-        cols = ["arm", "workload", "completed", "failed", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
-                "itl_ms_p50", "e2e_ms_p50", "output_throughput_tps", "request_throughput_rps"]
+        cols = [
+            "arm",
+            "workload",
+            "completed",
+            "failed",
+            "ttft_ms_p50",
+            "ttft_ms_p99",
+            "tpot_ms_p50",
+            "itl_ms_p50",
+            "e2e_ms_p50",
+            "output_throughput_tps",
+            "request_throughput_rps",
+        ]
         frame = pd.DataFrame(rows)
+        for col in ("completed", "failed"):
+            if col in frame:
+                frame[col] = frame[col].astype(int)
         print(frame[[c for c in cols if c in frame]].round(2).to_string(index=False))
     for o in outcomes:
         print(f"arm {o['arm']}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
@@ -116,9 +134,11 @@ def runs(limit: Annotated[int, typer.Option(help="How many runs.")] = 20) -> Non
     if frame.empty:
         print(f"no runs yet in {settings.tracking_uri()}")
         return
+    runs_full_id = str(frame.iloc[0]["run_id"])
+    frame["run_id"] = frame["run_id"].str[:12]
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(frame.round(2).to_string(index=False))
-    print(f"\nbrowse: {tracker.run_link(frame.iloc[0]['run_id'])}")
+    print(f"\nbrowse: {tracker.run_link(runs_full_id)}")
 
 
 def main() -> None:

@@ -13,11 +13,9 @@ from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
-from k3pipe.tracking import Tracker
+from k3pipe.tracking import KEY_METRICS, Tracker
 
-__all__ = ["ArmRecorder", "KEY_METRICS"]
-
-KEY_METRICS = ("ttft_ms_p50", "tpot_ms_p50", "e2e_ms_p50", "output_throughput_tps", "failed")
+__all__ = ["ArmRecorder"]
 
 
 def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,7 +89,9 @@ class ArmRecorder:
             "command.txt",
         )
 
-    def log_engine(self, cold_start_s: float | None, version: str | None, check: EndpointCheck | None) -> None:
+    def log_engine(
+        self, cold_start_s: float | None, version: str | None, check: EndpointCheck | None
+    ) -> None:
         if cold_start_s is not None:
             self.tracker.log_metrics(self.run_id, {"cold_start_s": cold_start_s})
         if version:
@@ -133,7 +133,9 @@ class ArmRecorder:
             if log_path is not None:
                 self.tracker.log_file(self.run_id, log_path, "logs")
             if error is not None:
-                self.tracker.set_tags(self.run_id, {"k3pipe.error": f"{type(error).__name__}: {error}"[:4000]})
+                self.tracker.set_tags(
+                    self.run_id, {"k3pipe.error": f"{type(error).__name__}: {error}"[:4000]}
+                )
                 self.tracker.log_text(
                     self.run_id,
                     "".join(traceback.format_exception(type(error), error, error.__traceback__)),

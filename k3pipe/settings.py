@@ -55,7 +55,6 @@ def read_secret(env_name: str | None) -> SecretStr | None:
     return SecretStr(value) if value else None
 
 
-
 def prepare_prefect_env(settings: Settings) -> None:
     """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect)."""
     os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))

@@ -22,9 +22,11 @@ from mlflow.exceptions import MlflowException
 
 from k3pipe.errors import TrackingError
 
-__all__ = ["Tracker", "metric_name"]
+__all__ = ["KEY_METRICS", "Tracker", "metric_name"]
 
 _PARAM_MAX = 6000
+KEY_METRICS = ("ttft_ms_p50", "tpot_ms_p50", "e2e_ms_p50", "output_throughput_tps", "failed")
+"""Per-workload metrics that the engine run repeats as WORKLOAD.METRIC, for overviews."""
 _BAD_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
@@ -68,7 +70,9 @@ class Tracker:
             text = text.replace(secret, "***")
         return text
 
-    def start_run(self, name: str, tags: Mapping[str, str] | None = None, parent_id: str | None = None) -> str:
+    def start_run(
+        self, name: str, tags: Mapping[str, str] | None = None, parent_id: str | None = None
+    ) -> str:
         all_tags = {k: self.scrub(str(v)) for k, v in (tags or {}).items()}
         if parent_id:
             all_tags["mlflow.parentRunId"] = parent_id
@@ -137,27 +141,42 @@ class Tracker:
             return f"{base}/#/experiments/{self.experiment_id}/runs/{run_id}"
         return f"mlflow ui --backend-store-uri {self.tracking_uri}  (then open run {run_id})"
 
-    def recent_runs(self, limit: int = 20, parents_only: bool = True) -> pd.DataFrame:
-        """Recent runs with their status and key metrics, newest first."""
+    def recent_runs(self, limit: int = 20) -> pd.DataFrame:
+        """Recent engine runs, newest first: one row per (run, workload) with the key metrics.
+
+        Columns: run_id, name, status, start, cold_start_s, workload, then the workload's key
+        metrics (ttft_ms_p50, tpot_ms_p50, e2e_ms_p50, output_throughput_tps, failed). A run that
+        recorded no workload has one row with an empty workload.
+        """
         runs = self.client.search_runs(
-            [self.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit * 5
+            [self.experiment_id],
+            order_by=["attributes.start_time DESC"],
+            max_results=limit * 10,
         )
-        rows = []
+        rows: list[dict[str, Any]] = []
+        seen = 0
         for run in runs:
-            parent = run.data.tags.get("mlflow.parentRunId")
-            if parents_only and parent:
+            if run.data.tags.get("mlflow.parentRunId"):
                 continue
-            rows.append(
-                {
-                    "run_id": run.info.run_id,
-                    "name": run.info.run_name,
-                    "status": run.info.status,
-                    "start": pd.Timestamp(run.info.start_time, unit="ms"),
-                    **{k: v for k, v in run.data.metrics.items() if _is_key_metric(k)},
-                }
-            )
-            if len(rows) >= limit:
+            seen += 1
+            if seen > limit:
                 break
+            base = {
+                "run_id": run.info.run_id,
+                "name": run.info.run_name,
+                "status": run.info.status,
+                "start": pd.Timestamp(run.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M:%S"),
+                "cold_start_s": run.data.metrics.get("cold_start_s"),
+            }
+            per_workload: dict[str, dict[str, float]] = {}
+            for key, value in run.data.metrics.items():
+                workload, dot, metric = key.rpartition(".")
+                if dot and metric in KEY_METRICS:
+                    per_workload.setdefault(workload, {})[metric] = value
+            if not per_workload:
+                rows.append({**base, "workload": ""})
+            for workload, metrics in per_workload.items():
+                rows.append({**base, "workload": workload, **metrics})
         return pd.DataFrame(rows)
 
     def children(self, run_id: str) -> list[Any]:
@@ -166,7 +185,3 @@ class Tracker:
                 [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"
             )
         )
-
-
-def _is_key_metric(name: str) -> bool:
-    return name.endswith(("_p50", "_tps", "_rps", "_s")) or name in ("cold_start_s", "failed")

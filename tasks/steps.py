@@ -20,7 +20,9 @@ from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSp
 @task(name="load-experiment", cache_policy=NO_CACHE)
 def load_experiment_task(path: str) -> ExperimentSpec:
     spec = load_experiment(path)
-    get_run_logger().info("experiment %s: %d arm(s), %d workload(s)", spec.name, len(spec.arms), len(spec.workloads))
+    get_run_logger().info(
+        "experiment %s: %d arm(s), %d workload(s)", spec.name, len(spec.arms), len(spec.workloads)
+    )
     return spec
 
 
@@ -30,7 +32,11 @@ def fetch_model_task(name: str, spec: ModelScopeModel | LocalModel, home: Path) 
     record = fetch_model(spec, home, progress=lambda msg: logger.info("%s: %s", name, msg))
     logger.info(
         "%s: %d files, %.1f MB at %s (digest %s)",
-        name, len(record.files), record.total_bytes / 1e6, record.path, record.digest()[:12],
+        name,
+        len(record.files),
+        record.total_bytes / 1e6,
+        record.path,
+        record.digest()[:12],
     )
     return record
 
@@ -46,7 +52,9 @@ def plan_arm_task(spec: ExperimentSpec, arm: str, home: Path, model_dirs: dict[s
 def start_engine_task(plan: ArmPlan, log_path: Path, settings: Settings) -> Launcher:
     launcher = steps.launch_engine(plan, log_path, settings, read_secret(plan.api_key_env))
     pid = getattr(launcher, "pid", None)
-    get_run_logger().info("engine %s started (launcher %s, pid %s, log %s)", plan.engine, plan.launcher, pid, log_path)
+    get_run_logger().info(
+        "engine %s started (launcher %s, pid %s, log %s)", plan.engine, plan.launcher, pid, log_path
+    )
     return launcher
 
 
@@ -63,7 +71,10 @@ def health_gate_task(plan: ArmPlan) -> EndpointCheck:
     check = check_endpoint(plan.base_url, plan.model, read_secret(plan.api_key_env))
     get_run_logger().info(
         "endpoint %s serves %s; probe first delta %.3f s (%s)",
-        plan.base_url, plan.model, check.first_delta_s, ", ".join(check.reply_kinds),
+        plan.base_url,
+        plan.model,
+        check.first_delta_s,
+        ", ".join(check.reply_kinds),
     )
     return check
 
@@ -80,8 +91,12 @@ def benchmark_task(
     logger = get_run_logger()
     logger.info(
         "%s: %d requests (+%d warm-up), %d in / %d out tokens, concurrency %d",
-        workload.name, workload.num_requests, workload.warmup_requests,
-        workload.input_tokens, workload.output_tokens, workload.concurrency,
+        workload.name,
+        workload.num_requests,
+        workload.warmup_requests,
+        workload.input_tokens,
+        workload.output_tokens,
+        workload.concurrency,
     )
     result, summary = steps.benchmark_workload(
         plan, workload, model_dir, read_secret(plan.api_key_env), progress=logger.info
@@ -89,7 +104,10 @@ def benchmark_task(
     m = summary.metrics()
     logger.info(
         "%s: ttft p50 %.1f ms, tpot p50 %.2f ms, output %.1f tok/s, %d failed",
-        workload.name, m.get("ttft_ms_p50") or float("nan"), m.get("tpot_ms_p50") or float("nan"),
-        m.get("output_throughput_tps") or 0.0, int(m.get("failed") or 0),
+        workload.name,
+        m.get("ttft_ms_p50") or float("nan"),
+        m.get("tpot_ms_p50") or float("nan"),
+        m.get("output_throughput_tps") or 0.0,
+        int(m.get("failed") or 0),
     )
     return result, summary

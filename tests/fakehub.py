@@ -35,13 +35,16 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-__all__ = ["FakeHub", "HubRequest"]
+__all__ = ["FakeHub", "HubRequest", "client_pointed_at_fake_hub"]
 
 _FILES = re.compile(r"^/api/v1/models/([^/]+)/([^/]+)/repo/files$")
 _FILE = re.compile(r"^/api/v1/models/([^/]+)/([^/]+)/repo$")
@@ -263,3 +266,26 @@ class _Handler(BaseHTTPRequestHandler):
         if not head:
             self.wfile.write(body)
         return status
+
+
+@contextmanager
+def client_pointed_at_fake_hub(
+    models: dict[str, dict[str, dict[str, bytes]]], monkeypatch: Any, tmp_path: Path
+) -> Iterator[FakeHub]:
+    """Run a fake hub serving ``models`` and point the real modelscope client at it."""
+    from modelscope_hub.config import set_default_config
+
+    with FakeHub(models) as fake:
+        monkeypatch.setenv("MODELSCOPE_ENDPOINT", fake.url)
+        monkeypatch.setenv("MODELSCOPE_DOWNLOAD_INTRA_CLOUD", "false")
+        monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
+        monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))  # token + session files
+        monkeypatch.delenv("MODELSCOPE_API_TOKEN", raising=False)
+        monkeypatch.delenv("MODELSCOPE_DOMAIN", raising=False)
+        # modelscope-hub builds its config from the environment once per process and caches it
+        # (modelscope_hub/config.py: get_default_config); drop it so this endpoint is read.
+        set_default_config(None)
+        try:
+            yield fake
+        finally:
+            set_default_config(None)

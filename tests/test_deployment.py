@@ -122,6 +122,7 @@ def test_benchmark_deployment_runs_on_a_worker(
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
     runs = tracker.recent_runs(5)
     assert list(runs["name"]) == ["external-demo/gateway"]
+    assert list(runs["workload"]) == ["w"]
     assert list(runs["status"]) == ["FINISHED"]
     run = tracker.client.get_run(runs["run_id"][0])
     assert run.data.params["launcher"] == "external"

@@ -24,7 +24,9 @@ def test_wrong_key_gives_the_checklist(vllm_engine: RunningEngine) -> None:
     with pytest.raises(EndpointAuthError) as info:
         check_endpoint(vllm_engine.base_url, vllm_engine.model, SecretStr("wrong"))
     msg = str(info.value)
-    assert "401" in msg and "api_key_env" in msg and "base URL's path" in msg
+    assert "401" in msg
+    assert "api_key_env" in msg
+    assert "base URL's path" in msg
     assert "wrong" not in msg.replace("wrong or", "")
     with pytest.raises(EndpointAuthError):
         check_endpoint(vllm_engine.base_url, vllm_engine.model, None)
@@ -36,7 +38,7 @@ def test_model_not_found_lists_served_ids(vllm_engine: RunningEngine) -> None:
 
 
 def test_base_url_without_path(vllm_engine: RunningEngine) -> None:
-    with pytest.raises(HealthError, match="404.*path"):
+    with pytest.raises(HealthError, match=r"404.*path"):
         check_endpoint(server_root(vllm_engine.base_url), vllm_engine.model, SecretStr(vllm_engine.api_key))
 
 

@@ -26,11 +26,16 @@ def test_render_args_forms() -> None:
         {"model": "/m", "models.draft": "/d"},
     )
     assert argv == [
-        "--tensor-parallel-size", "8",
+        "--tensor-parallel-size",
+        "8",
         "--enable-prefix-caching",
-        "--attention-config", '{"a":"B","c":true}',
-        "--allowed-origins", "x", "y",
-        "--draft", "/d",
+        "--attention-config",
+        '{"a":"B","c":true}',
+        "--allowed-origins",
+        "x",
+        "y",
+        "--draft",
+        "/d",
     ]
 
 
@@ -66,7 +71,11 @@ def test_plan_defaults_and_home_expansion() -> None:
         "arms": [
             {
                 "name": "a",
-                "engine": {"kind": "vllm", "executable": ["{home}/py", "-m", "srv"], "env": {"C": "{home}/c"}},
+                "engine": {
+                    "kind": "vllm",
+                    "executable": ["{home}/py", "-m", "srv"],
+                    "env": {"C": "{home}/c"},
+                },
                 "launcher": {"host": "0.0.0.0"},
             }
         ],
@@ -88,7 +97,9 @@ def test_redaction() -> None:
         env={"HF_TOKEN": "hf_x", "VLLM_API_KEY": "k", "VLLM_ENGINE_READY_TIMEOUT_S": "3600"},
     )
     shell = cmd.shell()
-    assert "s3cret" not in shell and "hf_x" not in shell and "=k " not in shell
+    assert "s3cret" not in shell
+    assert "hf_x" not in shell
+    assert "=k " not in shell
     assert "--max-num-batched-tokens 32768" in shell
     assert "VLLM_ENGINE_READY_TIMEOUT_S=3600" in shell
     assert cmd.redacted_env()["HF_TOKEN"] == "***"

@@ -18,15 +18,30 @@ import yaml
 
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
-from tests.conftest import REPO, demo_experiment, free_port, require_engine
+from tests.conftest import REPO, TINY_MODEL, demo_experiment, free_port, require_engine
+from tests.fakehub import client_pointed_at_fake_hub
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
 
 WORKLOADS = [
-    {"name": "in64-out16", "input_tokens": 64, "output_tokens": 16, "concurrency": 2,
-     "num_requests": 6, "warmup_requests": 1, "seed": 3},
-    {"name": "in512-out16", "input_tokens": 512, "output_tokens": 16, "concurrency": 3,
-     "num_requests": 6, "warmup_requests": 1, "seed": 4},
+    {
+        "name": "in64-out16",
+        "input_tokens": 64,
+        "output_tokens": 16,
+        "concurrency": 2,
+        "num_requests": 6,
+        "warmup_requests": 1,
+        "seed": 3,
+    },
+    {
+        "name": "in512-out16",
+        "input_tokens": 512,
+        "output_tokens": 16,
+        "concurrency": 3,
+        "num_requests": 6,
+        "warmup_requests": 1,
+        "seed": 4,
+    },
 ]
 
 
@@ -75,10 +90,17 @@ def test_flow_records_everything_in_mlflow(
     port = free_port()
     key = "sk-" + secrets.token_hex(16)
     monkeypatch.setenv("K3PIPE_DEMO_API_KEY", key)
+    data = demo_experiment(port, WORKLOADS)
+    # the weights come through the model step: the real modelscope client, the scripted hub
+    data["model"] = {"source": "modelscope", "id": "k3pipe/tiny-llama", "revision": "v1",
+                     "served_name": "tiny-llama"}
+    files = {p.name: p.read_bytes() for p in TINY_MODEL.iterdir() if p.is_file()}
     exp = tmp_path / "exp.yaml"
-    exp.write_text(yaml.safe_dump(demo_experiment(port, WORKLOADS)))
+    exp.write_text(yaml.safe_dump(data))
 
-    outcomes = benchmark(str(exp))
+    with client_pointed_at_fake_hub({"k3pipe/tiny-llama": {"v1": files}}, monkeypatch, tmp_path) as hub:
+        outcomes = benchmark(str(exp))
+    assert any(r.query.get("FilePath") == "model.safetensors" for r in hub.requests)
 
     assert [o["status"] for o in outcomes] == ["FINISHED"]
     assert _processes_with_port(port) == []
@@ -88,11 +110,16 @@ def test_flow_records_everything_in_mlflow(
     parent = tracker.client.get_run(outcomes[0]["mlflow_run_id"])
     params, metrics = parent.data.params, parent.data.metrics
     assert parent.info.status == "FINISHED"
-    assert params["engine"] == "vllm" and params["engine_version"] == "0.32.0"
-    assert f"--port {port}" in params["command"] and "--enforce-eager" in params["command"]
+    assert params["engine"] == "vllm"
+    assert params["engine_version"] == "0.32.0"
+    assert f"--port {port}" in params["command"]
+    assert "--enforce-eager" in params["command"]
     assert params["env.VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert re.fullmatch(r"[0-9a-f]{64}", params["model.digest"])
-    assert int(params["model.files"]) >= 5
+    assert int(params["model.files"]) == len(files)
+    assert params["model.id"] == "k3pipe/tiny-llama" and params["model.resolved_revision"] == "v1"
+    home = Path(os.environ["K3PIPE_HOME"])
+    assert params["model.path"] == str((home / "models" / "k3pipe" / "tiny-llama" / "v1").resolve())
     assert params["k3pipe_commit"] != ""
     assert params["api_key_env"] == "K3PIPE_DEMO_API_KEY"
     assert 1 < metrics["cold_start_s"] < 900
@@ -109,7 +136,8 @@ def test_flow_records_everything_in_mlflow(
         child = children[spec["name"]]
         m = child.data.metrics
         assert child.info.status == "FINISHED"
-        assert m["completed"] == spec["num_requests"] and m["failed"] == 0
+        assert m["completed"] == spec["num_requests"]
+        assert m["failed"] == 0
         assert 0 < m["ttft_ms_p50"] < 20_000
         assert 0 < m["tpot_ms_p50"] < 5_000
         assert m["output_tokens_total"] == spec["num_requests"] * spec["output_tokens"]
@@ -117,13 +145,14 @@ def test_flow_records_everything_in_mlflow(
         assert m["throughput_exceeds_bound"] == 0
         assert child.data.params["workload.concurrency"] == str(spec["concurrency"])
         frame = pd.read_parquet(
-            tracker.client.download_artifacts(child.info.run_id, "requests.parquet", str(tmp_path / spec["name"]))
+            tracker.client.download_artifacts(
+                child.info.run_id, "requests.parquet", str(tmp_path / spec["name"])
+            )
         )
         assert len(frame) == spec["num_requests"] + spec["warmup_requests"]
         assert metrics[f"{spec['name']}.ttft_ms_p50"] == m["ttft_ms_p50"]
 
     # the key never reaches MLflow (DB or artifacts) nor the logs
-    home = Path(os.environ["K3PIPE_HOME"])
     for path in (home / "mlflow").rglob("*"):
         if path.is_file():
             assert key.encode() not in path.read_bytes(), f"key leaked into {path}"
@@ -153,11 +182,21 @@ def test_bad_arm_fails_and_records(prefect_harness: None, tmp_path: Path) -> Non
     assert {a.path for a in tracker.client.list_artifacts(run.info.run_id)} >= {"error.txt", "logs"}
 
 
-def test_ctrl_c_during_benchmark_leaves_no_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_during_benchmark_leaves_no_engine(tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C (SIGINT) or a cancellation's SIGTERM during a benchmark: the engine group is gone."""
     require_engine()
     port = free_port()
-    long_workload = [{"name": "long", "input_tokens": 256, "output_tokens": 512, "concurrency": 2,
-                      "num_requests": 400, "seed": 5}]
+    long_workload = [
+        {
+            "name": "long",
+            "input_tokens": 256,
+            "output_tokens": 512,
+            "concurrency": 2,
+            "num_requests": 400,
+            "seed": 5,
+        }
+    ]
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(demo_experiment(port, long_workload)))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
@@ -165,7 +204,11 @@ def test_ctrl_c_during_benchmark_leaves_no_engine(tmp_path: Path) -> None:
     out = (tmp_path / "out.log").open("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "k3pipe.cli", "run", str(exp)],
-        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=REPO,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     pgid = None
     try:
@@ -182,13 +225,16 @@ def test_ctrl_c_during_benchmark_leaves_no_engine(tmp_path: Path) -> None:
         pgid = int(match.group(1))
         assert _processes_in_group(pgid), "engine not running during the benchmark"
         time.sleep(3)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=120)
         out.seek(0)
         text = out.read()
         assert proc.returncode != 0
         assert _processes_in_group(pgid) == [], text[-3000:]
         assert _processes_with_port(port) == []
+        tracker = Tracker(Settings().tracking_uri(), Settings().mlflow_experiment)
+        statuses = [r.info.status for r in tracker.client.search_runs([tracker.experiment_id])]
+        assert "KILLED" in statuses, statuses
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -101,4 +101,6 @@ def test_render_cli_prints_the_study(capsys: pytest.CaptureFixture[str]) -> None
     assert "# arm vllm: engine vllm, launcher docker, image vllm/vllm-openai:kimi-k3" in result.output
     assert "--speculative-algorithm DSPARK" in result.output
     assert "VLLM_USE_RUST_FRONTEND=1" in result.output
-    assert "'{\"mla_prefill_backend\":\"TRTLLM_RAGGED\",\"use_prefill_query_quantization\":true}'" in result.output
+    assert (
+        '\'{"mla_prefill_backend":"TRTLLM_RAGGED","use_prefill_query_quantization":true}\'' in result.output
+    )

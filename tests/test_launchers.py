@@ -36,7 +36,9 @@ def _launcher(tmp_path: Path, *flags: str, stop_timeout_s: float = 5.0) -> Proce
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
     return ProcessLauncher(
-        [sys.executable, str(script), *flags], dict(os.environ), tmp_path / "logs" / "engine.log",
+        [sys.executable, str(script), *flags],
+        dict(os.environ),
+        tmp_path / "logs" / "engine.log",
         stop_timeout_s=stop_timeout_s,
     )
 
@@ -121,7 +123,7 @@ def test_timeout_names_the_setting(tmp_path: Path) -> None:
 
 def test_missing_executable(tmp_path: Path) -> None:
     launcher = ProcessLauncher([str(tmp_path / "no-such-python")], {}, tmp_path / "e.log")
-    with pytest.raises(LaunchError, match="engine.executable"):
+    with pytest.raises(LaunchError, match=r"engine\.executable"):
         launcher.start()
     launcher.stop()
 

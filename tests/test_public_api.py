@@ -11,10 +11,23 @@ import k3pipe
 def test_exported_names() -> None:
     assert sorted(k3pipe.__all__) == sorted(
         [
-            "ArmPlan", "BenchmarkError", "EndpointAuthError", "ExperimentSpec", "HealthError",
-            "K3pipeError", "LaunchError", "ModelNotServedError", "ModelSourceError", "Settings",
-            "SpecError", "TrackingError", "WorkloadSpec", "__version__", "load_experiment",
-            "parse_experiment", "plan_arm",
+            "ArmPlan",
+            "BenchmarkError",
+            "EndpointAuthError",
+            "ExperimentSpec",
+            "HealthError",
+            "K3pipeError",
+            "LaunchError",
+            "ModelNotServedError",
+            "ModelSourceError",
+            "Settings",
+            "SpecError",
+            "TrackingError",
+            "WorkloadSpec",
+            "__version__",
+            "load_experiment",
+            "parse_experiment",
+            "plan_arm",
         ]
     )
     for name in k3pipe.__all__:
@@ -24,7 +37,14 @@ def test_exported_names() -> None:
 def test_error_tree() -> None:
     assert issubclass(k3pipe.EndpointAuthError, k3pipe.HealthError)
     assert issubclass(k3pipe.ModelNotServedError, k3pipe.HealthError)
-    for name in ("SpecError", "ModelSourceError", "LaunchError", "HealthError", "BenchmarkError", "TrackingError"):
+    for name in (
+        "SpecError",
+        "ModelSourceError",
+        "LaunchError",
+        "HealthError",
+        "BenchmarkError",
+        "TrackingError",
+    ):
         assert issubclass(getattr(k3pipe, name), k3pipe.K3pipeError)
 
 

@@ -34,7 +34,8 @@ def _error(data: dict, tmp_path: Path) -> str:
 @pytest.mark.parametrize("name", ["demo-cpu.yaml", "kimi-k3-8xb300.yaml"])
 def test_shipped_experiments_load(name: str) -> None:
     spec = load_experiment(REPO / "experiments" / name)
-    assert spec.arms and spec.workloads
+    assert spec.arms
+    assert spec.workloads
 
 
 def test_minimal_defaults() -> None:
@@ -114,10 +115,10 @@ def test_key_must_be_an_env_var_name() -> None:
 def test_launcher_needs_matching_engine_fields() -> None:
     data = _minimal()
     data["arms"][0]["engine"].pop("executable")
-    with pytest.raises(SpecError, match="engine.executable"):
+    with pytest.raises(SpecError, match=r"engine\.executable"):
         parse_experiment(data)
     data["arms"][0]["launcher"] = {"kind": "external"}
-    with pytest.raises(SpecError, match="endpoint.base_url"):
+    with pytest.raises(SpecError, match=r"endpoint\.base_url"):
         parse_experiment(data)
 
 

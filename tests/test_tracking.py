@@ -47,16 +47,22 @@ def test_runs_params_metrics_artifacts(tracker: Tracker, tmp_path: Path) -> None
     assert [c.info.run_id for c in tracker.children(parent)] == [child]
 
 
-def test_recent_runs_lists_parents_with_key_metrics(tracker: Tracker) -> None:
+def test_recent_runs_one_row_per_workload(tracker: Tracker) -> None:
     first = tracker.start_run("a")
-    tracker.log_metrics(first, {"cold_start_s": 40.0, "w.ttft_ms_p50": 9.0, "w.other": 1.0})
+    tracker.log_metrics(
+        first, {"cold_start_s": 40.0, "w1.ttft_ms_p50": 9.0, "w2.ttft_ms_p50": 7.0, "w1.other": 1.0}
+    )
     tracker.start_run("child", parent_id=first)
     second = tracker.start_run("b")
     frame = tracker.recent_runs(10)
-    assert list(frame["run_id"]) == [second, first]
-    row = frame.set_index("run_id").loc[first]
-    assert row["cold_start_s"] == 40.0 and row["w.ttft_ms_p50"] == 9.0
-    assert "w.other" not in frame.columns
+    assert list(frame["run_id"]) == [second, first, first]
+    assert list(frame["workload"]) == ["", "w1", "w2"]
+    rows = frame.set_index("workload")
+    assert rows.loc["w1", "ttft_ms_p50"] == 9.0
+    assert rows.loc["w2", "ttft_ms_p50"] == 7.0
+    assert rows.loc["w2", "cold_start_s"] == 40.0
+    assert "other" not in frame.columns
+    assert len(tracker.recent_runs(1)) == 1
 
 
 def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -66,5 +72,7 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert Settings().tracking_uri() == "sqlite:////tmp/other.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
     assert Settings().tracking_uri() == "http://127.0.0.1:5999"
-    link = Tracker.run_link.__get__(type("T", (), {"tracking_uri": "http://127.0.0.1:5999", "experiment_id": "3"})())
+    link = Tracker.run_link.__get__(
+        type("T", (), {"tracking_uri": "http://127.0.0.1:5999", "experiment_id": "3"})()
+    )
     assert link("abc") == "http://127.0.0.1:5999/#/experiments/3/runs/abc"

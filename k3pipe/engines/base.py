@@ -121,9 +121,7 @@ class Engine:
         for key in args:
             flag = _flag(str(key))
             if flag in managed:
-                raise SpecError(
-                    f"engine.args.{key}: {flag} is set by k3pipe; set {where[flag]} instead"
-                )
+                raise SpecError(f"engine.args.{key}: {flag} is set by k3pipe; set {where[flag]} instead")
 
     def version_from(self, payload: Any) -> str | None:
         """The engine version out of the version endpoint's JSON."""

@@ -16,7 +16,7 @@ import k3pipe.sources
 from k3pipe.errors import ModelSourceError
 from k3pipe.sources import ModelRecord, fetch_model, model_dir
 from k3pipe.specs import LocalModel, ModelScopeModel
-from tests.fakehub import FakeHub
+from tests.fakehub import FakeHub, client_pointed_at_fake_hub
 
 MODEL_ID = "acme/tiny-llm"
 
@@ -41,20 +41,8 @@ def tiny_model_files() -> dict[str, dict[str, bytes]]:
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     """A running fake hub serving MODEL_ID, with the modelscope client pointed at it."""
-    with FakeHub({MODEL_ID: tiny_model_files()}) as fake:
-        monkeypatch.setenv("MODELSCOPE_ENDPOINT", fake.url)
-        monkeypatch.setenv("MODELSCOPE_DOWNLOAD_INTRA_CLOUD", "false")
-        monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
-        monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms-home"))  # token + session files
-        monkeypatch.delenv("MODELSCOPE_API_TOKEN", raising=False)
-        monkeypatch.delenv("MODELSCOPE_DOMAIN", raising=False)
-        # modelscope-hub builds its config from the environment once per process and caches it
-        # (modelscope_hub/config.py: get_default_config); drop it so this test's endpoint is read.
-        set_default_config(None)
-        try:
-            yield fake
-        finally:
-            set_default_config(None)
+    with client_pointed_at_fake_hub({MODEL_ID: tiny_model_files()}, monkeypatch, tmp_path) as fake:
+        yield fake
 
 
 @pytest.fixture

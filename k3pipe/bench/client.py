@@ -1,0 +1,409 @@
+"""Async streaming client: a workload at fixed concurrency, one raw record per request.
+
+The client records raw ``time.perf_counter()`` stamps and nothing derived; ``summary.py`` derives
+TTFT/TPOT/ITL/E2E from them. The rules it follows (shared/docs/field-notes.md, "Measurement rules"):
+
+- Every SSE line is stamped when the network read that completed it returns, before any JSON
+  parsing, so parsing cost never shifts a timestamp.
+- TTFT is time to the first *token-bearing* delta: non-empty ``content``, ``reasoning`` (vLLM's
+  reasoning parser), ``reasoning_content`` (older vLLM, SGLang) or ``tool_calls``. vLLM's first chunk,
+  ``delta: {"role": "assistant", "content": ""}``, carries no token and is not counted, nor are
+  usage-only chunks (``choices: []``), empty strings or ``[DONE]``. Content TTFT is kept apart.
+- A failed request (HTTP error status, ``error`` object in the stream, timeout, transport error, or
+  a stream that ends with zero output tokens) is a record with ``error`` set, never an exception
+  that loses the other records.
+- The API key goes into the ``Authorization`` header only; error texts are scrubbed of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from k3pipe.bench.datasets import Prompt
+from k3pipe.errors import BenchmarkError
+from k3pipe.specs import WorkloadSpec
+
+__all__ = ["RequestRecord", "WorkloadResult", "run_workload"]
+
+log = logging.getLogger(__name__)
+
+# Longest error text kept in a record (bodies of 4xx/5xx answers can be whole HTML pages).
+_ERROR_CHARS = 500
+_DELTA_TOKEN_FIELDS = ("content", "reasoning", "reasoning_content")
+
+
+class RequestRecord(BaseModel):
+    """What happened to one request, as raw ``time.perf_counter()`` stamps (seconds).
+
+    ``chunk_times`` holds the arrival of every token-bearing chunk; a chunk may carry several tokens
+    (speculative decoding, server-side batching of the stream), so token counts come from ``usage``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(description="Position of the request's prompt in the prompts given.")
+    warmup: bool = Field(description="A warm-up request: sent before the measured ones, not measured.")
+    prompt_tokens: int = Field(description="Prompt tokens counted client-side (no chat template).")
+    max_tokens: int = Field(description="max_tokens sent with the request.")
+    usage_prompt_tokens: int | None = Field(
+        default=None, description="usage.prompt_tokens of the final chunk (server-side, with template)."
+    )
+    usage_output_tokens: int | None = Field(
+        default=None, description="usage.completion_tokens of the final chunk; None if the server sent none."
+    )
+    t_send: float = Field(description="perf_counter just before the request was sent.")
+    t_first_delta: float | None = Field(
+        default=None, description="Arrival of the first chunk carrying content, reasoning or tool calls."
+    )
+    t_first_content: float | None = Field(
+        default=None, description="Arrival of the first chunk with non-empty delta.content (or text)."
+    )
+    chunk_times: list[float] = Field(
+        default_factory=list, description="Arrival of every token-bearing chunk, in order."
+    )
+    t_end: float = Field(description="End of the stream ([DONE], close, error or timeout).")
+    status_code: int | None = Field(default=None, description="HTTP status; None if no response came.")
+    finish_reason: str | None = Field(default=None, description="Last finish_reason the server sent.")
+    saw_done: bool = Field(default=False, description="The stream ended with 'data: [DONE]'.")
+    error: str | None = Field(default=None, description="Why the request failed; None if it succeeded.")
+
+    @property
+    def ok(self) -> bool:
+        """The request succeeded."""
+        return self.error is None
+
+
+class WorkloadResult(BaseModel):
+    """All records of one workload run, warm-up included (flagged), and the measured window."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: str = Field(description="Workload name.")
+    records: list[RequestRecord] = Field(description="One record per request, ordered by index.")
+    t_start: float = Field(description="perf_counter of the first measured send.")
+    t_end: float = Field(description="perf_counter of the last measured stream end.")
+    started_at_unix_s: float = Field(description="Wall-clock time (time.time()) of the first measured send.")
+
+    @property
+    def duration_s(self) -> float:
+        """Length of the measured window."""
+        return self.t_end - self.t_start
+
+
+async def run_workload(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    api_key: SecretStr | None,
+    workload: WorkloadSpec,
+    prompts: list[Prompt],
+    on_progress: Callable[[int, int], None] | None = None,
+) -> WorkloadResult:
+    """Send a workload's requests, streaming, with ``workload.concurrency`` in flight at once.
+
+    The first ``workload.warmup_requests`` prompts are warm-up requests, sent first at the same
+    concurrency and recorded with ``warmup=True``; the next ``workload.num_requests`` prompts are the
+    measured ones. ``prompts`` must hold at least that many. Requests go to
+    ``{base_url}/chat/completions`` or ``{base_url}/completions`` (``base_url`` includes its path,
+    e.g. ``http://127.0.0.1:8000/v1``) with ``stream``, ``stream_options.include_usage``,
+    ``max_tokens = workload.output_tokens``, ``temperature 0`` and ``ignore_eos`` when the workload
+    asks for it. Each request has ``workload.request_timeout_s`` in total (it also replaces the
+    client's own connect/read/write/pool timeouts for these requests).
+
+    ``client`` must allow at least ``concurrency`` connections (httpx's default pool allows 100):
+    waiting for a pooled connection would count as server time. ``on_progress(done, total)`` is called
+    after each request, warm-up included.
+
+    Raises:
+        BenchmarkError: fewer prompts than warm-up plus measured requests, or an invalid base URL.
+            Failed requests do not raise: they are records with ``error`` set.
+    """
+    warmup_n, measured_n = workload.warmup_requests, workload.num_requests
+    if len(prompts) < warmup_n + measured_n:
+        raise BenchmarkError(
+            f"workload {workload.name!r} needs {warmup_n + measured_n} prompts "
+            f"({warmup_n} warm-up + {measured_n} measured), got {len(prompts)}: generate "
+            "warmup_requests + num_requests prompts"
+        )
+    secret = api_key.get_secret_value() if api_key is not None else None
+    url = base_url.rstrip("/") + ("/chat/completions" if workload.api == "chat" else "/completions")
+    try:
+        parsed = httpx.URL(url)
+        problem = None if parsed.scheme in ("http", "https") and parsed.host else "no http(s) scheme or host"
+    except httpx.InvalidURL as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise BenchmarkError(
+            f"base URL {base_url!r} is not a valid URL ({problem}): give scheme, host and path, "
+            "e.g. 'http://127.0.0.1:8000/v1'"
+        )
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if secret:
+        headers["Authorization"] = f"Bearer {secret}"
+    total = warmup_n + measured_n
+    progress = _Progress(total, on_progress)
+
+    async def one(index: int, warmup: bool) -> RequestRecord:
+        record = await _send(client, url, headers, model, workload, prompts[index], index, warmup, secret)
+        progress.step()
+        return record
+
+    warm = await _pool(range(warmup_n), workload.concurrency, lambda i: one(i, True))
+    wall0, perf0 = time.time(), time.perf_counter()
+    measured = await _pool(range(warmup_n, total), workload.concurrency, lambda i: one(i, False))
+    failed = [r for r in measured if not r.ok]
+    if failed:
+        log.warning(
+            "workload %s: %d of %d measured requests failed; first error: %s",
+            workload.name,
+            len(failed),
+            len(measured),
+            failed[0].error,
+        )
+    t_start = min(r.t_send for r in measured)
+    return WorkloadResult(
+        workload=workload.name,
+        records=warm + measured,
+        t_start=t_start,
+        t_end=max(r.t_end for r in measured),
+        started_at_unix_s=wall0 + (t_start - perf0),
+    )
+
+
+async def _pool(
+    indices: range, concurrency: int, send: Callable[[int], Awaitable[RequestRecord]]
+) -> list[RequestRecord]:
+    """Run ``send`` over ``indices`` with at most ``concurrency`` in flight; records by index."""
+    results: dict[int, RequestRecord] = {}
+    todo: Iterator[int] = iter(indices)
+
+    async def worker() -> None:
+        # One worker per slot: a slot takes the next request as soon as its previous one ends, so
+        # exactly `concurrency` are in flight while work remains. next() cannot interleave in asyncio.
+        for index in todo:
+            results[index] = await send(index)
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(min(concurrency, len(indices))):
+            group.create_task(worker())
+    return [results[i] for i in indices]
+
+
+@dataclass
+class _Progress:
+    total: int
+    callback: Callable[[int, int], None] | None
+    done: int = 0
+
+    def step(self) -> None:
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+
+@dataclass
+class _Stream:
+    """Mutable state of one request while its stream is read."""
+
+    t_first_delta: float | None = None
+    t_first_content: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    usage_prompt_tokens: int | None = None
+    usage_output_tokens: int | None = None
+    finish_reason: str | None = None
+    saw_done: bool = False
+    data_lines: int = 0
+    error: str | None = None
+
+
+def _body(model: str, workload: WorkloadSpec, prompt: Prompt) -> bytes:
+    body: dict[str, Any] = {"model": model}
+    if workload.api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt.text}]
+    else:
+        body["prompt"] = prompt.text
+    body.update(
+        max_tokens=workload.output_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    if workload.ignore_eos:
+        body["ignore_eos"] = True
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    workload: WorkloadSpec,
+    prompt: Prompt,
+    index: int,
+    warmup: bool,
+    secret: str | None,
+) -> RequestRecord:
+    # Serialize before stamping t_send: JSON-encoding a 200K-token prompt is client work, not TTFT.
+    content = _body(model, workload, prompt)
+    state = _Stream()
+    status: int | None = None
+    timeout_s = workload.request_timeout_s
+    t_send = time.perf_counter()
+    t_end: float | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream(
+                "POST", url, content=content, headers=headers, timeout=timeout_s
+            ) as response:
+                status = response.status_code
+                if not 200 <= status < 300:  # errors, and redirects httpx does not follow
+                    text = (await response.aread()).decode("utf-8", "replace")
+                    state.error = f"HTTP {status} from {url}: {_short(text)}"
+                else:
+                    t_end = await _read(response, state)
+    except TimeoutError:
+        state.error = f"timed out after {timeout_s} s (workload request_timeout_s)"
+    except httpx.HTTPError as exc:
+        state.error = f"{type(exc).__name__} talking to {url}: {_short(str(exc)) or 'no detail'}"
+    except Exception as exc:  # one request's surprise must not lose the other records
+        log.debug("request %d to %s raised", index, url, exc_info=True)
+        state.error = f"unexpected {type(exc).__name__}: {_short(str(exc)) or 'no detail'}"
+    if t_end is None:
+        t_end = time.perf_counter()
+    if state.error is None:
+        state.error = _zero_output_error(state)
+    return RequestRecord(
+        index=index,
+        warmup=warmup,
+        prompt_tokens=prompt.tokens,
+        max_tokens=workload.output_tokens,
+        usage_prompt_tokens=state.usage_prompt_tokens,
+        usage_output_tokens=state.usage_output_tokens,
+        t_send=t_send,
+        t_first_delta=state.t_first_delta,
+        t_first_content=state.t_first_content,
+        chunk_times=state.chunk_times,
+        t_end=t_end,
+        status_code=status,
+        finish_reason=state.finish_reason,
+        saw_done=state.saw_done,
+        error=_scrub(state.error, secret),
+    )
+
+
+async def _read(response: httpx.Response, state: _Stream) -> float:
+    """Read SSE ``data:`` lines until ``[DONE]``, an error or the end; return the end stamp."""
+    buffer = b""
+    async for piece in response.aiter_bytes():
+        now = time.perf_counter()  # arrival of every line this read completes
+        buffer += piece
+        start = 0
+        while (cut := buffer.find(b"\n", start)) >= 0:
+            line, start = buffer[start:cut], cut + 1
+            if _line(line.rstrip(b"\r"), now, state):
+                return now
+        buffer = buffer[start:]
+    if buffer.strip():
+        _line(buffer.strip(), time.perf_counter(), state)
+    if state.data_lines == 0 and state.error is None:
+        kind = response.headers.get("content-type", "no content-type")
+        state.error = f"the response ({kind}) was not an SSE stream: no 'data:' lines"
+    return time.perf_counter()
+
+
+def _line(line: bytes, now: float, state: _Stream) -> bool:
+    """Handle one SSE line stamped ``now``; True when the stream is over."""
+    if not line.startswith(b"data:"):
+        return False  # blank separators, ': keep-alive' comments, event:/id: fields
+    payload = line[5:].strip()
+    if not payload:
+        return False
+    state.data_lines += 1
+    if payload == b"[DONE]":
+        state.saw_done = True
+        return True
+    try:
+        chunk = json.loads(payload)
+    except ValueError:
+        state.error = f"malformed SSE data (not JSON): {_short(payload.decode('utf-8', 'replace'))}"
+        return True
+    if not isinstance(chunk, dict):
+        state.error = f"unexpected SSE data (not a JSON object): {_short(payload.decode('utf-8', 'replace'))}"
+        return True
+    if chunk.get("error") is not None:
+        state.error = f"server error in stream: {_short(json.dumps(chunk['error'], ensure_ascii=False))}"
+        return True
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        state.usage_prompt_tokens = _int(usage.get("prompt_tokens"), state.usage_prompt_tokens)
+        state.usage_output_tokens = _int(usage.get("completion_tokens"), state.usage_output_tokens)
+    any_token = content = False
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason"):
+            state.finish_reason = str(choice["finish_reason"])
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            has_content = _text(delta.get("content"))
+            content = content or has_content
+            any_token = (
+                any_token
+                or has_content
+                or any(_text(delta.get(k)) for k in _DELTA_TOKEN_FIELDS[1:])
+                or bool(delta.get("tool_calls"))
+            )
+        elif _text(choice.get("text")):  # /v1/completions
+            any_token = content = True
+    if any_token:
+        state.chunk_times.append(now)
+        if state.t_first_delta is None:
+            state.t_first_delta = now
+    if content and state.t_first_content is None:
+        state.t_first_content = now
+    return False
+
+
+def _text(value: object) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def _int(value: object, default: int | None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _zero_output_error(state: _Stream) -> str | None:
+    if state.usage_output_tokens == 0 or (state.usage_output_tokens is None and not state.chunk_times):
+        return (
+            "the stream ended with zero output tokens "
+            f"(usage.completion_tokens={state.usage_output_tokens}, token-bearing chunks=0, "
+            f"finish_reason={state.finish_reason})"
+        )
+    if not state.chunk_times:
+        return (
+            f"usage reports {state.usage_output_tokens} output tokens but no chunk carried content, "
+            "reasoning or tool calls: the stream was cut or the client cannot see its tokens"
+        )
+    return None
+
+
+def _short(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS] + f"... [{len(text)} chars]"
+
+
+def _scrub(text: str | None, secret: str | None) -> str | None:
+    # A gateway may echo request headers in its error page: never let the key into a record.
+    if text is None or not secret:
+        return text
+    return text.replace(secret, "***")

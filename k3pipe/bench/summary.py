@@ -1,0 +1,321 @@
+"""Summaries of a workload's records: pure functions, no I/O.
+
+Latency statistics cover measured (non-warm-up) successful requests only:
+
+- ``ttft_ms``: send -> first token-bearing delta (content, reasoning or tool calls).
+- ``content_ttft_ms``: send -> first non-empty ``content``; requests that never reached content
+  (reasoning only) are left out, so its ``count`` can be smaller.
+- ``tpot_ms``: ``(e2e - ttft) / (output_tokens - 1)`` per request; undefined for <= 1 token.
+- ``itl_ms``: gaps between consecutive token-bearing chunks, pooled over requests. A chunk can carry
+  several tokens (speculative decoding), so ITL is per chunk while TPOT is per token.
+- ``e2e_ms``: send -> end of stream.
+
+Throughput is cross-checked against its physical ceiling (field-notes rule 2): a server cannot emit
+more than ``max_tokens`` per request, so ``sum(max_tokens) / window`` bounds any honest output
+throughput; a figure above it means the token count or the window is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
+
+from k3pipe.bench.client import RequestRecord, WorkloadResult
+
+__all__ = [
+    "LatencyStats",
+    "ThroughputCheck",
+    "WorkloadSummary",
+    "check_throughput",
+    "records_frame",
+    "summarize",
+]
+
+# Relative slack before a throughput counts as above its ceiling (float noise, rounding of claims).
+_BOUND_TOLERANCE = 0.001
+
+
+class LatencyStats(BaseModel):
+    """Mean and percentiles of one latency, in the unit its name carries.
+
+    Percentiles are ``numpy.percentile`` with its default method, ``"linear"``: the value at rank
+    ``p/100 * (n - 1)`` of the sorted sample, interpolated linearly between neighbours.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    count: int = Field(description="Values the statistics are computed from.")
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> LatencyStats | None:
+        """Statistics of ``values``; None when there are none."""
+        if not values:
+            return None
+        arr = np.asarray(values, dtype=float)
+        p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+        return cls(count=arr.size, mean=float(arr.mean()), p50=float(p50), p90=float(p90), p99=float(p99))
+
+
+class ThroughputCheck(BaseModel):
+    """A throughput figure against the physical ceiling ``total_tokens / wall_s``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    claimed_tps: float = Field(description="The throughput figure being checked.")
+    ceiling_tps: float = Field(description="Most tokens per second the run could have produced.")
+    ratio: float = Field(description="claimed / ceiling (above 1 is impossible).")
+    exceeds: bool = Field(description="The claim is above the ceiling (beyond 0.1% slack).")
+
+
+class WorkloadSummary(BaseModel):
+    """Counts, throughput and latency statistics of the measured requests of one workload."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workload: str
+    requests: int = Field(description="Measured requests sent.")
+    completed: int = Field(description="Measured requests that succeeded.")
+    failed: int = Field(description="Measured requests that failed.")
+    warmup_requests: int = Field(description="Warm-up requests sent before the window (not measured).")
+    duration_s: float = Field(description="Measured window: first measured send to last measured end.")
+    request_throughput_rps: float | None = Field(description="completed / duration_s.")
+    input_tokens_total: int = Field(description="Client-side prompt tokens of completed requests.")
+    server_input_tokens_total: int | None = Field(
+        description=(
+            "usage.prompt_tokens of completed requests (chat template included); None if any lacked it."
+        )
+    )
+    output_tokens_total: int = Field(description="Output tokens of completed requests (usage).")
+    output_tokens_from_chunks: bool = Field(
+        description="Some request had no usage: its tokens were counted as token-bearing chunks (a floor)."
+    )
+    output_throughput_tps: float | None = Field(description="output_tokens_total / duration_s.")
+    output_throughput_bound_tps: float | None = Field(
+        description="Physical ceiling: sum of max_tokens of completed requests / duration_s."
+    )
+    throughput_exceeds_bound: bool = Field(description="output_throughput_tps above its ceiling.")
+    ttft_ms: LatencyStats | None = Field(description="Time to first token-bearing delta.")
+    content_ttft_ms: LatencyStats | None = Field(description="Time to first non-empty content.")
+    tpot_ms: LatencyStats | None = Field(description="Time per output token after the first.")
+    itl_ms: LatencyStats | None = Field(description="Gaps between token-bearing chunks, pooled.")
+    e2e_ms: LatencyStats | None = Field(description="Send to end of stream.")
+    errors: dict[str, int] = Field(description="Failed measured requests by error text.")
+
+    def metrics(self) -> dict[str, float]:
+        """A flat dict of numbers with unit-suffixed names (e.g. ``ttft_ms_p99``), Nones left out."""
+        out: dict[str, float] = {
+            "requests": float(self.requests),
+            "completed": float(self.completed),
+            "failed": float(self.failed),
+            "warmup_requests": float(self.warmup_requests),
+            "duration_s": self.duration_s,
+            "input_tokens_total": float(self.input_tokens_total),
+            "output_tokens_total": float(self.output_tokens_total),
+            "output_tokens_from_chunks": float(self.output_tokens_from_chunks),
+            "throughput_exceeds_bound": float(self.throughput_exceeds_bound),
+        }
+        optional = {
+            "request_throughput_rps": self.request_throughput_rps,
+            "output_throughput_tps": self.output_throughput_tps,
+            "output_throughput_bound_tps": self.output_throughput_bound_tps,
+            "server_input_tokens_total": self.server_input_tokens_total,
+        }
+        out.update({k: float(v) for k, v in optional.items() if v is not None})
+        for name in ("ttft_ms", "content_ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            stats: LatencyStats | None = getattr(self, name)
+            if stats is not None:
+                out.update(
+                    {
+                        f"{name}_mean": stats.mean,
+                        f"{name}_p50": stats.p50,
+                        f"{name}_p90": stats.p90,
+                        f"{name}_p99": stats.p99,
+                    }
+                )
+        return out
+
+
+def summarize(result: WorkloadResult) -> WorkloadSummary:
+    """Summarize the measured requests of ``result`` (warm-up and failed requests excluded)."""
+    measured = [r for r in result.records if not r.warmup]
+    ok = [r for r in measured if r.ok]
+    duration_s = result.t_end - result.t_start
+    counted = [_output_tokens(r) for r in ok]
+    output_total = sum(n for n, _ in counted)
+    bound_total = sum(r.max_tokens for r in ok)
+    output_tps = output_total / duration_s if duration_s > 0 else None
+    bound_tps = bound_total / duration_s if duration_s > 0 else None
+    usage_inputs = [r.usage_prompt_tokens for r in ok]
+    return WorkloadSummary(
+        workload=result.workload,
+        requests=len(measured),
+        completed=len(ok),
+        failed=len(measured) - len(ok),
+        warmup_requests=len(result.records) - len(measured),
+        duration_s=duration_s,
+        request_throughput_rps=len(ok) / duration_s if duration_s > 0 else None,
+        input_tokens_total=sum(r.prompt_tokens for r in ok),
+        server_input_tokens_total=(
+            sum(n for n in usage_inputs if n is not None)
+            if ok and all(n is not None for n in usage_inputs)
+            else None
+        ),
+        output_tokens_total=output_total,
+        output_tokens_from_chunks=any(from_chunks for _, from_chunks in counted),
+        output_throughput_tps=output_tps,
+        output_throughput_bound_tps=bound_tps,
+        throughput_exceeds_bound=(
+            output_tps is not None
+            and bound_tps is not None
+            and output_tps > bound_tps * (1 + _BOUND_TOLERANCE)
+        ),
+        ttft_ms=LatencyStats.of(_present(_ttft_ms(r) for r in ok)),
+        content_ttft_ms=LatencyStats.of(_present(_content_ttft_ms(r) for r in ok)),
+        tpot_ms=LatencyStats.of(_present(_tpot_ms(r) for r in ok)),
+        itl_ms=LatencyStats.of([gap for r in ok for gap in _itl_ms(r)]),
+        e2e_ms=LatencyStats.of([_e2e_ms(r) for r in ok]),
+        errors=dict(Counter(r.error for r in measured if r.error is not None)),
+    )
+
+
+def check_throughput(claimed_tps: float, total_tokens: float, wall_s: float) -> ThroughputCheck:
+    """Check a throughput figure (engine-reported, a tool's, a paper's) against tokens / wall time.
+
+    ``total_tokens`` is the most tokens the run could have produced (e.g. requests x max_tokens) and
+    ``wall_s`` its wall time. The study's case: 1111.61 tok/s claimed for 10 x 3000 tokens in 295.21 s,
+    whose ceiling is 101.6 tok/s, so the claim exceeds it about 11x.
+    """
+    if wall_s <= 0:
+        raise ValueError(f"wall_s must be > 0, got {wall_s}")
+    ceiling = total_tokens / wall_s
+    ratio = claimed_tps / ceiling if ceiling > 0 else float("inf")
+    return ThroughputCheck(
+        claimed_tps=claimed_tps,
+        ceiling_tps=ceiling,
+        ratio=ratio,
+        exceeds=claimed_tps > ceiling * (1 + _BOUND_TOLERANCE),
+    )
+
+
+def records_frame(result: WorkloadResult) -> pd.DataFrame:
+    """One row per request (warm-up included, flagged), for saving as parquet.
+
+    Stamps become seconds relative to ``result.t_start`` (``*_s`` columns; warm-up stamps are
+    negative); derived per-request latencies are in ms; ``chunk_times_s`` is a JSON list of relative
+    arrival times.
+    """
+    t0 = result.t_start
+    rows = []
+    for r in result.records:
+        tokens, from_chunks = _output_tokens(r)
+        rows.append(
+            {
+                "index": r.index,
+                "warmup": r.warmup,
+                "ok": r.ok,
+                "error": r.error,
+                "status_code": r.status_code,
+                "finish_reason": r.finish_reason,
+                "saw_done": r.saw_done,
+                "prompt_tokens": r.prompt_tokens,
+                "max_tokens": r.max_tokens,
+                "usage_prompt_tokens": r.usage_prompt_tokens,
+                "usage_output_tokens": r.usage_output_tokens,
+                "output_tokens": tokens,
+                "output_tokens_from_chunks": from_chunks,
+                "chunks": len(r.chunk_times),
+                "t_send_s": r.t_send - t0,
+                "t_first_delta_s": _minus(r.t_first_delta, t0),
+                "t_first_content_s": _minus(r.t_first_content, t0),
+                "t_end_s": r.t_end - t0,
+                "ttft_ms": _ttft_ms(r),
+                "content_ttft_ms": _content_ttft_ms(r),
+                "tpot_ms": _tpot_ms(r),
+                "e2e_ms": _e2e_ms(r),
+                "chunk_times_s": json.dumps([t - t0 for t in r.chunk_times]),
+            }
+        )
+    frame = pd.DataFrame(rows, columns=_COLUMNS)
+    for column in ("status_code", "usage_prompt_tokens", "usage_output_tokens"):
+        frame[column] = frame[column].astype("Int64")
+    for column in ("t_first_delta_s", "t_first_content_s", "ttft_ms", "content_ttft_ms", "tpot_ms"):
+        frame[column] = frame[column].astype("float64")
+    return frame
+
+
+_COLUMNS = [
+    "index",
+    "warmup",
+    "ok",
+    "error",
+    "status_code",
+    "finish_reason",
+    "saw_done",
+    "prompt_tokens",
+    "max_tokens",
+    "usage_prompt_tokens",
+    "usage_output_tokens",
+    "output_tokens",
+    "output_tokens_from_chunks",
+    "chunks",
+    "t_send_s",
+    "t_first_delta_s",
+    "t_first_content_s",
+    "t_end_s",
+    "ttft_ms",
+    "content_ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "chunk_times_s",
+]
+
+
+# Per-request derivations: None when the data is missing.
+
+
+def _output_tokens(r: RequestRecord) -> tuple[int, bool]:
+    """Output tokens from usage, else the token-bearing chunk count (flagged True: a floor)."""
+    if r.usage_output_tokens is not None:
+        return r.usage_output_tokens, False
+    return len(r.chunk_times), True
+
+
+def _ttft_ms(r: RequestRecord) -> float | None:
+    return None if r.t_first_delta is None else (r.t_first_delta - r.t_send) * 1000.0
+
+
+def _content_ttft_ms(r: RequestRecord) -> float | None:
+    return None if r.t_first_content is None else (r.t_first_content - r.t_send) * 1000.0
+
+
+def _e2e_ms(r: RequestRecord) -> float:
+    return (r.t_end - r.t_send) * 1000.0
+
+
+def _tpot_ms(r: RequestRecord) -> float | None:
+    ttft = _ttft_ms(r)
+    tokens, _ = _output_tokens(r)
+    if ttft is None or tokens <= 1:
+        return None
+    return (_e2e_ms(r) - ttft) / (tokens - 1)
+
+
+def _itl_ms(r: RequestRecord) -> list[float]:
+    return (np.diff(np.asarray(r.chunk_times, dtype=float)) * 1000.0).tolist()
+
+
+def _present(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def _minus(t: float | None, t0: float) -> float | None:
+    return None if t is None else t - t0

