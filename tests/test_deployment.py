@@ -52,14 +52,20 @@ def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
     log = (tmp_path / "server.log").open("wb")
     server = subprocess.Popen(
         [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
         while True:
             assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2, trust_env=False).status_code == 200:
+                if (
+                    httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2, trust_env=False).status_code
+                    == 200
+                ):
                     break
             except httpx.TransportError:
                 pass
@@ -83,11 +89,16 @@ def test_benchmark_deployment_runs_on_a_worker(
                 "name": "gateway",
                 "engine": {"kind": "vllm"},
                 "launcher": {"kind": "external"},
-                "endpoint": {"base_url": vllm_engine.base_url, "api_key_env": "ENGINE_KEY",
-                             "model": vllm_engine.model},
+                "endpoint": {
+                    "base_url": vllm_engine.base_url,
+                    "api_key_env": "ENGINE_KEY",
+                    "model": vllm_engine.model,
+                },
             }
         ],
-        "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4}],
+        "workloads": [
+            {"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4}
+        ],
     }
     # the tokenizer comes from the model directory: point the local model at the tiny model
     from tests.conftest import TINY_MODEL
@@ -97,7 +108,9 @@ def test_benchmark_deployment_runs_on_a_worker(
     exp.write_text(yaml.safe_dump(experiment))
 
     def prefect(*args: str, timeout: float = 120) -> str:
-        out = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            [PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout
 
@@ -106,11 +119,20 @@ def test_benchmark_deployment_runs_on_a_worker(
     worker_log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen(
         [PREFECT, "worker", "start", "--pool", "k3pipe"],
-        cwd=tmp_path, env=env, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         out = prefect(
-            "deployment", "run", "benchmark/benchmark", "--param", f"experiment={exp}", "--watch",
+            "deployment",
+            "run",
+            "benchmark/benchmark",
+            "--param",
+            f"experiment={exp}",
+            "--watch",
             timeout=400,
         )
         assert "Completed" in out
@@ -126,6 +148,7 @@ def test_benchmark_deployment_runs_on_a_worker(
     assert list(runs["status"]) == ["FINISHED"]
     run = tracker.client.get_run(runs["run_id"][0])
     assert run.data.params["launcher"] == "external"
-    assert "prefect.flow_run_id" in run.data.tags and run.data.tags["prefect.flow_run_id"] != "none"
+    assert "prefect.flow_run_id" in run.data.tags
+    assert run.data.tags["prefect.flow_run_id"] != "none"
     assert "cold_start_s" not in run.data.metrics
     assert vllm_engine.api_key not in (tmp_path / "worker.log").read_text()

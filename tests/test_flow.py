@@ -92,8 +92,12 @@ def test_flow_records_everything_in_mlflow(
     monkeypatch.setenv("K3PIPE_DEMO_API_KEY", key)
     data = demo_experiment(port, WORKLOADS)
     # the weights come through the model step: the real modelscope client, the scripted hub
-    data["model"] = {"source": "modelscope", "id": "k3pipe/tiny-llama", "revision": "v1",
-                     "served_name": "tiny-llama"}
+    data["model"] = {
+        "source": "modelscope",
+        "id": "k3pipe/tiny-llama",
+        "revision": "v1",
+        "served_name": "tiny-llama",
+    }
     files = {p.name: p.read_bytes() for p in TINY_MODEL.iterdir() if p.is_file()}
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(data))
@@ -117,7 +121,8 @@ def test_flow_records_everything_in_mlflow(
     assert params["env.VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert re.fullmatch(r"[0-9a-f]{64}", params["model.digest"])
     assert int(params["model.files"]) == len(files)
-    assert params["model.id"] == "k3pipe/tiny-llama" and params["model.resolved_revision"] == "v1"
+    assert params["model.id"] == "k3pipe/tiny-llama"
+    assert params["model.resolved_revision"] == "v1"
     home = Path(os.environ["K3PIPE_HOME"])
     assert params["model.path"] == str((home / "models" / "k3pipe" / "tiny-llama" / "v1").resolve())
     assert params["k3pipe_commit"] != ""
