@@ -8,8 +8,11 @@ Nothing here imports Prefect; progress goes to an optional callback.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import SecretStr
@@ -33,6 +36,7 @@ from k3pipe.specs import WorkloadSpec
 __all__ = ["benchmark_workload", "engine_version", "launch_engine", "wait_ready"]
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
 
 
 def launch_engine(plan: ArmPlan, log_path: Path, settings: Settings, api_key: SecretStr | None) -> Launcher:
@@ -107,5 +111,52 @@ def benchmark_workload(
                 client, plan.base_url, plan.model, api_key, workload, prompts, on_progress=on_progress
             )
 
-    result = asyncio.run(go())
+    result = _run_interruptibly(go)
     return result, summarize(result)
+
+
+def _run_interruptibly(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``asyncio.run`` that honours SIGINT and SIGTERM promptly.
+
+    A Python signal handler that raises (KeyboardInterrupt, Prefect's TerminationSignal) can fire
+    inside the event loop's own socket code, where asyncio logs and swallows it, and the benchmark
+    would run on. Here the loop catches the signal, cancels the workload, and once the loop is closed
+    re-delivers the signal to the handler that was installed before, outside the loop.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(make())
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = [sig for sig, handler in previous.items() if handler is not signal.SIG_IGN]
+    received: list[signal.Signals] = []
+
+    async def main() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def on_signal(sig: signal.Signals) -> None:
+            received.append(sig)
+            task.cancel()
+
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await make()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        if not received:
+            raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # Interrupted: hand the signal to the handler that was installed before (Prefect's raises
+    # TerminationSignal, Python's SIGINT handler KeyboardInterrupt). With no Python-level handler the
+    # default action would end the process at once, skipping teardown: raise KeyboardInterrupt.
+    if callable(previous[received[0]]):
+        signal.raise_signal(received[0])
+    raise KeyboardInterrupt(f"interrupted by signal {signal.Signals(received[0]).name}")

@@ -231,9 +231,12 @@ def test_interrupt_during_benchmark_leaves_no_engine(tmp_path: Path, sig: signal
         assert _processes_in_group(pgid), "engine not running during the benchmark"
         time.sleep(3)
         proc.send_signal(sig)
-        proc.wait(timeout=120)
-        out.seek(0)
-        text = out.read()
+        try:
+            proc.wait(timeout=120)
+        finally:
+            out.seek(0)
+            text = out.read()
+            print(text[-4000:])
         assert proc.returncode != 0
         assert _processes_in_group(pgid) == [], text[-3000:]
         assert _processes_with_port(port) == []
