@@ -21,6 +21,7 @@ __all__ = [
     "EndpointSpec",
     "EngineSpec",
     "ExperimentSpec",
+    "HardwareSpec",
     "LauncherSpec",
     "LocalModel",
     "ModelScopeModel",
@@ -127,6 +128,31 @@ class LauncherSpec(_Spec):
     stop_timeout_s: float = Field(
         default=30.0, gt=0, description="Grace period after SIGTERM before SIGKILL of the group."
     )
+    gpus: int | list[str] | None = Field(
+        default=None,
+        description="docker: GPUs to request, a count (e.g. 8) or device ids (['0','1']); none if unset.",
+    )
+    ipc: str | None = Field(default="host", description="docker: IPC namespace ('host' for NCCL).")
+    shm_size: str | None = Field(default=None, description="docker: /dev/shm size, e.g. '32g'.")
+    network: str = Field(
+        default="host", description="docker: network mode; 'host' so the engine binds the host's port."
+    )
+    model_mount: str = Field(
+        default="/models", description="docker: where model directories are mounted (read-only)."
+    )
+    init: bool = Field(default=True, description="docker: run an init process as PID 1 (reaps zombies).")
+    pull: Literal["if-missing", "always", "never"] = Field(
+        default="if-missing",
+        description="docker: pull the image always, only when its digest is not present, or never.",
+    )
+
+
+class HardwareSpec(_Spec):
+    """The accelerators the experiment is planned for (preflight's capacity estimates use them)."""
+
+    gpu_name: str = Field(description="Accelerator model, e.g. 'NVIDIA B300'.")
+    gpu_count: int = Field(ge=1, description="Accelerators on the node.")
+    gpu_memory_gib: float = Field(gt=0, description="Memory visible per accelerator, in GiB.")
 
 
 class EndpointSpec(_Spec):
@@ -208,6 +234,9 @@ class ExperimentSpec(_Spec):
     extra_models: dict[str, ModelSpec] = Field(
         default_factory=dict,
         description="Further models (e.g. a speculative draft), referenced in args as '{models.NAME}'.",
+    )
+    hardware: HardwareSpec | None = Field(
+        default=None, description="The node the experiment is planned for (for preflight estimates)."
     )
     arms: list[ArmSpec] = Field(min_length=1, description="Engine configurations to run.")
     workloads: list[WorkloadSpec] = Field(min_length=1, description="Workloads each arm runs.")
