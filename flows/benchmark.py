@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_client, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 
@@ -27,6 +28,8 @@ from tasks.steps import (
     health_gate_task,
     load_experiment_task,
     plan_arm_task,
+    pull_image_task,
+    reap_orphans_task,
     start_engine_task,
     wait_ready_task,
 )
@@ -37,6 +40,18 @@ def _flow_run_id() -> str:
         return str(get_run_context().flow_run.id)  # type: ignore[union-attr]
     except Exception:
         return "none"
+
+
+def _flow_run_is_running(flow_run_id: str) -> bool:
+    """Whether a flow run (from a container's label) is still going; unknown ids are not."""
+    if flow_run_id == _flow_run_id():
+        return True
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(flow_run_id)).state
+    except Exception:
+        return False
+    return state is not None and not state.is_final()
 
 
 def _run_arm(
@@ -65,7 +80,12 @@ def _run_arm(
     error: BaseException | None = None
     try:
         recorder.log_plan(spec, experiment, models)
-        launcher = start_engine_task(plan, log_path, settings)
+        image = None
+        if plan.launcher == "docker":
+            image = pull_image_task(plan)
+            recorder.log_image(image, plan)
+        labels = {"k3pipe.flow_run_id": _flow_run_id(), "k3pipe.mlflow_run_id": recorder.run_id}
+        launcher = start_engine_task(plan, log_path, settings, image, labels)
         cold = wait_ready_task(plan, launcher)
         check = health_gate_task(plan)
         recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
@@ -115,6 +135,8 @@ def benchmark(
     for name in selected:
         spec.arm(name)  # unknown arm names fail before anything starts
     home = settings.home_dir
+    if any(spec.arm(name).launcher.kind == "docker" for name in selected):
+        reap_orphans_task(_flow_run_is_running)
     models = {"model": fetch_model_task("model", spec.model, home)}
     for name, extra in spec.extra_models.items():
         models[name] = fetch_model_task(name, extra, home)

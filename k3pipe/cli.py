@@ -47,6 +47,9 @@ def render(
             else:
                 print("# command")
             print(" \\\n    ".join(_groups(plan.command.redacted_argv())))
+            if plan.launcher == "docker":
+                print("# the same, as docker run (k3pipe launches the image by its pinned digest)")
+                print(plan.docker_run())
             print(
                 f"# endpoint: {plan.base_url}  model: {plan.model}  key from: ${plan.api_key_env or '(none)'}"
             )

@@ -6,6 +6,7 @@ next. Library code raises these, always ``from`` the underlying exception.
     K3pipeError
     ├── SpecError             an experiment file or field is invalid
     ├── ModelSourceError      weights could not be fetched or verified
+    ├── ImageError            a container image could not be pulled or resolved to a digest
     ├── LaunchError           the engine could not be started or died before it was healthy
     ├── HealthError           the endpoint does not answer correctly
     │   ├── EndpointAuthError       401/403: key, base URL path or one of the three settings
@@ -20,6 +21,7 @@ __all__ = [
     "BenchmarkError",
     "EndpointAuthError",
     "HealthError",
+    "ImageError",
     "K3pipeError",
     "LaunchError",
     "ModelNotServedError",
@@ -39,6 +41,10 @@ class SpecError(K3pipeError):
 
 class ModelSourceError(K3pipeError):
     """Model weights could not be downloaded, found or verified."""
+
+
+class ImageError(K3pipeError):
+    """A container image could not be pulled or pinned (the message names the image and registry)."""
 
 
 class LaunchError(K3pipeError):

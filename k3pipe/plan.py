@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.engines import RenderedCommand, get_engine, render_args
 from k3pipe.sources import model_dir
-from k3pipe.specs import ArmSpec, ExperimentSpec, expand_home
+from k3pipe.specs import ArmSpec, ExperimentSpec, LauncherSpec, expand_home
 
 __all__ = ["ArmPlan", "default_model_dirs", "plan_arm"]
 
@@ -33,6 +34,31 @@ class ArmPlan(BaseModel):
     version_url: str | None = Field(description="URL that reports the engine version.")
     startup_timeout_s: float
     stop_timeout_s: float
+    launch: LauncherSpec = Field(description="The launcher settings (docker: GPUs, ipc, mounts ...).")
+    mounts: dict[str, str] = Field(
+        default_factory=dict, description="docker: host model directory -> path in the container."
+    )
+
+    def docker_run(self, image: str | None = None) -> str:
+        """The equivalent ``docker run`` command line (secrets redacted), for humans and the record."""
+        spec = self.launch
+        parts = ["docker", "run", "--rm", "--network", spec.network]
+        if spec.ipc:
+            parts += ["--ipc", spec.ipc]
+        if spec.shm_size:
+            parts += ["--shm-size", spec.shm_size]
+        if spec.init:
+            parts.append("--init")
+        if isinstance(spec.gpus, int):
+            parts += ["--gpus", str(spec.gpus)]
+        elif spec.gpus:
+            parts += ["--gpus", f'"device={",".join(spec.gpus)}"']
+        for host, container in self.mounts.items():
+            parts += ["-v", f"{host}:{container}:ro"]
+        for key, value in self.command.redacted_env().items():
+            parts += ["-e", f"{key}={value}"]
+        parts.append(image or self.image or "IMAGE")
+        return shlex.join(parts) + " " + shlex.join(self.command.redacted_argv())
 
 
 def default_model_dirs(exp: ExperimentSpec, home: Path) -> dict[str, str]:
@@ -50,6 +76,15 @@ def plan_arm(
     engine = get_engine(arm.engine.kind)
     engine.check_args(arm.engine.args)
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
+    mounts: dict[str, str] = {}
+    if arm.launcher.kind == "docker":
+        # the engine sees each model read-only under launcher.model_mount
+        in_container = {}
+        for key, host_dir in dirs.items():
+            target = f"{arm.launcher.model_mount.rstrip('/')}/{key.removeprefix('models.')}"
+            mounts[host_dir] = target
+            in_container[key] = target
+        dirs = in_container
     port = arm.launcher.port or engine.default_port
     served = exp.model.served_name
     argv = [
@@ -78,4 +113,6 @@ def plan_arm(
         version_url=None if external or not engine.version_path else root + engine.version_path,
         startup_timeout_s=arm.launcher.startup_timeout_s,
         stop_timeout_s=arm.launcher.stop_timeout_s,
+        launch=arm.launcher,
+        mounts=mounts,
     )

@@ -12,6 +12,7 @@ from k3pipe.health import EndpointCheck
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
 from k3pipe.sources import ModelRecord
+from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.tracking import KEY_METRICS, Tracker
 
@@ -88,6 +89,20 @@ class ArmRecorder:
             ),
             "command.txt",
         )
+
+    def log_image(self, image: ImageRecord, plan: ArmPlan) -> None:
+        """The image as pinned: the digest a rerun must use, and the equivalent docker run."""
+        self.tracker.log_params(
+            self.run_id,
+            {
+                "image.registry": image.registry,
+                "image.digest": image.digest,
+                "image.pinned": image.pinned,
+                "image.pulled": image.pulled,
+                "docker_run": plan.docker_run(image.pinned),
+            },
+        )
+        self.tracker.log_metrics(self.run_id, {"image_pull_s": image.duration_s})
 
     def log_engine(
         self, cold_start_s: float | None, version: str | None, check: EndpointCheck | None

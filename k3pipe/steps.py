@@ -1,6 +1,7 @@
 """The steps of a benchmark, as plain functions: each is what one Prefect task calls.
 
-    launch_engine -> wait_ready -> engine_version -> health gate -> benchmark_workload (xN) -> stop
+    pull_image -> launch_engine -> wait_ready -> engine_version -> health gate
+    -> benchmark_workload (xN) -> stop
 
 Nothing here imports Prefect; progress goes to an optional callback.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,36 +29,76 @@ from k3pipe.bench import (
 from k3pipe.engines import get_engine
 from k3pipe.errors import SpecError
 from k3pipe.health import wait_until_healthy
-from k3pipe.launchers import ExternalLauncher, Launcher, ProcessLauncher
+from k3pipe.launchers import DockerLauncher, ExternalLauncher, Launcher, ProcessLauncher, connect
 from k3pipe.plan import ArmPlan
 from k3pipe.settings import Settings
+from k3pipe.sources.images import ImageRecord, resolve_image
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["benchmark_workload", "engine_version", "launch_engine", "wait_ready"]
+__all__ = ["benchmark_workload", "engine_version", "launch_engine", "pull_image", "wait_ready"]
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
 
 
-def launch_engine(plan: ArmPlan, log_path: Path, settings: Settings, api_key: SecretStr | None) -> Launcher:
-    """Start the engine of ``plan`` (returns once started; see :func:`wait_ready`)."""
+def launch_engine(
+    plan: ArmPlan,
+    log_path: Path,
+    settings: Settings,
+    api_key: SecretStr | None,
+    image: ImageRecord | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> Launcher:
+    """Start the engine of ``plan`` (returns once started; see :func:`wait_ready`).
+
+    docker: the container is created from ``image.pinned`` (the digest), labelled with ``labels``.
+    """
     launcher: Launcher
+    env = dict(plan.command.env)
+    key_var = get_engine(plan.engine).api_key_env_var
+    if api_key is not None and key_var:
+        env[key_var] = api_key.get_secret_value()
     if plan.launcher == "external":
         launcher = ExternalLauncher()
     elif plan.launcher == "process":
-        env = settings.process_env()
-        env.update(plan.command.env)
-        key_var = get_engine(plan.engine).api_key_env_var
-        if api_key is not None and key_var:
-            env[key_var] = api_key.get_secret_value()
-        launcher = ProcessLauncher(plan.command.argv, env, log_path, stop_timeout_s=plan.stop_timeout_s)
-    else:
-        raise SpecError(
-            f"arm {plan.arm!r}: launcher.kind {plan.launcher!r} is not available in this k3pipe version; "
-            "use 'process' (a local engine) or 'external' (an endpoint that is already up)"
+        launcher = ProcessLauncher(
+            plan.command.argv, {**settings.process_env(), **env}, log_path, stop_timeout_s=plan.stop_timeout_s
         )
+    elif plan.launcher == "docker":
+        if image is None:
+            raise SpecError(f"arm {plan.arm!r}: the docker launcher needs the resolved image (pull step)")
+        spec = plan.launch
+        launcher = DockerLauncher(
+            connect(),
+            image.pinned,
+            plan.command.argv,
+            env,
+            log_path,
+            labels={
+                "k3pipe.experiment": plan.experiment,
+                "k3pipe.arm": plan.arm,
+                "k3pipe.engine": plan.engine,
+                **(labels or {}),
+            },
+            mounts=plan.mounts,
+            gpus=spec.gpus,
+            ipc=spec.ipc,
+            shm_size=spec.shm_size,
+            network=spec.network,
+            init=spec.init,
+            stop_timeout_s=plan.stop_timeout_s,
+        )
+    else:
+        raise SpecError(f"arm {plan.arm!r}: unknown launcher.kind {plan.launcher!r}")
     launcher.start()
     return launcher
+
+
+def pull_image(plan: ArmPlan, progress: Progress | None = None) -> ImageRecord:
+    """Pull the arm's image (per launcher.pull) and pin it to its registry digest."""
+    if not plan.image:
+        raise SpecError(f"arm {plan.arm!r}: the docker launcher needs engine.image")
+    return resolve_image(connect(), plan.image, plan.launch.pull, progress=progress)
 
 
 def wait_ready(plan: ArmPlan, launcher: Launcher, progress: Progress | None = None) -> float:

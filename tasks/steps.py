@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -10,10 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from k3pipe import steps
 from k3pipe.bench import WorkloadResult, WorkloadSummary
 from k3pipe.health import EndpointCheck, check_endpoint
-from k3pipe.launchers import Launcher
+from k3pipe.launchers import Launcher, connect, reap_orphans
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord, fetch_model
+from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec, load_experiment
 
 
@@ -48,12 +50,37 @@ def plan_arm_task(spec: ExperimentSpec, arm: str, home: Path, model_dirs: dict[s
     return plan
 
 
+@task(name="reap-orphans", cache_policy=NO_CACHE)
+def reap_orphans_task(is_running: Callable[[str], bool]) -> list[str]:
+    logger = get_run_logger()
+    removed = reap_orphans(connect(), is_running, progress=logger.warning)
+    if removed:
+        logger.warning("removed %d orphan container(s) of earlier runs", len(removed))
+    return removed
+
+
+@task(name="pull-image", cache_policy=NO_CACHE)
+def pull_image_task(plan: ArmPlan) -> ImageRecord:
+    logger = get_run_logger()
+    record = steps.pull_image(plan, progress=logger.info)
+    logger.info(
+        "image %s -> %s (%s)", plan.image, record.pinned, "pulled" if record.pulled else "already present"
+    )
+    return record
+
+
 @task(name="start-engine", cache_policy=NO_CACHE)
-def start_engine_task(plan: ArmPlan, log_path: Path, settings: Settings) -> Launcher:
-    launcher = steps.launch_engine(plan, log_path, settings, read_secret(plan.api_key_env))
-    pid = getattr(launcher, "pid", None)
+def start_engine_task(
+    plan: ArmPlan,
+    log_path: Path,
+    settings: Settings,
+    image: ImageRecord | None = None,
+    labels: dict[str, str] | None = None,
+) -> Launcher:
+    launcher = steps.launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), image, labels)
+    where = getattr(launcher, "container_id", None) or f"pid {getattr(launcher, 'pid', None)}"
     get_run_logger().info(
-        "engine %s started (launcher %s, pid %s, log %s)", plan.engine, plan.launcher, pid, log_path
+        "engine %s started (launcher %s, %s, log %s)", plan.engine, plan.launcher, where, log_path
     )
     return launcher
 

@@ -34,9 +34,12 @@ def _flags(text: str) -> dict[str, object]:
 
 
 def _argv_flags(argv: list[str]) -> dict[str, object]:
+    """Flags of a rendered command; the models' mount points read as field-notes' placeholders."""
     out: dict[str, object] = {}
     flag = None
-    for token in argv:
+    placeholders = {"/models/model": "<model dir>", "/models/draft": "<draft dir>"}
+    for token in argv[argv.index(next(t for t in argv if t.startswith("--"))) :]:
+        token = placeholders.get(token, token)
         if token.startswith("--"):
             flag = token
             assert flag not in out, f"flag {flag} twice"
@@ -83,6 +86,8 @@ def test_sglang_arm_matches_study() -> None:
     assert plan.command.env == {}
     assert _argv_flags(plan.command.argv) == sglang_flags
     assert plan.image == "lmsysorg/sglang:kimi-k3"
+    assert plan.command.argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert plan.mounts == {"<model dir>": "/models/model", "<draft dir>": "/models/draft"}
 
 
 def test_study_workloads() -> None:
@@ -101,6 +106,11 @@ def test_render_cli_prints_the_study(capsys: pytest.CaptureFixture[str]) -> None
     assert "# arm vllm: engine vllm, launcher docker, image vllm/vllm-openai:kimi-k3" in result.output
     assert "--speculative-algorithm DSPARK" in result.output
     assert "VLLM_USE_RUST_FRONTEND=1" in result.output
+    assert "docker run --rm --network host --ipc host --init --gpus 8 -v" in result.output
+    assert "-e VLLM_USE_RUST_FRONTEND=1 vllm/vllm-openai:kimi-k3 --model /models/model" in result.output
+    assert (
+        "lmsysorg/sglang:kimi-k3 python3 -m sglang.launch_server --model-path /models/model" in result.output
+    )
     assert (
         '\'{"mla_prefill_backend":"TRTLLM_RAGGED","use_prefill_query_quantization":true}\'' in result.output
     )

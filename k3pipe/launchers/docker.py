@@ -1,0 +1,217 @@
+"""Run the engine in a container: pinned image, host network, models mounted read-only, labelled.
+
+Every container k3pipe starts carries ``k3pipe.managed=true`` plus the experiment, arm and flow-run
+labels, so a container whose run has ended can always be found and removed (:func:`reap_orphans`);
+a leftover container would hold the GPUs and the next launch would run out of memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+from docker.types import DeviceRequest, Mount
+
+from k3pipe.errors import LaunchError
+from k3pipe.launchers.base import tail_file
+
+__all__ = ["FLOW_RUN_LABEL", "MANAGED_LABEL", "DockerLauncher", "connect", "reap_orphans"]
+
+MANAGED_LABEL = "k3pipe.managed"
+FLOW_RUN_LABEL = "k3pipe.flow_run_id"
+
+_LIVE: weakref.WeakSet[DockerLauncher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for launcher in list(_LIVE):
+        launcher.stop()
+
+
+def connect() -> docker.DockerClient:
+    """A client for the Docker daemon of DOCKER_HOST (or the default socket), or a clear error."""
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+    except docker.errors.DockerException as exc:
+        raise LaunchError(
+            f"the Docker daemon is not reachable ({exc}); start dockerd, or set DOCKER_HOST to its "
+            "socket (the tests' daemon: scripts/docker-env.sh up)"
+        ) from exc
+    return client
+
+
+def device_requests(gpus: int | list[str] | None) -> list[DeviceRequest]:
+    """GPU requests: a count, or device ids; none when unset (a machine without GPUs)."""
+    if gpus is None:
+        return []
+    if isinstance(gpus, int):
+        return [DeviceRequest(count=gpus, capabilities=[["gpu"]])]
+    return [DeviceRequest(device_ids=[str(g) for g in gpus], capabilities=[["gpu"]])]
+
+
+class DockerLauncher:
+    """One engine container: created from a pinned image, its log streamed to a file."""
+
+    kind = "docker"
+
+    def __init__(
+        self,
+        client: docker.DockerClient,
+        image: str,
+        command: list[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        labels: Mapping[str, str],
+        mounts: Mapping[str, str],
+        gpus: int | list[str] | None = None,
+        ipc: str | None = "host",
+        shm_size: str | None = None,
+        network: str = "host",
+        init: bool = True,
+        stop_timeout_s: float = 30.0,
+        name: str | None = None,
+    ) -> None:
+        self.client = client
+        self.image = image
+        self.command = list(command)
+        self.env = dict(env)
+        self.log_path: Path | None = log_path
+        self.labels = {MANAGED_LABEL: "true", **labels}
+        self.mounts = dict(mounts)
+        self.gpus = gpus
+        self.ipc = ipc
+        self.shm_size = shm_size
+        self.network = network
+        self.init = init
+        self.stop_timeout_s = stop_timeout_s
+        self.name = name
+        self.container: Any = None
+        self._log_thread: threading.Thread | None = None
+        self._exit_code: int | None = None
+
+    @property
+    def container_id(self) -> str | None:
+        return None if self.container is None else str(self.container.id)
+
+    def start(self) -> None:
+        if self.container is not None:
+            raise LaunchError(f"container already started ({self.container_id})")
+        kwargs: dict[str, Any] = {
+            "command": self.command,
+            "environment": self.env,
+            "labels": self.labels,
+            "mounts": [
+                Mount(target=c, source=h, type="bind", read_only=True) for h, c in self.mounts.items()
+            ],
+            "network_mode": self.network,
+            "init": self.init,
+            "device_requests": device_requests(self.gpus),
+            "detach": True,
+            "name": self.name,
+        }
+        if self.ipc:
+            kwargs["ipc_mode"] = self.ipc
+        if self.shm_size:
+            kwargs["shm_size"] = self.shm_size
+        try:
+            self.container = self.client.containers.create(self.image, **kwargs)
+        except docker.errors.DockerException as exc:
+            raise LaunchError(f"could not create a container from {self.image}: {exc}") from exc
+        _LIVE.add(self)
+        try:
+            self.container.start()
+        except docker.errors.DockerException as exc:
+            self.stop()
+            raise LaunchError(
+                f"could not start container {self.container_id} from {self.image}: {exc}"
+            ) from exc
+        assert self.log_path is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_thread = threading.Thread(target=self._stream_logs, name="k3pipe-docker-logs", daemon=True)
+        self._log_thread.start()
+
+    def _stream_logs(self) -> None:
+        assert self.log_path is not None
+        with contextlib.suppress(Exception), self.log_path.open("ab") as fh:
+            for chunk in self.container.logs(stream=True, follow=True, stdout=True, stderr=True):
+                fh.write(chunk)
+                fh.flush()
+
+    def _state(self) -> dict[str, Any]:
+        try:
+            self.container.reload()
+        except docker.errors.NotFound:
+            return {"Status": "removed", "ExitCode": self._exit_code}
+        state: dict[str, Any] = self.container.attrs.get("State", {})
+        return state
+
+    def alive(self) -> bool:
+        if self.container is None:
+            return False
+        state = self._state()
+        if state.get("Status") in ("exited", "dead"):
+            self._exit_code = state.get("ExitCode")
+        return state.get("Status") in ("created", "running", "restarting")
+
+    def exit_code(self) -> int | None:
+        if self.container is None:
+            return None
+        if self._exit_code is None:
+            self.alive()
+        return self._exit_code
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=2)  # let the last lines of a dead container land
+        text = tail_file(self.log_path, lines)
+        if not text and self.container is not None:
+            with contextlib.suppress(docker.errors.DockerException):
+                text = self.container.logs(tail=lines).decode(errors="replace")
+        return text
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after the grace period (docker stop), then remove; idempotent."""
+        container = self.container
+        if container is None:
+            return
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+            container.stop(timeout=max(1, int(self.stop_timeout_s)))
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+            container.reload()
+            self._exit_code = container.attrs.get("State", {}).get("ExitCode", self._exit_code)
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=5)
+        _LIVE.discard(self)
+
+
+def reap_orphans(
+    client: docker.DockerClient,
+    is_running: Callable[[str], bool],
+    progress: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Remove k3pipe containers whose flow run is no longer running; returns their ids."""
+    removed = []
+    for container in client.containers.list(all=True, filters={"label": f"{MANAGED_LABEL}=true"}):
+        run_id = container.labels.get(FLOW_RUN_LABEL, "")
+        if run_id and is_running(run_id):
+            continue
+        if progress:
+            progress(
+                f"removing orphan container {container.short_id} ({container.labels.get('k3pipe.arm', '?')} "
+                f"of {container.labels.get('k3pipe.experiment', '?')}, flow run {run_id or 'unknown'})"
+            )
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+        removed.append(str(container.id))
+    return removed
