@@ -21,7 +21,7 @@ ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
 
 TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 
-.PHONY: demo test setup venv engine model system lint clean help
+.PHONY: demo test setup venv engine model system lint clean help docker
 help:
 	@echo "make demo   run experiments/demo-cpu.yaml on the real vLLM (sets everything up first)"
 	@echo "make test   lint, type-check and run every test (sets everything up first)"
@@ -64,8 +64,16 @@ lint: venv
 	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts
 	$(VENV)/bin/mypy
 
-test: setup lint
-	$(VENV)/bin/python -m pytest
+# An isolated dockerd (no bridge, no iptables) + a registry on 127.0.0.1:5055, and the test images.
+# `make test` starts them and stops them after pytest, whatever pytest's outcome (its status is kept).
+docker:
+	scripts/docker-env.sh up
+	scripts/build-base-image.sh && scripts/build-test-image.sh || { scripts/docker-env.sh down; exit 1; }
+
+test: setup lint docker
+	trap 'scripts/docker-env.sh down' EXIT; \
+	eval "$$(scripts/docker-env.sh env)"; \
+	$(VENV)/bin/python -m pytest; status=$$?; exit $$status
 
 clean:
 	rm -rf $(VENV) $(K3PIPE_HOME)

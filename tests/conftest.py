@@ -91,3 +91,12 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEng
         yield RunningEngine(plan.base_url, plan.model, key, launcher)
     finally:
         launcher.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """One temporary Prefect server for the in-process flow tests of the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

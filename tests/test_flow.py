@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -71,14 +70,6 @@ def _processes_with_port(port: int) -> list[int]:
             except OSError:
                 continue
     return found
-
-
-@pytest.fixture(scope="module")
-def prefect_harness() -> Iterator[None]:
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_flow_records_everything_in_mlflow(

@@ -1,0 +1,150 @@
+"""The benchmark flow through the Docker launcher, for real: image pulled from the local registry by
+digest, the scripted engine container (tests/docker/fake_engine.py) launched, health-checked,
+benchmarked and removed; orphans of earlier runs reaped; Ctrl-C removes the container."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import docker
+import pytest
+import yaml
+
+from k3pipe.launchers.docker import MANAGED_LABEL
+from k3pipe.settings import Settings
+from k3pipe.tracking import Tracker
+from tests.conftest import REPO, TINY_MODEL, free_port
+from tests.docker.test_images import registry_digest
+
+pytestmark = pytest.mark.flow
+
+
+def _experiment(image: str, port: int, workloads: list[dict], name: str) -> dict:
+    return {
+        "name": name,
+        "model": {"source": "local", "path": str(TINY_MODEL), "served_name": "tiny"},
+        "arms": [
+            {
+                "name": "fake-vllm",
+                "engine": {"kind": "vllm", "image": image, "args": {"flavor": "vllm", "token_delay_ms": 2}},
+                "launcher": {"kind": "docker", "port": port, "startup_timeout_s": 120, "stop_timeout_s": 5},
+                "endpoint": {"api_key_env": "K3PIPE_DOCKER_TEST_KEY"},
+            }
+        ],
+        "workloads": workloads,
+    }
+
+
+def _ours(client: docker.DockerClient, experiment: str) -> list[str]:
+    return [
+        c.short_id
+        for c in client.containers.list(all=True, filters={"label": [f"{MANAGED_LABEL}=true"]})
+        if c.labels.get("k3pipe.experiment") == experiment
+    ]
+
+
+def test_flow_runs_the_engine_in_a_container(
+    prefect_harness: None,
+    docker_client: docker.DockerClient,
+    registry: str,
+    fake_engine_image: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flows.benchmark import benchmark
+
+    monkeypatch.setenv("K3PIPE_DOCKER_TEST_KEY", "sk-docker-" + uuid.uuid4().hex)
+    name = f"docker-{uuid.uuid4().hex[:8]}"
+    # an orphan of an earlier, long-gone flow run holds "the GPUs": the flow must remove it first
+    orphan = docker_client.containers.run(
+        fake_engine_image,
+        ["--model", "/models/model", "--port", str(free_port()), "--startup-delay-s", "600"],
+        detach=True,
+        network_mode="host",
+        mounts=[docker.types.Mount("/models/model", str(TINY_MODEL), type="bind", read_only=True)],
+        labels={MANAGED_LABEL: "true", "k3pipe.experiment": name, "k3pipe.flow_run_id": str(uuid.uuid4())},
+    )
+    port = free_port()
+    workloads = [{"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 6}]
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(_experiment(fake_engine_image, port, workloads, name)))
+
+    orphan.reload()
+    assert orphan.status == "running"
+
+    outcomes = benchmark(str(exp))
+
+    assert [o["status"] for o in outcomes] == ["FINISHED"]
+    assert _ours(docker_client, name) == []  # the orphan and the run's own container are gone
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.containers.get(orphan.id)
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    run = tracker.client.get_run(outcomes[0]["mlflow_run_id"])
+    params = run.data.params
+    digest = registry_digest(registry, "k3pipe/fake-engine", "test")
+    assert params["image.digest"] == digest
+    assert params["image.pinned"] == f"{registry}/k3pipe/fake-engine@{digest}"
+    assert params["docker_run"].startswith("docker run --rm --network host --ipc host --init -v ")
+    assert f"{TINY_MODEL}:/models/model:ro" in params["docker_run"]
+    assert "--model /models/model" in params["command"]
+    assert run.data.metrics["cold_start_s"] > 0
+    child = tracker.children(run.info.run_id)[0]
+    assert child.data.metrics["completed"] == 6
+    assert child.data.metrics["output_tokens_total"] == 6 * 8
+    logs = [a.path for a in tracker.client.list_artifacts(run.info.run_id, "logs")]
+    assert len(logs) == 1
+
+
+def test_ctrl_c_removes_the_container(
+    docker_client: docker.DockerClient, fake_engine_image: str, tmp_path: Path
+) -> None:
+    name = f"docker-int-{uuid.uuid4().hex[:8]}"
+    workloads = [
+        {"name": "long", "input_tokens": 32, "output_tokens": 2000, "concurrency": 2, "num_requests": 200}
+    ]
+    exp = tmp_path / "exp.yaml"
+    data = _experiment(fake_engine_image, free_port(), workloads, name)
+    data["arms"][0]["engine"]["args"]["token_delay_ms"] = 5
+    exp.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    out = (tmp_path / "out.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3pipe.cli", "run", str(exp)],
+        cwd=REPO,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        text = ""
+        while "long: 200 requests" not in text:
+            assert proc.poll() is None, f"flow ended early:\n{text[-3000:]}"
+            assert time.monotonic() < deadline, f"benchmark never started:\n{text[-3000:]}"
+            time.sleep(0.5)
+            out.seek(0)
+            text = out.read()
+        assert re.search(r"launcher docker, [0-9a-f]{64}", text), text[-2000:]
+        assert len(_ours(docker_client, name)) == 1
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        assert proc.returncode != 0
+        assert _ours(docker_client, name) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for c in docker_client.containers.list(all=True, filters={"label": f"k3pipe.experiment={name}"}):
+            c.remove(force=True)
+        out.close()
