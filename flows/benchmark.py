@@ -15,6 +15,8 @@ from prefect import flow, get_client, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 
+from k3pipe.engines.base import Finding
+from k3pipe.errors import PreflightError
 from k3pipe.launchers import Launcher
 from k3pipe.record import ArmRecorder
 from k3pipe.settings import Settings, read_secret
@@ -28,6 +30,7 @@ from tasks.steps import (
     health_gate_task,
     load_experiment_task,
     plan_arm_task,
+    preflight_task,
     pull_image_task,
     reap_orphans_task,
     start_engine_task,
@@ -61,6 +64,7 @@ def _run_arm(
     models: dict[str, ModelRecord],
     tracker: Tracker,
     settings: Settings,
+    findings: list[Finding],
 ) -> dict[str, Any]:
     logger = get_run_logger()
     home = settings.home_dir
@@ -80,6 +84,7 @@ def _run_arm(
     error: BaseException | None = None
     try:
         recorder.log_plan(spec, experiment, models)
+        recorder.log_preflight(findings)
         image = None
         if plan.launcher == "docker":
             image = pull_image_task(plan)
@@ -123,6 +128,28 @@ def _run_arm(
     return outcome
 
 
+def _stop_on_errors(findings: list[Finding], spec: ExperimentSpec, arms: list[str], tracker: Tracker) -> None:
+    """Preflight errors end the flow before any launch; each arm's run records why."""
+    errors = [f for f in findings if f.severity == "error" and f.arm in (None, *arms)]
+    if not errors:
+        return
+    for arm in arms:
+        run_id = tracker.start_run(
+            f"{spec.name}/{arm}",
+            tags={"k3pipe.experiment": spec.name, "k3pipe.arm": arm, "prefect.flow_run_id": _flow_run_id()},
+        )
+        mine = [f for f in findings if f.arm in (None, arm)]
+        tracker.log_dict(run_id, [f.model_dump() for f in mine], "preflight.json")
+        tracker.log_metrics(run_id, {"preflight_errors": sum(f.severity == "error" for f in mine)})
+        tracker.set_tags(
+            run_id,
+            {"k3pipe.error": "preflight: " + "; ".join(f.rule for f in errors if f.arm in (None, arm))},
+        )
+        tracker.end_run(run_id, "FAILED")
+    summary = "; ".join(f"[{f.arm or 'experiment'}] {f.message}" for f in errors)
+    raise PreflightError(f"preflight found {len(errors)} error(s), nothing was launched: {summary}")
+
+
 @flow(name="benchmark")
 def benchmark(
     experiment: str = "experiments/demo-cpu.yaml", arms: list[str] | None = None
@@ -135,15 +162,19 @@ def benchmark(
     for name in selected:
         spec.arm(name)  # unknown arm names fail before anything starts
     home = settings.home_dir
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    # preflight before the (possibly hours-long) download, and again with the model's config.json
+    _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker)
     if any(spec.arm(name).launcher.kind == "docker" for name in selected):
         reap_orphans_task(_flow_run_is_running)
     models = {"model": fetch_model_task("model", spec.model, home)}
     for name, extra in spec.extra_models.items():
         models[name] = fetch_model_task(name, extra, home)
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    findings = preflight_task(spec, "model", models["model"].path)
+    _stop_on_errors(findings, spec, selected, tracker)
     outcomes = []
     for name in selected:
-        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings))
+        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings))
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     columns = [
         "arm",

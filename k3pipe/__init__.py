@@ -12,6 +12,7 @@ from k3pipe.errors import (
     LaunchError,
     ModelNotServedError,
     ModelSourceError,
+    PreflightError,
     SpecError,
     TrackingError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "LaunchError",
     "ModelNotServedError",
     "ModelSourceError",
+    "PreflightError",
     "Settings",
     "SpecError",
     "TrackingError",

@@ -125,6 +125,77 @@ def _print_outcomes(outcomes: list[dict]) -> None:
 
 
 @app.command()
+def preflight(
+    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    model_config: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-config",
+            help="The model's config.json, or its directory (default: the downloaded model's, if present).",
+        ),
+    ] = None,
+    weights_gib: Annotated[
+        float | None,
+        typer.Option(help="Total size of the weights, GiB (default: the model directory's *.safetensors)."),
+    ] = None,
+) -> None:
+    """Check an experiment before launching it; exit 1 if any finding is an error."""
+    import textwrap
+
+    from k3pipe.plan import default_model_dirs
+    from k3pipe.preflight import preflight as run_preflight
+    from k3pipe.preflight import read_model_config, safetensors_bytes
+    from k3pipe.specs import load_experiment
+
+    try:
+        spec = load_experiment(experiment)
+        model_dir = Path(default_model_dirs(spec, Settings().home_dir)["model"])
+        config_path = model_config if model_config is not None else model_dir
+        config = read_model_config(config_path)
+        if model_config is not None and config is None:
+            _fail(ValueError(f"--model-config {model_config}: no such file, and no config.json in it"))
+        if weights_gib is not None:
+            weight_bytes: int | None = int(weights_gib * 2**30)
+        else:
+            weight_bytes = safetensors_bytes(config_path if config_path.is_dir() else model_dir)
+        findings = run_preflight(
+            spec, {"model": config} if config is not None else None, weight_bytes=weight_bytes
+        )
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+
+    counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    print(
+        f"preflight {spec.name}: {counts['error']} error(s), {counts['warning']} warning(s), "
+        f"{counts['info']} info"
+    )
+    groups: list[tuple[str, str | None]] = [("experiment", None)] + [
+        (f"arm {a.name} ({a.engine.kind})", a.name) for a in spec.arms
+    ]
+    for title, arm_name in groups:
+        mine = [f for f in findings if f.arm == arm_name]
+        if arm_name is None and not mine:
+            continue
+        print(f"\n{title}")
+        if not mine:
+            print("  no findings")
+        for f in mine:
+            print(f"  {f.severity.upper():<8} {f.rule}")
+            print(
+                textwrap.fill(
+                    f.message,
+                    width=110,
+                    initial_indent=" " * 11,
+                    subsequent_indent=" " * 11,
+                    break_on_hyphens=False,
+                )
+            )
+    if counts["error"]:
+        raise typer.Exit(1)
+
+
+@app.command()
 def runs(limit: Annotated[int, typer.Option(help="How many runs.")] = 20) -> None:
     """Recent runs in MLflow with their key metrics."""
     import pandas as pd

@@ -5,6 +5,7 @@ next. Library code raises these, always ``from`` the underlying exception.
 
     K3pipeError
     ├── SpecError             an experiment file or field is invalid
+    │   └── PreflightError          the experiment would fail or mislead (preflight errors)
     ├── ModelSourceError      weights could not be fetched or verified
     ├── ImageError            a container image could not be pulled or resolved to a digest
     ├── LaunchError           the engine could not be started or died before it was healthy
@@ -26,6 +27,7 @@ __all__ = [
     "LaunchError",
     "ModelNotServedError",
     "ModelSourceError",
+    "PreflightError",
     "SpecError",
     "TrackingError",
 ]
@@ -37,6 +39,10 @@ class K3pipeError(Exception):
 
 class SpecError(K3pipeError):
     """An experiment spec is invalid: the message names the file, field path, value and choices."""
+
+
+class PreflightError(SpecError):
+    """Preflight found errors: the launch would fail (after a long cold start) or mislead."""
 
 
 class ModelSourceError(K3pipeError):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from k3pipe.bench import WorkloadResult, WorkloadSummary, records_frame
+from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
@@ -89,6 +90,15 @@ class ArmRecorder:
             ),
             "command.txt",
         )
+
+    def log_preflight(self, findings: list[Finding]) -> None:
+        """The findings that concern this arm (and the experiment-wide ones)."""
+        mine = [f for f in findings if f.arm in (None, self.plan.arm)]
+        self.tracker.log_dict(self.run_id, [f.model_dump() for f in mine], "preflight.json")
+        counts = {s: sum(f.severity == s for f in mine) for s in ("error", "warning", "info")}
+        self.tracker.log_metrics(self.run_id, {f"preflight_{s}s": n for s, n in counts.items()})
+        rules = sorted({f.rule for f in mine if f.severity != "info"})
+        self.tracker.set_tags(self.run_id, {"k3pipe.preflight": ", ".join(rules) or "clean"})
 
     def log_image(self, image: ImageRecord, plan: ArmPlan) -> None:
         """The image as pinned: the digest a rerun must use, and the equivalent docker run."""

@@ -10,9 +10,11 @@ from prefect.cache_policies import NO_CACHE
 
 from k3pipe import steps
 from k3pipe.bench import WorkloadResult, WorkloadSummary
+from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck, check_endpoint
 from k3pipe.launchers import Launcher, connect, reap_orphans
 from k3pipe.plan import ArmPlan, plan_arm
+from k3pipe.preflight import preflight
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
@@ -26,6 +28,17 @@ def load_experiment_task(path: str) -> ExperimentSpec:
         "experiment %s: %d arm(s), %d workload(s)", spec.name, len(spec.arms), len(spec.workloads)
     )
     return spec
+
+
+@task(name="preflight", cache_policy=NO_CACHE, task_run_name="preflight-{stage}")
+def preflight_task(spec: ExperimentSpec, stage: str, model_dir: str | None = None) -> list[Finding]:
+    """Check the experiment; errors stop the flow before anything is launched (or downloaded)."""
+    logger = get_run_logger()
+    findings = preflight(spec, model_dir=model_dir)
+    for f in findings:
+        log = {"error": logger.error, "warning": logger.warning}.get(f.severity, logger.info)
+        log("preflight %s [%s] %s: %s", f.severity.upper(), f.arm or "experiment", f.rule, f.message)
+    return findings
 
 
 @task(name="fetch-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)

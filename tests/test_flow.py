@@ -118,6 +118,8 @@ def test_flow_records_everything_in_mlflow(
     assert params["model.path"] == str((home / "models" / "k3pipe" / "tiny-llama" / "v1").resolve())
     assert params["k3pipe_commit"] != ""
     assert params["api_key_env"] == "K3PIPE_DEMO_API_KEY"
+    assert parent.data.tags["k3pipe.preflight"] == "clean"
+    assert metrics["preflight_errors"] == 0
     assert 1 < metrics["cold_start_s"] < 900
     parent_artifacts = {a.path for a in tracker.client.list_artifacts(parent.info.run_id)}
     assert {"command.txt", "experiment.json", "endpoint_check.json", "logs", "provenance"} <= parent_artifacts
@@ -153,6 +155,29 @@ def test_flow_records_everything_in_mlflow(
         if path.is_file():
             assert key.encode() not in path.read_bytes(), f"key leaked into {path}"
     assert key not in caplog.text
+
+
+def test_preflight_error_stops_before_launch(prefect_harness: None, tmp_path: Path) -> None:
+    """A workload longer than the engine's max model length: nothing starts, MLflow says why."""
+    from flows.benchmark import benchmark
+    from k3pipe.errors import PreflightError
+
+    port = free_port()
+    too_long = [{"name": "too-long", "input_tokens": 4000, "output_tokens": 200, "num_requests": 2}]
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(demo_experiment(port, too_long)))
+    t0 = time.monotonic()
+    with pytest.raises(PreflightError, match="too-long"):
+        benchmark(str(exp))
+    assert time.monotonic() - t0 < 60  # no engine was started
+    assert _processes_with_port(port) == []
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    (run,) = tracker.client.search_runs([tracker.experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["k3pipe.error"].startswith("preflight: ")
+    assert run.data.metrics["preflight_errors"] >= 1
+    assert "preflight.json" in {a.path for a in tracker.client.list_artifacts(run.info.run_id)}
 
 
 def test_bad_arm_fails_and_records(prefect_harness: None, tmp_path: Path) -> None:

