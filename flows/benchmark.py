@@ -18,7 +18,7 @@ from prefect.context import get_run_context
 from k3pipe.engines.base import Finding
 from k3pipe.errors import PreflightError
 from k3pipe.launchers import Launcher
-from k3pipe.record import ArmRecorder
+from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -176,21 +176,9 @@ def benchmark(
     for name in selected:
         outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings))
     rows = [row for o in outcomes for row in o.get("workloads", [])]
-    columns = [
-        "arm",
-        "workload",
-        "completed",
-        "failed",
-        "ttft_ms_p50",
-        "ttft_ms_p99",
-        "tpot_ms_p50",
-        "itl_ms_p50",
-        "e2e_ms_p50",
-        "output_throughput_tps",
-        "request_throughput_rps",
-    ]
     table = [
-        {c: (round(r[c], 3) if isinstance(r.get(c), float) else r.get(c)) for c in columns} for r in rows
+        {c: (round(r[c], 3) if isinstance(r.get(c), float) else r.get(c)) for c in SUMMARY_COLUMNS}
+        for r in rows
     ]
     if table:
         create_table_artifact(

@@ -100,26 +100,15 @@ def run(
 def _print_outcomes(outcomes: list[dict]) -> None:
     import pandas as pd
 
+    from k3pipe.record import SUMMARY_COLUMNS
+
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if rows:
-        cols = [
-            "arm",
-            "workload",
-            "completed",
-            "failed",
-            "ttft_ms_p50",
-            "ttft_ms_p99",
-            "tpot_ms_p50",
-            "itl_ms_p50",
-            "e2e_ms_p50",
-            "output_throughput_tps",
-            "request_throughput_rps",
-        ]
         frame = pd.DataFrame(rows)
         for col in ("completed", "failed"):
             if col in frame:
                 frame[col] = frame[col].astype(int)
-        print(frame[[c for c in cols if c in frame]].round(2).to_string(index=False))
+        print(frame[[c for c in SUMMARY_COLUMNS if c in frame]].round(2).to_string(index=False))
     for o in outcomes:
         print(f"arm {o['arm']}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
 

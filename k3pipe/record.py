@@ -17,7 +17,22 @@ from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.tracking import KEY_METRICS, Tracker
 
-__all__ = ["ArmRecorder"]
+__all__ = ["SUMMARY_COLUMNS", "ArmRecorder"]
+
+SUMMARY_COLUMNS = (
+    "arm",
+    "workload",
+    "completed",
+    "failed",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "itl_ms_p50",
+    "e2e_ms_p50",
+    "output_throughput_tps",
+    "request_throughput_rps",
+)
+"""The columns of the summary table the flow publishes and `k3pipe run` prints."""
 
 
 def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:

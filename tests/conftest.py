@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +104,50 @@ def prefect_harness() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+class CliRun:
+    """`k3pipe run EXPERIMENT` as a user runs it: its own process (and session), its own temporary
+    Prefect server, output in a file. Always killed on exit."""
+
+    def __init__(self, experiment: Path, tmp_path: Path) -> None:
+        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+        env.pop("PREFECT_API_URL", None)
+        self.out = (tmp_path / "k3pipe-run.log").open("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "k3pipe.cli", "run", str(experiment)],
+            cwd=REPO,
+            env=env,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def text(self) -> str:
+        self.out.seek(0)
+        return self.out.read()
+
+    def wait_for(self, marker: str, timeout_s: float = 600) -> str:
+        deadline = time.monotonic() + timeout_s
+        while marker not in (text := self.text()):
+            assert self.proc.poll() is None, f"k3pipe run ended early:\n{text[-3000:]}"
+            assert time.monotonic() < deadline, f"{marker!r} never appeared:\n{text[-3000:]}"
+            time.sleep(0.5)
+        return text
+
+    def interrupt(self, sig: signal.Signals, timeout_s: float = 120) -> int:
+        """Send ``sig`` and wait for the run to end; returns its exit code."""
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"k3pipe run did not end after {sig.name}:\n{self.text()[-4000:]}") from None
+
+    def __enter__(self) -> CliRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.out.close()

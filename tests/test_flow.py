@@ -6,8 +6,6 @@ import os
 import re
 import secrets
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import yaml
 
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
-from tests.conftest import REPO, TINY_MODEL, demo_experiment, free_port, require_engine
+from tests.conftest import TINY_MODEL, CliRun, demo_experiment, free_port, require_engine
 from tests.fakehub import client_pointed_at_fake_hub
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
@@ -220,49 +218,21 @@ def test_interrupt_during_benchmark_leaves_no_engine(tmp_path: Path, sig: signal
     ]
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(demo_experiment(port, long_workload)))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)
-    out = (tmp_path / "out.log").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "k3pipe.cli", "run", str(exp)],
-        cwd=REPO,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     pgid = None
     try:
-        deadline = time.monotonic() + 600
-        text = ""
-        while "long: 400 requests" not in text:
-            assert proc.poll() is None, f"flow ended early:\n{text[-3000:]}"
-            assert time.monotonic() < deadline, f"benchmark never started:\n{text[-3000:]}"
-            time.sleep(1)
-            out.seek(0)
-            text = out.read()
-        match = re.search(r"pid (\d+)", text)
-        assert match, text[-3000:]
-        pgid = int(match.group(1))
-        assert _processes_in_group(pgid), "engine not running during the benchmark"
-        time.sleep(3)
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=120)
-        finally:
-            out.seek(0)
-            text = out.read()
-            print(text[-4000:])
-        assert proc.returncode != 0
-        assert _processes_in_group(pgid) == [], text[-3000:]
-        assert _processes_with_port(port) == []
+        with CliRun(exp, tmp_path) as run:
+            text = run.wait_for("long: 400 requests")
+            match = re.search(r"pid (\d+)", text)
+            assert match, text[-3000:]
+            pgid = int(match.group(1))
+            assert _processes_in_group(pgid), "engine not running during the benchmark"
+            time.sleep(3)
+            assert run.interrupt(sig) != 0
+            assert _processes_in_group(pgid) == [], run.text()[-3000:]
+            assert _processes_with_port(port) == []
         tracker = Tracker(Settings().tracking_uri(), Settings().mlflow_experiment)
         statuses = [r.info.status for r in tracker.client.search_runs([tracker.experiment_id])]
         assert "KILLED" in statuses, statuses
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
         if pgid and _processes_in_group(pgid):
             os.killpg(pgid, signal.SIGKILL)
-        out.close()

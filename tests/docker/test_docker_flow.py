@@ -4,11 +4,8 @@ benchmarked and removed; orphans of earlier runs reaped; Ctrl-C removes the cont
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +17,7 @@ import yaml
 from k3pipe.launchers.docker import MANAGED_LABEL
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
-from tests.conftest import REPO, TINY_MODEL, free_port
+from tests.conftest import TINY_MODEL, CliRun, free_port
 from tests.docker.test_images import registry_digest
 
 pytestmark = pytest.mark.flow
@@ -114,37 +111,14 @@ def test_ctrl_c_removes_the_container(
     data = _experiment(fake_engine_image, free_port(), workloads, name)
     data["arms"][0]["engine"]["args"]["token_delay_ms"] = 5
     exp.write_text(yaml.safe_dump(data))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)
-    out = (tmp_path / "out.log").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "k3pipe.cli", "run", str(exp)],
-        cwd=REPO,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     try:
-        deadline = time.monotonic() + 300
-        text = ""
-        while "long: 200 requests" not in text:
-            assert proc.poll() is None, f"flow ended early:\n{text[-3000:]}"
-            assert time.monotonic() < deadline, f"benchmark never started:\n{text[-3000:]}"
-            time.sleep(0.5)
-            out.seek(0)
-            text = out.read()
-        assert re.search(r"launcher docker, [0-9a-f]{64}", text), text[-2000:]
-        assert len(_ours(docker_client, name)) == 1
-        time.sleep(2)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-        assert proc.returncode != 0
-        assert _ours(docker_client, name) == []
+        with CliRun(exp, tmp_path) as run:
+            text = run.wait_for("long: 200 requests", timeout_s=300)
+            assert re.search(r"launcher docker, [0-9a-f]{64}", text), text[-2000:]
+            assert len(_ours(docker_client, name)) == 1
+            time.sleep(2)
+            assert run.interrupt(signal.SIGINT) != 0
+            assert _ours(docker_client, name) == []
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
         for c in docker_client.containers.list(all=True, filters={"label": f"k3pipe.experiment={name}"}):
             c.remove(force=True)
-        out.close()
