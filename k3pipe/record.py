@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from k3pipe.bench import WorkloadResult, WorkloadSummary, records_frame
+from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
+from k3pipe.observe import EngineLogFacts
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
 from k3pipe.sources import ModelRecord
@@ -167,11 +169,45 @@ class ArmRecorder:
             raise
         return run_id
 
+    def log_engine_findings(self, log_path: Path) -> EngineLogFacts | None:
+        """What the engine's own log says: start-up phases, KV pool, throughput, warnings."""
+        if not log_path.exists():
+            return None
+        with log_path.open(errors="replace") as fh:
+            facts = get_engine(self.plan.engine).parse_log(fh)
+        self.tracker.log_dict(self.run_id, facts.model_dump(mode="json"), "engine_findings.json")
+        self.tracker.log_metrics(
+            self.run_id,
+            {
+                f"engine_log.{name}": getattr(facts, name)
+                for name in (
+                    "startup_s",
+                    "kv_pool_tokens",
+                    "kv_cache_memory_gib",
+                    "max_concurrency",
+                    "max_running_requests",
+                    "cuda_graph_capture_s",
+                    "weight_load_s",
+                    "decode_throughput_max_tps",
+                    "decode_throughput_mean_tps",
+                    "spec_accept_length_mean",
+                )
+            }
+            | {"engine_log.warnings": len(facts.warnings), "engine_log.ready": int(facts.ready)},
+        )
+        if facts.warnings:
+            self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": " | ".join(facts.warnings)[:4000]})
+        return facts
+
     def finish(self, status: str, error: BaseException | None = None, log_path: Path | None = None) -> None:
-        """Attach the engine log and the error (if any), then close the run with ``status``."""
+        """Attach the engine log, its findings and the error (if any), then close the run with ``status``."""
         try:
             if log_path is not None:
                 self.tracker.log_file(self.run_id, log_path, "logs")
+                try:
+                    self.log_engine_findings(log_path)
+                except Exception as exc:  # findings are a bonus: never lose the run over them
+                    self.tracker.set_tags(self.run_id, {"k3pipe.engine_findings_error": repr(exc)[:500]})
             if error is not None:
                 self.tracker.set_tags(
                     self.run_id, {"k3pipe.error": f"{type(error).__name__}: {error}"[:4000]}

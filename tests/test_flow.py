@@ -117,9 +117,13 @@ def test_flow_records_everything_in_mlflow(
     assert params["k3pipe_commit"] != ""
     assert params["api_key_env"] == "K3PIPE_DEMO_API_KEY"
     assert parent.data.tags["k3pipe.preflight"] == "clean"
+    # the engine's own log, read with vLLM's formats: ready, and the CPU KV pool of 1 GiB
+    assert metrics["engine_log.ready"] == 1
+    assert metrics["engine_log.kv_pool_tokens"] > 0
     assert metrics["preflight_errors"] == 0
     assert 1 < metrics["cold_start_s"] < 900
     parent_artifacts = {a.path for a in tracker.client.list_artifacts(parent.info.run_id)}
+    assert "engine_findings.json" in parent_artifacts
     assert {"command.txt", "experiment.json", "endpoint_check.json", "logs", "provenance"} <= parent_artifacts
     logs = [a.path for a in tracker.client.list_artifacts(parent.info.run_id, "logs")]
     assert len(logs) == 1
