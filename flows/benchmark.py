@@ -96,9 +96,9 @@ def _run_arm(
         recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
         rows: list[dict[str, Any]] = []
         for workload in spec.workloads:
-            result, summary = benchmark_task(plan, workload, Path(models["model"].path))
-            recorder.log_workload(workload, result, summary)
-            rows.append({"arm": arm, "workload": workload.name, **summary.metrics()})
+            measured = benchmark_task(plan, workload, Path(models["model"].path))
+            recorder.log_workload(workload, measured)
+            rows.append({"arm": arm, "workload": workload.name, **measured.summary.metrics()})
         outcome["workloads"] = rows
         failed = sum(int(r.get("failed") or 0) for r in rows)
         status = "FINISHED" if failed == 0 else "FAILED"

@@ -32,6 +32,9 @@ class ArmPlan(BaseModel):
     api_key_env: str | None = Field(description="Name of the environment variable holding the key.")
     health_url: str | None = Field(description="URL polled until the engine answers (None: external).")
     version_url: str | None = Field(description="URL that reports the engine version.")
+    metrics_url: str | None = Field(
+        default=None, description="The engine's Prometheus endpoint (None: external endpoints)."
+    )
     startup_timeout_s: float
     stop_timeout_s: float
     launch: LauncherSpec = Field(description="The launcher settings (docker: GPUs, ipc, mounts ...).")
@@ -111,6 +114,7 @@ def plan_arm(
         api_key_env=arm.endpoint.api_key_env,
         health_url=None if external else root + engine.health_path,
         version_url=None if external or not engine.version_path else root + engine.version_path,
+        metrics_url=None if external else root + "/metrics",
         startup_timeout_s=arm.launcher.startup_timeout_s,
         stop_timeout_s=arm.launcher.stop_timeout_s,
         launch=arm.launcher,

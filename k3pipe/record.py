@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from k3pipe.bench import WorkloadResult, WorkloadSummary, records_frame
+from k3pipe.bench import records_frame
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
+from k3pipe.metrics import series_frame
 from k3pipe.observe import EngineLogFacts
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
+from k3pipe.steps import WorkloadOutcome
 from k3pipe.tracking import KEY_METRICS, Tracker
 
 __all__ = ["SUMMARY_COLUMNS", "ArmRecorder"]
@@ -142,7 +145,10 @@ class ArmRecorder:
             self.tracker.log_dict(self.run_id, check.model_dump(), "endpoint_check.json")
             self.tracker.log_metrics(self.run_id, {"probe_first_delta_s": check.first_delta_s})
 
-    def log_workload(self, workload: WorkloadSpec, result: WorkloadResult, summary: WorkloadSummary) -> str:
+    def log_workload(self, workload: WorkloadSpec, outcome: WorkloadOutcome) -> str:
+        """A nested run: workload params, client summary, engine-side figures, per-request records,
+        the /metrics series and any client/engine disagreement."""
+        result, summary = outcome.result, outcome.summary
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{workload.name}",
             tags={
@@ -158,6 +164,16 @@ class ArmRecorder:
             metrics = summary.metrics()
             self.tracker.log_metrics(run_id, metrics)
             self.tracker.log_frame(run_id, records_frame(result), "requests.parquet")
+            if outcome.scrapes:
+                self.tracker.log_frame(
+                    run_id, series_frame(outcome.scrapes, result.t_start), "engine_metrics.parquet"
+                )
+            self.tracker.log_metrics(run_id, outcome.engine_metrics)
+            self.tracker.log_metrics(run_id, {"client_engine_discrepancies": len(outcome.discrepancies)})
+            if outcome.discrepancies:
+                self.tracker.log_dict(
+                    run_id, [asdict(d) for d in outcome.discrepancies], "discrepancies.json"
+                )
             self.tracker.log_dict(run_id, summary.model_dump(mode="json"), "summary.json")
             self.tracker.log_metrics(
                 self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}

@@ -207,15 +207,52 @@ class ArmSpec(_Spec):
 
 
 class WorkloadSpec(_Spec):
-    """One load shape: fixed concurrency over a fixed number of random prompts."""
+    """One load shape over a fixed number of random prompts.
+
+    ``load`` picks how measured requests are sent: ``concurrency`` keeps exactly ``concurrency``
+    requests in flight (each slot sends the next request as soon as its previous one ends);
+    ``constant`` sends one request every ``1 / rate_rps`` seconds; ``poisson`` sends at Poisson
+    arrivals of rate ``rate_rps`` (exponential gaps drawn from ``numpy.random.default_rng(seed)``).
+    Under ``constant`` and ``poisson``, ``concurrency`` caps the requests in flight: a request due
+    while the cap is reached waits for a slot, and that wait shows as send lag in the summary.
+    """
 
     name: str = Field(description="Workload name, unique within the experiment.")
     input_tokens: int = Field(gt=0, description="Prompt length in tokens (the model's tokenizer).")
     output_tokens: int = Field(gt=0, description="Tokens to generate (max_tokens, with ignore_eos).")
-    concurrency: int = Field(default=1, ge=1, description="Requests in flight at once.")
-    num_requests: int = Field(default=16, ge=1, description="Measured requests.")
+    concurrency: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Requests in flight at once (load 'concurrency'); the cap on requests in flight for "
+            "'constant' and 'poisson'. Warm-up requests always run at this concurrency."
+        ),
+    )
+    load: Literal["concurrency", "constant", "poisson"] = Field(
+        default="concurrency",
+        description=(
+            "How measured requests are sent: 'concurrency' (fixed concurrency), 'constant' (one every "
+            "1/rate_rps s) or 'poisson' (Poisson arrivals of rate rate_rps, seeded by seed)."
+        ),
+    )
+    rate_rps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Requests per second of load 'constant' or 'poisson' (required there, else refused).",
+    )
+    duration_s: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Stop sending new measured requests this many seconds after the first measured send "
+            "(requests in flight still finish); num_requests stays the upper bound. None: no bound."
+        ),
+    )
+    num_requests: int = Field(
+        default=16, ge=1, description="Measured requests (the most sent when duration_s bounds the run)."
+    )
     warmup_requests: int = Field(default=0, ge=0, description="Requests sent first and not measured.")
-    seed: int = Field(default=0, description="Seed of the random prompts.")
+    seed: int = Field(default=0, description="Seed of the random prompts and of the Poisson arrivals.")
     api: Literal["chat", "completions"] = Field(
         default="chat", description="chat: /chat/completions; completions: /completions."
     )
@@ -223,6 +260,17 @@ class WorkloadSpec(_Spec):
         default=True, description="Send ignore_eos so every request generates exactly output_tokens."
     )
     request_timeout_s: float = Field(default=600.0, gt=0, description="Per-request timeout.")
+
+    @model_validator(mode="after")
+    def _rate_fits_load(self) -> WorkloadSpec:
+        if self.load in ("constant", "poisson") and self.rate_rps is None:
+            raise ValueError(f"load {self.load!r} needs rate_rps (requests per second)")
+        if self.load == "concurrency" and self.rate_rps is not None:
+            raise ValueError(
+                "rate_rps is only used by load 'constant' or 'poisson'; "
+                "remove it or set load (the default, 'concurrency', sends at fixed concurrency)"
+            )
+        return self
 
 
 class ExperimentSpec(_Spec):

@@ -12,6 +12,7 @@ import asyncio
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,12 +31,27 @@ from k3pipe.engines import get_engine
 from k3pipe.errors import SpecError
 from k3pipe.health import wait_until_healthy
 from k3pipe.launchers import DockerLauncher, ExternalLauncher, Launcher, ProcessLauncher, connect
+from k3pipe.metrics import (
+    Discrepancy,
+    MetricsScraper,
+    Scrape,
+    bracketing_scrapes,
+    engine_side_summary,
+    reconcile,
+)
 from k3pipe.plan import ArmPlan
 from k3pipe.settings import Settings
 from k3pipe.sources.images import ImageRecord, resolve_image
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["benchmark_workload", "engine_version", "launch_engine", "pull_image", "wait_ready"]
+__all__ = [
+    "WorkloadOutcome",
+    "benchmark_workload",
+    "engine_version",
+    "launch_engine",
+    "pull_image",
+    "wait_ready",
+]
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
@@ -126,14 +142,30 @@ def engine_version(plan: ArmPlan) -> str | None:
     return plan.engine_version
 
 
+METRICS_INTERVAL_S = 1.0
+"""How often the engine's /metrics is scraped during a workload."""
+
+
+@dataclass(frozen=True)
+class WorkloadOutcome:
+    """One workload run: the client's records and summary, and the engine's own view of the window."""
+
+    result: WorkloadResult
+    summary: WorkloadSummary
+    scrapes: list[Scrape] = field(default_factory=list)
+    engine_metrics: dict[str, float] = field(default_factory=dict)
+    discrepancies: list[Discrepancy] = field(default_factory=list)
+
+
 def benchmark_workload(
     plan: ArmPlan,
     workload: WorkloadSpec,
     model_dir: Path,
     api_key: SecretStr | None,
     progress: Progress | None = None,
-) -> tuple[WorkloadResult, WorkloadSummary]:
-    """Build the workload's exact-length prompts with the model's tokenizer and run it."""
+) -> WorkloadOutcome:
+    """Build the workload's exact-length prompts with the model's tokenizer and run it, scraping the
+    engine's /metrics beside it (when the engine is ours) to reconcile client and server figures."""
     tokenizer = load_tokenizer(model_dir)
     prompts = random_prompts(
         tokenizer, workload.warmup_requests + workload.num_requests, workload.input_tokens, workload.seed
@@ -144,16 +176,38 @@ def benchmark_workload(
         if progress and (done % step == 0 or done == total):
             progress(f"{workload.name}: {done}/{total} requests done")
 
+    engine = get_engine(plan.engine)
+    scraper = MetricsScraper(engine)
+
     async def go() -> WorkloadResult:
         limits = httpx.Limits(max_connections=workload.concurrency + 4)
         timeout = httpx.Timeout(workload.request_timeout_s, connect=30.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-            return await run_workload(
-                client, plan.base_url, plan.model, api_key, workload, prompts, on_progress=on_progress
-            )
+        # the scraper has a client of its own: waits in the workload's pool must not count as server time
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client,
+            httpx.AsyncClient(trust_env=False) as metrics_client,
+        ):
+            stop = asyncio.Event()
+            task = None
+            if plan.metrics_url:
+                task = asyncio.create_task(
+                    scraper.run(metrics_client, plan.metrics_url, METRICS_INTERVAL_S, stop)
+                )
+            try:
+                return await run_workload(
+                    client, plan.base_url, plan.model, api_key, workload, prompts, on_progress=on_progress
+                )
+            finally:
+                stop.set()
+                if task is not None:
+                    await task
 
     result = _run_interruptibly(go)
-    return result, summarize(result)
+    summary = summarize(result)
+    window = bracketing_scrapes(scraper.scrapes, result.t_start, result.t_end)
+    engine_metrics = engine_side_summary(window, engine) if len(window) >= 2 else {}
+    discrepancies = reconcile(summary.metrics(), engine_metrics) if engine_metrics else []
+    return WorkloadOutcome(result, summary, list(scraper.scrapes), engine_metrics, discrepancies)
 
 
 def _run_interruptibly(make: Callable[[], Coroutine[Any, Any, T]]) -> T:

@@ -9,7 +9,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from k3pipe import steps
-from k3pipe.bench import WorkloadResult, WorkloadSummary
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck, check_endpoint
 from k3pipe.launchers import Launcher, connect, reap_orphans
@@ -125,9 +124,7 @@ def engine_version_task(plan: ArmPlan) -> str | None:
 
 
 @task(name="benchmark", cache_policy=NO_CACHE, task_run_name="benchmark-{workload.name}")
-def benchmark_task(
-    plan: ArmPlan, workload: WorkloadSpec, model_dir: Path
-) -> tuple[WorkloadResult, WorkloadSummary]:
+def benchmark_task(plan: ArmPlan, workload: WorkloadSpec, model_dir: Path) -> steps.WorkloadOutcome:
     logger = get_run_logger()
     logger.info(
         "%s: %d requests (+%d warm-up), %d in / %d out tokens, concurrency %d",
@@ -138,10 +135,10 @@ def benchmark_task(
         workload.output_tokens,
         workload.concurrency,
     )
-    result, summary = steps.benchmark_workload(
+    outcome = steps.benchmark_workload(
         plan, workload, model_dir, read_secret(plan.api_key_env), progress=logger.info
     )
-    m = summary.metrics()
+    m = outcome.summary.metrics()
     logger.info(
         "%s: ttft p50 %.1f ms, tpot p50 %.2f ms, output %.1f tok/s, %d failed",
         workload.name,
@@ -150,4 +147,6 @@ def benchmark_task(
         m.get("output_throughput_tps") or 0.0,
         int(m.get("failed") or 0),
     )
-    return result, summary
+    for d in outcome.discrepancies:
+        logger.warning("%s: client and engine disagree: %s", workload.name, d.message)
+    return outcome

@@ -151,6 +151,12 @@ def test_flow_records_everything_in_mlflow(
         )
         assert len(frame) == spec["num_requests"] + spec["warmup_requests"]
         assert metrics[f"{spec['name']}.ttft_ms_p50"] == m["ttft_ms_p50"]
+        # the engine's own figures over the window, from its /metrics scraped beside the workload
+        assert m["engine_generation_tokens"] >= spec["num_requests"] * spec["output_tokens"]
+        assert m["engine_ttft_ms_mean"] > 0
+        assert "client_engine_discrepancies" in m
+        child_artifacts = {a.path for a in tracker.client.list_artifacts(child.info.run_id)}
+        assert "engine_metrics.parquet" in child_artifacts
 
     # the key never reaches MLflow (DB or artifacts) nor the logs
     for path in (home / "mlflow").rglob("*"):

@@ -1,4 +1,9 @@
-"""Async streaming client: a workload at fixed concurrency, one raw record per request.
+"""Async streaming client: a workload under a load pattern, one raw record per request.
+
+Load patterns (``WorkloadSpec.load``): fixed concurrency, constant rate, or Poisson arrivals
+(seeded). Each record keeps the time its request was due by the schedule (``t_scheduled``) next to
+the time it was sent (``t_send``), so a client that falls behind its schedule (concurrency cap
+reached, event loop busy) shows it as send lag instead of hiding it in shorter latencies.
 
 The client records raw ``time.perf_counter()`` stamps and nothing derived; ``summary.py`` derives
 TTFT/TPOT/ITL/E2E from them. The rules it follows (shared/docs/field-notes.md, "Measurement rules"):
@@ -21,18 +26,19 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from k3pipe.bench.datasets import Prompt
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["RequestRecord", "WorkloadResult", "run_workload"]
+__all__ = ["RequestRecord", "WorkloadResult", "run_workload", "schedule_offsets"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,12 @@ class RequestRecord(BaseModel):
     )
     usage_output_tokens: int | None = Field(
         default=None, description="usage.completion_tokens of the final chunk; None if the server sent none."
+    )
+    t_scheduled: float = Field(
+        description=(
+            "perf_counter at which the schedule made the request due: its arrival time under "
+            "'constant'/'poisson' load; the moment a slot freed (= t_send) under 'concurrency' and warm-up."
+        )
     )
     t_send: float = Field(description="perf_counter just before the request was sent.")
     t_first_delta: float | None = Field(
@@ -92,6 +104,13 @@ class WorkloadResult(BaseModel):
     t_start: float = Field(description="perf_counter of the first measured send.")
     t_end: float = Field(description="perf_counter of the last measured stream end.")
     started_at_unix_s: float = Field(description="Wall-clock time (time.time()) of the first measured send.")
+    requests_planned: int | None = Field(
+        default=None, description="Measured requests the workload asked for (num_requests)."
+    )
+    stopped_by_duration: bool = Field(
+        default=False,
+        description="duration_s ran out before every planned measured request was sent.",
+    )
 
     @property
     def duration_s(self) -> float:
@@ -108,11 +127,18 @@ async def run_workload(
     prompts: list[Prompt],
     on_progress: Callable[[int, int], None] | None = None,
 ) -> WorkloadResult:
-    """Send a workload's requests, streaming, with ``workload.concurrency`` in flight at once.
+    """Send a workload's requests, streaming, under the workload's load pattern.
 
-    The first ``workload.warmup_requests`` prompts are warm-up requests, sent first at the same
-    concurrency and recorded with ``warmup=True``; the next ``workload.num_requests`` prompts are the
-    measured ones. ``prompts`` must hold at least that many. Requests go to
+    The first ``workload.warmup_requests`` prompts are warm-up requests, sent first at
+    ``workload.concurrency`` whatever the load and recorded with ``warmup=True``; the next
+    ``workload.num_requests`` prompts are the measured ones. ``prompts`` must hold at least that many.
+    Measured requests go out as ``workload.load`` says: ``concurrency`` keeps ``concurrency`` in
+    flight; ``constant`` and ``poisson`` send at the times of :func:`schedule_offsets` after the
+    start of the measured phase, with at most ``concurrency`` in flight (a due request waits for a
+    slot; ``t_scheduled`` keeps when it was due). With ``workload.duration_s`` no new measured request
+    is sent once that many seconds have passed since the first measured send (the first is always
+    sent; those in flight finish); the records then hold fewer than ``num_requests`` measured ones
+    and ``stopped_by_duration`` is set. Requests go to
     ``{base_url}/chat/completions`` or ``{base_url}/completions`` (``base_url`` includes its path,
     e.g. ``http://127.0.0.1:8000/v1``) with ``stream``, ``stream_options.include_usage``,
     ``max_tokens = workload.output_tokens``, ``temperature 0`` and ``ignore_eos`` when the workload
@@ -152,14 +178,37 @@ async def run_workload(
     total = warmup_n + measured_n
     progress = _Progress(total, on_progress)
 
-    async def one(index: int, warmup: bool) -> RequestRecord:
-        record = await _send(client, url, headers, model, workload, prompts[index], index, warmup, secret)
+    async def one(index: int, warmup: bool, t_scheduled: float | None = None) -> RequestRecord:
+        record = await _send(
+            client, url, headers, model, workload, prompts[index], index, warmup, secret, t_scheduled
+        )
         progress.step()
         return record
 
     warm = await _pool(range(warmup_n), workload.concurrency, lambda i: one(i, True))
     wall0, perf0 = time.time(), time.perf_counter()
-    measured = await _pool(range(warmup_n, total), workload.concurrency, lambda i: one(i, False))
+    deadline = None if workload.duration_s is None else perf0 + workload.duration_s
+    indices = range(warmup_n, total)
+    if workload.load == "concurrency":
+        measured = await _pool(indices, workload.concurrency, lambda i: one(i, False), deadline)
+    else:
+        offsets = schedule_offsets(workload)
+        measured = await _scheduled(
+            indices,
+            [perf0 + float(t) for t in offsets],
+            workload.concurrency,
+            lambda i, due: one(i, False, due),
+            deadline,
+        )
+    stopped = len(measured) < measured_n
+    if stopped:
+        log.info(
+            "workload %s: duration_s %s ran out after %d of %d measured requests were sent",
+            workload.name,
+            workload.duration_s,
+            len(measured),
+            measured_n,
+        )
     failed = [r for r in measured if not r.ok]
     if failed:
         log.warning(
@@ -176,13 +225,40 @@ async def run_workload(
         t_start=t_start,
         t_end=max(r.t_end for r in measured),
         started_at_unix_s=wall0 + (t_start - perf0),
+        requests_planned=measured_n,
+        stopped_by_duration=stopped,
     )
 
 
+def schedule_offsets(workload: WorkloadSpec) -> np.ndarray:
+    """Send times of the measured requests, in seconds after the first, for a rate-based load.
+
+    ``constant``: ``k / rate_rps``. ``poisson``: the first at 0, then gaps drawn as
+    ``numpy.random.default_rng(workload.seed).exponential(1 / rate_rps)``, so the same seed gives the
+    same schedule. One entry per measured request (``num_requests``).
+
+    Raises:
+        ValueError: the load is not rate-based (``concurrency`` has no schedule).
+    """
+    if workload.load == "concurrency" or workload.rate_rps is None:
+        raise ValueError(f"load {workload.load!r} has no send schedule: only 'constant' and 'poisson' do")
+    n, mean_gap = workload.num_requests, 1.0 / workload.rate_rps
+    if workload.load == "constant":
+        return np.arange(n, dtype=float) * mean_gap
+    gaps = np.random.default_rng(workload.seed).exponential(mean_gap, size=n - 1)
+    return np.concatenate(([0.0], np.cumsum(gaps)))
+
+
 async def _pool(
-    indices: range, concurrency: int, send: Callable[[int], Awaitable[RequestRecord]]
+    indices: range,
+    concurrency: int,
+    send: Callable[[int], Awaitable[RequestRecord]],
+    deadline: float | None = None,
 ) -> list[RequestRecord]:
-    """Run ``send`` over ``indices`` with at most ``concurrency`` in flight; records by index."""
+    """Run ``send`` over ``indices`` with at most ``concurrency`` in flight; records by index.
+
+    After ``deadline`` (perf_counter) no new request starts, except the first, which always does.
+    """
     results: dict[int, RequestRecord] = {}
     todo: Iterator[int] = iter(indices)
 
@@ -190,12 +266,50 @@ async def _pool(
         # One worker per slot: a slot takes the next request as soon as its previous one ends, so
         # exactly `concurrency` are in flight while work remains. next() cannot interleave in asyncio.
         for index in todo:
+            if deadline is not None and results and time.perf_counter() >= deadline:
+                return
             results[index] = await send(index)
 
     async with asyncio.TaskGroup() as group:
         for _ in range(min(concurrency, len(indices))):
             group.create_task(worker())
-    return [results[i] for i in indices]
+    return [results[i] for i in indices if i in results]
+
+
+async def _scheduled(
+    indices: range,
+    due: Sequence[float],
+    concurrency: int,
+    send: Callable[[int, float], Awaitable[RequestRecord]],
+    deadline: float | None = None,
+) -> list[RequestRecord]:
+    """Start ``send(index, due)`` at each ``due`` perf_counter time, at most ``concurrency`` in flight.
+
+    A request due while ``concurrency`` are in flight waits for a slot (its send lags its schedule).
+    No request due at or after ``deadline``, or reaching its slot after it, is sent (the first always is).
+    """
+    results: dict[int, RequestRecord] = {}
+    slots = asyncio.Semaphore(concurrency)
+
+    async def fire(index: int, t_due: float) -> None:
+        try:
+            results[index] = await send(index, t_due)
+        finally:
+            slots.release()
+
+    async with asyncio.TaskGroup() as group:
+        for n, (index, t_due) in enumerate(zip(indices, due, strict=True)):
+            if n and deadline is not None and t_due >= deadline:
+                break
+            wait = t_due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await slots.acquire()
+            if n and deadline is not None and time.perf_counter() >= deadline:
+                slots.release()
+                break
+            group.create_task(fire(index, t_due))
+    return [results[i] for i in indices if i in results]
 
 
 @dataclass
@@ -252,6 +366,7 @@ async def _send(
     index: int,
     warmup: bool,
     secret: str | None,
+    t_scheduled: float | None = None,
 ) -> RequestRecord:
     # Serialize before stamping t_send: JSON-encoding a 200K-token prompt is client work, not TTFT.
     content = _body(model, workload, prompt)
@@ -286,6 +401,7 @@ async def _send(
         index=index,
         warmup=warmup,
         prompt_tokens=prompt.tokens,
+        t_scheduled=t_send if t_scheduled is None else t_scheduled,
         max_tokens=workload.output_tokens,
         usage_prompt_tokens=state.usage_prompt_tokens,
         usage_output_tokens=state.usage_output_tokens,

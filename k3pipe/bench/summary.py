@@ -9,6 +9,13 @@ Latency statistics cover measured (non-warm-up) successful requests only:
 - ``itl_ms``: gaps between consecutive token-bearing chunks, pooled over requests. A chunk can carry
   several tokens (speculative decoding), so ITL is per chunk while TPOT is per token.
 - ``e2e_ms``: send -> end of stream.
+- ``ttft_from_scheduled_ms`` / ``e2e_from_scheduled_ms``: the same, measured from the time the
+  schedule made the request due (``t_scheduled``) rather than from its send: what a user arriving
+  at that time would see. Under the ``concurrency`` load the two are equal (due = sent).
+
+``send_lag_ms`` (``t_send - t_scheduled``) covers every measured request sent, failed ones included:
+it measures the client, not the server. It grows when a rate-based load outruns its concurrency
+cap or the client itself, and then the ``*_from_scheduled`` figures exceed the plain ones.
 
 Throughput is cross-checked against its physical ceiling (field-notes rule 2): a server cannot emit
 more than ``max_tokens`` per request, so ``sum(max_tokens) / window`` bounds any honest output
@@ -108,6 +115,18 @@ class WorkloadSummary(BaseModel):
     tpot_ms: LatencyStats | None = Field(description="Time per output token after the first.")
     itl_ms: LatencyStats | None = Field(description="Gaps between token-bearing chunks, pooled.")
     e2e_ms: LatencyStats | None = Field(description="Send to end of stream.")
+    send_lag_ms: LatencyStats | None = Field(
+        description="Scheduled time to send, over all measured requests sent (the client falling behind)."
+    )
+    ttft_from_scheduled_ms: LatencyStats | None = Field(
+        description="Scheduled time to first token-bearing delta (TTFT plus send lag)."
+    )
+    e2e_from_scheduled_ms: LatencyStats | None = Field(
+        description="Scheduled time to end of stream (E2E plus send lag)."
+    )
+    stopped_by_duration: bool = Field(
+        description="The workload's duration_s ran out before all its planned measured requests were sent."
+    )
     errors: dict[str, int] = Field(description="Failed measured requests by error text.")
 
     def metrics(self) -> dict[str, float]:
@@ -122,6 +141,7 @@ class WorkloadSummary(BaseModel):
             "output_tokens_total": float(self.output_tokens_total),
             "output_tokens_from_chunks": float(self.output_tokens_from_chunks),
             "throughput_exceeds_bound": float(self.throughput_exceeds_bound),
+            "stopped_by_duration": float(self.stopped_by_duration),
         }
         optional = {
             "request_throughput_rps": self.request_throughput_rps,
@@ -130,7 +150,7 @@ class WorkloadSummary(BaseModel):
             "server_input_tokens_total": self.server_input_tokens_total,
         }
         out.update({k: float(v) for k, v in optional.items() if v is not None})
-        for name in ("ttft_ms", "content_ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        for name in _LATENCIES:
             stats: LatencyStats | None = getattr(self, name)
             if stats is not None:
                 out.update(
@@ -183,6 +203,10 @@ def summarize(result: WorkloadResult) -> WorkloadSummary:
         tpot_ms=LatencyStats.of(_present(_tpot_ms(r) for r in ok)),
         itl_ms=LatencyStats.of([gap for r in ok for gap in _itl_ms(r)]),
         e2e_ms=LatencyStats.of([_e2e_ms(r) for r in ok]),
+        send_lag_ms=LatencyStats.of([_send_lag_ms(r) for r in measured]),
+        ttft_from_scheduled_ms=LatencyStats.of(_present(_ttft_from_scheduled_ms(r) for r in ok)),
+        e2e_from_scheduled_ms=LatencyStats.of([_e2e_from_scheduled_ms(r) for r in ok]),
+        stopped_by_duration=result.stopped_by_duration,
         errors=dict(Counter(r.error for r in measured if r.error is not None)),
     )
 
@@ -233,6 +257,7 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
                 "output_tokens": tokens,
                 "output_tokens_from_chunks": from_chunks,
                 "chunks": len(r.chunk_times),
+                "t_scheduled_s": r.t_scheduled - t0,
                 "t_send_s": r.t_send - t0,
                 "t_first_delta_s": _minus(r.t_first_delta, t0),
                 "t_first_content_s": _minus(r.t_first_content, t0),
@@ -241,13 +266,23 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
                 "content_ttft_ms": _content_ttft_ms(r),
                 "tpot_ms": _tpot_ms(r),
                 "e2e_ms": _e2e_ms(r),
+                "send_lag_ms": _send_lag_ms(r),
+                "ttft_from_scheduled_ms": _ttft_from_scheduled_ms(r),
+                "e2e_from_scheduled_ms": _e2e_from_scheduled_ms(r),
                 "chunk_times_s": json.dumps([t - t0 for t in r.chunk_times]),
             }
         )
     frame = pd.DataFrame(rows, columns=_COLUMNS)
     for column in ("status_code", "usage_prompt_tokens", "usage_output_tokens"):
         frame[column] = frame[column].astype("Int64")
-    for column in ("t_first_delta_s", "t_first_content_s", "ttft_ms", "content_ttft_ms", "tpot_ms"):
+    for column in (
+        "t_first_delta_s",
+        "t_first_content_s",
+        "ttft_ms",
+        "content_ttft_ms",
+        "tpot_ms",
+        "ttft_from_scheduled_ms",
+    ):
         frame[column] = frame[column].astype("float64")
     return frame
 
@@ -267,6 +302,7 @@ _COLUMNS = [
     "output_tokens",
     "output_tokens_from_chunks",
     "chunks",
+    "t_scheduled_s",
     "t_send_s",
     "t_first_delta_s",
     "t_first_content_s",
@@ -275,8 +311,22 @@ _COLUMNS = [
     "content_ttft_ms",
     "tpot_ms",
     "e2e_ms",
+    "send_lag_ms",
+    "ttft_from_scheduled_ms",
+    "e2e_from_scheduled_ms",
     "chunk_times_s",
 ]
+
+_LATENCIES = (
+    "ttft_ms",
+    "content_ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+    "send_lag_ms",
+    "ttft_from_scheduled_ms",
+    "e2e_from_scheduled_ms",
+)
 
 
 # Per-request derivations: None when the data is missing.
@@ -299,6 +349,18 @@ def _content_ttft_ms(r: RequestRecord) -> float | None:
 
 def _e2e_ms(r: RequestRecord) -> float:
     return (r.t_end - r.t_send) * 1000.0
+
+
+def _send_lag_ms(r: RequestRecord) -> float:
+    return (r.t_send - r.t_scheduled) * 1000.0
+
+
+def _ttft_from_scheduled_ms(r: RequestRecord) -> float | None:
+    return None if r.t_first_delta is None else (r.t_first_delta - r.t_scheduled) * 1000.0
+
+
+def _e2e_from_scheduled_ms(r: RequestRecord) -> float:
+    return (r.t_end - r.t_scheduled) * 1000.0
 
 
 def _tpot_ms(r: RequestRecord) -> float | None:

@@ -15,10 +15,12 @@ import socket
 from collections.abc import AsyncIterator, Callable
 
 import httpx
+import numpy as np
 import pytest
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, records_frame, run_workload, summarize
+from k3pipe.bench.client import schedule_offsets
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import WorkloadSpec
 from tests.scripted_openai import Received, Script, ScriptedOpenAI
@@ -309,6 +311,14 @@ def test_concurrency_is_respected_and_reached(server: ScriptedOpenAI, concurrenc
         level += step
         peak = max(peak, level)
     assert peak == concurrency
+    # fixed concurrency: a request is due when its slot frees, so it is never late
+    assert all(r.t_scheduled == r.t_send for r in result.records)
+    assert not result.stopped_by_duration
+    assert result.requests_planned == 7
+    summary = summarize(result)
+    assert summary.send_lag_ms is not None
+    assert summary.send_lag_ms.p99 == 0.0
+    assert summary.ttft_from_scheduled_ms == summary.ttft_ms
 
 
 def test_warmup_runs_first_and_is_excluded(server: ScriptedOpenAI) -> None:
@@ -432,3 +442,187 @@ def test_unexpected_exception_is_a_record() -> None:
 
     result = _mock_run(handler, workload())
     assert only(result).error == "unexpected ValueError: transport surprise"
+
+
+# --- load patterns: constant rate, Poisson arrivals, duration bound ---
+
+
+def _peak_in_flight(records: list[RequestRecord]) -> int:
+    events = sorted([(r.t_send, 1) for r in records] + [(r.t_end, -1) for r in records])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+def _measured(result: WorkloadResult) -> list[RequestRecord]:
+    return [r for r in result.records if not r.warmup]
+
+
+def test_constant_rate_sends_on_schedule(server: ScriptedOpenAI) -> None:
+    rate, n = 10.0, 10
+    spec = workload(load="constant", rate_rps=rate, num_requests=n, concurrency=n, output_tokens=2)
+    result = run(server.base_url, spec)
+    records = _measured(result)
+    assert all(r.ok for r in records), [r.error for r in records]
+    scheduled = np.array([r.t_scheduled for r in records])
+    assert np.diff(scheduled) == pytest.approx(np.full(n - 1, 1 / rate))
+    arrivals = sorted(req.t_received for req in server.requests)
+    # nothing reaches the server before it is due ...
+    assert all(a >= s for a, s in zip(arrivals, scheduled, strict=True))
+    # ... and the arrivals are spread out at the rate, not sent in a burst
+    spacing = (arrivals[-1] - arrivals[0]) / (n - 1)
+    assert spacing == pytest.approx(1 / rate, rel=0.2)
+    assert min(np.diff(arrivals)) > 0.2 / rate
+    summary = summarize(result)
+    assert summary.send_lag_ms is not None
+    assert summary.send_lag_ms.p50 < 50.0
+
+
+def test_poisson_schedule_is_seeded() -> None:
+    def spec(seed: int, n: int = 2000) -> WorkloadSpec:
+        return workload(load="poisson", rate_rps=4.0, num_requests=n, seed=seed)
+
+    offsets = schedule_offsets(spec(1))
+    assert offsets[0] == 0.0
+    assert schedule_offsets(spec(1)) == pytest.approx(offsets, abs=0)
+    assert not np.allclose(schedule_offsets(spec(2)), offsets)
+    gaps = np.diff(offsets)
+    assert (gaps > 0).all()
+    assert gaps.mean() == pytest.approx(0.25, rel=0.1)  # mean gap 1/rate
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.15)  # exponential: CV 1, not constant
+    expected = np.concatenate(([0.0], np.cumsum(np.random.default_rng(1).exponential(0.25, 1999))))
+    assert offsets == pytest.approx(expected, abs=0)
+    assert schedule_offsets(workload(load="constant", rate_rps=4.0, num_requests=3)) == pytest.approx(
+        [0.0, 0.25, 0.5]
+    )
+    with pytest.raises(ValueError, match="no send schedule"):
+        schedule_offsets(workload())
+
+
+def test_poisson_run_follows_its_seeded_schedule() -> None:
+    def relative(seed: int) -> tuple[list[float], list[float]]:
+        spec = workload(
+            load="poisson", rate_rps=40.0, num_requests=6, concurrency=6, seed=seed, output_tokens=2
+        )
+        with ScriptedOpenAI() as scripted:
+            result = run(scripted.base_url, spec)
+            arrivals = sorted(req.t_received for req in scripted.requests)
+        records = _measured(result)
+        assert all(r.ok for r in records), [r.error for r in records]
+        first = records[0].t_scheduled
+        assert all(a >= r.t_scheduled for a, r in zip(arrivals, records, strict=True))
+        return [r.t_scheduled - first for r in records], [r.t_send - r.t_scheduled for r in records]
+
+    same_a, lag_a = relative(7)
+    same_b, _ = relative(7)
+    other, _ = relative(8)
+    assert same_a == pytest.approx(same_b, abs=1e-9)
+    assert same_a == pytest.approx(
+        list(schedule_offsets(workload(load="poisson", rate_rps=40.0, num_requests=6, seed=7))), abs=1e-9
+    )
+    assert other != pytest.approx(same_a, abs=1e-3)
+    assert min(lag_a) >= 0.0
+
+
+def test_rate_beyond_the_cap_respects_it_and_shows_lag(server: ScriptedOpenAI) -> None:
+    # 8 requests due within 0.14 s, but each takes >= 0.2 s and only 2 may be in flight
+    server.script = Script(first_token_delay_s=0.2)
+    spec = workload(load="constant", rate_rps=50.0, num_requests=8, concurrency=2, output_tokens=2)
+    result = run(server.base_url, spec)
+    records = _measured(result)
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert server.max_in_flight == 2
+    assert _peak_in_flight(records) == 2
+    lags = [r.t_send - r.t_scheduled for r in records]
+    # the last pair waited for three rounds of >= 0.2 s: sent >= 0.6 s after the first was due
+    assert lags[-1] >= 0.6 - 0.14
+    assert lags[-1] > lags[1] + 0.2  # the lag grows as the client falls behind
+    summary = summarize(result)
+    assert summary.send_lag_ms is not None
+    assert summary.ttft_ms is not None
+    assert summary.ttft_from_scheduled_ms is not None
+    assert summary.e2e_from_scheduled_ms is not None
+    assert summary.e2e_ms is not None
+    assert summary.send_lag_ms.p90 > 300.0
+    assert summary.ttft_from_scheduled_ms.mean > summary.ttft_ms.mean + 200.0
+    assert summary.e2e_from_scheduled_ms.p99 > summary.e2e_ms.p99
+    # the window and throughput are still sends to ends
+    assert summary.duration_s == pytest.approx(result.t_end - result.t_start)
+    assert result.t_start == min(r.t_send for r in records)
+
+
+@pytest.mark.parametrize("load", ["concurrency", "constant"])
+def test_duration_bound_stops_sending(server: ScriptedOpenAI, load: str) -> None:
+    # every request takes >= 0.1 s; a 0.5 s bound leaves room for a handful of the 60 planned
+    server.script = Script(first_token_delay_s=0.1)
+    rate = {"rate_rps": 20.0} if load == "constant" else {}
+    spec = workload(load=load, num_requests=60, duration_s=0.5, output_tokens=2, **rate)
+    result = run(server.base_url, spec)
+    records = _measured(result)
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert result.stopped_by_duration
+    assert result.requests_planned == 60
+    assert len(server.requests) == len(records)
+    # concurrency 1 and >= 0.1 s each: at most 5 started in 0.5 s; constant 20 rps: at most 10 due
+    assert 1 <= len(records) <= (5 if load == "concurrency" else 10)
+    assert max(r.t_scheduled for r in records) - result.t_start < 0.5
+    summary = summarize(result)
+    assert summary.requests == len(records)
+    assert summary.stopped_by_duration
+    assert summary.metrics()["stopped_by_duration"] == 1.0
+    assert [r.index for r in result.records] == list(range(len(records)))
+
+
+def test_duration_bound_that_does_not_run_out(server: ScriptedOpenAI) -> None:
+    spec = workload(load="constant", rate_rps=50.0, num_requests=3, concurrency=3, duration_s=60.0)
+    result = run(server.base_url, spec)
+    assert len(_measured(result)) == 3
+    assert not result.stopped_by_duration
+
+
+def test_warmup_is_excluded_under_a_rate(server: ScriptedOpenAI) -> None:
+    server.script = Script(first_token_delay_s=0.05)
+    spec = workload(
+        load="poisson", rate_rps=20.0, num_requests=3, warmup_requests=2, concurrency=2, output_tokens=4
+    )
+    result = run(server.base_url, spec)
+    assert [r.warmup for r in result.records] == [True, True, False, False, False]
+    warm, measured = result.records[:2], result.records[2:]
+    # warm-up ran first at the workload's concurrency (both at once), due when sent
+    assert all(r.t_scheduled == r.t_send for r in warm)
+    assert max(r.t_send for r in warm) < min(r.t_end for r in warm)
+    assert max(r.t_end for r in warm) <= result.t_start
+    # the schedule starts with the measured requests, not with the warm-up
+    assert min(r.t_scheduled for r in measured) >= max(r.t_end for r in warm)
+    first = measured[0].t_scheduled
+    offsets = schedule_offsets(spec)
+    assert [r.t_scheduled - first for r in measured] == pytest.approx(list(offsets), abs=1e-9)
+    summary = summarize(result)
+    assert (summary.requests, summary.completed, summary.warmup_requests) == (3, 3, 2)
+    assert summary.send_lag_ms is not None
+    assert summary.send_lag_ms.count == 3
+    assert summary.output_tokens_total == 3 * 4
+
+
+@pytest.mark.parametrize("load", ["constant", "poisson"])
+def test_a_rate_load_needs_rate_rps(load: str) -> None:
+    with pytest.raises(ValidationError, match="rate_rps"):
+        workload(load=load)
+
+
+def test_rate_rps_without_a_rate_load_is_refused() -> None:
+    with pytest.raises(ValidationError, match="rate_rps"):
+        workload(rate_rps=5.0)
+
+
+@pytest.mark.parametrize("field", ["rate_rps", "duration_s"])
+def test_rate_and_duration_must_be_positive(field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        workload(load="constant", **{"rate_rps": 1.0, field: 0})
+
+
+def test_load_defaults_keep_fixed_concurrency() -> None:
+    spec = workload()
+    assert (spec.load, spec.rate_rps, spec.duration_s) == ("concurrency", None, None)

@@ -35,6 +35,7 @@ def rec(
     max_tokens: int = 20,
     warmup: bool = False,
     error: str | None = None,
+    scheduled: float | None = None,
 ) -> RequestRecord:
     return RequestRecord(
         index=index,
@@ -43,6 +44,7 @@ def rec(
         max_tokens=max_tokens,
         usage_prompt_tokens=None if out is None else 110,
         usage_output_tokens=out,
+        t_scheduled=T0 + (send if scheduled is None else scheduled),
         t_send=T0 + send,
         t_first_delta=None if first is None else T0 + first,
         t_first_content=None if content is None else T0 + content,
@@ -181,15 +183,90 @@ def test_metrics_are_flat_floats_with_units_in_names() -> None:
         "warmup_requests",
         "output_tokens_from_chunks",
         "throughput_exceeds_bound",
+        "stopped_by_duration",
     }
     unit = re.compile(r"(_ms_(mean|p50|p90|p99)|_s|_rps|_tps|_total)$")
     for name, value in metrics.items():
         assert type(value) is float, name
         assert name in counts or unit.search(name), name
         assert ":" not in name  # MLflow refuses ':' in metric names
-    for latency in ("ttft_ms", "content_ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    for latency in (
+        "ttft_ms",
+        "content_ttft_ms",
+        "tpot_ms",
+        "itl_ms",
+        "e2e_ms",
+        "send_lag_ms",
+        "ttft_from_scheduled_ms",
+        "e2e_from_scheduled_ms",
+    ):
         for stat in ("mean", "p50", "p90", "p99"):
             assert f"{latency}_{stat}" in metrics
+
+
+def test_no_lag_when_sent_on_schedule() -> None:
+    s = summarize(known_result())
+    assert s.send_lag_ms is not None
+    assert s.send_lag_ms.count == 5  # every measured request sent, the failed one included
+    assert s.send_lag_ms.model_dump(exclude={"count"}) == pytest.approx(
+        {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    )
+    assert s.ttft_from_scheduled_ms == s.ttft_ms
+    assert s.e2e_from_scheduled_ms == s.e2e_ms
+    assert not s.stopped_by_duration
+
+
+def test_send_lag_and_latency_from_the_schedule() -> None:
+    """Three requests due at 0, 0.1, 0.2 s but sent at 0, 0.5, 1.2 s (the client fell behind).
+
+    per request  lag   ttft  ttft from scheduled  e2e   e2e from scheduled
+    0            0     100   100                  500   500
+    1            400   100   500                  500   900
+    2            1000  200   1200                 400   1400
+    """
+    records = [
+        rec(0, 0.0, 0.1, 0.1, [0.1, 0.2], 0.5, 2, scheduled=0.0),
+        rec(1, 0.5, 0.6, 0.6, [0.6, 0.7], 1.0, 2, scheduled=0.1),
+        rec(2, 1.2, 1.4, 1.4, [1.4, 1.5], 1.6, 2, scheduled=0.2),
+        rec(3, -1.0, -0.9, -0.9, [-0.9], -0.5, 1, warmup=True, scheduled=-3.0),  # not measured
+    ]
+    result = WorkloadResult(workload="w", records=records, t_start=T0, t_end=T0 + 1.6, started_at_unix_s=0)
+    s = summarize(result)
+    assert s.send_lag_ms is not None
+    assert s.ttft_from_scheduled_ms is not None
+    assert s.e2e_from_scheduled_ms is not None
+    assert s.ttft_ms is not None
+    assert s.e2e_ms is not None
+    assert s.send_lag_ms.count == 3
+    assert s.send_lag_ms.mean == pytest.approx(1400.0 / 3)
+    assert s.send_lag_ms.p50 == pytest.approx(400.0)
+    assert s.send_lag_ms.p90 == pytest.approx(880.0)  # rank 1.8 between 400 and 1000
+    assert s.ttft_from_scheduled_ms.mean == pytest.approx(1800.0 / 3)
+    assert s.ttft_from_scheduled_ms.p50 == pytest.approx(500.0)
+    assert s.ttft_ms.mean == pytest.approx(400.0 / 3)
+    assert s.e2e_from_scheduled_ms.mean == pytest.approx(2800.0 / 3)
+    assert s.e2e_ms.mean == pytest.approx(1400.0 / 3)
+    # the window and throughput stay defined by sends and ends, not by the schedule
+    assert s.duration_s == pytest.approx(1.6)
+    assert s.request_throughput_rps == pytest.approx(3 / 1.6)
+    metrics = s.metrics()
+    assert metrics["send_lag_ms_p50"] == pytest.approx(400.0)
+    assert metrics["e2e_from_scheduled_ms_mean"] == pytest.approx(2800.0 / 3)
+    frame = records_frame(result)
+    assert frame.iloc[1]["t_scheduled_s"] == pytest.approx(0.1)
+    assert frame.iloc[1]["t_send_s"] == pytest.approx(0.5)
+    assert frame.iloc[2]["send_lag_ms"] == pytest.approx(1000.0)
+    assert frame.iloc[2]["ttft_from_scheduled_ms"] == pytest.approx(1200.0)
+    assert frame.iloc[2]["e2e_from_scheduled_ms"] == pytest.approx(1400.0)
+    assert frame.iloc[3]["t_scheduled_s"] == pytest.approx(-3.0)
+
+
+def test_stopped_by_duration_is_carried() -> None:
+    result = known_result().model_copy(update={"stopped_by_duration": True, "requests_planned": 9})
+    s = summarize(result)
+    assert s.stopped_by_duration
+    assert s.requests == 5  # the measured requests actually sent
+    assert s.metrics()["stopped_by_duration"] == 1.0
 
 
 def test_check_throughput_the_studys_case() -> None:
@@ -210,6 +287,8 @@ def test_records_frame(tmp_path: Path) -> None:
     assert list(frame["ok"]) == [True, True, True, True, True, False]
     row = frame.iloc[1]
     assert row["t_send_s"] == pytest.approx(0.0)
+    assert row["t_scheduled_s"] == pytest.approx(0.0)
+    assert row["send_lag_ms"] == pytest.approx(0.0)
     assert row["t_first_delta_s"] == pytest.approx(0.1)
     assert row["t_end_s"] == pytest.approx(1.1)
     assert row["ttft_ms"] == pytest.approx(100.0)

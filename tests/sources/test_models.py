@@ -122,8 +122,9 @@ def test_second_call_downloads_nothing(hub: FakeHub, home: Path) -> None:
     assert second.files == first.files
     assert second.digest() == first.digest()
     assert {f"verified {p}" for p in FILES} <= set(messages)
-    # the hashes are checked against the hub's listing, so the hub is still asked for it
-    assert [r.path for r in hub.snapshot()] == [f"/api/v1/models/{MODEL_ID}/repo/files"]
+    # the hashes are checked against the hub's listing, so the hub is still asked for it (and only
+    # for it; the client may retry a listing that a loaded machine answered slowly)
+    assert {r.path for r in hub.snapshot()} == {f"/api/v1/models/{MODEL_ID}/repo/files"}
 
 
 def test_missing_file_fetches_only_that_file(hub: FakeHub, home: Path) -> None:
