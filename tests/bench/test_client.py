@@ -86,8 +86,9 @@ def test_ignore_eos_false_is_not_sent(server: ScriptedOpenAI) -> None:
 
 
 def test_key_goes_in_the_bearer_header_only(server: ScriptedOpenAI) -> None:
-    server.api_key = "sk-right-key"
-    record = only(run(server.base_url, workload(), api_key=SecretStr("sk-right-key")))
+    right = "sk-right-key"  # a made-up key for the scripted server
+    server.api_key = right
+    record = only(run(server.base_url, workload(), api_key=SecretStr(right)))
     assert record.ok, record.error
     assert server.requests[0].headers["authorization"] == "Bearer sk-right-key"
 
@@ -358,7 +359,8 @@ def test_key_never_appears_in_records_errors_or_logs(
     server: ScriptedOpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
     key = "sk-very-secret-0123456789"
-    server.api_key = "something-else"
+    other = "something-else"  # a made-up key the client does not send
+    server.api_key = other
     server.script = Script(echo_auth_in_error=True)  # a gateway that echoes the header back
     caplog.set_level(logging.DEBUG)
     result = run(server.base_url, workload(num_requests=2), api_key=SecretStr(key))
