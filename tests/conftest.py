@@ -147,7 +147,14 @@ class CliRun:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # the run's whole process group: the CLI and what it started in its group (Prefect's
+        # temporary server outlives a CLI that was sent a signal on its own, not as a terminal's group)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(1)
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.out.close()
