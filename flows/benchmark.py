@@ -18,7 +18,7 @@ from prefect.context import get_run_context
 from k3pipe.engines.base import Finding
 from k3pipe.errors import PreflightError
 from k3pipe.launchers import Launcher
-from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder
+from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder, record_preflight_stop
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -134,18 +134,7 @@ def _stop_on_errors(findings: list[Finding], spec: ExperimentSpec, arms: list[st
     if not errors:
         return
     for arm in arms:
-        run_id = tracker.start_run(
-            f"{spec.name}/{arm}",
-            tags={"k3pipe.experiment": spec.name, "k3pipe.arm": arm, "prefect.flow_run_id": _flow_run_id()},
-        )
-        mine = [f for f in findings if f.arm in (None, arm)]
-        tracker.log_dict(run_id, [f.model_dump() for f in mine], "preflight.json")
-        tracker.log_metrics(run_id, {"preflight_errors": sum(f.severity == "error" for f in mine)})
-        tracker.set_tags(
-            run_id,
-            {"k3pipe.error": "preflight: " + "; ".join(f.rule for f in errors if f.arm in (None, arm))},
-        )
-        tracker.end_run(run_id, "FAILED")
+        record_preflight_stop(tracker, spec.name, arm, findings, {"prefect.flow_run_id": _flow_run_id()})
     summary = "; ".join(f"[{f.arm or 'experiment'}] {f.message}" for f in errors)
     raise PreflightError(f"preflight found {len(errors)} error(s), nothing was launched: {summary}")
 

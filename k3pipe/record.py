@@ -22,7 +22,7 @@ from k3pipe.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.steps import WorkloadOutcome
 from k3pipe.tracking import KEY_METRICS, Tracker
 
-__all__ = ["SUMMARY_COLUMNS", "ArmRecorder"]
+__all__ = ["SUMMARY_COLUMNS", "ArmRecorder", "record_preflight_stop"]
 
 SUMMARY_COLUMNS = (
     "arm",
@@ -235,3 +235,23 @@ class ArmRecorder:
                 )
         finally:
             self.tracker.end_run(self.run_id, status)
+
+
+def record_preflight_stop(
+    tracker: Tracker,
+    experiment: str,
+    arm: str,
+    findings: list[Finding],
+    tags: Mapping[str, str] | None = None,
+) -> str:
+    """A FAILED run for an arm that preflight stopped before launch: its findings and why."""
+    run_id = tracker.start_run(
+        f"{experiment}/{arm}", tags={"k3pipe.experiment": experiment, "k3pipe.arm": arm, **(tags or {})}
+    )
+    mine = [f for f in findings if f.arm in (None, arm)]
+    errors = [f for f in mine if f.severity == "error"]
+    tracker.log_dict(run_id, [f.model_dump() for f in mine], "preflight.json")
+    tracker.log_metrics(run_id, {"preflight_errors": len(errors)})
+    tracker.set_tags(run_id, {"k3pipe.error": "preflight: " + "; ".join(f.rule for f in errors)})
+    tracker.end_run(run_id, "FAILED")
+    return run_id
