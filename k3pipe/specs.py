@@ -18,6 +18,8 @@ from k3pipe.errors import SpecError
 
 __all__ = [
     "ArmSpec",
+    "DatasetSpec",
+    "DocumentsDataset",
     "EndpointSpec",
     "EngineSpec",
     "ExperimentSpec",
@@ -26,6 +28,10 @@ __all__ = [
     "LocalModel",
     "ModelScopeModel",
     "ModelSpec",
+    "RandomDataset",
+    "SLOSpec",
+    "ShareGPTDataset",
+    "SharedPrefixDataset",
     "WorkloadSpec",
     "expand_home",
     "load_experiment",
@@ -206,8 +212,75 @@ class ArmSpec(_Spec):
         return self
 
 
+class RandomDataset(_Spec):
+    """Random prompts of exactly ``input_tokens`` tokens under the served model's tokenizer."""
+
+    kind: Literal["random"] = Field(default="random", description="Random word tokens, exact length.")
+
+
+class ShareGPTDataset(_Spec):
+    """Conversations in ShareGPT format (a JSON list of ``{"conversations": [{"from", "value"}...]}``).
+
+    Each prompt is a conversation's first human turn; conversations whose first turn is shorter than
+    ``min_input_tokens`` or longer than the workload's ``input_tokens`` are left out; the prompts are
+    a sample drawn with the workload's ``seed``.
+    """
+
+    kind: Literal["sharegpt"] = Field(description="ShareGPT-format JSON file on this machine.")
+    path: str = Field(
+        description="The JSON file; '{home}' expands to K3PIPE_HOME, relative paths to the working directory."
+    )
+    min_input_tokens: int = Field(default=4, ge=1, description="Leave out first turns shorter than this.")
+
+
+class DocumentsDataset(_Spec):
+    """Long documents: text files in a folder, each cut to exactly ``input_tokens`` tokens.
+
+    Documents shorter than ``input_tokens`` are left out; the documents used are drawn (with
+    replacement when there are fewer than prompts, each then cut at a different offset) with ``seed``.
+    """
+
+    kind: Literal["documents"] = Field(description="A folder of text files cut to input_tokens.")
+    path: str = Field(
+        description="The folder; '{home}' expands to K3PIPE_HOME, relative paths to the working directory."
+    )
+    glob: str = Field(default="*.txt", description="Which files of the folder are documents.")
+
+
+class SharedPrefixDataset(_Spec):
+    """Prompts that share a prefix, for prefix caching: ``groups`` random prefixes of ``prefix_tokens``
+    tokens, each prompt one of them followed by its own random suffix; ``input_tokens`` in all."""
+
+    kind: Literal["shared_prefix"] = Field(description="N prompts sharing P prefix tokens.")
+    prefix_tokens: int = Field(gt=0, description="Tokens every prompt of a group shares (P).")
+    groups: int = Field(default=1, ge=1, description="Distinct prefixes; prompts are dealt round-robin.")
+
+
+DatasetSpec = Annotated[
+    RandomDataset | ShareGPTDataset | DocumentsDataset | SharedPrefixDataset, Field(discriminator="kind")
+]
+
+
+class SLOSpec(_Spec):
+    """Service-level objectives: a request meets them when every threshold given holds (<=).
+
+    Goodput is the rate of requests that met them; attainment the share of measured requests that did
+    (failed requests count as missed).
+    """
+
+    ttft_ms: float | None = Field(default=None, gt=0, description="Most time to first token, ms.")
+    tpot_ms: float | None = Field(default=None, gt=0, description="Most time per output token, ms.")
+    e2e_ms: float | None = Field(default=None, gt=0, description="Most end-to-end latency, ms.")
+
+    @model_validator(mode="after")
+    def _some_threshold(self) -> SLOSpec:
+        if self.ttft_ms is None and self.tpot_ms is None and self.e2e_ms is None:
+            raise ValueError("an slo needs at least one of ttft_ms, tpot_ms, e2e_ms")
+        return self
+
+
 class WorkloadSpec(_Spec):
-    """One load shape over a fixed number of random prompts.
+    """One load shape over a dataset of prompts (random ones of exact length by default).
 
     ``load`` picks how measured requests are sent: ``concurrency`` keeps exactly ``concurrency``
     requests in flight (each slot sends the next request as soon as its previous one ends);
@@ -218,7 +291,17 @@ class WorkloadSpec(_Spec):
     """
 
     name: str = Field(description="Workload name, unique within the experiment.")
-    input_tokens: int = Field(gt=0, description="Prompt length in tokens (the model's tokenizer).")
+    input_tokens: int = Field(
+        gt=0,
+        description=(
+            "Prompt length in tokens (the model's tokenizer): exact for random, documents and "
+            "shared_prefix datasets, the upper bound for sharegpt."
+        ),
+    )
+    dataset: DatasetSpec = Field(
+        default_factory=RandomDataset,
+        description="Where prompts come from: random (default), sharegpt, documents or shared_prefix.",
+    )
     output_tokens: int = Field(gt=0, description="Tokens to generate (max_tokens, with ignore_eos).")
     concurrency: int = Field(
         default=1,
@@ -252,7 +335,25 @@ class WorkloadSpec(_Spec):
         default=16, ge=1, description="Measured requests (the most sent when duration_s bounds the run)."
     )
     warmup_requests: int = Field(default=0, ge=0, description="Requests sent first and not measured.")
-    seed: int = Field(default=0, description="Seed of the random prompts and of the Poisson arrivals.")
+    seed: int = Field(
+        default=0, description="Seed of the prompts (generation or sampling) and of the Poisson arrivals."
+    )
+    repeats: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Run the workload this many times, repeat k with seed + k (new prompts and arrivals); "
+            "the summary then gives mean, std and a 95% confidence interval across repeats."
+        ),
+    )
+    slo: SLOSpec | None = Field(
+        default=None, description="Latency objectives; with them the summary gives goodput and attainment."
+    )
+    metrics_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often the engine's /metrics is scraped during the workload, in seconds.",
+    )
     api: Literal["chat", "completions"] = Field(
         default="chat", description="chat: /chat/completions; completions: /completions."
     )
@@ -269,6 +370,11 @@ class WorkloadSpec(_Spec):
             raise ValueError(
                 "rate_rps is only used by load 'constant' or 'poisson'; "
                 "remove it or set load (the default, 'concurrency', sends at fixed concurrency)"
+            )
+        if isinstance(self.dataset, SharedPrefixDataset) and self.dataset.prefix_tokens >= self.input_tokens:
+            raise ValueError(
+                f"dataset.prefix_tokens ({self.dataset.prefix_tokens}) must be below input_tokens "
+                f"({self.input_tokens}): each prompt is the shared prefix plus a suffix of its own"
             )
         return self
 
@@ -314,12 +420,23 @@ def expand_home(value: str, home: Path) -> str:
     return value.replace("{home}", str(home))
 
 
+# The tag of each discriminated-union member, as pydantic puts it in an error's location.
+_UNION_TAGS: dict[str, type[BaseModel]] = {
+    "modelscope": ModelScopeModel,
+    "local": LocalModel,
+    "random": RandomDataset,
+    "sharegpt": ShareGPTDataset,
+    "documents": DocumentsDataset,
+    "shared_prefix": SharedPrefixDataset,
+}
+
+
 def _loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("modelscope", "local") and out.endswith(("model", "]")):
+        elif part in _UNION_TAGS and out.endswith(("model", "]", "dataset")):
             # discriminated-union tag pydantic puts in the location: not a field of the file
             continue
         else:
@@ -333,11 +450,8 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        if part == "modelscope":
-            model = ModelScopeModel
-            continue
-        if part == "local":
-            model = LocalModel
+        if part in _UNION_TAGS:
+            model = _UNION_TAGS[part]
             continue
         fields = getattr(model, "model_fields", None)
         if not fields or part not in fields:
