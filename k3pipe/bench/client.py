@@ -14,6 +14,11 @@ TTFT/TPOT/ITL/E2E from them. The rules it follows (shared/docs/field-notes.md, "
   reasoning parser), ``reasoning_content`` (older vLLM, SGLang) or ``tool_calls``. vLLM's first chunk,
   ``delta: {"role": "assistant", "content": ""}``, carries no token and is not counted, nor are
   usage-only chunks (``choices: []``), empty strings or ``[DONE]``. Content TTFT is kept apart.
+- Output tokens come from ``usage`` (``stream_options.include_usage``). With
+  ``continuous_usage_stats`` (vLLM, SGLang) every chunk carries the running ``completion_tokens``,
+  so each token-bearing chunk's own token count is known (``chunk_tokens``): TPOT and per-token ITL
+  use it. A server that sends no usage at all gets its generated text kept (``output_text``) so the
+  pipeline can re-tokenize it, a flagged fallback.
 - A failed request (HTTP error status, ``error`` object in the stream, timeout, transport error, or
   a stream that ends with zero output tokens) is a record with ``error`` set, never an exception
   that loses the other records.
@@ -82,6 +87,22 @@ class RequestRecord(BaseModel):
     chunk_times: list[float] = Field(
         default_factory=list, description="Arrival of every token-bearing chunk, in order."
     )
+    chunk_tokens: list[int] | None = Field(
+        default=None,
+        description=(
+            "Output tokens each token-bearing chunk carried (the rise of the running "
+            "usage.completion_tokens since the previous one; the first counts every token up to it); "
+            "None unless every token-bearing chunk carried usage (continuous_usage_stats)."
+        ),
+    )
+    output_text: str | None = Field(
+        default=None,
+        description="Generated text (content, reasoning), kept only when the server sent no usage at all.",
+    )
+    retokenized_output_tokens: int | None = Field(
+        default=None,
+        description="Tokens of output_text under the model's tokenizer (the fallback when usage is absent).",
+    )
     t_end: float = Field(description="End of the stream ([DONE], close, error or timeout).")
     status_code: int | None = Field(default=None, description="HTTP status; None if no response came.")
     finish_reason: str | None = Field(default=None, description="Last finish_reason the server sent.")
@@ -126,6 +147,9 @@ async def run_workload(
     workload: WorkloadSpec,
     prompts: list[Prompt],
     on_progress: Callable[[int, int], None] | None = None,
+    *,
+    continuous_usage: bool = True,
+    on_measured_start: Callable[[], Awaitable[object]] | None = None,
 ) -> WorkloadResult:
     """Send a workload's requests, streaming, under the workload's load pattern.
 
@@ -140,14 +164,17 @@ async def run_workload(
     sent; those in flight finish); the records then hold fewer than ``num_requests`` measured ones
     and ``stopped_by_duration`` is set. Requests go to
     ``{base_url}/chat/completions`` or ``{base_url}/completions`` (``base_url`` includes its path,
-    e.g. ``http://127.0.0.1:8000/v1``) with ``stream``, ``stream_options.include_usage``,
+    e.g. ``http://127.0.0.1:8000/v1``) with ``stream``, ``stream_options.include_usage`` (and
+    ``continuous_usage_stats`` unless ``continuous_usage`` is False: a server that rejects the field),
     ``max_tokens = workload.output_tokens``, ``temperature 0`` and ``ignore_eos`` when the workload
     asks for it. Each request has ``workload.request_timeout_s`` in total (it also replaces the
     client's own connect/read/write/pool timeouts for these requests).
 
     ``client`` must allow at least ``concurrency`` connections (httpx's default pool allows 100):
     waiting for a pooled connection would count as server time. ``on_progress(done, total)`` is called
-    after each request, warm-up included.
+    after each request, warm-up included. ``on_measured_start()`` is awaited once, after the warm-up
+    requests have all ended and before the first measured one is sent, with nothing in flight (e.g. to
+    scrape the engine's metrics at the exact start of the measured window).
 
     Raises:
         BenchmarkError: fewer prompts than warm-up plus measured requests, or an invalid base URL.
@@ -178,14 +205,28 @@ async def run_workload(
     total = warmup_n + measured_n
     progress = _Progress(total, on_progress)
 
+    def body(prompt: Prompt) -> bytes:
+        return _body(model, workload, prompt, continuous_usage)
+
     async def one(index: int, warmup: bool, t_scheduled: float | None = None) -> RequestRecord:
         record = await _send(
-            client, url, headers, model, workload, prompts[index], index, warmup, secret, t_scheduled
+            client,
+            url,
+            headers,
+            body(prompts[index]),
+            prompts[index],
+            workload,
+            index,
+            warmup,
+            secret,
+            t_scheduled,
         )
         progress.step()
         return record
 
     warm = await _pool(range(warmup_n), workload.concurrency, lambda i: one(i, True))
+    if on_measured_start is not None:
+        await on_measured_start()
     wall0, perf0 = time.time(), time.perf_counter()
     deadline = None if workload.duration_s is None else perf0 + workload.duration_s
     indices = range(warmup_n, total)
@@ -331,6 +372,9 @@ class _Stream:
     t_first_delta: float | None = None
     t_first_content: float | None = None
     chunk_times: list[float] = field(default_factory=list)
+    # running usage.completion_tokens as of each token-bearing chunk (None: that chunk had no usage)
+    chunk_usage: list[int | None] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
     usage_prompt_tokens: int | None = None
     usage_output_tokens: int | None = None
     finish_reason: str | None = None
@@ -339,7 +383,7 @@ class _Stream:
     error: str | None = None
 
 
-def _body(model: str, workload: WorkloadSpec, prompt: Prompt) -> bytes:
+def _body(model: str, workload: WorkloadSpec, prompt: Prompt, continuous_usage: bool = True) -> bytes:
     body: dict[str, Any] = {"model": model}
     if workload.api == "chat":
         body["messages"] = [{"role": "user", "content": prompt.text}]
@@ -349,7 +393,11 @@ def _body(model: str, workload: WorkloadSpec, prompt: Prompt) -> bytes:
         max_tokens=workload.output_tokens,
         temperature=0,
         stream=True,
-        stream_options={"include_usage": True},
+        stream_options=(
+            {"include_usage": True, "continuous_usage_stats": True}
+            if continuous_usage
+            else {"include_usage": True}
+        ),
     )
     if workload.ignore_eos:
         body["ignore_eos"] = True
@@ -360,16 +408,16 @@ async def _send(
     client: httpx.AsyncClient,
     url: str,
     headers: dict[str, str],
-    model: str,
-    workload: WorkloadSpec,
+    content: bytes,
     prompt: Prompt,
+    workload: WorkloadSpec,
     index: int,
     warmup: bool,
     secret: str | None,
     t_scheduled: float | None = None,
 ) -> RequestRecord:
-    # Serialize before stamping t_send: JSON-encoding a 200K-token prompt is client work, not TTFT.
-    content = _body(model, workload, prompt)
+    # The body is serialized before t_send is stamped: JSON-encoding a 200K-token prompt is client
+    # work, not TTFT.
     state = _Stream()
     status: int | None = None
     timeout_s = workload.request_timeout_s
@@ -409,6 +457,8 @@ async def _send(
         t_first_delta=state.t_first_delta,
         t_first_content=state.t_first_content,
         chunk_times=state.chunk_times,
+        chunk_tokens=_chunk_tokens(state.chunk_usage),
+        output_text="".join(state.text) if state.usage_output_tokens is None and state.text else None,
         t_end=t_end,
         status_code=status,
         finish_reason=state.finish_reason,
@@ -460,9 +510,11 @@ def _line(line: bytes, now: float, state: _Stream) -> bool:
         state.error = f"server error in stream: {_short(json.dumps(chunk['error'], ensure_ascii=False))}"
         return True
     usage = chunk.get("usage")
+    running: int | None = None
     if isinstance(usage, dict):
         state.usage_prompt_tokens = _int(usage.get("prompt_tokens"), state.usage_prompt_tokens)
-        state.usage_output_tokens = _int(usage.get("completion_tokens"), state.usage_output_tokens)
+        running = _int(usage.get("completion_tokens"), None)
+        state.usage_output_tokens = running if running is not None else state.usage_output_tokens
     any_token = content = False
     for choice in chunk.get("choices") or ():
         if not isinstance(choice, dict):
@@ -473,16 +525,16 @@ def _line(line: bytes, now: float, state: _Stream) -> bool:
         if isinstance(delta, dict):
             has_content = _text(delta.get("content"))
             content = content or has_content
-            any_token = (
-                any_token
-                or has_content
-                or any(_text(delta.get(k)) for k in _DELTA_TOKEN_FIELDS[1:])
-                or bool(delta.get("tool_calls"))
-            )
+            texts = [delta[k] for k in _DELTA_TOKEN_FIELDS if _text(delta.get(k))]
+            # servers that mirror reasoning into reasoning_content send the same text twice
+            state.text.extend(dict.fromkeys(texts))
+            any_token = any_token or bool(texts) or bool(delta.get("tool_calls"))
         elif _text(choice.get("text")):  # /v1/completions
             any_token = content = True
+            state.text.append(choice["text"])
     if any_token:
         state.chunk_times.append(now)
+        state.chunk_usage.append(running)
         if state.t_first_delta is None:
             state.t_first_delta = now
     if content and state.t_first_content is None:
@@ -496,6 +548,19 @@ def _text(value: object) -> bool:
 
 def _int(value: object, default: int | None) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _chunk_tokens(running: list[int | None]) -> list[int] | None:
+    """Per-chunk token counts from the running completion_tokens of each token-bearing chunk."""
+    if not running or any(n is None for n in running):
+        return None
+    counts: list[int] = []
+    before = 0
+    for n in running:
+        assert n is not None
+        counts.append(max(n - before, 0))
+        before = max(before, n)
+    return counts
 
 
 def _zero_output_error(state: _Stream) -> str | None:

@@ -1,17 +1,32 @@
 """Summaries of a workload's records: pure functions, no I/O.
 
-Latency statistics cover measured (non-warm-up) successful requests only:
+Latency statistics cover measured (non-warm-up) successful requests only. The definitions (also in
+docs/measurement.md, and held by tests/bench/test_definitions.py against scripted streams):
 
 - ``ttft_ms``: send -> first token-bearing delta (content, reasoning or tool calls).
 - ``content_ttft_ms``: send -> first non-empty ``content``; requests that never reached content
   (reasoning only) are left out, so its ``count`` can be smaller.
-- ``tpot_ms``: ``(e2e - ttft) / (output_tokens - 1)`` per request; undefined for <= 1 token.
-- ``itl_ms``: gaps between consecutive token-bearing chunks, pooled over requests. A chunk can carry
-  several tokens (speculative decoding), so ITL is per chunk while TPOT is per token.
-- ``e2e_ms``: send -> end of stream.
+- ``e2e_ms``: send -> the last token-bearing chunk (not the usage chunk or ``[DONE]`` after it).
+- ``tpot_ms``: ``(e2e - ttft) / (N - k1)`` per request, N its output tokens and k1 the tokens of its
+  first chunk (known from continuous usage; else taken as 1 and ``tpot_k1_assumed`` is set);
+  undefined when ``N <= k1``.
+- ``itl_ms``: per token. Where the server reported each chunk's tokens, each gap between
+  token-bearing chunks is divided by the tokens of the chunk that ends it, and counted once per
+  token. A request without per-chunk counts contributes its plain per-chunk gaps instead, and
+  ``itl_basis`` says so ("per_token", "per_chunk" or "mixed").
+- ``chunk_itl_ms``: the plain gaps between token-bearing chunks, always (what most tools call ITL).
 - ``ttft_from_scheduled_ms`` / ``e2e_from_scheduled_ms``: the same, measured from the time the
   schedule made the request due (``t_scheduled``) rather than from its send: what a user arriving
   at that time would see. Under the ``concurrency`` load the two are equal (due = sent).
+
+Output tokens come from ``usage``; without it from re-tokenizing the generated text
+(``output_tokens_retokenized``); failing that from the token-bearing chunk count, a floor
+(``output_tokens_from_chunks``). A request whose stream ends with zero tokens is a failure.
+
+With an SLO (``slo``), a measured request *meets* it when it succeeded and every given threshold
+holds (``<=``; a TPOT threshold holds vacuously for a request whose TPOT is undefined): ``goodput_rps``
+is the requests that met it per second of the window, ``slo_attainment_pct`` their share of the
+measured requests (failed ones count as missed).
 
 ``send_lag_ms`` (``t_send - t_scheduled``) covers every measured request sent, failed ones included:
 it measures the client, not the server. It grows when a rate-based load outruns its concurrency
@@ -26,13 +41,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.bench.client import RequestRecord, WorkloadResult
+from k3pipe.specs import SLOSpec
 
 __all__ = [
     "LatencyStats",
@@ -40,6 +56,7 @@ __all__ = [
     "WorkloadSummary",
     "check_throughput",
     "records_frame",
+    "retokenize",
     "summarize",
 ]
 
@@ -105,6 +122,10 @@ class WorkloadSummary(BaseModel):
     output_tokens_from_chunks: bool = Field(
         description="Some request had no usage: its tokens were counted as token-bearing chunks (a floor)."
     )
+    output_tokens_retokenized: bool = Field(
+        default=False,
+        description="Some request had no usage: its tokens were counted by re-tokenizing its text.",
+    )
     output_throughput_tps: float | None = Field(description="output_tokens_total / duration_s.")
     output_throughput_bound_tps: float | None = Field(
         description="Physical ceiling: sum of max_tokens of completed requests / duration_s."
@@ -112,9 +133,20 @@ class WorkloadSummary(BaseModel):
     throughput_exceeds_bound: bool = Field(description="output_throughput_tps above its ceiling.")
     ttft_ms: LatencyStats | None = Field(description="Time to first token-bearing delta.")
     content_ttft_ms: LatencyStats | None = Field(description="Time to first non-empty content.")
-    tpot_ms: LatencyStats | None = Field(description="Time per output token after the first.")
-    itl_ms: LatencyStats | None = Field(description="Gaps between token-bearing chunks, pooled.")
-    e2e_ms: LatencyStats | None = Field(description="Send to end of stream.")
+    tpot_ms: LatencyStats | None = Field(description="Time per output token after the first chunk.")
+    tpot_k1_assumed: bool = Field(
+        default=False,
+        description="Some request's first-chunk token count was unknown and taken as 1 in its TPOT.",
+    )
+    itl_ms: LatencyStats | None = Field(description="Inter-token latency, per token (see itl_basis).")
+    itl_basis: str | None = Field(
+        default=None,
+        description="'per_token' (every request had per-chunk counts), 'per_chunk' (none) or 'mixed'.",
+    )
+    chunk_itl_ms: LatencyStats | None = Field(
+        default=None, description="Gaps between token-bearing chunks, pooled (per chunk)."
+    )
+    e2e_ms: LatencyStats | None = Field(description="Send to the last token-bearing chunk.")
     send_lag_ms: LatencyStats | None = Field(
         description="Scheduled time to send, over all measured requests sent (the client falling behind)."
     )
@@ -126,6 +158,16 @@ class WorkloadSummary(BaseModel):
     )
     stopped_by_duration: bool = Field(
         description="The workload's duration_s ran out before all its planned measured requests were sent."
+    )
+    slo: SLOSpec | None = Field(default=None, description="The objectives goodput is counted against.")
+    slo_met: int | None = Field(default=None, description="Measured requests that met every objective.")
+    goodput_rps: float | None = Field(default=None, description="slo_met / duration_s.")
+    slo_attainment_pct: float | None = Field(
+        default=None, description="slo_met / measured requests, in percent (failed ones count as missed)."
+    )
+    slo_attainment_by_objective_pct: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per objective (ttft_ms, tpot_ms, e2e_ms): share of measured requests within it.",
     )
     errors: dict[str, int] = Field(description="Failed measured requests by error text.")
 
@@ -140,6 +182,8 @@ class WorkloadSummary(BaseModel):
             "input_tokens_total": float(self.input_tokens_total),
             "output_tokens_total": float(self.output_tokens_total),
             "output_tokens_from_chunks": float(self.output_tokens_from_chunks),
+            "output_tokens_retokenized": float(self.output_tokens_retokenized),
+            "tpot_k1_assumed": float(self.tpot_k1_assumed),
             "throughput_exceeds_bound": float(self.throughput_exceeds_bound),
             "stopped_by_duration": float(self.stopped_by_duration),
         }
@@ -148,7 +192,14 @@ class WorkloadSummary(BaseModel):
             "output_throughput_tps": self.output_throughput_tps,
             "output_throughput_bound_tps": self.output_throughput_bound_tps,
             "server_input_tokens_total": self.server_input_tokens_total,
+            "slo_met": self.slo_met,
+            "goodput_rps": self.goodput_rps,
+            "slo_attainment_pct": self.slo_attainment_pct,
+            "itl_per_token": None if self.itl_basis is None else float(self.itl_basis == "per_token"),
         }
+        optional.update(
+            {f"slo_{k}_attainment_pct": v for k, v in self.slo_attainment_by_objective_pct.items()}
+        )
         out.update({k: float(v) for k, v in optional.items() if v is not None})
         for name in _LATENCIES:
             stats: LatencyStats | None = getattr(self, name)
@@ -164,13 +215,16 @@ class WorkloadSummary(BaseModel):
         return out
 
 
-def summarize(result: WorkloadResult) -> WorkloadSummary:
-    """Summarize the measured requests of ``result`` (warm-up and failed requests excluded)."""
+def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSummary:
+    """Summarize the measured requests of ``result`` (warm-up and failed requests excluded), with
+    goodput and attainment against ``slo`` when given."""
     measured = [r for r in result.records if not r.warmup]
     ok = [r for r in measured if r.ok]
     duration_s = result.t_end - result.t_start
     counted = [_output_tokens(r) for r in ok]
     output_total = sum(n for n, _ in counted)
+    per_token = [r.chunk_tokens is not None for r in ok]
+    met = _slo_met(ok, slo) if slo is not None else None
     bound_total = sum(r.max_tokens for r in ok)
     output_tps = output_total / duration_s if duration_s > 0 else None
     bound_tps = bound_total / duration_s if duration_s > 0 else None
@@ -190,7 +244,8 @@ def summarize(result: WorkloadResult) -> WorkloadSummary:
             else None
         ),
         output_tokens_total=output_total,
-        output_tokens_from_chunks=any(from_chunks for _, from_chunks in counted),
+        output_tokens_from_chunks=any(how == "chunks" for _, how in counted),
+        output_tokens_retokenized=any(how == "retokenized" for _, how in counted),
         output_throughput_tps=output_tps,
         output_throughput_bound_tps=bound_tps,
         throughput_exceeds_bound=(
@@ -201,14 +256,49 @@ def summarize(result: WorkloadResult) -> WorkloadSummary:
         ttft_ms=LatencyStats.of(_present(_ttft_ms(r) for r in ok)),
         content_ttft_ms=LatencyStats.of(_present(_content_ttft_ms(r) for r in ok)),
         tpot_ms=LatencyStats.of(_present(_tpot_ms(r) for r in ok)),
+        tpot_k1_assumed=any(r.chunk_tokens is None and _tpot_ms(r) is not None for r in ok),
         itl_ms=LatencyStats.of([gap for r in ok for gap in _itl_ms(r)]),
-        e2e_ms=LatencyStats.of([_e2e_ms(r) for r in ok]),
+        itl_basis=(
+            None
+            if not ok
+            else "per_token"
+            if all(per_token)
+            else "per_chunk"
+            if not any(per_token)
+            else "mixed"
+        ),
+        chunk_itl_ms=LatencyStats.of([gap for r in ok for gap in _chunk_itl_ms(r)]),
+        e2e_ms=LatencyStats.of(_present(_e2e_ms(r) for r in ok)),
         send_lag_ms=LatencyStats.of([_send_lag_ms(r) for r in measured]),
         ttft_from_scheduled_ms=LatencyStats.of(_present(_ttft_from_scheduled_ms(r) for r in ok)),
-        e2e_from_scheduled_ms=LatencyStats.of([_e2e_from_scheduled_ms(r) for r in ok]),
+        e2e_from_scheduled_ms=LatencyStats.of(_present(_e2e_from_scheduled_ms(r) for r in ok)),
         stopped_by_duration=result.stopped_by_duration,
+        slo=slo,
+        slo_met=None if met is None else met[0],
+        goodput_rps=None if met is None or duration_s <= 0 else met[0] / duration_s,
+        slo_attainment_pct=None if met is None or not measured else 100.0 * met[0] / len(measured),
+        slo_attainment_by_objective_pct=(
+            {} if met is None or not measured else {k: 100.0 * n / len(measured) for k, n in met[1].items()}
+        ),
         errors=dict(Counter(r.error for r in measured if r.error is not None)),
     )
+
+
+def retokenize(result: WorkloadResult, count_tokens: Callable[[str], int]) -> WorkloadResult:
+    """Count the output tokens of requests the server sent no usage for, from their kept text.
+
+    ``count_tokens(text)`` is the model's tokenizer (no special tokens added). Records with usage,
+    or without kept text, are unchanged; the summary flags the workload ``output_tokens_retokenized``.
+    """
+    if not any(r.usage_output_tokens is None and r.output_text for r in result.records):
+        return result
+    records = [
+        r.model_copy(update={"retokenized_output_tokens": count_tokens(r.output_text)})
+        if r.usage_output_tokens is None and r.output_text
+        else r
+        for r in result.records
+    ]
+    return result.model_copy(update={"records": records})
 
 
 def check_throughput(claimed_tps: float, total_tokens: float, wall_s: float) -> ThroughputCheck:
@@ -240,7 +330,7 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
     t0 = result.t_start
     rows = []
     for r in result.records:
-        tokens, from_chunks = _output_tokens(r)
+        tokens, source = _output_tokens(r)
         rows.append(
             {
                 "index": r.index,
@@ -255,8 +345,9 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
                 "usage_prompt_tokens": r.usage_prompt_tokens,
                 "usage_output_tokens": r.usage_output_tokens,
                 "output_tokens": tokens,
-                "output_tokens_from_chunks": from_chunks,
+                "output_tokens_source": source,
                 "chunks": len(r.chunk_times),
+                "first_chunk_tokens": r.chunk_tokens[0] if r.chunk_tokens else None,
                 "t_scheduled_s": r.t_scheduled - t0,
                 "t_send_s": r.t_send - t0,
                 "t_first_delta_s": _minus(r.t_first_delta, t0),
@@ -270,10 +361,11 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
                 "ttft_from_scheduled_ms": _ttft_from_scheduled_ms(r),
                 "e2e_from_scheduled_ms": _e2e_from_scheduled_ms(r),
                 "chunk_times_s": json.dumps([t - t0 for t in r.chunk_times]),
+                "chunk_tokens": None if r.chunk_tokens is None else json.dumps(r.chunk_tokens),
             }
         )
     frame = pd.DataFrame(rows, columns=_COLUMNS)
-    for column in ("status_code", "usage_prompt_tokens", "usage_output_tokens"):
+    for column in ("status_code", "usage_prompt_tokens", "usage_output_tokens", "first_chunk_tokens"):
         frame[column] = frame[column].astype("Int64")
     for column in (
         "t_first_delta_s",
@@ -282,6 +374,8 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
         "content_ttft_ms",
         "tpot_ms",
         "ttft_from_scheduled_ms",
+        "e2e_ms",
+        "e2e_from_scheduled_ms",
     ):
         frame[column] = frame[column].astype("float64")
     return frame
@@ -300,8 +394,9 @@ _COLUMNS = [
     "usage_prompt_tokens",
     "usage_output_tokens",
     "output_tokens",
-    "output_tokens_from_chunks",
+    "output_tokens_source",
     "chunks",
+    "first_chunk_tokens",
     "t_scheduled_s",
     "t_send_s",
     "t_first_delta_s",
@@ -315,6 +410,7 @@ _COLUMNS = [
     "ttft_from_scheduled_ms",
     "e2e_from_scheduled_ms",
     "chunk_times_s",
+    "chunk_tokens",
 ]
 
 _LATENCIES = (
@@ -322,6 +418,7 @@ _LATENCIES = (
     "content_ttft_ms",
     "tpot_ms",
     "itl_ms",
+    "chunk_itl_ms",
     "e2e_ms",
     "send_lag_ms",
     "ttft_from_scheduled_ms",
@@ -332,23 +429,33 @@ _LATENCIES = (
 # Per-request derivations: None when the data is missing.
 
 
-def _output_tokens(r: RequestRecord) -> tuple[int, bool]:
-    """Output tokens from usage, else the token-bearing chunk count (flagged True: a floor)."""
+def _output_tokens(r: RequestRecord) -> tuple[int, str]:
+    """Output tokens and where they came from: usage, else re-tokenized text, else the chunk count."""
     if r.usage_output_tokens is not None:
-        return r.usage_output_tokens, False
-    return len(r.chunk_times), True
+        return r.usage_output_tokens, "usage"
+    if r.retokenized_output_tokens is not None:
+        return r.retokenized_output_tokens, "retokenized"
+    return len(r.chunk_times), "chunks"
+
+
+def _since(t: float | None, t0: float) -> float | None:
+    return None if t is None else (t - t0) * 1000.0
+
+
+def _last_token(r: RequestRecord) -> float | None:
+    return r.chunk_times[-1] if r.chunk_times else None
 
 
 def _ttft_ms(r: RequestRecord) -> float | None:
-    return None if r.t_first_delta is None else (r.t_first_delta - r.t_send) * 1000.0
+    return _since(r.t_first_delta, r.t_send)
 
 
 def _content_ttft_ms(r: RequestRecord) -> float | None:
-    return None if r.t_first_content is None else (r.t_first_content - r.t_send) * 1000.0
+    return _since(r.t_first_content, r.t_send)
 
 
-def _e2e_ms(r: RequestRecord) -> float:
-    return (r.t_end - r.t_send) * 1000.0
+def _e2e_ms(r: RequestRecord) -> float | None:
+    return _since(_last_token(r), r.t_send)
 
 
 def _send_lag_ms(r: RequestRecord) -> float:
@@ -356,23 +463,63 @@ def _send_lag_ms(r: RequestRecord) -> float:
 
 
 def _ttft_from_scheduled_ms(r: RequestRecord) -> float | None:
-    return None if r.t_first_delta is None else (r.t_first_delta - r.t_scheduled) * 1000.0
+    return _since(r.t_first_delta, r.t_scheduled)
 
 
-def _e2e_from_scheduled_ms(r: RequestRecord) -> float:
-    return (r.t_end - r.t_scheduled) * 1000.0
+def _e2e_from_scheduled_ms(r: RequestRecord) -> float | None:
+    return _since(_last_token(r), r.t_scheduled)
 
 
 def _tpot_ms(r: RequestRecord) -> float | None:
-    ttft = _ttft_ms(r)
-    tokens, _ = _output_tokens(r)
-    if ttft is None or tokens <= 1:
+    """(E2E - TTFT) / (N - k1): the time per token of everything after the first chunk."""
+    if r.t_first_delta is None or not r.chunk_times:
         return None
-    return (_e2e_ms(r) - ttft) / (tokens - 1)
+    tokens, _ = _output_tokens(r)
+    k1 = r.chunk_tokens[0] if r.chunk_tokens else 1
+    if tokens <= k1:
+        return None
+    return (r.chunk_times[-1] - r.t_first_delta) * 1000.0 / (tokens - k1)
+
+
+def _chunk_itl_ms(r: RequestRecord) -> list[float]:
+    return (np.diff(np.asarray(r.chunk_times, dtype=float)) * 1000.0).tolist()
 
 
 def _itl_ms(r: RequestRecord) -> list[float]:
-    return (np.diff(np.asarray(r.chunk_times, dtype=float)) * 1000.0).tolist()
+    """Per-token gaps when the chunks' token counts are known, else the per-chunk gaps.
+
+    A gap ending at a chunk of k tokens gives k values of gap / k. A chunk that carried text but no
+    new token (k = 0) adds its time to the next chunk that does carry tokens.
+    """
+    if r.chunk_tokens is None:
+        return _chunk_itl_ms(r)
+    out: list[float] = []
+    last = None
+    for t, k in zip(r.chunk_times, r.chunk_tokens, strict=True):
+        if k <= 0:
+            continue
+        if last is not None:
+            out.extend([(t - last) * 1000.0 / k] * k)
+        last = t
+    return out
+
+
+def _slo_met(ok: list[RequestRecord], slo: SLOSpec) -> tuple[int, dict[str, int]]:
+    """Successful requests meeting every objective, and per objective those within it."""
+    limits = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2e_ms": slo.e2e_ms}
+    measure = {"ttft_ms": _ttft_ms, "tpot_ms": _tpot_ms, "e2e_ms": _e2e_ms}
+    within = {k: 0 for k, v in limits.items() if v is not None}
+    all_met = 0
+    for r in ok:
+        verdicts = []
+        for k in within:
+            value, limit = measure[k](r), limits[k]
+            # an undefined TPOT (every token in the first chunk) has nothing after it to be slow
+            good = k == "tpot_ms" if value is None or limit is None else value <= limit
+            within[k] += good
+            verdicts.append(good)
+        all_met += all(verdicts)
+    return all_met, within
 
 
 def _present(values: Iterable[float | None]) -> list[float]:

@@ -74,7 +74,7 @@ def test_chat_request_body_and_headers(server: ScriptedOpenAI) -> None:
         "max_tokens": 5,
         "temperature": 0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "ignore_eos": True,
     }
     assert "authorization" not in req.headers  # no key, no header
@@ -95,7 +95,8 @@ def test_key_goes_in_the_bearer_header_only(server: ScriptedOpenAI) -> None:
 
 @pytest.mark.parametrize("null_usage", [False, True])
 def test_completions_api(server: ScriptedOpenAI, null_usage: bool) -> None:
-    server.script = Script(usage_null_in_chunks=null_usage)
+    # "usage": null on token chunks is what older vLLM sent when continuous usage was off
+    server.script = Script(usage_null_in_chunks=null_usage, continuous_usage=not null_usage)
     result = run(server.base_url, workload(api="completions", output_tokens=6))
     record = only(result)
     assert record.ok, record.error
@@ -103,8 +104,9 @@ def test_completions_api(server: ScriptedOpenAI, null_usage: bool) -> None:
     assert req.path == "/v1/completions"
     assert req.body["prompt"] == "prompt number 0"
     assert "messages" not in req.body
-    assert req.body["stream_options"] == {"include_usage": True}
+    assert req.body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert len(record.chunk_times) == 6
+    assert record.chunk_tokens == (None if null_usage else [1] * 6)
     assert record.usage_output_tokens == 6
     assert record.t_first_content == record.t_first_delta == record.chunk_times[0]
     assert record.finish_reason == "length"
@@ -169,13 +171,33 @@ def test_multi_token_chunks_count_tokens_from_usage(server: ScriptedOpenAI) -> N
     record = only(result)
     assert len(record.chunk_times) == 4
     assert record.usage_output_tokens == 16
+    assert record.chunk_tokens == [4, 4, 4, 4]  # from the running usage of continuous_usage_stats
     summary = summarize(result)
     assert summary.output_tokens_total == 16
     assert not summary.output_tokens_from_chunks
     assert summary.tpot_ms is not None
     assert summary.ttft_ms is not None
     assert summary.e2e_ms is not None
+    # N - k1: the 4 tokens of the first chunk arrived at TTFT
+    assert summary.tpot_ms.mean == pytest.approx((summary.e2e_ms.mean - summary.ttft_ms.mean) / 12)
+    assert not summary.tpot_k1_assumed
+
+
+def test_multi_token_chunks_without_continuous_usage_assume_one_token_first(
+    server: ScriptedOpenAI,
+) -> None:
+    server.script = Script(tokens_per_chunk=4, inter_token_s=0.02, continuous_usage=False)
+    result = run(server.base_url, workload(output_tokens=16))
+    record = only(result)
+    assert record.usage_output_tokens == 16
+    assert record.chunk_tokens is None
+    summary = summarize(result)
+    assert summary.tpot_ms is not None
+    assert summary.ttft_ms is not None
+    assert summary.e2e_ms is not None
     assert summary.tpot_ms.mean == pytest.approx((summary.e2e_ms.mean - summary.ttft_ms.mean) / 15)
+    assert summary.tpot_k1_assumed
+    assert summary.itl_basis == "per_chunk"
 
 
 def test_usage_absent_falls_back_to_chunks_and_is_flagged(server: ScriptedOpenAI) -> None:

@@ -58,18 +58,22 @@ def rec(
 def known_result(max_tokens: int = 20) -> WorkloadResult:
     """Four good measured requests, one failed, one warm-up; the window is 4 s.
 
+    E2E ends at the last token-bearing chunk, not at the stream's end (the usage chunk and [DONE]
+    may come later: request 0's stream ends 50 ms after its last token, request 2's 200 ms after).
+    No per-chunk token counts, so TPOT takes k1 = 1 and ITL is per chunk.
+
     per request       ttft  content  e2e   out  tpot                ITL gaps
-    0                 100   150      1100  11   (1100-100)/10=100   100, 100
-    1 (reasoning)     200   -        1200  6    (1200-200)/5=200    300
-    2                 300   350      500   1    -                   -
-    3                 400   400      1000  4    (1000-400)/3=200    50, 50, 100
+    0                 100   150      1100  11   (1100-100)/10=100   100, 100, 800
+    1 (reasoning)     200   -        1200  6    (1200-200)/5=200    300, 700
+    2                 300   350      300   1    -                   -
+    3                 400   400      1000  4    (1000-400)/3=200    50, 50, 500
     """
     records = [
         rec(0, -5.0, -4.0, -4.0, [-4.0], -1.0, 50, warmup=True),
-        rec(1, 0.0, 0.1, 0.15, [0.1, 0.2, 0.3], 1.1, 11, max_tokens=max_tokens),
-        rec(2, 1.0, 1.2, None, [1.2, 1.5], 2.2, 6, max_tokens=max_tokens),
+        rec(1, 0.0, 0.1, 0.15, [0.1, 0.2, 0.3, 1.1], 1.15, 11, max_tokens=max_tokens),
+        rec(2, 1.0, 1.2, None, [1.2, 1.5, 2.2], 2.2, 6, max_tokens=max_tokens),
         rec(3, 2.0, 2.3, 2.35, [2.3], 2.5, 1, max_tokens=max_tokens),
-        rec(4, 3.0, 3.4, 3.4, [3.4, 3.45, 3.5, 3.6], 4.0, 4, max_tokens=max_tokens),
+        rec(4, 3.0, 3.4, 3.4, [3.4, 3.45, 3.5, 4.0], 4.0, 4, max_tokens=max_tokens),
         rec(5, 0.5, None, None, [], 0.6, None, max_tokens=max_tokens, error="HTTP 500 from x: boom"),
     ]
     return WorkloadResult(
@@ -92,15 +96,19 @@ def test_latency_statistics() -> None:
     assert s.tpot_ms.count == 3  # a 1-token request has no TPOT
     assert s.tpot_ms.mean == pytest.approx(500.0 / 3)
     assert s.tpot_ms.p50 == pytest.approx(200.0)
-    # ITL pooled over requests: 50, 50, 100, 100, 100, 300
+    assert s.tpot_k1_assumed  # no per-chunk counts: k1 taken as 1
+    # ITL pooled over requests, per chunk (no counts): 50, 50, 100, 100, 300, 500, 700, 800
+    assert s.itl_basis == "per_chunk"
     assert s.itl_ms is not None
-    assert s.itl_ms.count == 6
-    assert s.itl_ms.mean == pytest.approx(700.0 / 6)
-    assert s.itl_ms.p50 == pytest.approx(100.0)
-    assert s.itl_ms.p90 == pytest.approx(200.0)  # rank 4.5 between 100 and 300
-    assert s.itl_ms.p99 == pytest.approx(290.0)
+    assert s.itl_ms == s.chunk_itl_ms
+    assert s.itl_ms.count == 8
+    assert s.itl_ms.mean == pytest.approx(2600.0 / 8)
+    assert s.itl_ms.p50 == pytest.approx(200.0)  # rank 3.5 between 100 and 300
+    assert s.itl_ms.p90 == pytest.approx(730.0)  # rank 6.3 between 700 and 800
+    assert s.itl_ms.p99 == pytest.approx(793.0)
+    # E2E to the last token: 1100, 1200, 300, 1000
     assert s.e2e_ms is not None
-    assert s.e2e_ms.mean == pytest.approx(950.0)
+    assert s.e2e_ms.mean == pytest.approx(900.0)
     assert s.e2e_ms.p50 == pytest.approx(1050.0)
 
 
@@ -166,7 +174,10 @@ def test_nothing_succeeded() -> None:
     assert s.itl_ms is None
     assert s.output_throughput_tps == 0.0
     metrics = s.metrics()
-    assert not any(k.startswith(("ttft", "e2e", "tpot", "itl")) for k in metrics)
+    stats = ("_mean", "_p50", "_p90", "_p99")
+    assert not any(
+        k.startswith(("ttft", "e2e", "tpot", "itl", "chunk_itl")) and k.endswith(stats) for k in metrics
+    )
     assert metrics["failed"] == 1.0
 
 
@@ -182,6 +193,9 @@ def test_metrics_are_flat_floats_with_units_in_names() -> None:
         "failed",
         "warmup_requests",
         "output_tokens_from_chunks",
+        "output_tokens_retokenized",
+        "tpot_k1_assumed",
+        "itl_per_token",
         "throughput_exceeds_bound",
         "stopped_by_duration",
     }
@@ -195,6 +209,7 @@ def test_metrics_are_flat_floats_with_units_in_names() -> None:
         "content_ttft_ms",
         "tpot_ms",
         "itl_ms",
+        "chunk_itl_ms",
         "e2e_ms",
         "send_lag_ms",
         "ttft_from_scheduled_ms",
@@ -225,9 +240,9 @@ def test_send_lag_and_latency_from_the_schedule() -> None:
     2            1000  200   1200                 400   1400
     """
     records = [
-        rec(0, 0.0, 0.1, 0.1, [0.1, 0.2], 0.5, 2, scheduled=0.0),
-        rec(1, 0.5, 0.6, 0.6, [0.6, 0.7], 1.0, 2, scheduled=0.1),
-        rec(2, 1.2, 1.4, 1.4, [1.4, 1.5], 1.6, 2, scheduled=0.2),
+        rec(0, 0.0, 0.1, 0.1, [0.1, 0.5], 0.5, 2, scheduled=0.0),
+        rec(1, 0.5, 0.6, 0.6, [0.6, 1.0], 1.0, 2, scheduled=0.1),
+        rec(2, 1.2, 1.4, 1.4, [1.4, 1.6], 1.6, 2, scheduled=0.2),
         rec(3, -1.0, -0.9, -0.9, [-0.9], -0.5, 1, warmup=True, scheduled=-3.0),  # not measured
     ]
     result = WorkloadResult(workload="w", records=records, t_start=T0, t_end=T0 + 1.6, started_at_unix_s=0)
@@ -290,13 +305,14 @@ def test_records_frame(tmp_path: Path) -> None:
     assert row["t_scheduled_s"] == pytest.approx(0.0)
     assert row["send_lag_ms"] == pytest.approx(0.0)
     assert row["t_first_delta_s"] == pytest.approx(0.1)
-    assert row["t_end_s"] == pytest.approx(1.1)
+    assert row["t_end_s"] == pytest.approx(1.15)
     assert row["ttft_ms"] == pytest.approx(100.0)
     assert row["content_ttft_ms"] == pytest.approx(150.0)
     assert row["tpot_ms"] == pytest.approx(100.0)
     assert row["e2e_ms"] == pytest.approx(1100.0)
-    assert row["chunks"] == 3
-    assert json.loads(row["chunk_times_s"]) == pytest.approx([0.1, 0.2, 0.3])
+    assert row["chunks"] == 4
+    assert json.loads(row["chunk_times_s"]) == pytest.approx([0.1, 0.2, 0.3, 1.1])
+    assert row["output_tokens_source"] == "usage"
     assert frame.iloc[0]["t_send_s"] == pytest.approx(-5.0)  # warm-up before the window
     failed = frame.iloc[5]
     assert pd.isna(failed["ttft_ms"])

@@ -1,0 +1,307 @@
+"""The measurement definitions of docs/measurement.md, held against streams whose true values are known.
+
+Two kinds of ground truth:
+
+- the scripted vLLM-style server (``tests/scripted_openai.py``, in this process): it stamps every chunk
+  with ``perf_counter`` as it hands it to the transport, so the true TTFT, E2E, TPOT and ITL of each
+  request follow from its stamps and the scripted token counts; the client's figures must match them
+  within the delivery slack of a loaded 2-core machine;
+- hand-written SSE streams through ``httpx.MockTransport``, for the shapes the scripted server does
+  not produce (tool calls, keep-alive comments, chunks without new tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+import pytest
+
+from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, run_workload, summarize
+from k3pipe.bench.summary import retokenize
+from k3pipe.specs import SLOSpec, WorkloadSpec
+from tests.scripted_openai import Received, Script, ScriptedOpenAI
+
+# Delivery slack per figure (seconds): the scripted delays are 10x larger than this.
+SLACK_S = 0.03
+
+
+def workload(**overrides: object) -> WorkloadSpec:
+    fields: dict[str, object] = {"name": "w", "input_tokens": 3, "output_tokens": 8, "num_requests": 1}
+    fields.update(overrides)
+    return WorkloadSpec.model_validate(fields)
+
+
+def run(base_url: str, spec: WorkloadSpec, *, continuous_usage: bool = True) -> WorkloadResult:
+    prompts = [Prompt(text=f"prompt {i}", tokens=2) for i in range(spec.warmup_requests + spec.num_requests)]
+
+    async def go() -> WorkloadResult:
+        async with httpx.AsyncClient() as client:
+            return await run_workload(
+                client, base_url, "scripted", None, spec, prompts, continuous_usage=continuous_usage
+            )
+
+    return asyncio.run(go())
+
+
+def token_stamps(req: Received) -> list[float]:
+    return [t for kind, t in req.sent if kind in ("reasoning", "content")]
+
+
+def test_ttft_tpot_e2e_with_a_multi_token_first_chunk(server: ScriptedOpenAI) -> None:
+    """First chunk of 3 tokens at 150 ms, then 1-token chunks 40 ms apart, 200 ms of tail before usage.
+
+    True values: TTFT = first token chunk sent - send; E2E = last token chunk sent - send (not the
+    [DONE] 200 ms later); TPOT = (E2E - TTFT) / (N - k1) = 40 ms with k1 = 3, where N - 1 would
+    give 40 * 5 / 7 = 28.6 ms.
+    """
+    server.script = Script(
+        first_token_delay_s=0.15, inter_token_s=0.04, first_chunk_tokens=3, tail_delay_s=0.2
+    )
+    result = run(server.base_url, workload(output_tokens=8))
+    (record,) = result.records
+    assert record.ok, record.error
+    assert record.chunk_tokens == [3, 1, 1, 1, 1, 1]
+    stamps = token_stamps(server.requests[0])
+    true_ttft = stamps[0] - record.t_send
+    true_e2e = stamps[-1] - record.t_send
+    true_tpot = (stamps[-1] - stamps[0]) / (8 - 3)
+    s = summarize(result)
+    assert s.ttft_ms is not None
+    assert s.e2e_ms is not None
+    assert s.tpot_ms is not None
+    assert s.ttft_ms.mean / 1000 == pytest.approx(true_ttft, abs=SLACK_S)
+    assert s.e2e_ms.mean / 1000 == pytest.approx(true_e2e, abs=SLACK_S)
+    assert s.tpot_ms.mean / 1000 == pytest.approx(true_tpot, abs=SLACK_S / 5)
+    assert s.tpot_ms.mean == pytest.approx(40.0, abs=10.0)
+    # the stream itself ended after the tail: E2E is not the stream's end
+    assert (record.t_end - record.t_send) - s.e2e_ms.mean / 1000 >= 0.2 - 0.005
+    assert not s.tpot_k1_assumed
+
+
+def test_per_token_itl_from_continuous_usage(server: ScriptedOpenAI) -> None:
+    """Chunks of 4 tokens every 80 ms: per-token ITL 20 ms (each gap over its 4 tokens, counted 4
+    times), per-chunk ITL 80 ms; TPOT 20 ms."""
+    server.script = Script(tokens_per_chunk=4, inter_token_s=0.08)
+    s = summarize(run(server.base_url, workload(output_tokens=16)))
+    assert s.itl_basis == "per_token"
+    assert s.itl_ms is not None
+    assert s.chunk_itl_ms is not None
+    assert s.tpot_ms is not None
+    assert s.itl_ms.count == 12  # the 12 tokens after the first chunk
+    assert s.chunk_itl_ms.count == 3
+    assert s.itl_ms.mean == pytest.approx(20.0, abs=SLACK_S * 1000 / 4)
+    assert s.chunk_itl_ms.mean == pytest.approx(80.0, abs=SLACK_S * 1000)
+    assert s.tpot_ms.mean == pytest.approx(20.0, abs=SLACK_S * 1000 / 4)
+    assert s.metrics()["itl_per_token"] == 1.0
+
+
+def test_without_per_chunk_counts_itl_is_per_chunk_and_labelled(server: ScriptedOpenAI) -> None:
+    server.script = Script(tokens_per_chunk=4, inter_token_s=0.08)
+    result = run(server.base_url, workload(output_tokens=16), continuous_usage=False)
+    assert server.requests[0].body["stream_options"] == {"include_usage": True}
+    s = summarize(result)
+    assert s.itl_basis == "per_chunk"
+    assert s.itl_ms == s.chunk_itl_ms
+    assert s.itl_ms is not None
+    assert s.itl_ms.count == 3
+    assert s.tpot_k1_assumed
+    assert s.metrics()["itl_per_token"] == 0.0
+
+
+def test_mixed_bases_are_labelled(server: ScriptedOpenAI) -> None:
+    # the server honours continuous usage for even requests only
+    server.script = lambda req: Script(continuous_usage=req.index % 2 == 0)
+    s = summarize(run(server.base_url, workload(num_requests=4, output_tokens=4)))
+    assert s.itl_basis == "mixed"
+
+
+def test_reasoning_then_content(server: ScriptedOpenAI) -> None:
+    """TTFT is the first reasoning delta; content TTFT the first content, five chunks later."""
+    server.script = Script(first_token_delay_s=0.1, inter_token_s=0.05, reasoning_tokens=5)
+    result = run(server.base_url, workload(output_tokens=8))
+    (record,) = result.records
+    req = server.requests[0]
+    s = summarize(result)
+    assert s.ttft_ms is not None
+    assert s.content_ttft_ms is not None
+    assert s.ttft_ms.mean / 1000 == pytest.approx(req.first_sent("reasoning") - record.t_send, abs=SLACK_S)
+    assert s.content_ttft_ms.mean / 1000 == pytest.approx(
+        req.first_sent("content") - record.t_send, abs=SLACK_S
+    )
+    assert s.content_ttft_ms.mean - s.ttft_ms.mean == pytest.approx(250.0, abs=SLACK_S * 1000)
+
+
+def test_goodput_and_attainment_against_slos(server: ScriptedOpenAI) -> None:
+    """Requests 0-3 answer in 50 ms, 4-5 in 400 ms: a 200 ms TTFT objective is met by 4 of 6."""
+    server.script = lambda req: Script(first_token_delay_s=0.05 if req.index < 4 else 0.4)
+    result = run(server.base_url, workload(num_requests=6, output_tokens=2))
+    s = summarize(result, SLOSpec(ttft_ms=200.0))
+    assert s.slo_met == 4
+    assert s.slo_attainment_pct == pytest.approx(100 * 4 / 6)
+    assert s.goodput_rps == pytest.approx(4 / s.duration_s)
+    assert s.slo_attainment_by_objective_pct == {"ttft_ms": pytest.approx(100 * 4 / 6)}
+    m = s.metrics()
+    assert m["goodput_rps"] == pytest.approx(4 / s.duration_s)
+    assert m["slo_ttft_ms_attainment_pct"] == pytest.approx(100 * 4 / 6)
+    assert summarize(result).goodput_rps is None  # no objectives, no goodput
+
+
+# --- the same definitions on hand-built records (exact arithmetic) ---
+
+T0 = 500.0
+
+
+def record(
+    chunks: list[float], tokens: list[int] | None, out: int | None, *, ok: bool = True, index: int = 0
+) -> RequestRecord:
+    return RequestRecord(
+        index=index,
+        warmup=False,
+        prompt_tokens=10,
+        max_tokens=64,
+        usage_output_tokens=out,
+        t_scheduled=T0,
+        t_send=T0,
+        t_first_delta=T0 + chunks[0] if chunks else None,
+        t_first_content=T0 + chunks[0] if chunks else None,
+        chunk_times=[T0 + c for c in chunks],
+        chunk_tokens=tokens,
+        t_end=T0 + (chunks[-1] if chunks else 1.0) + 0.5,
+        status_code=200,
+        error=None if ok else "HTTP 500 from x: boom",
+    )
+
+
+def result_of(*records: RequestRecord) -> WorkloadResult:
+    return WorkloadResult(
+        workload="w", records=list(records), t_start=T0, t_end=T0 + 10.0, started_at_unix_s=0
+    )
+
+
+def test_a_chunk_with_text_but_no_new_token_passes_its_gap_on() -> None:
+    """Chunks at 0.1 (2 tokens), 0.3 (0 tokens: text the detokenizer held back), 0.5 (2 tokens):
+    the 0.4 s from the first to the third chunk is spread over its 2 tokens."""
+    s = summarize(result_of(record([0.1, 0.3, 0.5], [2, 0, 2], 4)))
+    assert s.itl_ms is not None
+    assert s.itl_ms.count == 2
+    assert s.itl_ms.mean == pytest.approx(200.0)
+    assert s.tpot_ms is not None
+    assert s.tpot_ms.mean == pytest.approx(200.0)
+
+
+def test_everything_in_the_first_chunk_has_no_tpot_and_meets_a_tpot_slo() -> None:
+    r = record([0.1], [5], 5)
+    s = summarize(result_of(r), SLOSpec(tpot_ms=1.0, e2e_ms=150.0))
+    assert s.tpot_ms is None
+    assert s.slo_met == 1  # nothing after the first chunk to be slow; E2E 100 ms within 150
+
+
+def test_failed_requests_count_as_missing_the_slo() -> None:
+    good = record([0.05, 0.1], [1, 1], 2)
+    failed = record([], None, None, ok=False, index=1)
+    s = summarize(result_of(good, failed), SLOSpec(ttft_ms=100.0))
+    assert (s.slo_met, s.slo_attainment_pct) == (1, 50.0)
+
+
+def test_each_objective_is_reported_apart() -> None:
+    fast_start_slow_end = record([0.05, 1.0], [1, 1], 2)  # TTFT 50, TPOT 950, E2E 1000
+    slow_start = record([0.5, 0.55], [1, 1], 2, index=1)  # TTFT 500, TPOT 50, E2E 550
+    s = summarize(result_of(fast_start_slow_end, slow_start), SLOSpec(ttft_ms=100, tpot_ms=100, e2e_ms=800))
+    assert s.slo_met == 0
+    assert s.slo_attainment_by_objective_pct == {"ttft_ms": 50.0, "tpot_ms": 50.0, "e2e_ms": 50.0}
+
+
+# --- shapes only hand-written streams produce ---
+
+
+def mock_run(lines: list[str], spec: WorkloadSpec | None = None) -> RequestRecord:
+    raw = "\n".join(lines).encode()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=raw)
+
+    async def go() -> WorkloadResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_workload(
+                client, "http://engine.test/v1", "m", None, spec or workload(), [Prompt(text="p", tokens=1)]
+            )
+
+    (rec,) = asyncio.run(go()).records
+    return rec
+
+
+def data(delta: dict[str, object], usage: int | None = None) -> str:
+    import json
+
+    chunk: dict[str, object] = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    if usage is not None:
+        chunk["usage"] = {"prompt_tokens": 5, "completion_tokens": usage, "total_tokens": 5 + usage}
+    return "data: " + json.dumps(chunk) + "\n"
+
+
+def test_tool_call_deltas_are_tokens_and_keep_alives_usage_and_done_are_not() -> None:
+    tool = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}]}
+    rec = mock_run(
+        [
+            ": keep-alive",
+            data({"role": "assistant", "content": ""}, usage=0),
+            'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":0,"total_tokens":5}}\n',
+            data(tool, usage=2),
+            data({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, usage=3),
+            'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}\n',
+            "data: [DONE]\n",
+        ]
+    )
+    assert rec.ok, rec.error
+    assert len(rec.chunk_times) == 2  # the two tool-call chunks only
+    assert rec.t_first_content is None  # no content at all: content TTFT undefined
+    assert rec.chunk_tokens == [2, 1]
+    assert rec.usage_output_tokens == 3
+
+
+def test_without_usage_the_text_is_kept_and_retokenized() -> None:
+    rec = mock_run(
+        [
+            data({"role": "assistant", "content": ""}),
+            data({"reasoning": "think", "reasoning_content": "think"}),  # mirrored: counted once
+            data({"content": " hello world"}),
+            "data: [DONE]\n",
+        ]
+    )
+    assert rec.usage_output_tokens is None
+    assert rec.output_text == "think hello world"
+    result = retokenize(result_of(rec), lambda text: len(text.split()))
+    s = summarize(result)
+    assert s.output_tokens_total == 3
+    assert s.output_tokens_retokenized
+    assert not s.output_tokens_from_chunks
+    # with usage the text is not kept (it would only cost memory)
+    with_usage = mock_run([data({"content": "a"}, usage=1), "data: [DONE]\n"])
+    assert with_usage.output_text is None
+
+
+def test_zero_tokens_is_a_failure_even_with_status_200() -> None:
+    rec = mock_run(
+        [
+            data({"role": "assistant", "content": ""}, usage=0),
+            'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":0,"total_tokens":5}}\n',
+            "data: [DONE]\n",
+        ]
+    )
+    assert rec.status_code == 200
+    assert rec.error is not None
+    assert "zero output tokens" in rec.error
+
+
+def test_percentiles_are_numpy_linear() -> None:
+    values = [float(v) for v in range(1, 12)] + [100.0]
+    recs = [record([0.0 + v / 1000], [1], 1, index=i) for i, v in enumerate(values)]
+    s = summarize(result_of(*recs))
+    assert s.ttft_ms is not None
+    expected: Callable[[float], float] = lambda q: float(np.percentile(values, q, method="linear"))  # noqa: E731
+    assert s.ttft_ms.p50 == pytest.approx(expected(50))
+    assert s.ttft_ms.p99 == pytest.approx(expected(99))
+    assert s.ttft_ms.p90 == pytest.approx(10.9)  # rank 0.9 * 11 = 9.9: between 10 and 11
