@@ -96,14 +96,15 @@ def _run_arm(
         recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
         rows: list[dict[str, Any]] = []
         for workload in spec.workloads:
-            measured = benchmark_task(plan, workload, Path(models["model"].path))
-            recorder.log_workload(workload, measured)
-            rows.append({"arm": arm, "workload": workload.name, **measured.summary.metrics()})
+            for repeat in range(workload.repeats):
+                measured = benchmark_task(plan, workload, Path(models["model"].path), repeat, home)
+                recorder.log_workload(workload, measured)
+            rows.append({"arm": arm, "workload": workload.name, **recorder.workload_metrics(workload.name)})
         outcome["workloads"] = rows
-        failed = sum(int(r.get("failed") or 0) for r in rows)
+        failed = sum(float(r.get("failed") or 0) for r in rows)
         status = "FINISHED" if failed == 0 else "FAILED"
         if failed:
-            error = RuntimeError(f"{failed} request(s) failed; see requests.parquet of each workload")
+            error = RuntimeError("some requests failed; see requests.parquet of each workload")
     except KeyboardInterrupt as exc:
         status, error = "KILLED", exc
         raise

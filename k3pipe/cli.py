@@ -1,4 +1,4 @@
-"""The k3pipe command line: run, render, runs."""
+"""The k3pipe command line: render, preflight, run, runs, compare."""
 
 from __future__ import annotations
 
@@ -202,6 +202,39 @@ def runs(limit: Annotated[int, typer.Option(help="How many runs.")] = 20) -> Non
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(frame.round(2).to_string(index=False))
     print(f"\nbrowse: {tracker.run_link(runs_full_id)}")
+
+
+@app.command("compare")
+def compare_cmd(
+    run_a: Annotated[
+        str, typer.Argument(help="Workload run id, or engine run id with --workload (prefix ok).")
+    ],
+    run_b: Annotated[str, typer.Argument(help="The run to compare against RUN_A.")],
+    workload: Annotated[str | None, typer.Option(help="Workload name, when the ids are engine runs.")] = None,
+    metric: Annotated[list[str] | None, typer.Option(help="Metric to compare (repeatable).")] = None,
+) -> None:
+    """Is workload B different from workload A? Welch's t-test over their repeats, per metric."""
+    from k3pipe.compare import DEFAULT_METRICS, compare_workloads, resolve_workload_run
+    from k3pipe.tracking import Tracker
+
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    try:
+        a = resolve_workload_run(tracker, run_a, workload)
+        b = resolve_workload_run(tracker, run_b, workload)
+        rows = compare_workloads(tracker, a, b, metric or DEFAULT_METRICS)
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+    if not rows:
+        _fail(K3pipeError("the two runs share none of the metrics asked for"))
+    print(f"A: {a.info.run_name} ({a.info.run_id[:12]})   B: {b.info.run_name} ({b.info.run_id[:12]})")
+    print(f"{'metric':<24}{'mean A':>12}{'mean B':>12}{'change':>10}{'p (Welch)':>12}  verdict")
+    for c in rows:
+        change = f"{c.relative_change:+.1%}" if c.relative_change is not None else "n/a"
+        p = f"{c.p_value:.3g}" if c.p_value is not None else "n/a"
+        verdict = "different" if c.different else "within noise" if c.p_value is not None else "needs repeats"
+        print(f"{c.metric:<24}{c.mean_a:>12.3f}{c.mean_b:>12.3f}{change:>10}{p:>12}  {verdict}")
 
 
 def main() -> None:

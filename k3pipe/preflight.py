@@ -477,6 +477,35 @@ _GENERIC_RULES: tuple[Rule, ...] = (
 _ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
+def _shared_prompts(spec: ExperimentSpec) -> list[Finding]:
+    """Workloads of one arm that would send the same prompts: the same dataset and length, and seed
+    ranges (``seed`` .. ``seed + repeats - 1``) that overlap. The engine's prefix cache then serves
+    the later one from the earlier one's KV, and its TTFT is not a cold prefill."""
+    findings: list[Finding] = []
+    workloads = spec.workloads
+    for i, a in enumerate(workloads):
+        for b in workloads[i + 1 :]:
+            if a.dataset != b.dataset or a.input_tokens != b.input_tokens:
+                continue
+            seeds = set(range(a.seed, a.seed + a.repeats)) & set(range(b.seed, b.seed + b.repeats))
+            if not seeds:
+                continue
+            findings.append(
+                Finding(
+                    severity="warning",
+                    rule="shared-prompts",
+                    arm=None,
+                    message=(
+                        f"workloads {a.name} and {b.name} draw the same {a.dataset.kind} prompts of "
+                        f"{a.input_tokens:,} tokens with seed(s) {', '.join(map(str, sorted(seeds)))}: the "
+                        f"prefix cache would answer {b.name}'s prompts from {a.name}'s. Give them seeds "
+                        f"at least `repeats` apart (e.g. {b.name}.seed: {a.seed + a.repeats + 100})."
+                    ),
+                )
+            )
+    return findings
+
+
 def _skipped_kv(
     spec: ExperimentSpec, config: Mapping[str, Any] | None, weight_bytes: int | None
 ) -> Finding | None:
@@ -529,6 +558,7 @@ def preflight(
     skipped = _skipped_kv(spec, config, weight_bytes)
     if skipped is not None:
         findings.append(skipped)
+    findings.extend(_shared_prompts(spec))
     rules = (*_GENERIC_RULES, _kv_rule(reserve_gib_per_gpu * GiB), *extra_rules)
     for arm in spec.arms:
         engine = get_engine(arm.engine.kind)

@@ -1,4 +1,10 @@
-"""What a benchmark run records in MLflow: one run per engine launch, one nested run per workload."""
+"""What a benchmark run records in MLflow: one run per engine launch, one nested run per workload.
+
+A workload with ``repeats: N > 1`` gets, under its workload run, one nested run per repeat holding
+that repeat's details (requests, engine series, dataset); the workload run itself holds each metric's
+mean across repeats under its plain name, and ``<name>.std``, ``<name>.ci95_low``, ``<name>.ci95_high``
+beside it (see k3pipe.bench.repeats), plus ``repeats.json`` and ``repeats.parquet``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from k3pipe.bench import records_frame
+from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
@@ -36,6 +45,7 @@ SUMMARY_COLUMNS = (
     "e2e_ms_p50",
     "output_throughput_tps",
     "request_throughput_rps",
+    "slo_attainment_pct",
 )
 """The columns of the summary table the flow publishes and `k3pipe run` prints."""
 
@@ -61,6 +71,10 @@ class ArmRecorder:
             },
         )
         self.workload_runs: dict[str, str] = {}
+        # workloads with repeats: the metrics of each repeat logged so far, and which are still open
+        self._repeat_metrics: dict[str, list[dict[str, float]]] = {}
+        self._open: dict[str, WorkloadSpec] = {}
+        self._single: dict[str, dict[str, float]] = {}
 
     def log_plan(self, exp: ExperimentSpec, experiment_file: str, models: Mapping[str, ModelRecord]) -> None:
         plan = self.plan
@@ -146,21 +160,63 @@ class ArmRecorder:
             self.tracker.log_metrics(self.run_id, {"probe_first_delta_s": check.first_delta_s})
 
     def log_workload(self, workload: WorkloadSpec, outcome: WorkloadOutcome) -> str:
-        """A nested run: workload params, client summary, engine-side figures, per-request records,
-        the /metrics series and any client/engine disagreement."""
-        result, summary = outcome.result, outcome.summary
+        """One run of a workload, as soon as it ends: workload params, client summary, engine-side
+        figures, per-request records, the /metrics series, the dataset and any client/engine
+        disagreement. With repeats it is a nested run under the workload's run, which gets the
+        statistics across repeats once the last repeat is in (or when the arm ends early)."""
+        tags = {
+            "k3pipe.experiment": self.plan.experiment,
+            "k3pipe.arm": self.plan.arm,
+            "k3pipe.workload": workload.name,
+        }
+        params = _flat("workload", workload.model_dump(mode="json"))
+        if workload.repeats == 1:
+            run_id = self.tracker.start_run(
+                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
+            )
+            self.workload_runs[workload.name] = run_id
+            metrics = self._log_outcome(run_id, params, outcome)
+            self.tracker.log_metrics(
+                self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}
+            )
+            return run_id
+        parent = self.workload_runs.get(workload.name)
+        if parent is None:
+            parent = self.tracker.start_run(
+                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
+            )
+            self.workload_runs[workload.name] = parent
+            self.tracker.log_params(parent, params)
+            self._repeat_metrics[workload.name] = []
+            self._open[workload.name] = workload
+        k = outcome.repeat
         run_id = self.tracker.start_run(
-            f"{self.plan.arm}/{workload.name}",
-            tags={
-                "k3pipe.experiment": self.plan.experiment,
-                "k3pipe.arm": self.plan.arm,
-                "k3pipe.workload": workload.name,
-            },
-            parent_id=self.run_id,
+            f"{self.plan.arm}/{workload.name}#{k + 1}",
+            tags={**tags, "k3pipe.repeat": str(k + 1)},
+            parent_id=parent,
         )
-        self.workload_runs[workload.name] = run_id
+        repeat_params = {**params, "workload.seed": outcome.seed, "repeat": k + 1}
+        metrics = self._log_outcome(run_id, repeat_params, outcome)
+        self._repeat_metrics[workload.name].append({"repeat": float(k + 1), **metrics})
+        if len(self._repeat_metrics[workload.name]) >= workload.repeats:
+            self._close_repeats(workload.name, "FINISHED")
+        return run_id
+
+    def workload_metrics(self, name: str) -> dict[str, float]:
+        """What the arm's summary table shows for a workload: its metrics, or their means across repeats."""
+        per_repeat = self._repeat_metrics.get(name)
+        if per_repeat is None:
+            return dict(self._single.get(name, {}))
+        return {k: v.mean for k, v in aggregate_repeats(per_repeat).items() if k != "repeat"}
+
+    def _log_outcome(
+        self, run_id: str, params: Mapping[str, Any], outcome: WorkloadOutcome
+    ) -> dict[str, float]:
+        result, summary = outcome.result, outcome.summary
         try:
-            self.tracker.log_params(run_id, _flat("workload", workload.model_dump()))
+            self.tracker.log_params(run_id, params)
+            if outcome.prompts is not None:
+                self.tracker.log_dataset(run_id, outcome.prompts)
             metrics = summary.metrics()
             self.tracker.log_metrics(run_id, metrics)
             self.tracker.log_frame(run_id, records_frame(result), "requests.parquet")
@@ -175,15 +231,38 @@ class ArmRecorder:
                     run_id, [asdict(d) for d in outcome.discrepancies], "discrepancies.json"
                 )
             self.tracker.log_dict(run_id, summary.model_dump(mode="json"), "summary.json")
-            self.tracker.log_metrics(
-                self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}
-            )
             failed = bool(metrics.get("failed"))
             self.tracker.end_run(run_id, "FAILED" if failed and not metrics.get("completed") else "FINISHED")
         except BaseException:
             self.tracker.end_run(run_id, "FAILED")
             raise
-        return run_id
+        every = {**metrics, **outcome.engine_metrics}
+        self._single[result.workload] = every
+        return every
+
+    def _close_repeats(self, name: str, status: str) -> None:
+        """Log the statistics across the repeats in so far on the workload's run, and close it."""
+        workload = self._open.pop(name, None)
+        run_id = self.workload_runs.get(name)
+        if workload is None or run_id is None:
+            return
+        per_repeat = self._repeat_metrics.get(name, [])
+        try:
+            stats = aggregate_repeats(per_repeat) if per_repeat else {}
+            stats.pop("repeat", None)
+            self.tracker.log_metrics(run_id, _repeat_metrics(stats))
+            self.tracker.log_metrics(
+                run_id, {"repeats": len(per_repeat), "repeats_planned": workload.repeats}
+            )
+            self.tracker.log_dict(run_id, {k: v.model_dump() for k, v in stats.items()}, "repeats.json")
+            if per_repeat:
+                self.tracker.log_frame(run_id, pd.DataFrame(per_repeat), "repeats.parquet")
+            means = {k: v.mean for k, v in stats.items()}
+            self.tracker.log_metrics(self.run_id, {f"{name}.{k}": means.get(k) for k in KEY_METRICS})
+        finally:
+            done = len(per_repeat) >= workload.repeats
+            # a workload whose repeats did not all run did not finish, whatever the arm's status
+            self.tracker.end_run(run_id, status if done or status != "FINISHED" else "FAILED")
 
     def log_engine_findings(self, log_path: Path) -> EngineLogFacts | None:
         """What the engine's own log says: start-up phases, KV pool, throughput, warnings."""
@@ -216,8 +295,14 @@ class ArmRecorder:
         return facts
 
     def finish(self, status: str, error: BaseException | None = None, log_path: Path | None = None) -> None:
-        """Attach the engine log, its findings and the error (if any), then close the run with ``status``."""
+        """Close workload runs whose repeats did not all run, attach the engine log, its findings and
+        the error (if any), then close the arm's run with ``status``."""
         try:
+            for name in list(self._open):
+                try:
+                    self._close_repeats(name, "FAILED" if status == "FINISHED" else status)
+                except Exception as exc:  # never lose the arm's own run over a workload's
+                    self.tracker.set_tags(self.run_id, {"k3pipe.repeats_error": repr(exc)[:500]})
             if log_path is not None:
                 self.tracker.log_file(self.run_id, log_path, "logs")
                 try:
@@ -235,6 +320,16 @@ class ArmRecorder:
                 )
         finally:
             self.tracker.end_run(self.run_id, status)
+
+
+def _repeat_metrics(stats: Mapping[str, RepeatStats]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name, st in stats.items():
+        out[name] = st.mean
+        out[f"{name}.std"] = st.std
+        out[f"{name}.ci95_low"] = st.ci_low
+        out[f"{name}.ci95_high"] = st.ci_high
+    return out
 
 
 def record_preflight_stop(

@@ -1,7 +1,7 @@
 """The steps of a benchmark, as plain functions: each is what one Prefect task calls.
 
     pull_image -> launch_engine -> wait_ready -> engine_version -> health gate
-    -> benchmark_workload (xN) -> stop
+    -> benchmark_workload (each workload, each repeat) -> stop
 
 Nothing here imports Prefect; progress goes to an optional callback.
 """
@@ -19,14 +19,9 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import SecretStr
 
-from k3pipe.bench import (
-    WorkloadResult,
-    WorkloadSummary,
-    load_tokenizer,
-    random_prompts,
-    run_workload,
-    summarize,
-)
+from k3pipe.bench import WorkloadResult, WorkloadSummary, load_tokenizer, run_workload, summarize
+from k3pipe.bench.corpora import PromptSet, build_prompts
+from k3pipe.bench.summary import retokenize
 from k3pipe.engines import get_engine
 from k3pipe.errors import SpecError
 from k3pipe.health import wait_until_healthy
@@ -142,19 +137,23 @@ def engine_version(plan: ArmPlan) -> str | None:
     return plan.engine_version
 
 
-METRICS_INTERVAL_S = 1.0
-"""How often the engine's /metrics is scraped during a workload."""
-
-
 @dataclass(frozen=True)
 class WorkloadOutcome:
-    """One workload run: the client's records and summary, and the engine's own view of the window."""
+    """One run of a workload (one repeat): the prompts used, the client's records and summary, and
+    the engine's own view of the measured window."""
 
     result: WorkloadResult
     summary: WorkloadSummary
     scrapes: list[Scrape] = field(default_factory=list)
     engine_metrics: dict[str, float] = field(default_factory=dict)
     discrepancies: list[Discrepancy] = field(default_factory=list)
+    prompts: PromptSet | None = None
+    repeat: int = 0
+    seed: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The client summary's metrics and the engine-side ones, flat."""
+        return {**self.summary.metrics(), **self.engine_metrics}
 
 
 def benchmark_workload(
@@ -163,18 +162,36 @@ def benchmark_workload(
     model_dir: Path,
     api_key: SecretStr | None,
     progress: Progress | None = None,
+    repeat: int = 0,
+    home: Path | None = None,
 ) -> WorkloadOutcome:
-    """Build the workload's exact-length prompts with the model's tokenizer and run it, scraping the
-    engine's /metrics beside it (when the engine is ours) to reconcile client and server figures."""
+    """Run repeat ``repeat`` of a workload (seed ``workload.seed + repeat``): build its prompts from its
+    dataset with the model's tokenizer, send them, and scrape the engine's /metrics beside it (when
+    the engine is ours) to reconcile client and server figures. ``home`` resolves '{home}' in dataset
+    paths."""
+    if not 0 <= repeat < workload.repeats:
+        raise SpecError(
+            f"workload {workload.name!r}: repeat {repeat} is outside 0..{workload.repeats - 1} (repeats)"
+        )
+    seed = workload.seed + repeat
+    run_spec = workload.model_copy(update={"seed": seed})
     tokenizer = load_tokenizer(model_dir)
-    prompts = random_prompts(
-        tokenizer, workload.warmup_requests + workload.num_requests, workload.input_tokens, workload.seed
+    prompt_set = build_prompts(
+        workload.dataset,
+        tokenizer,
+        workload.warmup_requests + workload.num_requests,
+        workload.input_tokens,
+        seed,
+        home or Path.cwd(),
     )
     step = max(1, workload.num_requests // 4)
+    label = (
+        workload.name if workload.repeats == 1 else f"{workload.name} repeat {repeat + 1}/{workload.repeats}"
+    )
 
     def on_progress(done: int, total: int) -> None:
         if progress and (done % step == 0 or done == total):
-            progress(f"{workload.name}: {done}/{total} requests done")
+            progress(f"{label}: {done}/{total} requests done")
 
     engine = get_engine(plan.engine)
     scraper = MetricsScraper(engine)
@@ -189,13 +206,27 @@ def benchmark_workload(
         ):
             stop = asyncio.Event()
             task = None
-            if plan.metrics_url:
+            url = plan.metrics_url
+            if url:
                 task = asyncio.create_task(
-                    scraper.run(metrics_client, plan.metrics_url, METRICS_INTERVAL_S, stop)
+                    scraper.run(metrics_client, url, workload.metrics_interval_s, stop)
                 )
+
+            async def window_start() -> None:
+                # warm-up has ended and nothing is in flight: this scrape opens the engine window
+                if url:
+                    await scraper.scrape_once(metrics_client, url)
+
             try:
                 return await run_workload(
-                    client, plan.base_url, plan.model, api_key, workload, prompts, on_progress=on_progress
+                    client,
+                    plan.base_url,
+                    plan.model,
+                    api_key,
+                    run_spec,
+                    prompt_set.prompts,
+                    on_progress=on_progress,
+                    on_measured_start=window_start,
                 )
             finally:
                 stop.set()
@@ -203,11 +234,21 @@ def benchmark_workload(
                     await task
 
     result = _run_interruptibly(go)
-    summary = summarize(result)
+    result = retokenize(result, lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids))
+    summary = summarize(result, workload.slo)
     window = bracketing_scrapes(scraper.scrapes, result.t_start, result.t_end)
     engine_metrics = engine_side_summary(window, engine) if len(window) >= 2 else {}
     discrepancies = reconcile(summary.metrics(), engine_metrics) if engine_metrics else []
-    return WorkloadOutcome(result, summary, list(scraper.scrapes), engine_metrics, discrepancies)
+    return WorkloadOutcome(
+        result,
+        summary,
+        list(scraper.scrapes),
+        engine_metrics,
+        discrepancies,
+        prompts=prompt_set,
+        repeat=repeat,
+        seed=seed,
+    )
 
 
 def _run_interruptibly(make: Callable[[], Coroutine[Any, Any, T]]) -> T:

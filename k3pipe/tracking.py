@@ -13,16 +13,17 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from k3pipe.errors import TrackingError
 
-__all__ = ["KEY_METRICS", "Tracker", "metric_name"]
+__all__ = ["KEY_METRICS", "DatasetFields", "Tracker", "metric_name"]
 
 _PARAM_MAX = 6000
 KEY_METRICS = ("ttft_ms_p50", "tpot_ms_p50", "e2e_ms_p50", "output_throughput_tps", "failed")
@@ -33,6 +34,21 @@ _BAD_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")
 def metric_name(name: str) -> str:
     """MLflow names may not hold ':' (Prometheus names do): 'vllm:x' -> 'vllm_x'."""
     return _BAD_NAME.sub("_", name)
+
+
+class DatasetFields(Protocol):
+    """What a dataset input is logged from (``k3pipe.bench.PromptSet`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def source_type(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def profile(self) -> Mapping[str, Any]: ...
 
 
 class Tracker:
@@ -129,6 +145,41 @@ class Tracker:
             frame.to_parquet(local, index=False)
             parent = str(Path(artifact_file).parent)
             self.client.log_artifact(run_id, str(local), None if parent == "." else parent)
+
+    def log_dataset(
+        self,
+        run_id: str,
+        dataset: DatasetFields | Mapping[str, Any],
+        context: str = "benchmark",
+        schema: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Log a dataset input of the run (MLflow's Datasets: name, digest, source, profile).
+
+        ``dataset`` is any object with ``name``, ``digest``, ``source_type``, ``source`` and
+        ``profile`` (a JSON-able mapping), or a mapping with those keys. The profile and the optional
+        ``schema`` are stored as JSON; ``context`` is the input's ``mlflow.data.context`` tag.
+        """
+        keys = ("name", "digest", "source_type", "source", "profile")
+        if isinstance(dataset, Mapping):
+            fields = dict(dataset)
+        else:
+            fields = {key: getattr(dataset, key) for key in keys}
+        missing = [k for k in keys[:4] if not fields.get(k)]
+        if missing:
+            raise TrackingError(f"a dataset input needs {', '.join(missing)}; got keys {sorted(fields)}")
+        entity = Dataset(
+            name=self.scrub(str(fields["name"])),
+            digest=str(fields["digest"]),
+            source_type=str(fields["source_type"]),
+            source=self.scrub(str(fields["source"])),
+            schema=self.scrub(json.dumps(schema, default=str)) if schema is not None else None,
+            profile=self.scrub(json.dumps(fields.get("profile") or {}, default=str)),
+        )
+        tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)]
+        try:
+            self.client.log_inputs(run_id, datasets=[DatasetInput(dataset=entity, tags=tags)])
+        except MlflowException as exc:
+            raise TrackingError(f"could not log dataset {entity.name!r} to run {run_id}: {exc}") from exc
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         """status: FINISHED, FAILED or KILLED."""

@@ -123,29 +123,45 @@ def engine_version_task(plan: ArmPlan) -> str | None:
     return steps.engine_version(plan)
 
 
-@task(name="benchmark", cache_policy=NO_CACHE, task_run_name="benchmark-{workload.name}")
-def benchmark_task(plan: ArmPlan, workload: WorkloadSpec, model_dir: Path) -> steps.WorkloadOutcome:
+@task(name="benchmark", cache_policy=NO_CACHE, task_run_name="benchmark-{workload.name}-{repeat}")
+def benchmark_task(
+    plan: ArmPlan, workload: WorkloadSpec, model_dir: Path, repeat: int = 0, home: Path | None = None
+) -> steps.WorkloadOutcome:
     logger = get_run_logger()
     logger.info(
-        "%s: %d requests (+%d warm-up), %d in / %d out tokens, concurrency %d",
+        "%s%s: %d requests (+%d warm-up), %s dataset, %d in / %d out tokens, %s load, "
+        "concurrency %d, seed %d",
         workload.name,
+        f" (repeat {repeat + 1}/{workload.repeats})" if workload.repeats > 1 else "",
         workload.num_requests,
         workload.warmup_requests,
+        workload.dataset.kind,
         workload.input_tokens,
         workload.output_tokens,
+        workload.load,
         workload.concurrency,
+        workload.seed + repeat,
     )
     outcome = steps.benchmark_workload(
-        plan, workload, model_dir, read_secret(plan.api_key_env), progress=logger.info
+        plan,
+        workload,
+        model_dir,
+        read_secret(plan.api_key_env),
+        progress=logger.info,
+        repeat=repeat,
+        home=home,
     )
     m = outcome.summary.metrics()
     logger.info(
-        "%s: ttft p50 %.1f ms, tpot p50 %.2f ms, output %.1f tok/s, %d failed",
+        "%s: ttft p50 %.1f ms, tpot p50 %.2f ms, itl p50 %.2f ms (%s), output %.1f tok/s, %d failed%s",
         workload.name,
         m.get("ttft_ms_p50") or float("nan"),
         m.get("tpot_ms_p50") or float("nan"),
+        m.get("itl_ms_p50") or float("nan"),
+        outcome.summary.itl_basis or "no ITL",
         m.get("output_throughput_tps") or 0.0,
         int(m.get("failed") or 0),
+        f", SLO attainment {m['slo_attainment_pct']:.1f}%" if "slo_attainment_pct" in m else "",
     )
     for d in outcome.discrepancies:
         logger.warning("%s: client and engine disagree: %s", workload.name, d.message)

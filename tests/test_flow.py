@@ -38,6 +38,10 @@ WORKLOADS = [
         "num_requests": 6,
         "warmup_requests": 1,
         "seed": 4,
+        "dataset": {"kind": "shared_prefix", "prefix_tokens": 384, "groups": 2},
+        "repeats": 2,
+        "slo": {"ttft_ms": 60_000, "e2e_ms": 120_000},
+        "metrics_interval_s": 0.5,
     },
 ]
 
@@ -132,10 +136,29 @@ def test_flow_records_everything_in_mlflow(
 
     children = {c.data.tags["k3pipe.workload"]: c for c in tracker.children(parent.info.run_id)}
     assert set(children) == {"in64-out16", "in512-out16"}
-    for spec in WORKLOADS:
-        child = children[spec["name"]]
+    # the workload with repeats: its run holds the statistics, each repeat is a run below it
+    stats_run = children["in512-out16"]
+    assert stats_run.info.status == "FINISHED"
+    assert stats_run.data.metrics["repeats"] == 2
+    assert "ttft_ms_p50.ci95_high" in stats_run.data.metrics
+    # generous objectives on a 2-core machine: every request meets them
+    assert stats_run.data.metrics["slo_attainment_pct"] == 100.0
+    repeats = sorted(tracker.children(stats_run.info.run_id), key=lambda r: r.data.tags["k3pipe.repeat"])
+    assert [r.data.params["workload.seed"] for r in repeats] == ["4", "5"]
+    runs = [(WORKLOADS[0], children["in64-out16"]), *((WORKLOADS[1], r) for r in repeats)]
+    digests = set()
+    for spec, child in runs:
         m = child.data.metrics
         assert child.info.status == "FINISHED"
+        # the prompts as an MLflow dataset input: name, digest and where they came from
+        (dataset,) = child.inputs.dataset_inputs
+        kind = spec.get("dataset", {"kind": "random"})["kind"]
+        assert dataset.dataset.name.startswith(kind)
+        assert dataset.dataset.source_type == "generated"
+        digests.add(dataset.dataset.digest)
+        # vLLM honours continuous_usage_stats: per-token ITL, TPOT over N - k1
+        assert m["itl_per_token"] == 1.0
+        assert m["tpot_k1_assumed"] == 0.0
         assert m["completed"] == spec["num_requests"]
         assert m["failed"] == 0
         assert 0 < m["ttft_ms_p50"] < 20_000
@@ -150,13 +173,18 @@ def test_flow_records_everything_in_mlflow(
             )
         )
         assert len(frame) == spec["num_requests"] + spec["warmup_requests"]
-        assert metrics[f"{spec['name']}.ttft_ms_p50"] == m["ttft_ms_p50"]
-        # the engine's own figures over the window, from its /metrics scraped beside the workload
-        assert m["engine_generation_tokens"] >= spec["num_requests"] * spec["output_tokens"]
+        assert (frame["first_chunk_tokens"] >= 1).all()
+        # the engine's own figures over exactly the measured window (a scrape opens it after warm-up)
+        assert m["engine_generation_tokens"] == spec["num_requests"] * spec["output_tokens"]
         assert m["engine_ttft_ms_mean"] > 0
         assert "client_engine_discrepancies" in m
         child_artifacts = {a.path for a in tracker.client.list_artifacts(child.info.run_id)}
         assert "engine_metrics.parquet" in child_artifacts
+    assert len(digests) == 3  # each repeat draws its own prompts
+    assert metrics["in64-out16.ttft_ms_p50"] == children["in64-out16"].data.metrics["ttft_ms_p50"]
+    assert metrics["in512-out16.ttft_ms_p50"] == pytest.approx(
+        sum(r.data.metrics["ttft_ms_p50"] for r in repeats) / 2
+    )
 
     # the key never reaches MLflow (DB or artifacts) nor the logs
     for path in (home / "mlflow").rglob("*"):

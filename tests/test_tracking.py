@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from k3pipe.bench import Prompt, PromptSet
+from k3pipe.errors import TrackingError
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker, metric_name
 
@@ -76,3 +79,43 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         type("T", (), {"tracking_uri": "http://127.0.0.1:5999", "experiment_id": "3"})()
     )
     assert link("abc") == "http://127.0.0.1:5999/#/experiments/3/runs/abc"
+
+
+def test_dataset_inputs(tracker: Tracker) -> None:
+    run = tracker.start_run("arm/w")
+    prompts = PromptSet(
+        name="sharegpt:sg.json",
+        digest="0123456789abcdef",
+        source="/data/sk-topsecret-value/sg.json",
+        source_type="local",
+        profile={"count": 2, "tokens_max": 9, "passed_filter": 140},
+        prompts=[Prompt(text="hello there", tokens=2), Prompt(text="a b c", tokens=3)],
+    )
+    tracker.log_dataset(run, prompts)
+    tracker.log_dataset(
+        run,
+        {
+            "name": "random-in8-s0",
+            "digest": "fedcba9876543210",
+            "source_type": "generated",
+            "source": "generated:random",
+            "profile": {"count": 1},
+        },
+        context="warmup",
+        schema={"mlflow_colspec": [{"name": "text", "type": "string"}]},
+    )
+    inputs = tracker.client.get_run(run).inputs.dataset_inputs
+    found = {i.dataset.name: i for i in inputs}
+    assert set(found) == {"sharegpt:sg.json", "random-in8-s0"}
+    sharegpt = found["sharegpt:sg.json"]
+    assert sharegpt.dataset.digest == "0123456789abcdef"
+    assert sharegpt.dataset.source == "/data/***/sg.json"  # scrubbed like everything else
+    assert sharegpt.dataset.source_type == "local"
+    assert json.loads(sharegpt.dataset.profile) == {"count": 2, "tokens_max": 9, "passed_filter": 140}
+    assert [(t.key, t.value) for t in sharegpt.tags] == [("mlflow.data.context", "benchmark")]
+    generated = found["random-in8-s0"]
+    assert generated.dataset.source == "generated:random"
+    assert json.loads(generated.dataset.schema) == {"mlflow_colspec": [{"name": "text", "type": "string"}]}
+    assert [(t.key, t.value) for t in generated.tags] == [("mlflow.data.context", "warmup")]
+    with pytest.raises(TrackingError, match="needs digest"):
+        tracker.log_dataset(run, {"name": "x", "source_type": "local", "source": "/x"})

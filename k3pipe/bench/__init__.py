@@ -1,9 +1,12 @@
-"""Benchmarking: exact-length random prompts, the streaming client, and pure summaries.
+"""Benchmarking: workload prompts (random, shared-prefix, ShareGPT, documents), the streaming
+client, and pure summaries.
 
 Typical use::
 
-    prompts = random_prompts(load_tokenizer(model_dir), n, workload.input_tokens, workload.seed)
-    result = await run_workload(client, base_url, model, api_key, workload, prompts)
+    tokenizer = load_tokenizer(model_dir)
+    prompt_set = build_prompts(workload.dataset, tokenizer, n, workload.input_tokens, workload.seed, home)
+    tracker.log_dataset(run_id, prompt_set)        # name, digest, source, profile
+    result = await run_workload(client, base_url, model, api_key, workload, prompt_set.prompts)
     summary = summarize(result)          # summary.metrics() -> flat dict for MLflow
     frame = records_frame(result)        # one row per request, for parquet
 
@@ -11,7 +14,8 @@ The measurement rules each module follows are in its docstring.
 """
 
 from k3pipe.bench.client import RequestRecord, WorkloadResult, run_workload
-from k3pipe.bench.datasets import Prompt, load_tokenizer, random_prompts
+from k3pipe.bench.corpora import PromptSet, build_prompts
+from k3pipe.bench.datasets import Prompt, load_tokenizer, random_prompts, shared_prefix_prompts
 from k3pipe.bench.summary import (
     LatencyStats,
     ThroughputCheck,
@@ -24,14 +28,17 @@ from k3pipe.bench.summary import (
 __all__ = [
     "LatencyStats",
     "Prompt",
+    "PromptSet",
     "RequestRecord",
     "ThroughputCheck",
     "WorkloadResult",
     "WorkloadSummary",
+    "build_prompts",
     "check_throughput",
     "load_tokenizer",
     "random_prompts",
     "records_frame",
     "run_workload",
+    "shared_prefix_prompts",
     "summarize",
 ]

@@ -2,31 +2,45 @@
 
 The study's "Random" dataset: each prompt is text that the served model's tokenizer encodes to
 exactly ``input_tokens`` tokens (no special tokens added, none contained), so a 64K or 200K workload
-really sends 64K or 200K prompt tokens (plus whatever the chat template adds on the server).
+really sends 64K or 200K prompt tokens (plus whatever the chat template adds on the server). The
+shared-prefix dataset is built the same way: a random prefix per group, then a random suffix per
+prompt, the whole exact and the prefix's tokens an exact token prefix of every prompt of its group.
 
-How a prompt is made (no per-token Python loops): token ids are drawn with numpy, decoded to text and
-re-encoded to verify the exact length. Ids are drawn from the vocabulary's *word* tokens (a space then
-letters) when it has enough of them, because their concatenation re-encodes to the same ids, so one
-encode usually settles it; otherwise from all ordinary tokens (added/special tokens are never drawn).
-When the re-encoded count is off (tokens merged or split across their boundaries), the ids are
-trimmed or padded; tokenization is local, so only the last few dozen tokens are refitted against a
-short encoded context before the whole text is verified again. A few rounds at most; if the length
-cannot be reached, ``BenchmarkError``. The cost is dominated by encoding the whole text once or
-twice (a 200K-token prompt: about 0.3 s with a 2K vocabulary, 0.6 s with a 64K one, on 2 cores).
+How a prompt is made (no per-token Python loops): token ids are drawn with numpy, turned into text
+and re-encoded to verify the exact length. Ids are drawn from the vocabulary's *word* tokens (a space
+then letters) when it has enough of them, because their concatenation re-encodes to the same ids, so
+one encode usually settles it, and the text is a join of the words' strings (checked once per call
+to read exactly as the tokenizer's decode would); otherwise from all ordinary tokens (added/special
+tokens are never drawn), decoded. When the re-encoded count is off (tokens merged or split across
+their boundaries), the ids are trimmed or padded; tokenization is local, so only the last few dozen
+tokens are refitted against a short encoded context before the whole text is verified again. A few
+rounds at most; if the length cannot be reached, ``BenchmarkError``.
+
+Every prompt is verified by encoding its whole text; the encodes of many prompts go to the
+tokenizer in one ``encode_batch_fast`` call (its Rust threads, no offsets), about 2M tokens at a time
+to bound memory (an Encoding holds ~150 bytes a token). That encode is nearly all the cost: about
+0.25 s of CPU per 200K tokens with a 2K vocabulary, so ten 200K-token prompts take about 1.5 s on 2
+cores (3.3 s when they were made one at a time, with a decode each).
+
+Each prompt has its own random stream, keyed by (seed, dataset kind, length, index): prompt ``i``
+depends only on those, and prompts of different lengths never share a token prefix, so a 200K
+workload cannot hit the prefix cache that a 64K workload with the same seed left behind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from k3pipe.errors import BenchmarkError
 
-__all__ = ["Prompt", "load_tokenizer", "random_prompts"]
+__all__ = ["Prompt", "load_tokenizer", "random_prompts", "shared_prefix_prompts"]
 
 # Full-text encode/verify rounds, tail refits per round, tokens refitted at the tail, context tokens.
 _MAX_ROUNDS = 6
@@ -37,6 +51,10 @@ _CONTEXT_TOKENS = 32
 _MAX_REDRAWS = 32
 # Fewer word tokens than this and prompts are drawn from the whole ordinary vocabulary.
 _MIN_WORD_TOKENS = 256
+# Tokens verified per encode_batch_fast call: an Encoding holds ~150 bytes a token until dropped.
+_BATCH_TOKENS = 2_000_000
+# Kinds of random stream (part of each prompt's key, so datasets never share prompts or prefixes).
+_RANDOM, _PREFIX, _SUFFIX = 0, 1, 2
 
 _IdArray = NDArray[np.int64]
 # What a decoder yields for bytes that are not (yet) a whole UTF-8 character.
@@ -86,10 +104,10 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 def random_prompts(tokenizer: Tokenizer, n: int, input_tokens: int, seed: int) -> list[Prompt]:
     """``n`` distinct random prompts that each encode to exactly ``input_tokens`` tokens.
 
-    Deterministic for a seed, and prompt ``i`` depends only on ``(seed, i)``: the first ``k`` prompts
-    of a larger request are the same prompts. Prompts never contain added or special tokens (the
-    ids of the final encoding are checked), and the count is for ``encode(text,
-    add_special_tokens=False)``.
+    Deterministic for a seed, and prompt ``i`` depends only on ``(seed, input_tokens, i)``: the
+    first ``k`` prompts of a larger request are the same prompts. Prompts never contain added or
+    special tokens (the ids of the final encoding are checked), and the count is for
+    ``encode(text, add_special_tokens=False)``.
 
     Raises:
         BenchmarkError: the exact length or ``n`` distinct prompts cannot be reached with this
@@ -99,26 +117,173 @@ def random_prompts(tokenizer: Tokenizer, n: int, input_tokens: int, seed: int) -
         raise BenchmarkError(f"number of prompts must be >= 0, got {n}")
     if input_tokens < 1:
         raise BenchmarkError(f"input_tokens must be >= 1, got {input_tokens}")
-    pool, forbidden = _vocabulary(tokenizer)
-    prompts: list[Prompt] = []
-    seen: set[str] = set()
+    vocab = _vocabulary(tokenizer)
+    drafts = [_Draft(index=i, rng=_stream(seed, _RANDOM, input_tokens, i)) for i in range(n)]
+    _make_exact(tokenizer, vocab, input_tokens, drafts)
+    return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
+
+
+def shared_prefix_prompts(
+    tokenizer: Tokenizer, n: int, input_tokens: int, prefix_tokens: int, groups: int, seed: int
+) -> list[Prompt]:
+    """``n`` distinct prompts of exactly ``input_tokens`` tokens in ``groups`` groups sharing a prefix.
+
+    Prompt ``i`` is random prefix ``i % groups`` (``prefix_tokens`` tokens) followed by a random
+    suffix of its own. Every prompt's encoding starts with exactly its prefix's encoding (checked),
+    so an engine's prefix cache can reuse those ``prefix_tokens`` tokens. Prefix ``g`` depends only
+    on ``(seed, prefix_tokens, g)``, prompt ``i``'s suffix on ``(seed, input_tokens, prefix_tokens,
+    i)``, each drawn from a random stream of its own (apart from random prompts of the same seed).
+
+    Raises:
+        BenchmarkError: bad sizes, or the exact lengths cannot be reached with this tokenizer.
+    """
+    if n < 0:
+        raise BenchmarkError(f"number of prompts must be >= 0, got {n}")
+    if groups < 1:
+        raise BenchmarkError(f"groups must be >= 1, got {groups}")
+    if not 1 <= prefix_tokens < input_tokens:
+        raise BenchmarkError(
+            f"prefix_tokens ({prefix_tokens}) must be at least 1 and below input_tokens "
+            f"({input_tokens}): each prompt is the shared prefix plus a suffix of its own"
+        )
+    vocab = _vocabulary(tokenizer)
+    prefixes = [
+        _Draft(index=g, rng=_stream(seed, _PREFIX, prefix_tokens, g), keep_ids=True)
+        for g in range(min(groups, n))
+    ]
+    _make_exact(tokenizer, vocab, prefix_tokens, prefixes)
+    drafts = []
     for i in range(n):
-        rng = np.random.default_rng(np.random.SeedSequence([seed % 2**64, i]))
-        for _ in range(_MAX_REDRAWS):
-            text = _exact_text(tokenizer, pool, forbidden, input_tokens, rng)
-            if text not in seen:
-                break
-        else:
-            raise BenchmarkError(
-                f"cannot make {n} distinct prompts of {input_tokens} tokens with this tokenizer "
-                f"(prompt {i} kept repeating an earlier one): ask for fewer prompts or longer ones"
+        prefix = prefixes[i % groups]
+        assert prefix.ids is not None  # kept above
+        drafts.append(
+            _Draft(
+                index=i,
+                rng=_stream(seed, _SUFFIX, input_tokens, prefix_tokens, i),
+                head_text=prefix.text,
+                head_ids=prefix.ids,
             )
-        seen.add(text)
-        prompts.append(Prompt(text=text, tokens=input_tokens))
-    return prompts
+        )
+    _make_exact(tokenizer, vocab, input_tokens, drafts)
+    return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
 
 
-def _vocabulary(tokenizer: Tokenizer) -> tuple[_IdArray, _IdArray]:
+def _stream(seed: int, *key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed % 2**64, *key]))
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """What prompts are drawn from: the pool of ids, the ids never allowed, the words' texts."""
+
+    pool: _IdArray
+    forbidden: frozenset[int]
+    # Each pool token's text as it reads after another token (word pools only): a prompt's text is
+    # then a join of these, several times faster than the tokenizer's decode.
+    words: NDArray[np.object_] | None = None
+
+
+@dataclass
+class _Draft:
+    """One prompt being made: its own random stream, an optional fixed head, its current text."""
+
+    index: int
+    rng: np.random.Generator
+    # A text every attempt starts with (a shared prefix) and its ids, which must start the encoding.
+    head_text: str = ""
+    head_ids: _IdArray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    keep_ids: bool = False
+    text: str = ""
+    ids: _IdArray | None = None
+    verified: bool = False
+    rounds: int = 0
+    draws: int = 0
+
+
+def _make_exact(tokenizer: Tokenizer, vocab: _Vocab, target: int, drafts: list[_Draft]) -> None:
+    """Give every draft a distinct text that encodes to exactly ``target`` tokens, in index order."""
+    seen: set[str] = set()
+    per_batch = max(1, _BATCH_TOKENS // target)
+    for start in range(0, len(drafts), per_batch):
+        _settle(tokenizer, vocab, target, drafts[start : start + per_batch], seen, len(drafts))
+
+
+def _settle(
+    tokenizer: Tokenizer, vocab: _Vocab, target: int, batch: list[_Draft], seen: set[str], total: int
+) -> None:
+    """Draw, verify (all pending prompts in one batched encode per round) and accept in index order.
+
+    A prompt that repeats an earlier one is drawn again from its own stream; the prompts after it
+    keep their verified texts but are accepted only once it is settled, so the outcome is exactly
+    that of making the prompts one by one.
+    """
+    fresh = batch
+    accepted = 0
+    while True:
+        for d in fresh:
+            d.draws += 1
+            if d.draws > _MAX_REDRAWS:
+                raise BenchmarkError(
+                    f"cannot make {total} distinct prompts of {target} tokens with this tokenizer "
+                    f"(prompt {d.index} kept repeating an earlier one): ask for fewer prompts or longer ones"
+                )
+            d.text, d.verified, d.rounds = _fresh_text(tokenizer, vocab, d, target), False, 0
+        pending = [d for d in batch[accepted:] if not d.verified]
+        while pending:
+            encodings = _encode_batch(tokenizer, [d.text for d in pending])
+            for d, encoding in zip(pending, encodings, strict=True):
+                _check(tokenizer, vocab, d, encoding, target)
+            pending = [d for d in pending if not d.verified]
+        fresh = []
+        for d in batch[accepted:]:
+            if d.text in seen:
+                fresh = [d]
+                break
+            seen.add(d.text)
+            accepted += 1
+        if not fresh:
+            return
+
+
+def _check(tokenizer: Tokenizer, vocab: _Vocab, d: _Draft, encoding: Encoding, target: int) -> None:
+    """Accept the draft's text if its encoding is exact, else refit it for the next round."""
+    ids = encoding.ids
+    head_n = d.head_ids.size
+    head_ok = not head_n or ids[:head_n] == d.head_ids.tolist()
+    if len(ids) == target and head_ok and vocab.forbidden.isdisjoint(ids):
+        d.verified = True
+        d.ids = np.asarray(ids, dtype=np.int64) if d.keep_ids else None
+        return
+    d.rounds += 1
+    if d.rounds >= _MAX_ROUNDS:
+        raise BenchmarkError(
+            f"could not reach exactly {target} tokens with this tokenizer after {_MAX_ROUNDS} rounds "
+            f"(last attempt: {len(ids)}); its decode/encode do not round-trip closely enough"
+        )
+    if not head_ok:
+        # The suffix merged into the shared prefix: draw it afresh rather than refit.
+        d.text = _fresh_text(tokenizer, vocab, d, target)
+        return
+    got = _clean(np.asarray(ids, dtype=np.int64), vocab, d.rng)
+    d.text = _refit_tail(tokenizer, vocab, got, target, d.rng, d.head_text, head_n)
+
+
+def _fresh_text(tokenizer: Tokenizer, vocab: _Vocab, d: _Draft, target: int) -> str:
+    positions = d.rng.integers(0, vocab.pool.size, size=max(1, target - d.head_ids.size))
+    return d.head_text + _render(tokenizer, vocab, positions, d.head_ids)
+
+
+def _render(tokenizer: Tokenizer, vocab: _Vocab, positions: _IdArray, context: _IdArray) -> str:
+    """Text of the pool's tokens at ``positions`` as it reads after ``context`` (may be empty)."""
+    if vocab.words is None:
+        return _decode_after(tokenizer, context[-_CONTEXT_TOKENS:], vocab.pool[positions])
+    if context.size:
+        return "".join(vocab.words[positions].tolist())
+    # decoders treat a sequence's start specially (a Metaspace decoder strips the first space)
+    return _decode(tokenizer, vocab.pool[positions[:1]]) + "".join(vocab.words[positions[1:]].tolist())
+
+
+def _vocabulary(tokenizer: Tokenizer) -> _Vocab:
     """Token ids to draw prompts from, and the added/special ids a prompt must never contain.
 
     Preferred are *word* tokens: a space then letters, which encode back to themselves. Their
@@ -129,23 +294,25 @@ def _vocabulary(tokenizer: Tokenizer) -> tuple[_IdArray, _IdArray]:
     character (byte pieces of a multi-byte character), which cut at a prompt's end would decode to
     U+FFFD and never converge.
     """
-    added = np.array(sorted(tokenizer.get_added_tokens_decoder()), dtype=np.int64)
+    added = sorted(tokenizer.get_added_tokens_decoder())
+    forbidden = frozenset(added)
     ids = np.array(sorted(set(tokenizer.get_vocab(with_added_tokens=True).values())), dtype=np.int64)
-    ids = np.setdiff1d(ids, added)
+    ids = np.setdiff1d(ids, np.array(added, dtype=np.int64))
     if ids.size == 0:
         raise BenchmarkError("the tokenizer has no ordinary (non-special) tokens to draw prompts from")
-    words = _word_tokens(tokenizer, ids)
+    words, texts = _word_tokens(tokenizer, ids)
     if words.size >= _MIN_WORD_TOKENS:
-        return words, added
+        return _Vocab(words, forbidden, texts if _joins_like_decode(tokenizer, words, texts) else None)
     alone = tokenizer.decode_batch([[i] for i in ids.tolist()], skip_special_tokens=False)
     usable = np.fromiter((bool(t) and _BAD not in t for t in alone), dtype=bool, count=len(alone))
     if not usable.any():
         raise BenchmarkError("the tokenizer's ordinary tokens all decode to nothing or to U+FFFD")
-    return ids[usable], added
+    return _Vocab(ids[usable], forbidden)
 
 
-def _word_tokens(tokenizer: Tokenizer, pool: _IdArray) -> _IdArray:
-    """Tokens that read ' <letters>' after another token and encode back to themselves alone."""
+def _word_tokens(tokenizer: Tokenizer, pool: _IdArray) -> tuple[_IdArray, NDArray[np.object_]]:
+    """Tokens that read ' <letters>' after another token and encode back to themselves alone, and
+    those texts."""
     # Any plain word will do as the token before; "a" is in every vocabulary worth benchmarking.
     a_ids = _encode(tokenizer, "a")
     anchor = int(a_ids[-1]) if a_ids.size else int(pool[0])
@@ -157,26 +324,35 @@ def _word_tokens(tokenizer: Tokenizer, pool: _IdArray) -> _IdArray:
     )
     picked = pool[candidate]
     if picked.size == 0:
-        return picked
-    chosen = [texts[k] for k in np.flatnonzero(candidate).tolist()]
-    encodings = tokenizer.encode_batch_fast(chosen, add_special_tokens=False)
+        return picked, np.empty(0, dtype=object)
+    chosen = np.array([texts[k] for k in np.flatnonzero(candidate).tolist()], dtype=object)
+    encodings = _encode_batch(tokenizer, chosen.tolist())
     same = np.fromiter(
         (e.ids == [i] for e, i in zip(encodings, picked.tolist(), strict=True)),
         dtype=bool,
         count=picked.size,
     )
-    return picked[same]
+    return picked[same], chosen[same]
+
+
+def _joins_like_decode(tokenizer: Tokenizer, words: _IdArray, texts: NDArray[np.object_]) -> bool:
+    """Whether a join of the word texts reads exactly like the tokenizer's decode of their ids."""
+    positions = np.random.default_rng(0).integers(0, words.size, size=64)
+    joined = _decode(tokenizer, words[positions[:1]]) + "".join(texts[positions[1:]].tolist())
+    return joined == _decode(tokenizer, words[positions])
+
+
+def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Encoding]:
+    # encode_batch_fast skips offset tracking (about twice as fast as encode, same ids) and runs the
+    # batch on the tokenizer's Rust threads.
+    fast = getattr(tokenizer, "encode_batch_fast", None)
+    if fast is not None:
+        return list(fast(list(texts), add_special_tokens=False))
+    return list(tokenizer.encode_batch(list(texts), add_special_tokens=False))
 
 
 def _encode(tokenizer: Tokenizer, text: str) -> _IdArray:
-    # encode_batch_fast skips offset tracking: about twice as fast as encode, same ids.
-    fast = getattr(tokenizer, "encode_batch_fast", None)
-    enc = (
-        fast([text], add_special_tokens=False)[0]
-        if fast
-        else tokenizer.encode(text, add_special_tokens=False)
-    )
-    return np.asarray(enc.ids, dtype=np.int64)
+    return np.asarray(_encode_batch(tokenizer, [text])[0].ids, dtype=np.int64)
 
 
 def _decode(tokenizer: Tokenizer, ids: _IdArray) -> str:
@@ -187,30 +363,16 @@ def _draw(pool: _IdArray, k: int, rng: np.random.Generator) -> _IdArray:
     return pool[rng.integers(0, pool.size, size=k)]
 
 
-def _clean(ids: _IdArray, forbidden: _IdArray, pool: _IdArray, rng: np.random.Generator) -> _IdArray:
+def _clean(ids: _IdArray, vocab: _Vocab, rng: np.random.Generator) -> _IdArray:
     """Replace added/special ids (text that happened to spell one) by fresh ordinary ids."""
-    bad = np.isin(ids, forbidden)
+    if not vocab.forbidden:
+        return ids
+    bad = np.isin(ids, np.fromiter(vocab.forbidden, dtype=np.int64))
     if not bad.any():
         return ids
     out = ids.copy()
-    out[bad] = _draw(pool, int(bad.sum()), rng)
+    out[bad] = _draw(vocab.pool, int(bad.sum()), rng)
     return out
-
-
-def _exact_text(
-    tokenizer: Tokenizer, pool: _IdArray, forbidden: _IdArray, target: int, rng: np.random.Generator
-) -> str:
-    text = _decode(tokenizer, _draw(pool, target, rng))
-    got = np.empty(0, dtype=np.int64)
-    for _ in range(_MAX_ROUNDS):
-        got = _encode(tokenizer, text)
-        if got.size == target and not np.isin(got, forbidden).any():
-            return text
-        text = _refit_tail(tokenizer, pool, forbidden, _clean(got, forbidden, pool, rng), target, rng)
-    raise BenchmarkError(
-        f"could not reach exactly {target} tokens with this tokenizer after {_MAX_ROUNDS} rounds "
-        f"(last attempt: {got.size}); its decode/encode do not round-trip closely enough"
-    )
 
 
 def _decode_after(tokenizer: Tokenizer, context: _IdArray, ids: _IdArray) -> str:
@@ -232,20 +394,22 @@ def _whole(tokenizer: Tokenizer, ids: _IdArray, k: int) -> int:
 
 def _refit_tail(
     tokenizer: Tokenizer,
-    pool: _IdArray,
-    forbidden: _IdArray,
+    vocab: _Vocab,
     got: _IdArray,
     target: int,
     rng: np.random.Generator,
+    head_text: str = "",
+    keep: int = 0,
 ) -> str:
     """Keep the head of ``got`` and refit its last tokens so the whole should encode to ``target``.
 
+    The first ``keep`` tokens (a shared prefix, whose text is ``head_text``) are never touched.
     Only the tail is re-encoded here (after a short context, to keep the boundary realistic); the
     caller verifies the whole text. Cuts never split a multi-byte character.
     """
-    head_n = max(0, min(got.size, target) - _TAIL_TOKENS)
-    if head_n:
-        head_n = _whole(tokenizer, got, head_n)
+    head_n = max(keep, min(got.size, target) - _TAIL_TOKENS)
+    if head_n > keep:
+        head_n = max(keep, _whole(tokenizer, got, head_n))
     head = got[:head_n]
     context = head[-_CONTEXT_TOKENS:]
     context_text = _decode(tokenizer, context) if context.size else ""
@@ -256,11 +420,15 @@ def _refit_tail(
         if tail.size > need:
             tail = tail[: _whole(tokenizer, tail, need)]
         if tail.size < need:
-            tail = np.concatenate([tail, _draw(pool, need - tail.size, rng)])
+            tail = np.concatenate([tail, _draw(vocab.pool, need - tail.size, rng)])
         tail_text = _decode_after(tokenizer, context, tail)
-        encoded = _clean(_encode(tokenizer, context_text + tail_text)[context_n:], forbidden, pool, rng)
+        encoded = _clean(_encode(tokenizer, context_text + tail_text)[context_n:], vocab, rng)
         if encoded.size == need:
             tail = encoded
             break
         tail = encoded
-    return _decode(tokenizer, head) + _decode_after(tokenizer, context, tail)
+    if keep:
+        head_part = head_text + _decode_after(tokenizer, got[:keep][-_CONTEXT_TOKENS:], got[keep:head_n])
+    else:
+        head_part = _decode(tokenizer, head)
+    return head_part + _decode_after(tokenizer, context, tail)

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import k3pipe.bench.datasets as datasets
 from k3pipe.bench import Prompt, load_tokenizer, random_prompts
 from k3pipe.errors import BenchmarkError
+from tests.conftest import TINY_MODEL
 
 
 def _count(tok: Tokenizer, text: str) -> int:
@@ -148,3 +149,44 @@ def test_load_tokenizer_unreadable_file(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(BenchmarkError, match="cannot load"):
         load_tokenizer(tmp_path)
+
+
+def test_prompts_of_other_lengths_share_no_prefix(byte_level_tokenizer: Tokenizer) -> None:
+    # A 200K workload must not hit the prefix cache that a 64K workload of the same seed left behind.
+    short = random_prompts(byte_level_tokenizer, 4, 64, 0)
+    long = random_prompts(byte_level_tokenizer, 4, 256, 0)
+    for a, b in zip(short, long, strict=True):
+        assert byte_level_tokenizer.encode(a.text).ids[:8] != byte_level_tokenizer.encode(b.text).ids[:8]
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 100, 10**9])
+def test_batched_verification_gives_the_one_by_one_prompts(
+    batch_tokens: int, monkeypatch: pytest.MonkeyPatch, byte_level_tokenizer: Tokenizer
+) -> None:
+    # Prompts are verified many per encode call; the outcome, redraws of repeats included, must be
+    # exactly that of making them one by one (batch_tokens 1: one prompt per call).
+    expected_words = random_prompts(byte_level_tokenizer, 12, 40, 4)
+    expected_repeats = random_prompts(_spelling_tokenizer(), 3, 1, 0)  # 3 one-token texts: redraws
+    monkeypatch.setattr(datasets, "_BATCH_TOKENS", batch_tokens)
+    assert random_prompts(byte_level_tokenizer, 12, 40, 4) == expected_words
+    assert random_prompts(_spelling_tokenizer(), 3, 1, 0) == expected_repeats
+    assert sorted(p.text for p in expected_repeats) == ["<", ">", "x"]
+
+
+def test_text_is_the_tokenizers_decode(tokenizer: Tokenizer) -> None:
+    # Word prompts are joined from the words' texts, not decoded: they must read the same.
+    vocab = datasets._vocabulary(tokenizer)
+    assert vocab.words is not None
+    for p in random_prompts(tokenizer, 3, 300, 2):
+        assert tokenizer.decode(tokenizer.encode(p.text, add_special_tokens=False).ids) == p.text
+
+
+def test_the_real_tiny_model_at_200k() -> None:
+    # The study's length with a real model's tokenizer (built by `make`; skipped without it).
+    if not (TINY_MODEL / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer.json in {TINY_MODEL} (built by make)")
+    tok = load_tokenizer(TINY_MODEL)
+    prompts = random_prompts(tok, 2, 200_000, 0)
+    for p in prompts:
+        assert len(tok.encode(p.text, add_special_tokens=False).ids) == 200_000
+    assert prompts[0].text != prompts[1].text

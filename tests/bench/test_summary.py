@@ -330,15 +330,18 @@ def test_public_names() -> None:
     assert sorted(k3pipe.bench.__all__) == [
         "LatencyStats",
         "Prompt",
+        "PromptSet",
         "RequestRecord",
         "ThroughputCheck",
         "WorkloadResult",
         "WorkloadSummary",
+        "build_prompts",
         "check_throughput",
         "load_tokenizer",
         "random_prompts",
         "records_frame",
         "run_workload",
+        "shared_prefix_prompts",
         "summarize",
     ]
     for name in k3pipe.bench.__all__:

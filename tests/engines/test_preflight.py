@@ -156,6 +156,27 @@ def test_workload_longer_than_context_is_an_error() -> None:
     assert "max_model_len=4,096" in errors[0].message
 
 
+def test_workloads_that_would_share_prompts_warn() -> None:
+    w = {"input_tokens": 256, "output_tokens": 8}
+    spec = one_arm(
+        "vllm",
+        {},
+        workloads=[
+            {"name": "a", **w, "seed": 0, "repeats": 3},
+            {"name": "b", **w, "seed": 2},  # seed 2 is a's third repeat
+            {"name": "longer", "input_tokens": 512, "output_tokens": 8, "seed": 0},  # other length
+            {"name": "far", **w, "seed": 103},
+            {"name": "prefix", **w, "seed": 0, "dataset": {"kind": "shared_prefix", "prefix_tokens": 64}},
+        ],
+    )
+    found = [f for f in preflight(spec) if f.rule == "shared-prompts"]
+    assert len(found) == 1
+    (f,) = found
+    assert (f.severity, f.arm) == ("warning", None)
+    assert "workloads a and b" in f.message
+    assert "seed(s) 2" in f.message
+
+
 def test_context_length_spellings() -> None:
     w = [{"name": "w", "input_tokens": 999_000, "output_tokens": 2_000}]
     # vLLM: '1m' is 1,000,000 -> 1,001,000 does not fit

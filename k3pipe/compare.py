@@ -1,0 +1,101 @@
+"""Compare two recorded workloads: are their figures different, or within noise?
+
+A workload recorded with ``repeats: N`` keeps its per-repeat values in ``repeats.json``; two such
+workloads are compared metric by metric with Welch's t-test (``k3pipe.bench.repeats.compare``). A
+workload with a single repeat has no spread, so its figures are shown without a verdict: rerun it
+with ``repeats`` to tell a difference from noise.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench.repeats import Comparison, compare
+from k3pipe.errors import TrackingError
+from k3pipe.tracking import Tracker
+
+__all__ = ["DEFAULT_METRICS", "compare_workloads", "resolve_workload_run", "workload_values"]
+
+DEFAULT_METRICS = (
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "itl_ms_p50",
+    "e2e_ms_p50",
+    "output_throughput_tps",
+    "request_throughput_rps",
+    "goodput_rps",
+    "slo_attainment_pct",
+)
+
+
+def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = None) -> Any:
+    """The MLflow run of a workload: ``run_ref`` is a workload run's id, or an arm run's id with the
+    ``workload`` name. Ids may be shortened to a unique prefix (``k3pipe runs`` prints 12 characters).
+    """
+    run = _find_run(tracker, run_ref)
+    if run.data.tags.get("k3pipe.repeat"):  # a single repeat: compare its workload instead
+        run = tracker.client.get_run(run.data.tags["mlflow.parentRunId"])
+    if run.data.tags.get("k3pipe.workload"):
+        if workload and run.data.tags["k3pipe.workload"] != workload:
+            raise TrackingError(
+                f"run {run_ref} is workload {run.data.tags['k3pipe.workload']!r}, not {workload!r}"
+            )
+        return run
+    children = {c.data.tags.get("k3pipe.workload"): c for c in tracker.children(run.info.run_id)}
+    children.pop(None, None)
+    if not workload:
+        if len(children) == 1:
+            return next(iter(children.values()))
+        raise TrackingError(
+            f"run {run_ref} is an engine run with workloads {', '.join(sorted(children)) or '(none)'}: "
+            "name one with --workload"
+        )
+    if workload not in children:
+        raise TrackingError(
+            f"run {run_ref} has no workload {workload!r}; it has {', '.join(sorted(children)) or '(none)'}"
+        )
+    return children[workload]
+
+
+def workload_values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
+    """Per metric, its value in each repeat (one value for a workload run without repeats)."""
+    names = {a.path for a in tracker.client.list_artifacts(run.info.run_id)}
+    if "repeats.json" not in names:
+        return {k: [v] for k, v in run.data.metrics.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tracker.client.download_artifacts(run.info.run_id, "repeats.json", tmp)
+        stats = json.loads(Path(path).read_text())
+    return {k: [float(x) for x in v["values"]] for k, v in stats.items()}
+
+
+def compare_workloads(
+    tracker: Tracker, run_a: Any, run_b: Any, metrics: Sequence[str] = DEFAULT_METRICS
+) -> list[Comparison]:
+    """Metric by metric, workload B against workload A (metrics either lacks are left out)."""
+    a, b = workload_values(tracker, run_a), workload_values(tracker, run_b)
+    return [compare(m, a[m], b[m]) for m in metrics if a.get(m) and b.get(m)]
+
+
+def _find_run(tracker: Tracker, run_ref: str) -> Any:
+    ref = run_ref.strip()
+    if len(ref) == 32:
+        try:
+            return tracker.client.get_run(ref)
+        except Exception as exc:
+            raise TrackingError(f"no MLflow run {ref} in {tracker.tracking_uri}: {exc}") from exc
+    if len(ref) < 6:
+        raise TrackingError(f"run id {ref!r} is too short: give at least 6 characters")
+    matches = [
+        r
+        for r in tracker.client.search_runs([tracker.experiment_id], max_results=5000)
+        if r.info.run_id.startswith(ref)
+    ]
+    if len(matches) != 1:
+        found = "no run" if not matches else f"{len(matches)} runs"
+        raise TrackingError(f"{found} in {tracker.tracking_uri} with an id starting {ref!r}: give more of it")
+    return matches[0]

@@ -1,0 +1,169 @@
+"""ArmRecorder against a real SQLite MLflow store: workloads, repeats and their statistics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from k3pipe.bench import RequestRecord, WorkloadResult, summarize
+from k3pipe.plan import plan_arm
+from k3pipe.record import ArmRecorder
+from k3pipe.specs import WorkloadSpec, parse_experiment
+from k3pipe.steps import WorkloadOutcome
+from k3pipe.tracking import Tracker
+from tests.conftest import demo_experiment
+
+T0 = 100.0
+
+
+@pytest.fixture
+def tracker(tmp_path: Path) -> Tracker:
+    return Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
+
+
+def recorder(tracker: Tracker, tmp_path: Path) -> ArmRecorder:
+    spec = parse_experiment(demo_experiment(8999))
+    return ArmRecorder(tracker, plan_arm(spec, spec.arms[0], tmp_path))
+
+
+def outcome(workload: WorkloadSpec, repeat: int, ttft_s: float) -> WorkloadOutcome:
+    """One repeat of two requests whose TTFT is ``ttft_s``, 4 tokens each over 0.4 s."""
+    records = [
+        RequestRecord(
+            index=i,
+            warmup=False,
+            prompt_tokens=8,
+            max_tokens=4,
+            usage_output_tokens=4,
+            t_scheduled=T0,
+            t_send=T0,
+            t_first_delta=T0 + ttft_s,
+            t_first_content=T0 + ttft_s,
+            chunk_times=[T0 + ttft_s + 0.1 * k for k in range(4)],
+            chunk_tokens=[1, 1, 1, 1],
+            t_end=T0 + ttft_s + 0.3,
+            status_code=200,
+        )
+        for i in range(2)
+    ]
+    result = WorkloadResult(
+        workload=workload.name, records=records, t_start=T0, t_end=T0 + ttft_s + 0.3, started_at_unix_s=0
+    )
+    return WorkloadOutcome(
+        result, summarize(result, workload.slo), repeat=repeat, seed=workload.seed + repeat
+    )
+
+
+def workload(repeats: int) -> WorkloadSpec:
+    return WorkloadSpec(
+        name="w",
+        input_tokens=8,
+        output_tokens=4,
+        num_requests=2,
+        repeats=repeats,
+        seed=10,
+        slo={"ttft_ms": 150},
+    )
+
+
+def test_repeats_nest_under_the_workload_run_with_their_statistics(tracker: Tracker, tmp_path: Path) -> None:
+    rec = recorder(tracker, tmp_path)
+    w = workload(3)
+    for k, ttft in enumerate([0.1, 0.12, 0.14]):
+        rec.log_workload(w, outcome(w, k, ttft))
+    rec.finish("FINISHED")
+
+    workload_run = tracker.client.get_run(rec.workload_runs["w"])
+    assert workload_run.info.status == "FINISHED"
+    assert workload_run.data.tags["mlflow.parentRunId"] == rec.run_id
+    m = workload_run.data.metrics
+    assert m["repeats"] == 3
+    # TTFT p50 of the repeats: 100, 120, 140 ms: mean 120, std 20, t(0.975, 2) = 4.3027
+    assert m["ttft_ms_p50"] == pytest.approx(120.0)
+    assert m["ttft_ms_p50.std"] == pytest.approx(20.0)
+    assert m["ttft_ms_p50.ci95_low"] == pytest.approx(120 - 4.302653 * 20 / 3**0.5, abs=1e-3)
+    assert m["ttft_ms_p50.ci95_high"] == pytest.approx(120 + 4.302653 * 20 / 3**0.5, abs=1e-3)
+    # 150 ms TTFT objective: every repeat meets it
+    assert m["slo_attainment_pct"] == pytest.approx(100.0)
+    repeats = sorted(tracker.children(workload_run.info.run_id), key=lambda r: r.data.tags["k3pipe.repeat"])
+    assert [r.data.tags["k3pipe.repeat"] for r in repeats] == ["1", "2", "3"]
+    assert [r.data.params["workload.seed"] for r in repeats] == ["10", "11", "12"]
+    assert [r.data.metrics["ttft_ms_p50"] for r in repeats] == pytest.approx([100.0, 120.0, 140.0])
+    for r in repeats:
+        assert {a.path for a in tracker.client.list_artifacts(r.info.run_id)} >= {
+            "requests.parquet",
+            "summary.json",
+        }
+    stats = json.loads(
+        Path(
+            tracker.client.download_artifacts(workload_run.info.run_id, "repeats.json", str(tmp_path))
+        ).read_text()
+    )
+    assert stats["ttft_ms_p50"]["values"] == pytest.approx([100.0, 120.0, 140.0])
+    arm = tracker.client.get_run(rec.run_id)
+    assert arm.data.metrics["w.ttft_ms_p50"] == pytest.approx(120.0)
+    assert rec.workload_metrics("w")["ttft_ms_p50"] == pytest.approx(120.0)
+
+
+def test_an_arm_that_ends_early_closes_its_workload_with_what_it_measured(
+    tracker: Tracker, tmp_path: Path
+) -> None:
+    rec = recorder(tracker, tmp_path)
+    w = workload(3)
+    rec.log_workload(w, outcome(w, 0, 0.1))
+    rec.finish("KILLED", KeyboardInterrupt())
+    workload_run = tracker.client.get_run(rec.workload_runs["w"])
+    assert workload_run.info.status == "KILLED"
+    m = workload_run.data.metrics
+    assert (m["repeats"], m["repeats_planned"]) == (1, 3)
+    assert m["ttft_ms_p50"] == pytest.approx(100.0)
+    assert "ttft_ms_p50.std" not in m  # one repeat has no spread
+
+
+def test_one_repeat_is_a_single_workload_run(tracker: Tracker, tmp_path: Path) -> None:
+    rec = recorder(tracker, tmp_path)
+    w = workload(1)
+    run_id = rec.log_workload(w, outcome(w, 0, 0.2))
+    rec.finish("FINISHED")
+    run = tracker.client.get_run(run_id)
+    assert run.data.tags["mlflow.parentRunId"] == rec.run_id
+    assert tracker.children(run_id) == []
+    assert run.data.metrics["ttft_ms_p50"] == pytest.approx(200.0)
+    assert run.data.metrics["slo_attainment_pct"] == 0.0  # 200 ms > 150 ms
+    assert rec.workload_metrics("w")["ttft_ms_p50"] == pytest.approx(200.0)
+
+
+def test_compare_two_recorded_workloads(
+    tracker: Tracker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from k3pipe.cli import app
+    from k3pipe.compare import compare_workloads, resolve_workload_run
+    from k3pipe.errors import TrackingError
+
+    w = workload(3)
+    arms = []
+    for ttfts in ([0.100, 0.101, 0.099], [0.130, 0.131, 0.129], [0.1005, 0.0995, 0.1002]):
+        rec = recorder(tracker, tmp_path)
+        for k, ttft in enumerate(ttfts):
+            rec.log_workload(w, outcome(w, k, ttft))
+        rec.finish("FINISHED")
+        arms.append(rec.run_id)
+    base, slower, same = (resolve_workload_run(tracker, arm[:12], "w") for arm in arms)
+    verdicts = {c.metric: c for c in compare_workloads(tracker, base, slower)}
+    assert verdicts["ttft_ms_p50"].different
+    assert verdicts["ttft_ms_p50"].relative_change == pytest.approx(0.3, abs=0.01)
+    assert not {c.metric: c for c in compare_workloads(tracker, base, same)}["ttft_ms_p50"].different
+    with pytest.raises(TrackingError, match="no workload 'nope'"):
+        resolve_workload_run(tracker, arms[0], "nope")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.tracking_uri)
+    monkeypatch.setenv("K3PIPE_MLFLOW_EXPERIMENT", "test")
+    out = CliRunner().invoke(app, ["compare", arms[0], arms[1], "--workload", "w", "--metric", "ttft_ms_p50"])
+    assert out.exit_code == 0, out.output
+    line = next(x for x in out.output.splitlines() if x.startswith("ttft_ms_p50"))
+    assert "different" in line
+    assert "+30.0%" in line
