@@ -15,8 +15,9 @@ from prefect import flow, get_client, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 
+from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.errors import PreflightError
+from k3pipe.errors import BenchmarkError, PreflightError
 from k3pipe.launchers import Launcher
 from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder, record_preflight_stop
 from k3pipe.settings import Settings, read_secret
@@ -31,6 +32,7 @@ from tasks.steps import (
     load_experiment_task,
     plan_arm_task,
     preflight_task,
+    prepare_prompts_task,
     pull_image_task,
     reap_orphans_task,
     start_engine_task,
@@ -65,6 +67,7 @@ def _run_arm(
     tracker: Tracker,
     settings: Settings,
     findings: list[Finding],
+    prompts: dict[str, list[PromptSet]],
 ) -> dict[str, Any]:
     logger = get_run_logger()
     home = settings.home_dir
@@ -94,13 +97,15 @@ def _run_arm(
         cold = wait_ready_task(plan, launcher)
         check = health_gate_task(plan)
         recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
-        rows: list[dict[str, Any]] = []
+        # rows are kept as each workload ends: a later failure must not drop them from the summary
+        rows: list[dict[str, Any]] = outcome.setdefault("workloads", [])
         for workload in spec.workloads:
             for repeat in range(workload.repeats):
-                measured = benchmark_task(plan, workload, Path(models["model"].path), repeat, home)
+                measured = benchmark_task(
+                    plan, workload, Path(models["model"].path), repeat, home, prompts[workload.name][repeat]
+                )
                 recorder.log_workload(workload, measured)
             rows.append({"arm": arm, "workload": workload.name, **recorder.workload_metrics(workload.name)})
-        outcome["workloads"] = rows
         failed = sum(float(r.get("failed") or 0) for r in rows)
         status = "FINISHED" if failed == 0 else "FAILED"
         if failed:
@@ -162,9 +167,16 @@ def benchmark(
         models[name] = fetch_model_task(name, extra, home)
     findings = preflight_task(spec, "model", models["model"].path)
     _stop_on_errors(findings, spec, selected, tracker)
+    # every workload's prompts before any launch: a dataset that cannot give them fails the flow here
+    try:
+        prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
+    except BenchmarkError as exc:
+        dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
+        _stop_on_errors([dataset_error], spec, selected, tracker)
+        raise
     outcomes = []
     for name in selected:
-        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings))
+        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings, prompts))
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     table = [
         {c: (round(r[c], 3) if isinstance(r.get(c), float) else r.get(c)) for c in SUMMARY_COLUMNS}

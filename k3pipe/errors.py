@@ -58,7 +58,11 @@ class LaunchError(K3pipeError):
 
 
 class HealthError(K3pipeError):
-    """The endpoint is unreachable or answers wrongly."""
+    """The endpoint is unreachable or answers wrongly. ``status``: the HTTP status it answered, if any."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EndpointAuthError(HealthError):

@@ -95,7 +95,9 @@ def _raise_for_status(resp: httpx.Response, what: str, base_url: str) -> None:
             "(it must end where '/models' and '/chat/completions' live, e.g. '/v1' or '/api/v1')"
         )
     if resp.status_code >= 400:
-        raise HealthError(f"{what} at {base_url} answered {resp.status_code}: {resp.text[:300]}")
+        raise HealthError(
+            f"{what} at {base_url} answered {resp.status_code}: {resp.text[:300]}", status=resp.status_code
+        )
 
 
 def check_endpoint(
@@ -104,8 +106,14 @@ def check_endpoint(
     api_key: SecretStr | None,
     timeout_s: float = 60.0,
     client: httpx.Client | None = None,
+    continuous_usage: bool = True,
 ) -> EndpointCheck:
-    """Prove the endpoint: the model is listed, and one streamed chat completion yields a delta."""
+    """Prove the endpoint: the model is listed, and one streamed chat completion yields a delta.
+
+    The probe asks for ``stream_options`` as the benchmark will (``continuous_usage_stats`` when
+    ``continuous_usage``), so an endpoint that refuses that field fails here, before any workload,
+    with the setting to change.
+    """
     own = client is None
     http = client or httpx.Client(timeout=timeout_s, trust_env=False)
     try:
@@ -131,21 +139,36 @@ def check_endpoint(
                 f"{', '.join(repr(i) for i in ids) or 'no models'} (the id must match exactly; "
                 "set endpoint.model or model.served_name)"
             )
-        return _probe(http, base_url, model, api_key, ids)
+        try:
+            return _probe(http, base_url, model, api_key, ids, continuous_usage)
+        except HealthError as exc:
+            if not continuous_usage or exc.status not in (400, 422):
+                raise
+            _probe(http, base_url, model, api_key, ids, continuous_usage=False)  # raises if still bad
+            raise HealthError(
+                f"{base_url} refuses stream_options.continuous_usage_stats ({exc}) but answers without "
+                "it: set endpoint.continuous_usage_stats: false (ITL is then per chunk, labelled so)"
+            ) from exc
     finally:
         if own:
             http.close()
 
 
 def _probe(
-    http: httpx.Client, base_url: str, model: str, api_key: SecretStr | None, ids: list[str]
+    http: httpx.Client,
+    base_url: str,
+    model: str,
+    api_key: SecretStr | None,
+    ids: list[str],
+    continuous_usage: bool = True,
 ) -> EndpointCheck:
+    options = {"include_usage": True, **({"continuous_usage_stats": True} if continuous_usage else {})}
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Say hello."}],
         "max_tokens": 8,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": options,
     }
     kinds: list[str] = []
     saw_choices = False

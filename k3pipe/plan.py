@@ -30,6 +30,9 @@ class ArmPlan(BaseModel):
     base_url: str = Field(description="OpenAI-compatible base URL, path included.")
     model: str = Field(description="Model id sent in requests.")
     api_key_env: str | None = Field(description="Name of the environment variable holding the key.")
+    continuous_usage: bool = Field(
+        default=True, description="Requests ask for stream_options.continuous_usage_stats."
+    )
     health_url: str | None = Field(description="URL polled until the engine answers (None: external).")
     version_url: str | None = Field(description="URL that reports the engine version.")
     metrics_url: str | None = Field(
@@ -112,6 +115,7 @@ def plan_arm(
         base_url=base_url,
         model=arm.endpoint.model or served or dirs["model"],
         api_key_env=arm.endpoint.api_key_env,
+        continuous_usage=arm.endpoint.continuous_usage_stats,
         health_url=None if external else root + engine.health_path,
         version_url=None if external or not engine.version_path else root + engine.version_path,
         metrics_url=None if external else root + "/metrics",

@@ -185,10 +185,11 @@ class ArmRecorder:
             parent = self.tracker.start_run(
                 f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
             )
+            # registered before anything else can fail, so that finish() always closes it
             self.workload_runs[workload.name] = parent
-            self.tracker.log_params(parent, params)
             self._repeat_metrics[workload.name] = []
             self._open[workload.name] = workload
+            self.tracker.log_params(parent, params)
         k = outcome.repeat
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{workload.name}#{k + 1}",
@@ -203,11 +204,17 @@ class ArmRecorder:
         return run_id
 
     def workload_metrics(self, name: str) -> dict[str, float]:
-        """What the arm's summary table shows for a workload: its metrics, or their means across repeats."""
+        """What the arm's summary table shows for a workload: its metrics, or across repeats the means
+        of its figures and the sums of its request counts."""
         per_repeat = self._repeat_metrics.get(name)
         if per_repeat is None:
             return dict(self._single.get(name, {}))
-        return {k: v.mean for k, v in aggregate_repeats(per_repeat).items() if k != "repeat"}
+        means = {k: v.mean for k, v in aggregate_repeats(per_repeat).items() if k != "repeat"}
+        # counts add up across repeats (a mean of 15.67 completed requests reads as a bug)
+        for count in _COUNTS:
+            if count in means:
+                means[count] = sum(m.get(count, 0.0) for m in per_repeat)
+        return means
 
     def _log_outcome(
         self, run_id: str, params: Mapping[str, Any], outcome: WorkloadOutcome
@@ -320,6 +327,9 @@ class ArmRecorder:
                 )
         finally:
             self.tracker.end_run(self.run_id, status)
+
+
+_COUNTS = ("requests", "completed", "failed", "warmup_requests", "slo_met")
 
 
 def _repeat_metrics(stats: Mapping[str, RepeatStats]) -> dict[str, float | None]:

@@ -174,6 +174,14 @@ class EndpointSpec(_Spec):
     model: str | None = Field(
         default=None, description="Model id sent in requests (default: the served name)."
     )
+    continuous_usage_stats: bool = Field(
+        default=True,
+        description=(
+            "Ask for stream_options.continuous_usage_stats (vLLM, SGLang: running token counts in "
+            "every chunk, for per-token ITL and TPOT's k1). Turn off for an endpoint that refuses it; "
+            "ITL is then per chunk, labelled so."
+        ),
+    )
 
     @field_validator("api_key_env")
     @classmethod
@@ -213,7 +221,10 @@ class ArmSpec(_Spec):
 
 
 class RandomDataset(_Spec):
-    """Random prompts of exactly ``input_tokens`` tokens under the served model's tokenizer."""
+    """Random prompts of exactly ``input_tokens`` tokens under the served model's tokenizer.
+
+    Repeat ``k`` of the workload draws its prompts with ``seed + k``.
+    """
 
     kind: Literal["random"] = Field(default="random", description="Random word tokens, exact length.")
 
@@ -222,8 +233,11 @@ class ShareGPTDataset(_Spec):
     """Conversations in ShareGPT format (a JSON list of ``{"conversations": [{"from", "value"}...]}``).
 
     Each prompt is a conversation's first human turn; conversations whose first turn is shorter than
-    ``min_input_tokens`` or longer than the workload's ``input_tokens`` are left out; the prompts are
-    a sample drawn with the workload's ``seed``.
+    ``min_input_tokens`` or longer than the workload's ``input_tokens`` are left out, and a first
+    turn that repeats an earlier one counts once. The prompts are a seeded permutation (the
+    workload's ``seed``) of the turns kept, taken in blocks of ``warmup_requests + num_requests``:
+    repeat ``k`` sends the ``k``-th block, so no repeat resends a prompt of another, and the file must
+    hold ``repeats`` such blocks.
     """
 
     kind: Literal["sharegpt"] = Field(description="ShareGPT-format JSON file on this machine.")
@@ -236,8 +250,13 @@ class ShareGPTDataset(_Spec):
 class DocumentsDataset(_Spec):
     """Long documents: text files in a folder, each cut to exactly ``input_tokens`` tokens.
 
-    Documents shorter than ``input_tokens`` are left out; the documents used are drawn (with
-    replacement when there are fewer than prompts, each then cut at a different offset) with ``seed``.
+    Documents shorter than ``input_tokens`` are left out; the documents and token offsets are drawn
+    with the workload's ``seed`` (a document is drawn again when there are fewer documents than
+    prompts). A window moves forward from its offset to a cut between words, or to another offset
+    when that start is already a window's: no two prompts of the workload, across all its repeats,
+    start at the same token of the same document or have the same text (repeat ``k`` sends the
+    ``k``-th block of ``warmup_requests + num_requests`` windows of one seeded sequence). A request
+    for more windows than the documents have distinct starts is refused.
     """
 
     kind: Literal["documents"] = Field(description="A folder of text files cut to input_tokens.")
@@ -249,7 +268,8 @@ class DocumentsDataset(_Spec):
 
 class SharedPrefixDataset(_Spec):
     """Prompts that share a prefix, for prefix caching: ``groups`` random prefixes of ``prefix_tokens``
-    tokens, each prompt one of them followed by its own random suffix; ``input_tokens`` in all."""
+    tokens, each prompt one of them followed by its own random suffix; ``input_tokens`` in all.
+    Repeat ``k`` of the workload draws prefixes and suffixes with ``seed + k``."""
 
     kind: Literal["shared_prefix"] = Field(description="N prompts sharing P prefix tokens.")
     prefix_tokens: int = Field(gt=0, description="Tokens every prompt of a group shares (P).")

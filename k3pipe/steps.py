@@ -11,19 +11,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import SecretStr
+from tokenizers import Tokenizer
 
 from k3pipe.bench import WorkloadResult, WorkloadSummary, load_tokenizer, run_workload, summarize
 from k3pipe.bench.corpora import PromptSet, build_prompts
 from k3pipe.bench.summary import retokenize
 from k3pipe.engines import get_engine
-from k3pipe.errors import SpecError
+from k3pipe.errors import BenchmarkError, SpecError
 from k3pipe.health import wait_until_healthy
 from k3pipe.launchers import DockerLauncher, ExternalLauncher, Launcher, ProcessLauncher, connect
 from k3pipe.metrics import (
@@ -44,6 +46,7 @@ __all__ = [
     "benchmark_workload",
     "engine_version",
     "launch_engine",
+    "prepare_prompts",
     "pull_image",
     "wait_ready",
 ]
@@ -156,6 +159,52 @@ class WorkloadOutcome:
         return {**self.summary.metrics(), **self.engine_metrics}
 
 
+def workload_prompts(
+    workload: WorkloadSpec, tokenizer: Tokenizer, repeat: int, home: Path, progress: Progress | None = None
+) -> PromptSet:
+    """The prompts of repeat ``repeat`` of a workload (warm-up ones first), from its dataset.
+
+    Raises:
+        BenchmarkError: the dataset cannot give them; the message names the workload.
+    """
+    if not 0 <= repeat < workload.repeats:
+        raise SpecError(
+            f"workload {workload.name!r}: repeat {repeat} is outside 0..{workload.repeats - 1} (repeats)"
+        )
+    t0 = time.perf_counter()
+    try:
+        prompts = build_prompts(
+            workload.dataset,
+            tokenizer,
+            workload.warmup_requests + workload.num_requests,
+            workload.input_tokens,
+            workload.seed,
+            home,
+            repeat=repeat,
+        )
+    except BenchmarkError as exc:
+        where = f" (repeat {repeat + 1} of {workload.repeats})" if workload.repeats > 1 else ""
+        raise BenchmarkError(f"workload {workload.name!r}{where}: {exc}") from exc
+    if progress:
+        progress(
+            f"{workload.name}: {len(prompts.prompts)} prompts from {prompts.name} "
+            f"(digest {prompts.digest}) in {time.perf_counter() - t0:.2f} s"
+        )
+    return prompts
+
+
+def prepare_prompts(
+    workloads: Sequence[WorkloadSpec], model_dir: Path, home: Path, progress: Progress | None = None
+) -> dict[str, list[PromptSet]]:
+    """Every workload's prompts, one set per repeat, before any engine starts: a dataset that cannot
+    give them fails here, not after a cold start, and every arm gets the same prompts."""
+    tokenizer = load_tokenizer(model_dir)
+    return {
+        w.name: [workload_prompts(w, tokenizer, k, home, progress) for k in range(w.repeats)]
+        for w in workloads
+    }
+
+
 def benchmark_workload(
     plan: ArmPlan,
     workload: WorkloadSpec,
@@ -164,26 +213,16 @@ def benchmark_workload(
     progress: Progress | None = None,
     repeat: int = 0,
     home: Path | None = None,
+    prompts: PromptSet | None = None,
 ) -> WorkloadOutcome:
-    """Run repeat ``repeat`` of a workload (seed ``workload.seed + repeat``): build its prompts from its
-    dataset with the model's tokenizer, send them, and scrape the engine's /metrics beside it (when
-    the engine is ours) to reconcile client and server figures. ``home`` resolves '{home}' in dataset
-    paths."""
-    if not 0 <= repeat < workload.repeats:
-        raise SpecError(
-            f"workload {workload.name!r}: repeat {repeat} is outside 0..{workload.repeats - 1} (repeats)"
-        )
+    """Run repeat ``repeat`` of a workload (seed ``workload.seed + repeat``) with ``prompts`` (built here
+    from its dataset with the model's tokenizer when not given), scraping the engine's /metrics beside
+    it (when the engine is ours) to reconcile client and server figures. ``home`` resolves '{home}'
+    in dataset paths."""
     seed = workload.seed + repeat
     run_spec = workload.model_copy(update={"seed": seed})
     tokenizer = load_tokenizer(model_dir)
-    prompt_set = build_prompts(
-        workload.dataset,
-        tokenizer,
-        workload.warmup_requests + workload.num_requests,
-        workload.input_tokens,
-        seed,
-        home or Path.cwd(),
-    )
+    prompt_set = prompts or workload_prompts(workload, tokenizer, repeat, home or Path.cwd(), progress)
     step = max(1, workload.num_requests // 4)
     label = (
         workload.name if workload.repeats == 1 else f"{workload.name} repeat {repeat + 1}/{workload.repeats}"
@@ -226,6 +265,7 @@ def benchmark_workload(
                     run_spec,
                     prompt_set.prompts,
                     on_progress=on_progress,
+                    continuous_usage=plan.continuous_usage,
                     on_measured_start=window_start,
                 )
             finally:

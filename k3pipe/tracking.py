@@ -139,7 +139,12 @@ class Tracker:
         self.log_text(run_id, path.read_text(errors="replace"), name)
 
     def log_frame(self, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
-        """Log a table as parquet."""
+        """Log a table as parquet; text columns are scrubbed of secrets first."""
+        if self._secrets:
+            frame = frame.copy()
+            for column in frame.columns:
+                if frame[column].dtype == object or pd.api.types.is_string_dtype(frame[column]):
+                    frame[column] = frame[column].map(lambda v: self.scrub(v) if isinstance(v, str) else v)
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / Path(artifact_file).name
             frame.to_parquet(local, index=False)

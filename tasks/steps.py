@@ -9,6 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from k3pipe import steps
+from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck, check_endpoint
 from k3pipe.launchers import Launcher, connect, reap_orphans
@@ -107,7 +108,9 @@ def wait_ready_task(plan: ArmPlan, launcher: Launcher) -> float:
 
 @task(name="health-gate", cache_policy=NO_CACHE)
 def health_gate_task(plan: ArmPlan) -> EndpointCheck:
-    check = check_endpoint(plan.base_url, plan.model, read_secret(plan.api_key_env))
+    check = check_endpoint(
+        plan.base_url, plan.model, read_secret(plan.api_key_env), continuous_usage=plan.continuous_usage
+    )
     get_run_logger().info(
         "endpoint %s serves %s; probe first delta %.3f s (%s)",
         plan.base_url,
@@ -123,9 +126,19 @@ def engine_version_task(plan: ArmPlan) -> str | None:
     return steps.engine_version(plan)
 
 
+@task(name="prepare-prompts", cache_policy=NO_CACHE)
+def prepare_prompts_task(spec: ExperimentSpec, model_dir: Path, home: Path) -> dict[str, list[PromptSet]]:
+    return steps.prepare_prompts(spec.workloads, model_dir, home, progress=get_run_logger().info)
+
+
 @task(name="benchmark", cache_policy=NO_CACHE, task_run_name="benchmark-{workload.name}-{repeat}")
 def benchmark_task(
-    plan: ArmPlan, workload: WorkloadSpec, model_dir: Path, repeat: int = 0, home: Path | None = None
+    plan: ArmPlan,
+    workload: WorkloadSpec,
+    model_dir: Path,
+    repeat: int = 0,
+    home: Path | None = None,
+    prompts: PromptSet | None = None,
 ) -> steps.WorkloadOutcome:
     logger = get_run_logger()
     logger.info(
@@ -150,6 +163,7 @@ def benchmark_task(
         progress=logger.info,
         repeat=repeat,
         home=home,
+        prompts=prompts,
     )
     m = outcome.summary.metrics()
     logger.info(

@@ -77,6 +77,7 @@ class Script:
     first_chunk_tokens: int | None = None  # tokens of the first token chunk (None: tokens_per_chunk)
     tail_delay_s: float = 0.0  # after the last token chunk, before the usage chunk and [DONE]
     continuous_usage: bool | None = None  # None: as stream_options.continuous_usage_stats asks
+    refuse_continuous_usage: bool = False  # answer 400 to a request that asks for it (a strict gateway)
     empty_content_chunk: bool = False  # a {"content": ""} chunk right after the role chunk
     empty_choices_chunks: int = 0  # chunks with "choices": [] and no usage, before the tokens
     usage: bool | None = None  # None: as stream_options.include_usage asks; False: never
@@ -209,6 +210,11 @@ class ScriptedOpenAI:
         echo = {"authorization": auth} if script.echo_auth_in_error else {}
         if self.api_key is not None and auth != f"Bearer {self.api_key}":
             return JSONResponse({"error": "Unauthorized", **echo}, status_code=401)
+        if script.refuse_continuous_usage and "continuous_usage_stats" in (body.get("stream_options") or {}):
+            return JSONResponse(
+                _error("Unrecognized request argument: continuous_usage_stats", "BadRequestError", 400),
+                status_code=400,
+            )
         if script.status != 200:
             content = script.error_body
             if content is None:

@@ -216,6 +216,35 @@ def test_preflight_error_stops_before_launch(prefect_harness: None, tmp_path: Pa
     assert "preflight.json" in {a.path for a in tracker.client.list_artifacts(run.info.run_id)}
 
 
+def test_a_dataset_that_cannot_be_built_stops_before_launch(prefect_harness: None, tmp_path: Path) -> None:
+    """A ShareGPT file that is not there: found with the prompts, before any engine starts."""
+    from flows.benchmark import benchmark
+    from k3pipe.errors import PreflightError
+
+    port = free_port()
+    missing = tmp_path / "no-such.json"
+    workloads = [
+        {
+            "name": "chat",
+            "input_tokens": 256,
+            "output_tokens": 8,
+            "dataset": {"kind": "sharegpt", "path": str(missing)},
+        }
+    ]
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(demo_experiment(port, workloads)))
+    t0 = time.monotonic()
+    with pytest.raises(PreflightError, match=r"workload 'chat'.*no-such\.json"):
+        benchmark(str(exp))
+    assert time.monotonic() - t0 < 60  # no engine was started
+    assert _processes_with_port(port) == []
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    (run,) = tracker.client.search_runs([tracker.experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["k3pipe.error"] == "preflight: dataset"
+
+
 def test_bad_arm_fails_and_records(prefect_harness: None, tmp_path: Path) -> None:
     """An engine that dies at start: the flow fails with the log tail; MLflow marks the run FAILED."""
     require_engine()

@@ -105,6 +105,7 @@ def test_repeats_nest_under_the_workload_run_with_their_statistics(tracker: Trac
     arm = tracker.client.get_run(rec.run_id)
     assert arm.data.metrics["w.ttft_ms_p50"] == pytest.approx(120.0)
     assert rec.workload_metrics("w")["ttft_ms_p50"] == pytest.approx(120.0)
+    assert rec.workload_metrics("w")["completed"] == 6  # counts add up across repeats
 
 
 def test_an_arm_that_ends_early_closes_its_workload_with_what_it_measured(
@@ -167,3 +168,23 @@ def test_compare_two_recorded_workloads(
     line = next(x for x in out.output.splitlines() if x.startswith("ttft_ms_p50"))
     assert "different" in line
     assert "+30.0%" in line
+
+
+def test_a_workload_run_is_closed_even_when_its_params_fail(
+    tracker: Tracker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec = recorder(tracker, tmp_path)
+    w = workload(2)
+    real = tracker.log_params
+
+    def failing(run_id: str, params: object) -> None:
+        if run_id != rec.run_id:
+            raise RuntimeError("store hiccup")
+        real(run_id, params)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tracker, "log_params", failing)
+    with pytest.raises(RuntimeError, match="store hiccup"):
+        rec.log_workload(w, outcome(w, 0, 0.1))
+    rec.finish("FAILED", RuntimeError("store hiccup"))
+    statuses = {r.info.run_name: r.info.status for r in tracker.client.search_runs([tracker.experiment_id])}
+    assert "RUNNING" not in statuses.values(), statuses

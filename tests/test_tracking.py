@@ -119,3 +119,14 @@ def test_dataset_inputs(tracker: Tracker) -> None:
     assert [(t.key, t.value) for t in generated.tags] == [("mlflow.data.context", "warmup")]
     with pytest.raises(TrackingError, match="needs digest"):
         tracker.log_dataset(run, {"name": "x", "source_type": "local", "source": "/x"})
+
+
+def test_frames_are_scrubbed_of_secrets(tracker: Tracker, tmp_path: Path) -> None:
+    run = tracker.start_run("r")
+    frame = pd.DataFrame({"error": ["HTTP 401: Bearer sk-topsecret-value", None], "n": [1, 2]})
+    tracker.log_frame(run, frame, "requests.parquet")
+    back = pd.read_parquet(tracker.client.download_artifacts(run, "requests.parquet", str(tmp_path)))
+    assert back["error"][0] == "HTTP 401: Bearer ***"
+    assert pd.isna(back["error"][1])
+    assert back["n"].tolist() == [1, 2]
+    assert frame["error"][0].endswith("sk-topsecret-value")  # the caller's frame is left alone

@@ -205,15 +205,16 @@ async def run_workload(
     total = warmup_n + measured_n
     progress = _Progress(total, on_progress)
 
-    def body(prompt: Prompt) -> bytes:
-        return _body(model, workload, prompt, continuous_usage)
+    # Every body is serialized before the first request: JSON-encoding a 200K-token prompt takes
+    # milliseconds, which on the event loop would delay the stamps of the streams in flight.
+    bodies = [_body(model, workload, prompts[i], continuous_usage) for i in range(total)]
 
     async def one(index: int, warmup: bool, t_scheduled: float | None = None) -> RequestRecord:
         record = await _send(
             client,
             url,
             headers,
-            body(prompts[index]),
+            bodies[index],
             prompts[index],
             workload,
             index,
@@ -381,6 +382,7 @@ class _Stream:
     saw_done: bool = False
     data_lines: int = 0
     error: str | None = None
+    secret: str | None = None
 
 
 def _body(model: str, workload: WorkloadSpec, prompt: Prompt, continuous_usage: bool = True) -> bytes:
@@ -418,7 +420,7 @@ async def _send(
 ) -> RequestRecord:
     # The body is serialized before t_send is stamped: JSON-encoding a 200K-token prompt is client
     # work, not TTFT.
-    state = _Stream()
+    state = _Stream(secret=secret)
     status: int | None = None
     timeout_s = workload.request_timeout_s
     t_send = time.perf_counter()
@@ -431,16 +433,16 @@ async def _send(
                 status = response.status_code
                 if not 200 <= status < 300:  # errors, and redirects httpx does not follow
                     text = (await response.aread()).decode("utf-8", "replace")
-                    state.error = f"HTTP {status} from {url}: {_short(text)}"
+                    state.error = f"HTTP {status} from {url}: {_short(text, secret)}"
                 else:
                     t_end = await _read(response, state)
     except TimeoutError:
         state.error = f"timed out after {timeout_s} s (workload request_timeout_s)"
     except httpx.HTTPError as exc:
-        state.error = f"{type(exc).__name__} talking to {url}: {_short(str(exc)) or 'no detail'}"
+        state.error = f"{type(exc).__name__} talking to {url}: {_short(str(exc), secret) or 'no detail'}"
     except Exception as exc:  # one request's surprise must not lose the other records
         log.debug("request %d to %s raised", index, url, exc_info=True)
-        state.error = f"unexpected {type(exc).__name__}: {_short(str(exc)) or 'no detail'}"
+        state.error = f"unexpected {type(exc).__name__}: {_short(str(exc), secret) or 'no detail'}"
     if t_end is None:
         t_end = time.perf_counter()
     if state.error is None:
@@ -501,13 +503,17 @@ def _line(line: bytes, now: float, state: _Stream) -> bool:
     try:
         chunk = json.loads(payload)
     except ValueError:
-        state.error = f"malformed SSE data (not JSON): {_short(payload.decode('utf-8', 'replace'))}"
+        state.error = (
+            f"malformed SSE data (not JSON): {_short(payload.decode('utf-8', 'replace'), state.secret)}"
+        )
         return True
     if not isinstance(chunk, dict):
-        state.error = f"unexpected SSE data (not a JSON object): {_short(payload.decode('utf-8', 'replace'))}"
+        text = _short(payload.decode("utf-8", "replace"), state.secret)
+        state.error = f"unexpected SSE data (not a JSON object): {text}"
         return True
     if chunk.get("error") is not None:
-        state.error = f"server error in stream: {_short(json.dumps(chunk['error'], ensure_ascii=False))}"
+        text = _short(json.dumps(chunk["error"], ensure_ascii=False), state.secret)
+        state.error = f"server error in stream: {text}"
         return True
     usage = chunk.get("usage")
     running: int | None = None
@@ -528,7 +534,10 @@ def _line(line: bytes, now: float, state: _Stream) -> bool:
             texts = [delta[k] for k in _DELTA_TOKEN_FIELDS if _text(delta.get(k))]
             # servers that mirror reasoning into reasoning_content send the same text twice
             state.text.extend(dict.fromkeys(texts))
-            any_token = any_token or bool(texts) or bool(delta.get("tool_calls"))
+            calls = delta.get("tool_calls")
+            if calls:
+                state.text.extend(_tool_call_text(calls))
+            any_token = any_token or bool(texts) or bool(calls)
         elif _text(choice.get("text")):  # /v1/completions
             any_token = content = True
             state.text.append(choice["text"])
@@ -540,6 +549,18 @@ def _line(line: bytes, now: float, state: _Stream) -> bool:
     if content and state.t_first_content is None:
         state.t_first_content = now
     return False
+
+
+def _tool_call_text(calls: object) -> list[str]:
+    """The generated parts of tool-call deltas (function name and argument text), for re-tokenizing."""
+    out: list[str] = []
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            out.extend(
+                v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str) and v
+            )
+    return out
 
 
 def _text(value: object) -> bool:
@@ -578,7 +599,9 @@ def _zero_output_error(state: _Stream) -> str | None:
     return None
 
 
-def _short(text: str) -> str:
+def _short(text: str, secret: str | None = None) -> str:
+    # scrubbed before the cut: a key straddling the cut would no longer match whole afterwards
+    text = _scrub(text, secret) or ""
     text = text.strip()
     return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS] + f"... [{len(text)} chars]"
 

@@ -7,9 +7,10 @@ docs/measurement.md, and held by tests/bench/test_definitions.py against scripte
 - ``content_ttft_ms``: send -> first non-empty ``content``; requests that never reached content
   (reasoning only) are left out, so its ``count`` can be smaller.
 - ``e2e_ms``: send -> the last token-bearing chunk (not the usage chunk or ``[DONE]`` after it).
-- ``tpot_ms``: ``(e2e - ttft) / (N - k1)`` per request, N its output tokens and k1 the tokens of its
-  first chunk (known from continuous usage; else taken as 1 and ``tpot_k1_assumed`` is set);
-  undefined when ``N <= k1``.
+- ``tpot_ms``: ``(e2e - ttft) / (N - k1)`` per request, k1 the tokens of its first chunk and N the
+  tokens its token-bearing chunks carried (both known from continuous usage). Without per-chunk
+  counts N is usage's count and k1 is taken as 1 (``tpot_k1_assumed``). Undefined when ``N <= k1``
+  or, without counts, for a single token-bearing chunk.
 - ``itl_ms``: per token. Where the server reported each chunk's tokens, each gap between
   token-bearing chunks is divided by the tokens of the chunk that ends it, and counted once per
   token. A request without per-chunk counts contributes its plain per-chunk gaps instead, and
@@ -471,11 +472,21 @@ def _e2e_from_scheduled_ms(r: RequestRecord) -> float | None:
 
 
 def _tpot_ms(r: RequestRecord) -> float | None:
-    """(E2E - TTFT) / (N - k1): the time per token of everything after the first chunk."""
+    """(E2E - TTFT) / (N - k1): the time per token of everything after the first chunk.
+
+    With per-chunk counts, N is the tokens the token-bearing chunks carried: a token the server
+    counted in usage but sent without text after the last of them (vLLM's EOS in an empty finish
+    chunk) has no arrival time inside E2E, so it is not in N either. Without counts N is usage's
+    count and k1 is taken as 1; a single token-bearing chunk then has no TPOT (no time after it).
+    """
     if r.t_first_delta is None or not r.chunk_times:
         return None
-    tokens, _ = _output_tokens(r)
-    k1 = r.chunk_tokens[0] if r.chunk_tokens else 1
+    if r.chunk_tokens:
+        k1, tokens = r.chunk_tokens[0], sum(r.chunk_tokens)
+    elif len(r.chunk_times) < 2:
+        return None
+    else:
+        k1, tokens = 1, _output_tokens(r)[0]
     if tokens <= k1:
         return None
     return (r.chunk_times[-1] - r.t_first_delta) * 1000.0 / (tokens - k1)

@@ -397,6 +397,25 @@ def test_key_never_appears_in_records_errors_or_logs(
     assert "failed" in caplog.text  # the warning about the failed requests was logged, scrubbed
 
 
+def test_a_key_straddling_the_error_cut_is_scrubbed_whole() -> None:
+    """An error page that echoes the key around character 500, where error texts are cut."""
+    key = "sk-" + "A1b2C3d4" * 5
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(502, text="x" * 470 + " " + request.headers["authorization"] + " tail")
+
+    async def go() -> WorkloadResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_workload(
+                client, "http://engine.test/v1", "m", SecretStr(key), workload(), prompts(1)
+            )
+
+    (record,) = asyncio.run(go()).records
+    assert record.error is not None
+    assert "Bearer ***" in record.error
+    assert key[:12] not in record.error
+
+
 # --- SSE parsing details, through an in-process transport ---
 
 

@@ -7,8 +7,10 @@ ShareGPT and documents use the generated fixtures in tests/fixtures/datasets
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
+import k3pipe.bench.corpora as corpora
 import k3pipe.bench.datasets as datasets
 from k3pipe.bench import PromptSet, build_prompts, random_prompts, shared_prefix_prompts
 from k3pipe.errors import BenchmarkError
@@ -24,6 +27,16 @@ from k3pipe.specs import DocumentsDataset, RandomDataset, SharedPrefixDataset, S
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
 SHAREGPT = FIXTURES / "sharegpt_small.json"
 DOCUMENTS = FIXTURES / "documents"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches() -> Iterator[None]:
+    """Each test starts as a new process would: no ShareGPT file or documents sample kept."""
+    corpora._FIRST_TURNS.clear()
+    corpora._SAMPLES.clear()
+    yield
+    corpora._FIRST_TURNS.clear()
+    corpora._SAMPLES.clear()
 
 
 def _ids(tok: Tokenizer, text: str) -> list[int]:
@@ -65,6 +78,7 @@ def test_random_delegates_and_names_itself(byte_level_tokenizer: Tokenizer, tmp_
     assert got.profile == {
         "kind": "random",
         "seed": 3,
+        "repeat": 0,
         "count": 5,
         "tokens_min": 64,
         "tokens_mean": 64.0,
@@ -128,6 +142,26 @@ def test_shared_prefix_bad_sizes(byte_level_tokenizer: Tokenizer) -> None:
         shared_prefix_prompts(byte_level_tokenizer, 2, 50, 50, 1, 0)
     with pytest.raises(BenchmarkError, match="groups"):
         shared_prefix_prompts(byte_level_tokenizer, 2, 50, 10, 0, 0)
+
+
+@pytest.mark.parametrize("kind", ["random", "shared_prefix"])
+def test_random_kinds_draw_repeat_k_with_seed_plus_k(
+    byte_level_tokenizer: Tokenizer, kind: str, tmp_path: Path
+) -> None:
+    dataset: Any = (
+        RandomDataset() if kind == "random" else SharedPrefixDataset(kind="shared_prefix", prefix_tokens=20)
+    )
+    base = build_prompts(dataset, byte_level_tokenizer, 3, 48, 3, tmp_path)
+    assert build_prompts(dataset, byte_level_tokenizer, 3, 48, 3, tmp_path, repeat=0) == base
+    got = build_prompts(dataset, byte_level_tokenizer, 3, 48, 3, tmp_path, repeat=2)
+    as_seed_5 = build_prompts(dataset, byte_level_tokenizer, 3, 48, 5, tmp_path)
+    assert got.prompts == as_seed_5.prompts
+    assert (got.name, got.digest) == (as_seed_5.name, as_seed_5.digest)
+    assert got.name.endswith("-s5")
+    assert (got.profile["seed"], got.profile["repeat"]) == (5, 2)
+    assert {p.text for p in got.prompts}.isdisjoint(p.text for p in base.prompts)
+    with pytest.raises(BenchmarkError, match="repeat must be >= 0"):
+        build_prompts(dataset, byte_level_tokenizer, 3, 48, 3, tmp_path, repeat=-1)
 
 
 # --- sharegpt ------------------------------------------------------------------------------------
@@ -274,6 +308,95 @@ def test_sharegpt_paths(
         build_prompts(_sharegpt(home / "data"), byte_level_tokenizer, 1, 64, 0, home)
 
 
+def test_sharegpt_repeats_take_disjoint_blocks_of_one_sample(
+    byte_level_tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    # Repeat k used to draw a new permutation with seed + k from the same pool, resending about
+    # n * n / pool prompts of the earlier repeats (then answered from the prefix cache).
+    whole = build_prompts(_sharegpt(), byte_level_tokenizer, 40, 512, 7, tmp_path)
+    repeats = [
+        build_prompts(_sharegpt(), byte_level_tokenizer, 10, 512, 7, tmp_path, repeat=k) for k in range(4)
+    ]
+    assert repeats[0] == build_prompts(_sharegpt(), byte_level_tokenizer, 10, 512, 7, tmp_path)
+    assert [p for r in repeats for p in r.prompts] == whole.prompts
+    assert len({p.text for p in whole.prompts}) == 40  # no prompt sent by two repeats
+    for k, r in enumerate(repeats):
+        assert (r.profile["seed"], r.profile["repeat"], r.profile["slice"]) == (7, k, [10 * k, 10 * k + 10])
+    assert len({r.digest for r in repeats}) == 4
+    assert whole.profile["slice"] == [0, 40]
+
+
+def test_sharegpt_repeats_that_run_out(byte_level_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    passed = build_prompts(_sharegpt(), byte_level_tokenizer, 0, 64, 0, tmp_path).profile["passed_filter"]
+    n = passed // 3 + 1  # two repeats fit, the third does not
+    assert len(build_prompts(_sharegpt(), byte_level_tokenizer, n, 64, 0, tmp_path, repeat=1).prompts) == n
+    with pytest.raises(BenchmarkError) as info:
+        build_prompts(_sharegpt(), byte_level_tokenizer, n, 64, 0, tmp_path, repeat=2)
+    message = str(info.value)
+    assert f"only {passed} of its 200 conversations" in message
+    assert "of 4 to 64 tokens" in message
+    assert f"repeat 2 needs {3 * n} in all" in message
+    assert f"warmup_requests + num_requests = {n} prompts" in message
+    for name in ("workloads[].dataset.path", "min_input_tokens", "input_tokens", "workloads[].repeats"):
+        assert name in message
+
+
+def test_sharegpt_file_is_read_once_per_process(
+    byte_level_tokenizer: Tokenizer,
+    metaspace_tokenizer: Tokenizer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loads: list[Path] = []
+    encoded: list[int] = []
+    load, count = corpora._load_sharegpt, corpora._token_counts
+
+    def counting_load(value: str, path: Path) -> list[Any]:
+        loads.append(path)
+        return load(value, path)
+
+    def counting_encode(tokenizer: Tokenizer, texts: list[str]) -> list[int]:
+        encoded.append(len(texts))
+        return count(tokenizer, texts)
+
+    monkeypatch.setattr(corpora, "_load_sharegpt", counting_load)
+    monkeypatch.setattr(corpora, "_token_counts", counting_encode)
+    path = tmp_path / "sg.json"
+    shutil.copy(SHAREGPT, path)
+    first = build_prompts(_sharegpt(path), byte_level_tokenizer, 5, 256, 0, tmp_path)
+    again = [
+        build_prompts(_sharegpt(path), byte_level_tokenizer, 5, 256, 0, tmp_path),
+        build_prompts(_sharegpt(path), byte_level_tokenizer, 5, 256, 3, tmp_path),
+        build_prompts(_sharegpt(path, min_input_tokens=9), byte_level_tokenizer, 8, 128, 4, tmp_path),
+    ]
+    assert (len(loads), len(encoded)) == (1, 1)
+    assert again[0] == first
+    # a new mtime is a new file, even with the same size
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert build_prompts(_sharegpt(path), byte_level_tokenizer, 5, 256, 0, tmp_path) == first
+    assert len(loads) == 2
+    items = json.loads(path.read_text(encoding="utf-8"))
+    _write_sharegpt(path, items[:50])
+    assert (
+        build_prompts(_sharegpt(path), byte_level_tokenizer, 5, 256, 0, tmp_path).profile["conversations"]
+        == 50
+    )
+    assert len(loads) == 3
+    # another tokenizer counts tokens its own way
+    build_prompts(_sharegpt(path), metaspace_tokenizer, 5, 256, 0, tmp_path)
+    assert len(loads) == 4
+    # a few files are kept, least recently used first out
+    for k in range(3):
+        _write_sharegpt(tmp_path / f"other{k}.json", items[k * 10 : k * 10 + 40])
+        build_prompts(_sharegpt(tmp_path / f"other{k}.json"), byte_level_tokenizer, 1, 256, 0, tmp_path)
+    assert len(loads) == 7
+    build_prompts(_sharegpt(path), metaspace_tokenizer, 5, 256, 0, tmp_path)  # still kept
+    assert len(loads) == 7
+    build_prompts(_sharegpt(path), byte_level_tokenizer, 5, 256, 0, tmp_path)  # the oldest: dropped
+    assert len(loads) == 8
+
+
 # --- documents -----------------------------------------------------------------------------------
 
 
@@ -355,6 +478,106 @@ def test_documents_run_out_of_windows(byte_level_tokenizer: Tokenizer, tmp_path:
     assert len({p.text for p in got.prompts}) == 2  # the only two windows
     with pytest.raises(BenchmarkError, match="only 2 distinct windows of 29 tokens"):
         build_prompts(_documents(tmp_path), byte_level_tokenizer, 3, 29, 0, tmp_path)
+    with pytest.raises(BenchmarkError) as info:  # two repeats of one prompt each take both
+        build_prompts(_documents(tmp_path), byte_level_tokenizer, 1, 29, 0, tmp_path, repeat=2)
+    message = str(info.value)
+    assert "only 2 distinct windows of 29 tokens, and repeat 2 needs 3 in all" in message
+    assert "lower workloads[].repeats or warmup_requests + num_requests or input_tokens" in message
+
+
+def _starts(prompts: list[Any]) -> list[tuple[str, int]]:
+    """(document, character) where each prompt starts: a byte-level tokenizer decodes exactly, so a
+    window is a piece of one document, and different token starts are different characters."""
+    texts = {p.name: p.read_text(encoding="utf-8") for p in DOCUMENTS.glob("*.txt")}
+    out = []
+    for p in prompts:
+        places = [(name, text.find(p.text)) for name, text in texts.items() if p.text in text]
+        assert len(places) == 1
+        out.append(places[0])
+    return out
+
+
+def test_documents_repeats_never_share_a_start(byte_level_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    # Repeat k used to cut windows with seed + k, free to start where an earlier repeat's did.
+    repeats = [
+        build_prompts(_documents(), byte_level_tokenizer, 6, 1000, 1, tmp_path, repeat=k) for k in range(4)
+    ]
+    prompts = [p for r in repeats for p in r.prompts]
+    starts = _starts(prompts)
+    assert len(set(starts)) == 24
+    assert len({p.text for p in prompts}) == 24
+    assert all(len(_ids(byte_level_tokenizer, p.text)) == 1000 for p in prompts)
+    for k, r in enumerate(repeats):
+        assert (r.profile["seed"], r.profile["repeat"], r.profile["slice"]) == (1, k, [6 * k, 6 * k + 6])
+    assert repeats[0] == build_prompts(_documents(), byte_level_tokenizer, 6, 1000, 1, tmp_path)
+    # repeat k is the k-th block of one sequence, whether or not this process made the blocks before
+    corpora._SAMPLES.clear()
+    assert build_prompts(_documents(), byte_level_tokenizer, 6, 1000, 1, tmp_path, repeat=3) == repeats[3]
+    corpora._SAMPLES.clear()
+    whole = build_prompts(_documents(), byte_level_tokenizer, 24, 1000, 1, tmp_path)
+    assert whole.prompts == prompts
+
+
+def test_documents_prompts_are_distinct_when_windows_crowd(
+    tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # long-manual.txt is about 11K tokens: windows 100 tokens shorter have 101 offsets, and sliding
+    # them to word boundaries made close offsets the same window (40 asked gave 14 to 29 distinct).
+    manual = (DOCUMENTS / "long-manual.txt").read_text(encoding="utf-8")
+    size = len(_ids(tokenizer, manual)) - 100
+    got = build_prompts(_documents(glob="long-manual.txt"), tokenizer, 40, size, 0, tmp_path)
+    assert len({p.text for p in got.prompts}) == 40
+    assert len({p.text[:100] for p in got.prompts}) == 40  # different starts, not only different ends
+    assert all(len(_ids(tokenizer, p.text)) == size for p in got.prompts)
+    # windows that had to move are still those of fitting them one by one, in another process too
+    halves = [
+        build_prompts(_documents(glob="long-manual.txt"), tokenizer, 20, size, 0, tmp_path, repeat=k).prompts
+        for k in (0, 1)
+    ]
+    assert halves[0] + halves[1] == got.prompts
+    monkeypatch.setattr(corpora, "_BATCH_TOKENS", 1)
+    corpora._SAMPLES.clear()
+    assert build_prompts(_documents(glob="long-manual.txt"), tokenizer, 40, size, 0, tmp_path) == got
+
+
+def test_documents_without_room_for_distinct_windows(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    # CJK words: a byte-level tokenizer splits each character into byte tokens, and a window never
+    # starts inside one, so the document has fewer starts than offsets.
+    (tmp_path / "cjk.txt").write_text(
+        " ".join(["港口", "測量", "報告", "東京", "海岸"] * 8), encoding="utf-8"
+    )
+    size = len(_ids(tokenizer, (tmp_path / "cjk.txt").read_text(encoding="utf-8"))) - 30
+    with pytest.raises(BenchmarkError) as info:
+        build_prompts(_documents(tmp_path), tokenizer, 31, size, 0, tmp_path)
+    message = str(info.value)
+    assert f"no free window of {size} tokens is left for prompt" in message
+    assert f"workloads[].dataset.path {str(tmp_path)!r}" in message
+    assert "the workload needs 31 prompts (warmup_requests + num_requests)" in message
+    assert "lower warmup_requests + num_requests or input_tokens, or add documents" in message
+    with pytest.raises(BenchmarkError, match=r"repeat 1 needs 20 in all .* lower workloads\[\]\.repeats or"):
+        build_prompts(_documents(tmp_path), tokenizer, 10, size, 0, tmp_path, repeat=1)
+
+
+def test_document_windows_are_verified_in_capped_batches(
+    byte_level_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = build_prompts(_documents(), byte_level_tokenizer, 12, 1000, 2, tmp_path)
+    batches: list[int] = []
+    encode = corpora._encode_batch
+
+    def counting(tokenizer: Tokenizer, texts: list[str]) -> list[Any]:
+        batches.append(len(texts))
+        return encode(tokenizer, texts)
+
+    monkeypatch.setattr(corpora, "_encode_batch", counting)
+    monkeypatch.setattr(corpora, "_ENCODE_BATCH_CHARS", 1)  # the documents themselves: one a call
+    for cap, per_call in ((3_000, 3), (1, 1)):
+        monkeypatch.setattr(corpora, "_BATCH_TOKENS", cap)
+        corpora._SAMPLES.clear()
+        batches.clear()
+        got = build_prompts(_documents(), byte_level_tokenizer, 12, 1000, 2, tmp_path)
+        assert max(batches) == per_call  # all 12 windows were encoded in one call
+        assert got == expected  # the same windows, however they were batched
 
 
 # --- the set itself ------------------------------------------------------------------------------

@@ -305,3 +305,37 @@ def test_percentiles_are_numpy_linear() -> None:
     assert s.ttft_ms.p50 == pytest.approx(expected(50))
     assert s.ttft_ms.p99 == pytest.approx(expected(99))
     assert s.ttft_ms.p90 == pytest.approx(10.9)  # rank 0.9 * 11 = 9.9: between 10 and 11
+
+
+def test_a_token_sent_without_text_after_the_last_chunk_is_not_in_tpot() -> None:
+    """vLLM ends a naturally stopped stream with an empty-content finish chunk whose usage counts the
+    EOS token: three visible tokens 100 ms apart and usage 4. TPOT over the visible tokens is
+    (300 - 100) / (3 - 1) = 100 ms, like the per-token ITL; N = 4 would give 66.7 ms."""
+    rec = mock_run(
+        [
+            data({"role": "assistant", "content": ""}, usage=0),
+            data({"content": "a"}, usage=1),
+            data({"content": " b"}, usage=2),
+            data({"content": " c"}, usage=3),
+            'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":"stop"}],'
+            '"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}\n',
+            "data: [DONE]\n",
+        ]
+    )
+    assert rec.ok, rec.error
+    assert rec.chunk_tokens == [1, 1, 1]
+    assert rec.usage_output_tokens == 4
+    timed = rec.model_copy(
+        update={"t_send": T0, "t_first_delta": T0 + 0.1, "chunk_times": [T0 + 0.1, T0 + 0.2, T0 + 0.3]}
+    )
+    s = summarize(result_of(timed))
+    assert s.output_tokens_total == 4  # usage stays the count of output tokens
+    assert s.tpot_ms is not None
+    assert s.tpot_ms.mean == pytest.approx(100.0)
+    assert s.itl_ms is not None
+    assert s.itl_ms.mean == pytest.approx(100.0)
+
+
+def test_one_visible_chunk_without_counts_has_no_tpot() -> None:
+    s = summarize(result_of(record([0.1], None, 5)))
+    assert s.tpot_ms is None  # no time after the only chunk: not 0 ms
