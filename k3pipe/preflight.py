@@ -487,6 +487,23 @@ def _shared_prompts(spec: ExperimentSpec) -> list[Finding]:
         for b in workloads[i + 1 :]:
             if a.dataset != b.dataset or a.input_tokens != b.input_tokens:
                 continue
+            if a.dataset.kind in ("sharegpt", "documents"):
+                # samples of one pool: any two draws overlap, whatever their seeds
+                findings.append(
+                    Finding(
+                        severity="warning",
+                        rule="shared-prompts",
+                        arm=None,
+                        message=(
+                            f"workloads {a.name} and {b.name} sample prompts from the same "
+                            f"{a.dataset.kind} data ({a.dataset.path}) with the same input_tokens: some "
+                            f"prompts will repeat, and the prefix cache would answer {b.name}'s repeats "
+                            f"from {a.name}'s. Merge them into one workload with repeats (repeats "
+                            "never resend a prompt), or give them different data."
+                        ),
+                    )
+                )
+                continue
             seeds = set(range(a.seed, a.seed + a.repeats)) & set(range(b.seed, b.seed + b.repeats))
             if not seeds:
                 continue

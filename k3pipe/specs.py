@@ -362,8 +362,9 @@ class WorkloadSpec(_Spec):
         default=1,
         ge=1,
         description=(
-            "Run the workload this many times, repeat k with seed + k (new prompts and arrivals); "
-            "the summary then gives mean, std and a 95% confidence interval across repeats."
+            "Run the workload this many times, each repeat with prompts of its own (random kinds drawn "
+            "with seed + k; sharegpt and documents: disjoint slices of one draw) and arrivals seeded "
+            "seed + k; the summary then gives mean, std and a 95% confidence interval across repeats."
         ),
     )
     slo: SLOSpec | None = Field(

@@ -4,13 +4,15 @@ client, and pure summaries.
 Typical use::
 
     tokenizer = load_tokenizer(model_dir)
-    prompt_set = build_prompts(workload.dataset, tokenizer, n, workload.input_tokens, workload.seed, home)
+    prompt_set = build_prompts(
+        workload.dataset, tokenizer, n, workload.input_tokens, workload.seed, home, repeat=k
+    )
     tracker.log_dataset(run_id, prompt_set)        # name, digest, source, profile
     result = await run_workload(client, base_url, model, api_key, workload, prompt_set.prompts)
     summary = summarize(result)          # summary.metrics() -> flat dict for MLflow
     frame = records_frame(result)        # one row per request, for parquet
 
-The measurement rules each module follows are in its docstring.
+The measurement rules each module follows are in its docstring; docs/measurement.md gathers them.
 """
 
 from k3pipe.bench.client import RequestRecord, WorkloadResult, run_workload

@@ -844,9 +844,10 @@ class _Cutter:
         where = f"{self._where}: could not cut a window of exactly {sample.size} tokens for prompt {w.index}"
         if w.want == _CHARACTERS:  # the starts between words were all taken or failed already
             return BenchmarkError(
-                f"{where} at a start of its own: the starts between words are all taken or did not "
-                f"fit, and so did {len(w.failed)} others; {_needs(self._n, self._repeat)}: lower "
-                f"{_fewer(self._repeat)} or input_tokens, or add documents"
+                f"{where} at a start of its own: the starts between words are all taken or do not "
+                f"re-encode exactly, nor did the {len(w.failed)} other starts it tried; "
+                f"{_needs(self._n, self._repeat)}: lower {_fewer(self._repeat)} or input_tokens, or "
+                "add documents"
             )
         return BenchmarkError(
             f"{where} at {len(w.failed)} offsets (the last in document {self._names[w.doc]}, "

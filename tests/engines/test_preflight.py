@@ -177,6 +177,21 @@ def test_workloads_that_would_share_prompts_warn() -> None:
     assert "seed(s) 2" in f.message
 
 
+def test_workloads_sampling_one_file_warn_whatever_their_seeds() -> None:
+    data = {"kind": "sharegpt", "path": "/data/sharegpt.json"}
+    spec = one_arm(
+        "vllm",
+        {},
+        workloads=[
+            {"name": "a", "input_tokens": 256, "output_tokens": 8, "seed": 0, "dataset": data},
+            {"name": "b", "input_tokens": 256, "output_tokens": 8, "seed": 500, "dataset": data},
+        ],
+    )
+    (f,) = [f for f in preflight(spec) if f.rule == "shared-prompts"]
+    assert "/data/sharegpt.json" in f.message
+    assert "repeats" in f.message
+
+
 def test_context_length_spellings() -> None:
     w = [{"name": "w", "input_tokens": 999_000, "output_tokens": 2_000}]
     # vLLM: '1m' is 1,000,000 -> 1,001,000 does not fit
