@@ -146,8 +146,8 @@ class Scrape:
 class MetricsScraper:
     """Scrapes an engine's ``/metrics`` at a fixed interval as an asyncio task.
 
-    Usage beside a workload (one event loop; a separate ``httpx.AsyncClient`` for the scraper keeps
-    the workload's connection pool, whose waits would count as server time, untouched)::
+    Usage beside a workload (one event loop; the scraper's own ``httpx.AsyncClient`` never shares a
+    connection with the workload's requests, whose waits would count as server time)::
 
         stop = asyncio.Event()
         scraper = MetricsScraper(engine)

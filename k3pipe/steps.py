@@ -236,13 +236,9 @@ def benchmark_workload(
     scraper = MetricsScraper(engine)
 
     async def go() -> WorkloadResult:
-        limits = httpx.Limits(max_connections=workload.concurrency + 4)
-        timeout = httpx.Timeout(workload.request_timeout_s, connect=30.0)
-        # the scraper has a client of its own: waits in the workload's pool must not count as server time
-        async with (
-            httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client,
-            httpx.AsyncClient(trust_env=False) as metrics_client,
-        ):
+        # the workload sends through its own transport (run_workload(None, ...)); the scraper has
+        # an httpx client of its own
+        async with httpx.AsyncClient(trust_env=False) as metrics_client:
             stop = asyncio.Event()
             task = None
             url = plan.metrics_url
@@ -258,7 +254,7 @@ def benchmark_workload(
 
             try:
                 return await run_workload(
-                    client,
+                    None,
                     plan.base_url,
                     plan.model,
                     api_key,

@@ -8,7 +8,7 @@ Typical use::
         workload.dataset, tokenizer, n, workload.input_tokens, workload.seed, home, repeat=k
     )
     tracker.log_dataset(run_id, prompt_set)        # name, digest, source, profile
-    result = await run_workload(client, base_url, model, api_key, workload, prompt_set.prompts)
+    result = await run_workload(None, base_url, model, api_key, workload, prompt_set.prompts)
     summary = summarize(result)          # summary.metrics() -> flat dict for MLflow
     frame = records_frame(result)        # one row per request, for parquet
 

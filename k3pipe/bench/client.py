@@ -28,6 +28,7 @@ TTFT/TPOT/ITL/E2E from them. The rules it follows (shared/docs/field-notes.md, "
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -40,6 +41,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from k3pipe.bench.datasets import Prompt
+from k3pipe.bench.transport import HttpxSSE, SSEPool, SSESender, TransportError
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import WorkloadSpec
 
@@ -77,7 +79,12 @@ class RequestRecord(BaseModel):
             "'constant'/'poisson' load; the moment a slot freed (= t_send) under 'concurrency' and warm-up."
         )
     )
-    t_send: float = Field(description="perf_counter just before the request was sent.")
+    t_send: float = Field(
+        description=(
+            "perf_counter right after the request's bytes were written to the socket (after any wait "
+            "for a connection and its opening); the call's start if nothing was sent."
+        )
+    )
     t_first_delta: float | None = Field(
         default=None, description="Arrival of the first chunk carrying content, reasoning or tool calls."
     )
@@ -140,7 +147,7 @@ class WorkloadResult(BaseModel):
 
 
 async def run_workload(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | None,
     base_url: str,
     model: str,
     api_key: SecretStr | None,
@@ -170,11 +177,15 @@ async def run_workload(
     asks for it. Each request has ``workload.request_timeout_s`` in total (it also replaces the
     client's own connect/read/write/pool timeouts for these requests).
 
-    ``client`` must allow at least ``concurrency`` connections (httpx's default pool allows 100):
-    waiting for a pooled connection would count as server time. ``on_progress(done, total)`` is called
-    after each request, warm-up included. ``on_measured_start()`` is awaited once, after the warm-up
-    requests have all ended and before the first measured one is sent, with nothing in flight (e.g. to
-    scrape the engine's metrics at the exact start of the measured window).
+    ``client``: None (the normal case) sends through the module's own HTTP/1.1 transport
+    (:class:`k3pipe.bench.transport.SSEPool`, ``concurrency + 4`` keep-alive connections, opened for
+    this call and closed at its end), which stamps ``t_send`` when the request's bytes are written; an
+    ``httpx.AsyncClient`` (e.g. with a ``MockTransport``) is used as given instead, with ``t_send``
+    stamped before httpx is asked to send (it must allow ``concurrency`` connections).
+    ``on_progress(done, total)`` is called after each request, warm-up included.
+    ``on_measured_start()`` is awaited once, after the warm-up requests have all ended and before the
+    first measured one is sent, with nothing in flight (e.g. to scrape the engine's metrics at the
+    exact start of the measured window).
 
     Raises:
         BenchmarkError: fewer prompts than warm-up plus measured requests, or an invalid base URL.
@@ -199,9 +210,45 @@ async def run_workload(
             f"base URL {base_url!r} is not a valid URL ({problem}): give scheme, host and path, "
             "e.g. 'http://127.0.0.1:8000/v1'"
         )
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if secret:
-        headers["Authorization"] = f"Bearer {secret}"
+    path = "/chat/completions" if workload.api == "chat" else "/completions"
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    async with contextlib.AsyncExitStack() as stack:
+        sender: SSESender
+        if client is None:
+            try:
+                pool = SSEPool(base_url, max_connections=workload.concurrency + 4, headers=headers)
+            except ValueError as exc:
+                raise BenchmarkError(f"base URL {base_url!r} cannot be used: {exc}") from None
+            sender = await stack.enter_async_context(pool)
+        else:
+            sender = HttpxSSE(client, base_url, headers)
+        return await _run(
+            sender,
+            url,
+            path,
+            secret,
+            model,
+            workload,
+            prompts,
+            on_progress,
+            continuous_usage,
+            on_measured_start,
+        )
+
+
+async def _run(
+    sender: SSESender,
+    url: str,
+    path: str,
+    secret: str | None,
+    model: str,
+    workload: WorkloadSpec,
+    prompts: list[Prompt],
+    on_progress: Callable[[int, int], None] | None,
+    continuous_usage: bool,
+    on_measured_start: Callable[[], Awaitable[object]] | None,
+) -> WorkloadResult:
+    warmup_n, measured_n = workload.warmup_requests, workload.num_requests
     total = warmup_n + measured_n
     progress = _Progress(total, on_progress)
 
@@ -211,9 +258,9 @@ async def run_workload(
 
     async def one(index: int, warmup: bool, t_scheduled: float | None = None) -> RequestRecord:
         record = await _send(
-            client,
+            sender,
+            path,
             url,
-            headers,
             bodies[index],
             prompts[index],
             workload,
@@ -407,9 +454,9 @@ def _body(model: str, workload: WorkloadSpec, prompt: Prompt, continuous_usage: 
 
 
 async def _send(
-    client: httpx.AsyncClient,
+    sender: SSESender,
+    path: str,
     url: str,
-    headers: dict[str, str],
     content: bytes,
     prompt: Prompt,
     workload: WorkloadSpec,
@@ -418,31 +465,39 @@ async def _send(
     secret: str | None,
     t_scheduled: float | None = None,
 ) -> RequestRecord:
-    # The body is serialized before t_send is stamped: JSON-encoding a 200K-token prompt is client
-    # work, not TTFT.
+    # The body is serialized before the call: JSON-encoding a 200K-token prompt is client work, not
+    # TTFT. The transport stamps t_send after the request's write, so waiting for a connection and
+    # opening one are not counted either; lines are stamped by the read that completed them.
     state = _Stream(secret=secret)
     status: int | None = None
     timeout_s = workload.request_timeout_s
-    t_send = time.perf_counter()
+    t_call = time.perf_counter()
+    t_send: float | None = None
     t_end: float | None = None
+
+    def on_line(line: bytes, now: float) -> bool:
+        return _line(line, now, state)
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream(
-                "POST", url, content=content, headers=headers, timeout=timeout_s
-            ) as response:
-                status = response.status_code
-                if not 200 <= status < 300:  # errors, and redirects httpx does not follow
-                    text = (await response.aread()).decode("utf-8", "replace")
-                    state.error = f"HTTP {status} from {url}: {_short(text, secret)}"
-                else:
-                    t_end = await _read(response, state)
-    except TimeoutError:
+        result = await sender.post_stream(path, content, on_line, timeout_s)
+        status, t_send, t_end = result.status, result.t_sent, result.t_end
+        if not 200 <= status < 300:  # errors, and redirects (not followed)
+            text = (result.error_body or b"").decode("utf-8", "replace")
+            state.error = f"HTTP {status} from {url}: {_short(text, secret)}"
+        elif state.data_lines == 0 and state.error is None:
+            kind = result.headers.get("content-type", "no content-type")
+            state.error = f"the response ({kind}) was not an SSE stream: no 'data:' lines"
+    except TimeoutError as exc:
+        t_send = getattr(exc, "t_sent", None)
         state.error = f"timed out after {timeout_s} s (workload request_timeout_s)"
-    except httpx.HTTPError as exc:
-        state.error = f"{type(exc).__name__} talking to {url}: {_short(str(exc), secret) or 'no detail'}"
+    except TransportError as exc:
+        t_send = exc.t_sent
+        state.error = f"{type(exc).__name__}: {_short(str(exc), secret) or 'no detail'}"
     except Exception as exc:  # one request's surprise must not lose the other records
         log.debug("request %d to %s raised", index, url, exc_info=True)
         state.error = f"unexpected {type(exc).__name__}: {_short(str(exc), secret) or 'no detail'}"
+    if t_send is None:
+        t_send = t_call  # nothing was sent
     if t_end is None:
         t_end = time.perf_counter()
     if state.error is None:
@@ -467,26 +522,6 @@ async def _send(
         saw_done=state.saw_done,
         error=_scrub(state.error, secret),
     )
-
-
-async def _read(response: httpx.Response, state: _Stream) -> float:
-    """Read SSE ``data:`` lines until ``[DONE]``, an error or the end; return the end stamp."""
-    buffer = b""
-    async for piece in response.aiter_bytes():
-        now = time.perf_counter()  # arrival of every line this read completes
-        buffer += piece
-        start = 0
-        while (cut := buffer.find(b"\n", start)) >= 0:
-            line, start = buffer[start:cut], cut + 1
-            if _line(line.rstrip(b"\r"), now, state):
-                return now
-        buffer = buffer[start:]
-    if buffer.strip():
-        _line(buffer.strip(), time.perf_counter(), state)
-    if state.data_lines == 0 and state.error is None:
-        kind = response.headers.get("content-type", "no content-type")
-        state.error = f"the response ({kind}) was not an SSE stream: no 'data:' lines"
-    return time.perf_counter()
 
 
 def _line(line: bytes, now: float, state: _Stream) -> bool:

@@ -49,8 +49,7 @@ def run(
     n = n_prompts if n_prompts is not None else spec.warmup_requests + spec.num_requests
 
     async def go() -> WorkloadResult:
-        async with httpx.AsyncClient() as client:
-            return await run_workload(client, base_url, "scripted", api_key, spec, prompts(n), on_progress)
+        return await run_workload(None, base_url, "scripted", api_key, spec, prompts(n), on_progress)
 
     return asyncio.run(go())
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 from pydantic import SecretStr
 
@@ -26,8 +25,8 @@ def _run(engine: RunningEngine, spec: WorkloadSpec, key: str) -> WorkloadResult:
     )
 
     async def go() -> WorkloadResult:
-        async with httpx.AsyncClient(trust_env=False) as client:
-            return await run_workload(client, engine.base_url, engine.model, SecretStr(key), spec, prompts)
+        # None: the client's own transport, as the flow uses it
+        return await run_workload(None, engine.base_url, engine.model, SecretStr(key), spec, prompts)
 
     return asyncio.run(go())
 

@@ -38,10 +38,9 @@ def run(base_url: str, spec: WorkloadSpec, *, continuous_usage: bool = True) -> 
     prompts = [Prompt(text=f"prompt {i}", tokens=2) for i in range(spec.warmup_requests + spec.num_requests)]
 
     async def go() -> WorkloadResult:
-        async with httpx.AsyncClient() as client:
-            return await run_workload(
-                client, base_url, "scripted", None, spec, prompts, continuous_usage=continuous_usage
-            )
+        return await run_workload(
+            None, base_url, "scripted", None, spec, prompts, continuous_usage=continuous_usage
+        )
 
     return asyncio.run(go())
 
