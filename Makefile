@@ -21,10 +21,11 @@ ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
 
 TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 
-.PHONY: demo test setup venv engine model system lint clean help docker
+.PHONY: demo test setup venv engine model system lint clean help docker bench-client
 help:
 	@echo "make demo   run experiments/demo-cpu.yaml on the real vLLM (sets everything up first)"
 	@echo "make test   lint, type-check and run every test (sets everything up first)"
+	@echo "make bench-client   k3pipe's streaming client vs vllm bench serve on an exact server (docs/performance.md)"
 
 setup: system venv engine model
 
@@ -61,8 +62,13 @@ demo: setup
 	$(VENV)/bin/k3pipe runs --limit 5
 
 lint: venv
-	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts
+	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts bench
 	$(VENV)/bin/mypy
+
+# The client benchmark (docs/performance.md): about 7 minutes on 2 cores; BENCH_ARGS=--quick: a 2-minute subset.
+bench-client: setup
+	$(VENV)/bin/python bench/client_vs_peers.py --engine-python $(ENGINE_VENV)/bin/python \
+		--model-dir $(TINY_MODEL) --out docs/performance-results.json $(BENCH_ARGS)
 
 # An isolated dockerd (no bridge, no iptables) + a registry on 127.0.0.1:5055, and the test images.
 # `make test` starts them and stops them after pytest, whatever pytest's outcome (its status is kept).
