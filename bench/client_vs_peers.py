@@ -343,6 +343,29 @@ def _pin(cpu: int | None) -> Any:
 # The clients
 
 
+def _child(mode: str, spec: dict[str, Any], cpu: int | None, log: IO[str]) -> tuple[Any, int, float]:
+    """Run this script's ``mode`` on ``spec`` in a child of the pipeline venv, pinned to ``cpu``.
+
+    Returns the child's JSON output (None when it failed), its exit status and its wall time.
+    """
+    with tempfile.TemporaryDirectory(prefix="k3pipe-bench-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, __file__, mode, str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=log,
+            preexec_fn=_pin(cpu),
+            check=False,
+            timeout=900,
+        )
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not out_path.exists():
+            return None, proc.returncode, wall
+        return json.loads(out_path.read_text()), proc.returncode, wall
+
+
 def run_k3pipe(
     point: Point,
     server: ExactServer,
@@ -360,35 +383,22 @@ def run_k3pipe(
     ``gc.collect(); gc.freeze()`` before the workload, as ``vllm bench serve`` does. The child
     records how long each garbage collection took (``reported["gc_pause_max_ms"]``).
     """
-    with tempfile.TemporaryDirectory(prefix="k3pipe-bench-") as tmp:
-        spec = {
-            "base_url": server.base_url + "/v1",
-            "model_dir": str(model_dir),
-            "streams": point.streams,
-            "requests": point.requests,
-            "warmup": point.warmup,
-            "input_tokens": point.shape.input_tokens,
-            "output_tokens": point.shape.output_tokens,
-            "seed": point.seed,
-            "realtime": realtime,
-            "diagnostic": list(diagnostic),
-        }
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, __file__, "_k3pipe_workload", str(spec_path), str(out_path)],
-            stdout=log,
-            stderr=log,
-            preexec_fn=_pin(cpu),
-            check=False,
-            timeout=900,
-        )
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0 or not out_path.exists():
-            name = variant_name(diagnostic)
-            return ClientRun(name, point, [], point.requests, wall, error=f"exit {proc.returncode}")
-        data = json.loads(out_path.read_text())
+    spec = {
+        "base_url": server.base_url + "/v1",
+        "model_dir": str(model_dir),
+        "streams": point.streams,
+        "requests": point.requests,
+        "warmup": point.warmup,
+        "input_tokens": point.shape.input_tokens,
+        "output_tokens": point.shape.output_tokens,
+        "seed": point.seed,
+        "realtime": realtime,
+        "diagnostic": list(diagnostic),
+    }
+    data, returncode, wall = _child("_k3pipe_workload", spec, cpu, log)
+    name = variant_name(diagnostic)
+    if data is None:
+        return ClientRun(name, point, [], point.requests, wall, error=f"exit {returncode}")
     requests = [
         Observed(
             key=r["key"],
@@ -402,7 +412,6 @@ def run_k3pipe(
         if r["error"] is None
     ]
     failed = sum(1 for r in data["records"] if r["error"] is not None)
-    name = variant_name(diagnostic)
     return ClientRun(name, point, requests, failed, wall, reported=data["reported"], cpu_s=data["cpu_s"])
 
 
@@ -525,33 +534,20 @@ def run_reader(
     hand-written request. Each stamps every read and gives each token chunk it holds that stamp.
     What they cost per event bounds what any client built on them can do here.
     """
-    with tempfile.TemporaryDirectory(prefix="k3pipe-floor-") as tmp:
-        spec = {
-            "host": "127.0.0.1",
-            "port": server.port,
-            "reader": reader,
-            "streams": point.streams,
-            "requests": point.requests,
-            "warmup": point.warmup,
-            "output_tokens": point.shape.output_tokens,
-            "realtime": realtime,
-        }
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, __file__, "_reader", str(spec_path), str(out_path)],
-            stdout=log,
-            stderr=log,
-            preexec_fn=_pin(cpu),
-            check=False,
-            timeout=900,
-        )
-        wall = time.perf_counter() - t0
-        name = f"bare {reader}"
-        if proc.returncode != 0 or not out_path.exists():
-            return ClientRun(name, point, [], point.requests, wall, error=f"exit {proc.returncode}")
-        data = json.loads(out_path.read_text())
+    spec = {
+        "host": "127.0.0.1",
+        "port": server.port,
+        "reader": reader,
+        "streams": point.streams,
+        "requests": point.requests,
+        "warmup": point.warmup,
+        "output_tokens": point.shape.output_tokens,
+        "realtime": realtime,
+    }
+    data, returncode, wall = _child("_reader", spec, cpu, log)
+    name = f"bare {reader}"
+    if data is None:
+        return ClientRun(name, point, [], point.requests, wall, error=f"exit {returncode}")
     requests = [
         Observed(
             key=r["key"],

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from k3pipe.bench.client import stream_options
 from k3pipe.errors import EndpointAuthError, HealthError, LaunchError, ModelNotServedError
 from k3pipe.launchers.base import Launcher
 
@@ -162,13 +163,12 @@ def _probe(
     ids: list[str],
     continuous_usage: bool = True,
 ) -> EndpointCheck:
-    options = {"include_usage": True, **({"continuous_usage_stats": True} if continuous_usage else {})}
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Say hello."}],
         "max_tokens": 8,
         "stream": True,
-        "stream_options": options,
+        "stream_options": stream_options(continuous_usage),
     }
     kinds: list[str] = []
     saw_choices = False

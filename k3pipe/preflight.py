@@ -489,37 +489,24 @@ def _shared_prompts(spec: ExperimentSpec) -> list[Finding]:
                 continue
             if a.dataset.kind in ("sharegpt", "documents"):
                 # samples of one pool: any two draws overlap, whatever their seeds
-                findings.append(
-                    Finding(
-                        severity="warning",
-                        rule="shared-prompts",
-                        arm=None,
-                        message=(
-                            f"workloads {a.name} and {b.name} sample prompts from the same "
-                            f"{a.dataset.kind} data ({a.dataset.path}) with the same input_tokens: some "
-                            f"prompts will repeat, and the prefix cache would answer {b.name}'s repeats "
-                            f"from {a.name}'s. Merge them into one workload with repeats (repeats "
-                            "never resend a prompt), or give them different data."
-                        ),
-                    )
+                message = (
+                    f"workloads {a.name} and {b.name} sample prompts from the same "
+                    f"{a.dataset.kind} data ({a.dataset.path}) with the same input_tokens: some "
+                    f"prompts will repeat, and the prefix cache would answer {b.name}'s repeats "
+                    f"from {a.name}'s. Merge them into one workload with repeats (repeats "
+                    "never resend a prompt), or give them different data."
                 )
-                continue
-            seeds = set(range(a.seed, a.seed + a.repeats)) & set(range(b.seed, b.seed + b.repeats))
-            if not seeds:
-                continue
-            findings.append(
-                Finding(
-                    severity="warning",
-                    rule="shared-prompts",
-                    arm=None,
-                    message=(
-                        f"workloads {a.name} and {b.name} draw the same {a.dataset.kind} prompts of "
-                        f"{a.input_tokens:,} tokens with seed(s) {', '.join(map(str, sorted(seeds)))}: the "
-                        f"prefix cache would answer {b.name}'s prompts from {a.name}'s. Give them seeds "
-                        f"at least `repeats` apart (e.g. {b.name}.seed: {a.seed + a.repeats + 100})."
-                    ),
+            else:
+                seeds = set(range(a.seed, a.seed + a.repeats)) & set(range(b.seed, b.seed + b.repeats))
+                if not seeds:
+                    continue
+                message = (
+                    f"workloads {a.name} and {b.name} draw the same {a.dataset.kind} prompts of "
+                    f"{a.input_tokens:,} tokens with seed(s) {', '.join(map(str, sorted(seeds)))}: the "
+                    f"prefix cache would answer {b.name}'s prompts from {a.name}'s. Give them seeds "
+                    f"at least `repeats` apart (e.g. {b.name}.seed: {a.seed + a.repeats + 100})."
                 )
-            )
+            findings.append(Finding(severity="warning", rule="shared-prompts", arm=None, message=message))
     return findings
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -62,6 +63,26 @@ def demo_experiment(port: int, workloads: list[dict] | None = None, **arm_overri
     if workloads is not None:
         data["workloads"] = workloads
     return data
+
+
+def external_experiment(
+    name: str, engine: RunningEngine, key_env: str, workloads: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """An experiment with one `external` arm ("gateway") pointed at the session's running engine; the
+    tokenizer comes from the tiny model's directory."""
+    return {
+        "name": name,
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": [
+            {
+                "name": "gateway",
+                "engine": {"kind": "vllm"},
+                "launcher": {"kind": "external"},
+                "endpoint": {"base_url": engine.base_url, "api_key_env": key_env, "model": engine.model},
+            }
+        ],
+        "workloads": workloads,
+    }
 
 
 class RunningEngine:

@@ -16,7 +16,7 @@ import yaml
 
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
-from tests.conftest import TINY_MODEL, RunningEngine
+from tests.conftest import RunningEngine, external_experiment
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
 
@@ -30,22 +30,11 @@ def test_sharegpt_and_documents_through_the_flow(
 
     monkeypatch.setenv("ENGINE_KEY", vllm_engine.api_key)
     common = {"output_tokens": 8, "api": "completions", "num_requests": 6, "concurrency": 3}
-    experiment = {
-        "name": "datasets",
-        "model": {"source": "local", "path": str(TINY_MODEL)},
-        "arms": [
-            {
-                "name": "gateway",
-                "engine": {"kind": "vllm"},
-                "launcher": {"kind": "external"},
-                "endpoint": {
-                    "base_url": vllm_engine.base_url,
-                    "api_key_env": "ENGINE_KEY",
-                    "model": vllm_engine.model,
-                },
-            }
-        ],
-        "workloads": [
+    experiment = external_experiment(
+        "datasets",
+        vllm_engine,
+        "ENGINE_KEY",
+        [
             {
                 "name": "chat",
                 "input_tokens": 400,
@@ -66,7 +55,7 @@ def test_sharegpt_and_documents_through_the_flow(
                 **common,
             },
         ],
-    }
+    )
     exp = tmp_path / "datasets.yaml"
     exp.write_text(yaml.safe_dump(experiment))
 

@@ -18,7 +18,7 @@ import yaml
 
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
-from tests.conftest import REPO, RunningEngine, free_port
+from tests.conftest import REPO, RunningEngine, external_experiment, free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
 
@@ -81,29 +81,8 @@ def test_benchmark_deployment_runs_on_a_worker(
     prefect_server: dict[str, str], vllm_engine: RunningEngine, tmp_path: Path
 ) -> None:
     env = {**prefect_server, "PREFECT_WORKER_QUERY_SECONDS": "2", "ENGINE_KEY": vllm_engine.api_key}
-    experiment = {
-        "name": "external-demo",
-        "model": {"source": "local", "path": str(Path(os.environ["K3PIPE_HOME"]).parent / "unused")},
-        "arms": [
-            {
-                "name": "gateway",
-                "engine": {"kind": "vllm"},
-                "launcher": {"kind": "external"},
-                "endpoint": {
-                    "base_url": vllm_engine.base_url,
-                    "api_key_env": "ENGINE_KEY",
-                    "model": vllm_engine.model,
-                },
-            }
-        ],
-        "workloads": [
-            {"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4}
-        ],
-    }
-    # the tokenizer comes from the model directory: point the local model at the tiny model
-    from tests.conftest import TINY_MODEL
-
-    experiment["model"]["path"] = str(TINY_MODEL)
+    workloads = [{"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4}]
+    experiment = external_experiment("external-demo", vllm_engine, "ENGINE_KEY", workloads)
     exp = tmp_path / "external.yaml"
     exp.write_text(yaml.safe_dump(experiment))
 

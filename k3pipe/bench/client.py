@@ -441,6 +441,11 @@ class _Stream:
     secret: str | None = None
 
 
+def stream_options(continuous_usage: bool = True) -> dict[str, bool]:
+    """The ``stream_options`` every benchmark request sends (the health gate's probe sends the same)."""
+    return {"include_usage": True, **({"continuous_usage_stats": True} if continuous_usage else {})}
+
+
 def _body(model: str, workload: WorkloadSpec, prompt: Prompt, continuous_usage: bool = True) -> bytes:
     body: dict[str, Any] = {"model": model}
     if workload.api == "chat":
@@ -451,11 +456,7 @@ def _body(model: str, workload: WorkloadSpec, prompt: Prompt, continuous_usage: 
         max_tokens=workload.output_tokens,
         temperature=0,
         stream=True,
-        stream_options=(
-            {"include_usage": True, "continuous_usage_stats": True}
-            if continuous_usage
-            else {"include_usage": True}
-        ),
+        stream_options=stream_options(continuous_usage),
     )
     if workload.ignore_eos:
         body["ignore_eos"] = True

@@ -188,6 +188,19 @@ def _profile(
     }
 
 
+def _local(
+    name: str, path: Path, kind: str, prompts: list[Prompt], seed: int, repeat: int, extra: dict[str, Any]
+) -> PromptSet:
+    return PromptSet(
+        name=name,
+        digest=_digest(prompts),
+        source=str(path),
+        source_type="local",
+        profile=_profile(kind, prompts, seed, repeat, extra),
+        prompts=prompts,
+    )
+
+
 def _generated(
     name: str, kind: str, prompts: list[Prompt], seed: int, repeat: int, extra: dict[str, Any]
 ) -> PromptSet:
@@ -356,14 +369,7 @@ def _sharegpt(
         "max_input_tokens": high,
         "slice": [first, last],
     }
-    return PromptSet(
-        name=f"sharegpt:{path.name}",
-        digest=_digest(prompts),
-        source=str(path),
-        source_type="local",
-        profile=_profile("sharegpt", prompts, seed, repeat, extra),
-        prompts=prompts,
-    )
+    return _local(f"sharegpt:{path.name}", path, "sharegpt", prompts, seed, repeat, extra)
 
 
 def _first_turns(value: str, path: Path, tokenizer: Tokenizer) -> _FirstTurns:
@@ -537,14 +543,7 @@ def _documents(
         "files_used_count": len(used),
         "slice": [first, last],
     }
-    return PromptSet(
-        name=f"documents:{folder.name}",
-        digest=_digest(prompts),
-        source=str(folder),
-        source_type="local",
-        profile=_profile("documents", prompts, seed, repeat, extra),
-        prompts=prompts,
-    )
+    return _local(f"documents:{folder.name}", folder, "documents", prompts, seed, repeat, extra)
 
 
 def _document_files(spec: DocumentsDataset, folder: Path) -> list[Path]:
