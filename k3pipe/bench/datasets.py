@@ -6,21 +6,40 @@ really sends 64K or 200K prompt tokens (plus whatever the chat template adds on 
 shared-prefix dataset is built the same way: a random prefix per group, then a random suffix per
 prompt, the whole exact and the prefix's tokens an exact token prefix of every prompt of its group.
 
-How a prompt is made (no per-token Python loops): token ids are drawn with numpy, turned into text
-and re-encoded to verify the exact length. Ids are drawn from the vocabulary's *word* tokens (a space
-then letters) when it has enough of them, because their concatenation re-encodes to the same ids, so
-one encode usually settles it, and the text is a join of the words' strings (checked once per call
-to read exactly as the tokenizer's decode would); otherwise from all ordinary tokens (added/special
-tokens are never drawn), decoded. When the re-encoded count is off (tokens merged or split across
-their boundaries), the ids are trimmed or padded; tokenization is local, so only the last few dozen
-tokens are refitted against a short encoded context before the whole text is verified again. A few
-rounds at most; if the length cannot be reached, ``BenchmarkError``.
+How a prompt is made (no per-token Python loops, no encode of the whole prompt). Prompts are
+drawn from the vocabulary's *word* tokens (a space then letters, each encoding alone to itself),
+because every common pre-tokenizer (byte-level regex, Metaspace, BERT whitespace) splits a run of
+them into exactly those words: tokenization is local, and a join of words re-encodes to exactly the
+drawn ids. Making a long prompt is then string slicing, and verifying it needs the tokenizer only
+where pieces meet:
 
-Every prompt is verified by encoding its whole text; the encodes of many prompts go to the
-tokenizer in one ``encode_batch_fast`` call (its Rust threads, no offsets), about 2M tokens at a time
-to bound memory (an Encoding holds ~150 bytes a token). That encode is nearly all the cost: about
-0.25 s of CPU per 200K tokens with a 2K vocabulary, so ten 200K-token prompts take about 1.5 s on 2
-cores (3.3 s when they were made one at a time, with a decode each).
+- a *pool* of word blocks (64 blocks of 1024 words, keyed by the seed) is drawn and each block is
+  encoded whole once per call, after a lead word (so nothing is checked at a text's start);
+- a prompt is 16 fresh words drawn from its own stream, then segments of 128-1024 words cut from
+  random blocks at random offsets; its text is the words' texts joined (checked once per call to
+  read exactly as the tokenizer's decode would);
+- every place that no block encode covered is checked by encoding a window of words either side:
+  the start (the fresh words and the first join), each join between segments and the end. A
+  window has 4 words a side, or as many as the vocabulary's widest token spans (a token or added
+  token like ' of the same' spans 3), so a token straddling a join lies inside its window. Each
+  window must encode to exactly its words' ids (no added or special token, nothing merged or
+  split). A prompt whose window fails is drawn again from its stream.
+
+So every prompt's length is verified piecewise: each of its words sits inside an encode that gave
+exactly the expected ids, with at least a window of real context on each side. From a large
+vocabulary, at most 8192 word tokens are used (a seeded sample), which fit the tokenizer's BPE
+cache. On one core, ten 200K-token prompts take about 0.2 s with the tiny model's 2K vocabulary and
+0.4 s with a 160K one (vLLM's RandomDataset: 6.7 s and 19 s); encoding every prompt whole took 3 s
+with the 2K vocabulary. ``tests/bench/test_datasets.py`` encodes every prompt whole and compares,
+for byte-level, Metaspace, Llama-2-normalizer, split-regex and WordPiece tokenizers.
+
+When the vocabulary has too few word tokens, or a pool block or a prompt keeps failing its check,
+the prompts are made whole instead: ids drawn from all ordinary tokens (added/special tokens are
+never drawn), decoded, and the whole text encoded to verify it (many prompts per
+``encode_batch_fast`` call, about 2M tokens at a time). When the count is off (tokens merged or
+split across their boundaries), the ids are trimmed or padded; only the last few dozen tokens are
+refitted against a short encoded context before the whole text is verified again. A few rounds at
+most; if the length cannot be reached, ``BenchmarkError``.
 
 Each prompt has its own random stream, keyed by (seed, dataset kind, length, index): prompt ``i``
 depends only on those, and prompts of different lengths never share a token prefix, so a 200K
@@ -29,6 +48,7 @@ workload cannot hit the prefix cache that a 64K workload with the same seed left
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +71,24 @@ _CONTEXT_TOKENS = 32
 _MAX_REDRAWS = 32
 # Fewer word tokens than this and prompts are drawn from the whole ordinary vocabulary.
 _MIN_WORD_TOKENS = 256
+# At most this many word tokens are drawn from (fits the tokenizers' BPE cache of 10,000 words).
+_MAX_WORDS = 8192
 # Tokens verified per encode_batch_fast call: an Encoding holds ~150 bytes a token until dropped.
 _BATCH_TOKENS = 2_000_000
 # Kinds of random stream (part of each prompt's key, so datasets never share prompts or prefixes).
-_RANDOM, _PREFIX, _SUFFIX = 0, 1, 2
+_RANDOM, _PREFIX, _SUFFIX, _POOL = 0, 1, 2, 3
+# Piecewise assembly: pool blocks x words, words per segment (min, max <= block), fresh words that
+# start each prompt (and each shared-prefix suffix), words checked either side of a join.
+_POOL_BLOCKS = 64
+_BLOCK_WORDS = 1024
+_SEGMENT_WORDS = (128, 1024)
+_FRESH_WORDS = 16
+_WINDOW_WORDS = 4
+# Draws of one pool block, and failed checks of one prompt, before assembly is given up.
+_MAX_POOL_DRAWS = 4
+_MAX_ASSEMBLIES = 4
+# Join windows encoded per call (an Encoding holds ~150 bytes a token until dropped).
+_BATCH_WINDOWS = 20_000
 
 _IdArray = NDArray[np.int64]
 # What a decoder yields for bytes that are not (yet) a whole UTF-8 character.
@@ -118,6 +152,14 @@ def random_prompts(tokenizer: Tokenizer, n: int, input_tokens: int, seed: int) -
     if input_tokens < 1:
         raise BenchmarkError(f"input_tokens must be >= 1, got {input_tokens}")
     vocab = _vocabulary(tokenizer)
+    pool = _pool(tokenizer, vocab, seed) if n else None
+    if pool is not None:
+        drafts = [_Draft(index=i, rng=_stream(seed, _RANDOM, input_tokens, i)) for i in range(n)]
+        try:
+            _assemble_all(tokenizer, vocab, pool, input_tokens, drafts)
+            return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
+        except _Unassemblable:
+            pass  # made whole below, from fresh streams
     drafts = [_Draft(index=i, rng=_stream(seed, _RANDOM, input_tokens, i)) for i in range(n)]
     _make_exact(tokenizer, vocab, input_tokens, drafts)
     return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
@@ -147,6 +189,14 @@ def shared_prefix_prompts(
             f"({input_tokens}): each prompt is the shared prefix plus a suffix of its own"
         )
     vocab = _vocabulary(tokenizer)
+    pool = _pool(tokenizer, vocab, seed) if n else None
+    if pool is not None:
+        try:
+            return _assembled_shared_prefix(
+                tokenizer, vocab, pool, n, input_tokens, prefix_tokens, groups, seed
+            )
+        except _Unassemblable:
+            pass  # made whole below, from fresh streams
     prefixes = [
         _Draft(index=g, rng=_stream(seed, _PREFIX, prefix_tokens, g), keep_ids=True)
         for g in range(min(groups, n))
@@ -181,6 +231,11 @@ class _Vocab:
     # Each pool token's text as it reads after another token (word pools only): a prompt's text is
     # then a join of these, several times faster than the tokenizer's decode.
     words: NDArray[np.object_] | None = None
+    # Their lengths in characters.
+    lens: _IdArray | None = None
+    # Words checked either side of a join: at least as many as the widest token spans, so a token
+    # that straddles a join lies inside its window.
+    window: int = _WINDOW_WORDS
 
 
 @dataclass
@@ -193,11 +248,190 @@ class _Draft:
     head_text: str = ""
     head_ids: _IdArray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     keep_ids: bool = False
+    # Piecewise assembly: the head's and the prompt's words as positions in the vocabulary's pool,
+    # and the (text, expected ids) windows that must encode exactly.
+    head_positions: _IdArray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    positions: _IdArray | None = None
+    checks: list[tuple[str, list[int]]] = field(default_factory=list)
     text: str = ""
     ids: _IdArray | None = None
     verified: bool = False
     rounds: int = 0
     draws: int = 0
+
+
+class _Unassemblable(Exception):
+    """Piecewise assembly does not hold for this tokenizer: the prompts are made whole instead."""
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """Blocks of words, each verified by one encode, that prompts are cut from."""
+
+    positions: _IdArray  # (blocks, words): positions in the vocabulary's pool
+    texts: tuple[str, ...]  # each block's words joined as they read after another word
+    offsets: _IdArray  # (blocks, words + 1): where each word starts in its block's text
+    lead_id: int  # a word that every check after a text's start is prefixed with
+    lead_text: str  # ... as it reads at the start of a text
+
+
+def _pool(tokenizer: Tokenizer, vocab: _Vocab, seed: int) -> _Pool | None:
+    """The seed's pool of verified word blocks, or None when the vocabulary has no word texts or
+    a block keeps encoding to other ids than its words (prompts are then made whole)."""
+    if vocab.words is None or vocab.lens is None:
+        return None
+    rng = _stream(seed, _POOL)
+    lead_id, lead_text = int(vocab.pool[0]), _decode(tokenizer, vocab.pool[:1])
+    positions = rng.integers(0, vocab.pool.size, size=(_POOL_BLOCKS, _BLOCK_WORDS))
+    texts = ["".join(vocab.words[row].tolist()) for row in positions]
+    pending = list(range(_POOL_BLOCKS))
+    for draw in range(_MAX_POOL_DRAWS):
+        encodings = _encode_batch(tokenizer, [lead_text + texts[b] for b in pending])
+        pending = [
+            b
+            for b, e in zip(pending, encodings, strict=True)
+            if e.ids != [lead_id, *vocab.pool[positions[b]].tolist()]
+        ]
+        if not pending:
+            break
+        if draw + 1 == _MAX_POOL_DRAWS:
+            return None
+        for b in pending:  # in block order, from the pool's own stream: deterministic
+            positions[b] = rng.integers(0, vocab.pool.size, size=_BLOCK_WORDS)
+            texts[b] = "".join(vocab.words[positions[b]].tolist())
+    offsets = np.zeros((_POOL_BLOCKS, _BLOCK_WORDS + 1), dtype=np.int64)
+    np.cumsum(vocab.lens[positions], axis=1, out=offsets[:, 1:])
+    return _Pool(positions, tuple(texts), offsets, lead_id, lead_text)
+
+
+def _assembled_shared_prefix(
+    tokenizer: Tokenizer,
+    vocab: _Vocab,
+    pool: _Pool,
+    n: int,
+    input_tokens: int,
+    prefix_tokens: int,
+    groups: int,
+    seed: int,
+) -> list[Prompt]:
+    prefixes = [
+        _Draft(index=g, rng=_stream(seed, _PREFIX, prefix_tokens, g), keep_ids=True)
+        for g in range(min(groups, n))
+    ]
+    _assemble_all(tokenizer, vocab, pool, prefix_tokens, prefixes)
+    drafts = []
+    for i in range(n):
+        prefix = prefixes[i % groups]
+        assert prefix.positions is not None  # kept above
+        drafts.append(
+            _Draft(
+                index=i,
+                rng=_stream(seed, _SUFFIX, input_tokens, prefix_tokens, i),
+                head_text=prefix.text,
+                head_positions=prefix.positions,
+            )
+        )
+    _assemble_all(tokenizer, vocab, pool, input_tokens, drafts)
+    return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
+
+
+def _assemble_all(
+    tokenizer: Tokenizer, vocab: _Vocab, pool: _Pool, target: int, drafts: list[_Draft]
+) -> None:
+    """Give every draft a distinct text of exactly ``target`` tokens, cut from the pool, in index order.
+
+    The checks of many prompts go to the tokenizer in one call; a prompt that fails its check or
+    repeats an earlier prompt is drawn again from its own stream, so the outcome is exactly that of
+    making the prompts one by one.
+
+    Raises:
+        _Unassemblable: a prompt failed its check ``_MAX_ASSEMBLIES`` times.
+        BenchmarkError: ``len(drafts)`` distinct prompts of this length cannot be had.
+    """
+    seen: set[str] = set()
+    per_batch = max(1, _BATCH_WINDOWS // (3 + target // _SEGMENT_WORDS[0]))
+    for start in range(0, len(drafts), per_batch):
+        batch = drafts[start : start + per_batch]
+        for d in batch:
+            _assemble(tokenizer, vocab, pool, d, target)
+        encodings = _encode_batch(tokenizer, [text for d in batch for text, _ in d.checks])
+        at = 0
+        for d in batch:
+            got = encodings[at : at + len(d.checks)]
+            at += len(d.checks)
+            d.verified = _passes(got, d.checks)
+        for d in batch:
+            while not d.verified or d.text in seen:
+                if not d.verified:
+                    d.rounds += 1
+                    if d.rounds >= _MAX_ASSEMBLIES:
+                        raise _Unassemblable
+                else:
+                    d.draws += 1
+                    if d.draws >= _MAX_REDRAWS:
+                        raise BenchmarkError(
+                            f"cannot make {len(drafts)} distinct prompts of {target} tokens with this "
+                            f"tokenizer (prompt {d.index} kept repeating an earlier one): ask for "
+                            "fewer prompts or longer ones"
+                        )
+                _assemble(tokenizer, vocab, pool, d, target)
+                d.verified = _passes(_encode_batch(tokenizer, [text for text, _ in d.checks]), d.checks)
+            seen.add(d.text)
+            d.checks = []
+            if not d.keep_ids:
+                d.positions = None
+
+
+def _passes(encodings: Sequence[Encoding], checks: list[tuple[str, list[int]]]) -> bool:
+    return all(e.ids == ids for e, (_, ids) in zip(encodings, checks, strict=True))
+
+
+def _assemble(tokenizer: Tokenizer, vocab: _Vocab, pool: _Pool, d: _Draft, target: int) -> None:
+    """Draw the draft's words after its head (fresh words, then pool segments), its text and checks."""
+    assert vocab.words is not None
+    assert vocab.lens is not None
+    head = d.head_positions.size
+    fresh = min(target - head, _FRESH_WORDS)
+    runs = [d.rng.integers(0, vocab.pool.size, size=fresh)]
+    texts = ["".join(vocab.words[runs[0]].tolist())]
+    spans = [(head, head + fresh)]  # word ranges whose insides no block encode covered
+    at = head + fresh
+    low, high = _SEGMENT_WORDS
+    while at < target:
+        left = target - at
+        size = left if left <= high else int(d.rng.integers(low, min(high, left - low) + 1))
+        block = int(d.rng.integers(0, _POOL_BLOCKS))
+        offset = int(d.rng.integers(0, _BLOCK_WORDS - size + 1))
+        runs.append(pool.positions[block, offset : offset + size])
+        first, last = pool.offsets[block, offset], pool.offsets[block, offset + size]
+        texts.append(pool.texts[block][first:last])
+        spans.append((at, at))
+        at += size
+    spans.append((target, target))  # the end
+    positions = np.concatenate([d.head_positions, *runs])
+    after = "".join(texts)
+    if head:
+        text = d.head_text + after
+    else:  # decoders treat a text's start specially (a Metaspace decoder strips the first space)
+        text = _decode(tokenizer, vocab.pool[positions[:1]]) + after[len(vocab.words[positions[0]]) :]
+    lens = vocab.lens[positions]
+    lens[0] += len(text) - int(lens.sum())
+    chars = np.zeros(target + 1, dtype=np.int64)
+    np.cumsum(lens, out=chars[1:])
+    ids = vocab.pool[positions]
+    k = vocab.window
+    checks = []
+    covered = (0, 0)
+    for a, b in sorted({(max(0, a - k), min(target, b + k)) for a, b in spans}):
+        if covered[0] <= a and b <= covered[1]:
+            continue  # inside the window before
+        covered = (a, b)
+        window = text[chars[a] : chars[b]]
+        if a == 0:
+            checks.append((window, ids[:b].tolist()))
+        else:
+            checks.append((pool.lead_text + window, [pool.lead_id, *ids[a:b].tolist()]))
+    d.text, d.positions, d.checks = text, positions, checks
 
 
 def _make_exact(tokenizer: Tokenizer, vocab: _Vocab, target: int, drafts: list[_Draft]) -> None:
@@ -286,23 +520,39 @@ def _render(tokenizer: Tokenizer, vocab: _Vocab, positions: _IdArray, context: _
 def _vocabulary(tokenizer: Tokenizer) -> _Vocab:
     """Token ids to draw prompts from, and the added/special ids a prompt must never contain.
 
-    Preferred are *word* tokens: a space then letters, which encode back to themselves. Their
-    concatenation (" alpha beta gamma") is split by every common pre-tokenizer (byte-level regex,
-    Metaspace, BERT whitespace) into exactly those words, so it usually re-encodes to exactly the
-    drawn ids and a single verifying encode suffices. If a vocabulary has too few of them, any
-    ordinary token is drawn, except those that decode on their own to nothing or to a replacement
-    character (byte pieces of a multi-byte character), which cut at a prompt's end would decode to
-    U+FFFD and never converge.
+    Preferred are *word* tokens: a space then letters, which encode back to themselves after
+    another word. Their concatenation (" alpha beta gamma") is split by every common pre-tokenizer
+    (byte-level regex, Metaspace, BERT whitespace) into exactly those words, so it re-encodes to
+    exactly the drawn ids. From a large vocabulary, at most ``_MAX_WORDS`` of them are taken (a
+    seeded sample): that is variety enough, and they then fit the tokenizer's BPE cache, so the
+    checks encode several times faster than with 50K distinct words. If a vocabulary has too few
+    word tokens, any ordinary token is drawn, except those that decode on their own to nothing or
+    to a replacement character (byte pieces of a multi-byte character), which cut at a prompt's
+    end would decode to U+FFFD and never converge.
     """
-    added = sorted(tokenizer.get_added_tokens_decoder())
+    added_tokens = tokenizer.get_added_tokens_decoder()
+    added = sorted(added_tokens)
     forbidden = frozenset(added)
-    ids = np.array(sorted(set(tokenizer.get_vocab(with_added_tokens=True).values())), dtype=np.int64)
-    ids = np.setdiff1d(ids, np.array(added, dtype=np.int64))
+    by_text = tokenizer.get_vocab(with_added_tokens=True)
+    every = np.fromiter(by_text.values(), dtype=np.int64, count=len(by_text))
+    ids = np.sort(np.setdiff1d(every, np.array(added, dtype=np.int64), assume_unique=True))
     if ids.size == 0:
         raise BenchmarkError("the tokenizer has no ordinary (non-special) tokens to draw prompts from")
-    words, texts = _word_tokens(tokenizer, ids)
+    widest = _widest([*by_text, *(t.content for t in added_tokens.values())])
+    sample = ids
+    if ids.size > 2 * _MAX_WORDS:
+        sample = np.sort(np.random.default_rng(0).choice(ids, size=2 * _MAX_WORDS, replace=False))
+    words, texts = _word_tokens(tokenizer, sample)
+    if words.size < _MIN_WORD_TOKENS and sample.size < ids.size:
+        words, texts = _word_tokens(tokenizer, ids)
+    if words.size > _MAX_WORDS:
+        keep = np.sort(np.random.default_rng(0).choice(words.size, size=_MAX_WORDS, replace=False))
+        words, texts = words[keep], texts[keep]
     if words.size >= _MIN_WORD_TOKENS:
-        return _Vocab(words, forbidden, texts if _joins_like_decode(tokenizer, words, texts) else None)
+        if _joins_like_decode(tokenizer, words, texts):
+            lens = np.fromiter((len(t) for t in texts.tolist()), dtype=np.int64, count=texts.size)
+            return _Vocab(words, forbidden, texts, lens, max(_WINDOW_WORDS, widest))
+        return _Vocab(words, forbidden)
     alone = tokenizer.decode_batch([[i] for i in ids.tolist()], skip_special_tokens=False)
     usable = np.fromiter((bool(t) and _BAD not in t for t in alone), dtype=bool, count=len(alone))
     if not usable.any():
@@ -310,9 +560,31 @@ def _vocabulary(tokenizer: Tokenizer) -> _Vocab:
     return _Vocab(ids[usable], forbidden)
 
 
+# A space as tokens spell it (plain, byte-level 'Ġ', Metaspace '▁') between a character and a letter:
+# where a token that spans words crosses from one word into the next.
+_WORD_BREAK = re.compile(r"(?<=[^\sĠ▁])[ Ġ▁](?=[^\W\d_])")
+
+
+def _widest(token_texts: list[str]) -> int:
+    """The most words any token (as the vocabulary spells it, or an added token's content) spans.
+
+    Tokens holding a newline are split at it and undercounted; they cannot occur in word prompts.
+    """
+    joined = "\n".join(token_texts)
+    breaks: dict[int, int] = {}
+    for match in _WORD_BREAK.finditer(joined):
+        line = joined.rfind("\n", 0, match.start())
+        breaks[line] = breaks.get(line, 0) + 1
+    return 1 + max(breaks.values(), default=0)
+
+
 def _word_tokens(tokenizer: Tokenizer, pool: _IdArray) -> tuple[_IdArray, NDArray[np.object_]]:
-    """Tokens that read ' <letters>' after another token and encode back to themselves alone, and
-    those texts."""
+    """Tokens of ``pool`` that read ' <letters>' after another word and encode back to themselves
+    there, and those texts.
+
+    The check is after a word, not alone: a SentencePiece-style normalizer that prepends '▁' to the
+    text would turn a lone ' alpha' into '▁▁alpha'.
+    """
     # Any plain word will do as the token before; "a" is in every vocabulary worth benchmarking.
     a_ids = _encode(tokenizer, "a")
     anchor = int(a_ids[-1]) if a_ids.size else int(pool[0])
@@ -326,9 +598,9 @@ def _word_tokens(tokenizer: Tokenizer, pool: _IdArray) -> tuple[_IdArray, NDArra
     if picked.size == 0:
         return picked, np.empty(0, dtype=object)
     chosen = np.array([texts[k] for k in np.flatnonzero(candidate).tolist()], dtype=object)
-    encodings = _encode_batch(tokenizer, chosen.tolist())
+    encodings = _encode_batch(tokenizer, [prefix + t for t in chosen.tolist()])
     same = np.fromiter(
-        (e.ids == [i] for e, i in zip(encodings, picked.tolist(), strict=True)),
+        (e.ids == [anchor, i] for e, i in zip(encodings, picked.tolist(), strict=True)),
         dtype=bool,
         count=picked.size,
     )
@@ -408,6 +680,10 @@ def _refit_tail(
     caller verifies the whole text. Cuts never split a multi-byte character.
     """
     head_n = max(keep, min(got.size, target) - _TAIL_TOKENS)
+    if head_n - keep < _CONTEXT_TOKENS:
+        # A head this short is refitted too: decoders and normalizers treat a text's start
+        # specially (a lone '▁' token decodes to nothing at the start), so it may not re-encode alone.
+        head_n = keep
     if head_n > keep:
         head_n = max(keep, _whole(tokenizer, got, head_n))
     head = got[:head_n]

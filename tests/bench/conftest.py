@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from tests.scripted_openai import ScriptedOpenAI
 
@@ -51,7 +51,64 @@ def metaspace_tokenizer() -> Tokenizer:
     return tok
 
 
-@pytest.fixture(params=["byte_level", "metaspace"])
+@pytest.fixture(scope="session")
+def sentencepiece_tokenizer() -> Tokenizer:
+    """Llama-2's tokenizer.json shape: no pre-tokenizer, a normalizer that prepends '▁' and turns
+    spaces into '▁', so BPE runs over the whole text (trained on words, as SentencePiece is)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=["<unk>", "<s>", "</s>", *SPECIAL_TOKENS], show_progress=False
+    )
+    tok.train(_corpus(), trainer)
+    tok.pre_tokenizer = None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return tok
+
+
+@pytest.fixture(scope="session")
+def regex_tokenizer() -> Tokenizer:
+    """Llama-3/Qwen/Kimi's shape: a split regex, then byte-level mapping without its own regex."""
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=3000,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_corpus(), trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer() -> Tokenizer:
+    """BERT's shape: lower-casing normalizer, whitespace/punctuation pre-tokenizer, '##' pieces."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=3000, special_tokens=["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"], show_progress=False
+    )
+    tok.train(_corpus(), trainer)
+    return tok
+
+
+@pytest.fixture(params=["byte_level", "metaspace", "sentencepiece", "regex", "wordpiece"])
 def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
     """Each trained tokenizer in turn."""
     tok: Tokenizer = request.getfixturevalue(f"{request.param}_tokenizer")

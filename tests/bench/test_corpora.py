@@ -116,7 +116,8 @@ def test_shared_prefix_is_an_exact_token_prefix(
         prefix_ids = ids[i][:120]
         assert prefix_ids == ids[i % 3][:120]  # the group's prefix, token for token
         head = tokenizer.decode(prefix_ids)
-        assert p.text.startswith(head)
+        if tokenizer.decoder.__class__.__name__ != "WordPiece":  # its decode tidies spaces away
+            assert p.text.startswith(head)
         assert _ids(tokenizer, head) == prefix_ids  # the prefix alone encodes to those very tokens
     starts = {tuple(i[:120]) for i in ids}
     assert len(starts) == 3  # three groups, three different prefixes
@@ -550,7 +551,10 @@ def test_documents_without_room_for_distinct_windows(tokenizer: Tokenizer, tmp_p
     with pytest.raises(BenchmarkError) as info:
         build_prompts(_documents(tmp_path), tokenizer, 31, size, 0, tmp_path)
     message = str(info.value)
-    assert f"no free window of {size} tokens is left for prompt" in message
+    # Ran out of starts; or, with a '▁'-prepending normalizer, the starts left do not re-encode exactly.
+    assert f"no free window of {size} tokens is left for prompt" in message or re.search(
+        rf"could not cut a window of exactly {size} tokens for prompt \d+ at a start of its own", message
+    )
     assert f"workloads[].dataset.path {str(tmp_path)!r}" in message
     assert "the workload needs 31 prompts (warmup_requests + num_requests)" in message
     assert "lower warmup_requests + num_requests or input_tokens, or add documents" in message

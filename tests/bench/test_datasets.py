@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import k3pipe.bench.datasets as datasets
-from k3pipe.bench import Prompt, load_tokenizer, random_prompts
+from k3pipe.bench import Prompt, load_tokenizer, random_prompts, shared_prefix_prompts
 from k3pipe.errors import BenchmarkError
 from tests.conftest import TINY_MODEL
 
@@ -190,3 +190,103 @@ def test_the_real_tiny_model_at_200k() -> None:
     for p in prompts:
         assert len(tok.encode(p.text, add_special_tokens=False).ids) == 200_000
     assert prompts[0].text != prompts[1].text
+
+
+# Piecewise assembly: prompts cut from a pool of verified word blocks, checked where pieces meet.
+
+
+def _whole_path_forbidden(*_: object, **__: object) -> None:
+    raise AssertionError("prompts were made whole, not assembled")
+
+
+@pytest.mark.parametrize("length", [1, 16, 17, 21, 150, 5000, 40_000])
+def test_prompts_are_assembled_and_exact_for_every_kind_of_tokenizer(
+    tokenizer: Tokenizer, length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Byte-level, Metaspace, Llama-2's normalizer, a Llama-3 split regex and WordPiece all take the
+    # fast path, and the whole-text encode (never done by the generator) gives exactly the length.
+    monkeypatch.setattr(datasets, "_make_exact", _whole_path_forbidden)
+    special_ids = set(tokenizer.get_added_tokens_decoder())
+    prompts = random_prompts(tokenizer, 3, length, 11)
+    for p in prompts:
+        ids = tokenizer.encode(p.text, add_special_tokens=False).ids
+        assert len(ids) == length
+        assert not special_ids & set(ids)
+    assert len({p.text for p in prompts}) == 3
+
+
+def test_shared_prefix_prompts_are_assembled(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(datasets, "_make_exact", _whole_path_forbidden)
+    prompts = shared_prefix_prompts(tokenizer, 6, 3000, 1200, 2, 4)
+    ids = [tokenizer.encode(p.text, add_special_tokens=False).ids for p in prompts]
+    assert all(len(i) == 3000 for i in ids)
+    for i, seq in enumerate(ids):
+        assert seq[:1200] == ids[i % 2][:1200]
+    assert ids[0][:1200] != ids[1][:1200]
+    assert ids[0][1200:1210] != ids[2][1200:1210]
+
+
+def test_one_token_prompts_redraw_repeats_and_stop_at_the_vocabulary(byte_level_tokenizer: Tokenizer) -> None:
+    words = datasets._vocabulary(byte_level_tokenizer).pool.size
+    # 300 draws of one word from a few hundred collide many times: each repeat is drawn again.
+    prompts = random_prompts(byte_level_tokenizer, 300, 1, 0)
+    assert len({p.text for p in prompts}) == 300
+    assert all(_count(byte_level_tokenizer, p.text) == 1 for p in prompts)
+    with pytest.raises(BenchmarkError, match=f"cannot make {words + 1} distinct prompts of 1 tokens"):
+        random_prompts(byte_level_tokenizer, words + 1, 1, 0)
+
+
+def _with_added(tok: Tokenizer, content: str) -> Tokenizer:
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.add_tokens([content])
+    return copy
+
+
+def test_a_join_the_tokenizer_would_merge_is_caught_and_drawn_again(byte_level_tokenizer: Tokenizer) -> None:
+    # Prompt 0's 16 fresh words meet its first pool segment between words 15 and 16. A tokenizer
+    # with an added token spelling exactly that join encodes the join to one other id: its check
+    # fails, prompt 0 is drawn again, and every prompt is still exact under that tokenizer.
+    before = random_prompts(byte_level_tokenizer, 3, 600, 8)
+    ids = byte_level_tokenizer.encode(before[0].text, add_special_tokens=False).ids
+    join = byte_level_tokenizer.decode(ids[15:17]).strip()
+    assert " " in join  # two words
+    merging = _with_added(byte_level_tokenizer, join)
+    assert datasets._pool(merging, datasets._vocabulary(merging), 8) is not None
+    after = random_prompts(merging, 3, 600, 8)
+    assert join in before[0].text
+    assert join not in after[0].text
+    assert after[1:] == before[1:]
+    added = set(merging.get_added_tokens_decoder())
+    for p in after:
+        got = merging.encode(p.text, add_special_tokens=False).ids
+        assert len(got) == 600
+        assert not added & set(got)
+
+
+def test_blocks_that_do_not_encode_exactly_make_the_prompts_whole(byte_level_tokenizer: Tokenizer) -> None:
+    # An added token 's t' spells the join of any word ending in s and any starting with t: no pool
+    # block survives its check, and the prompts are made whole (encoded in full) instead.
+    merging = _with_added(byte_level_tokenizer, "s t")
+    assert datasets._pool(merging, datasets._vocabulary(merging), 0) is None
+    added = set(merging.get_added_tokens_decoder())
+    for p in random_prompts(merging, 4, 3000, 0):
+        got = merging.encode(p.text, add_special_tokens=False).ids
+        assert len(got) == 3000
+        assert not added & set(got)
+
+
+def test_prompts_that_keep_failing_their_checks_are_made_whole(
+    byte_level_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assemble = datasets._assemble
+
+    def failing(tokenizer: Tokenizer, vocab: object, pool: object, d: object, target: int) -> None:
+        assemble(tokenizer, vocab, pool, d, target)  # type: ignore[arg-type]
+        if d.index == 2:  # type: ignore[attr-defined]
+            d.checks.append(("x", [-1]))  # type: ignore[attr-defined]  # an encode never gives -1
+
+    monkeypatch.setattr(datasets, "_pool", lambda *_: None)
+    whole = random_prompts(byte_level_tokenizer, 4, 700, 3)
+    monkeypatch.undo()
+    monkeypatch.setattr(datasets, "_assemble", failing)
+    assert random_prompts(byte_level_tokenizer, 4, 700, 3) == whole
