@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,15 +98,34 @@ def regex_tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def wordpiece_tokenizer() -> Tokenizer:
-    """BERT's shape: lower-casing normalizer, whitespace/punctuation pre-tokenizer, '##' pieces."""
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    """BERT's shape: lower-casing normalizer, whitespace/punctuation pre-tokenizer, '##' pieces.
+
+    The vocabulary is built here, not trained: the WordPiece trainer is not deterministic across
+    processes. It holds every character of the corpus (alone and as '##' piece), the 2,000 commonest
+    words and the 300 commonest 2-4 letter word endings as '##' pieces.
+    """
+    words: Counter[str] = Counter()
+    chars: set[str] = set()
+    for path in _corpus():
+        text = Path(path).read_text(encoding="utf-8").lower()
+        words.update(re.findall(r"[a-z]+", text))
+        chars.update(c for c in text if not c.isspace())
+    endings: Counter[str] = Counter()
+    for word, count in words.items():
+        for k in (2, 3, 4):
+            if len(word) > k:
+                endings[word[-k:]] += count
+    special = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    ordered = sorted(chars)
+    common = [w for w, _ in sorted(words.items(), key=lambda kv: (-kv[1], kv[0])) if len(w) > 1][:2000]
+    pieces = [f"##{e}" for e, _ in sorted(endings.items(), key=lambda kv: (-kv[1], kv[0]))[:300]]
+    tokens = [*special, *ordered, *(f"##{c}" for c in ordered), *common, *pieces]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=3000, special_tokens=["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"], show_progress=False
-    )
-    tok.train(_corpus(), trainer)
+    tok.add_special_tokens(special)
     return tok
 
 
