@@ -162,7 +162,11 @@ def test_flow_records_everything_in_mlflow(
         assert m["completed"] == spec["num_requests"]
         assert m["failed"] == 0
         assert 0 < m["ttft_ms_p50"] < 20_000
-        assert 0 < m["tpot_ms_p50"] < 5_000
+        # On 2 cores the API server shares a core with this client and Prefect: when it falls
+        # behind, vLLM hands it several steps' tokens at once and a whole stream can arrive in one
+        # read, so the client's TPOT may be 0 for most requests. The engine's own figure is not.
+        assert 0 <= m["tpot_ms_p50"] < 5_000
+        assert 0 < m["engine_itl_ms_mean"] < 5_000
         assert m["output_tokens_total"] == spec["num_requests"] * spec["output_tokens"]
         assert 0 < m["output_throughput_tps"] <= m["output_throughput_bound_tps"] * 1.001
         assert m["throughput_exceeds_bound"] == 0

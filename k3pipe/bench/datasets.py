@@ -49,7 +49,7 @@ workload cannot hit the prefix cache that a 64K workload with the same seed left
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,17 +152,13 @@ def random_prompts(tokenizer: Tokenizer, n: int, input_tokens: int, seed: int) -
     if input_tokens < 1:
         raise BenchmarkError(f"input_tokens must be >= 1, got {input_tokens}")
     vocab = _vocabulary(tokenizer)
-    pool = _pool(tokenizer, vocab, seed) if n else None
-    if pool is not None:
+
+    def make(kind: _Maker) -> list[Prompt]:
         drafts = [_Draft(index=i, rng=_stream(seed, _RANDOM, input_tokens, i)) for i in range(n)]
-        try:
-            _assemble_all(tokenizer, vocab, pool, input_tokens, drafts)
-            return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
-        except _Unassemblable:
-            pass  # made whole below, from fresh streams
-    drafts = [_Draft(index=i, rng=_stream(seed, _RANDOM, input_tokens, i)) for i in range(n)]
-    _make_exact(tokenizer, vocab, input_tokens, drafts)
-    return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
+        kind(input_tokens, drafts)
+        return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
+
+    return _assembled_or_whole(tokenizer, vocab, seed, n, make)
 
 
 def shared_prefix_prompts(
@@ -189,33 +185,51 @@ def shared_prefix_prompts(
             f"({input_tokens}): each prompt is the shared prefix plus a suffix of its own"
         )
     vocab = _vocabulary(tokenizer)
+
+    def make(kind: _Maker) -> list[Prompt]:
+        prefixes = [
+            _Draft(index=g, rng=_stream(seed, _PREFIX, prefix_tokens, g), keep_ids=True)
+            for g in range(min(groups, n))
+        ]
+        kind(prefix_tokens, prefixes)
+        drafts = []
+        for i in range(n):
+            prefix = prefixes[i % groups]
+            drafts.append(
+                _Draft(
+                    index=i,
+                    rng=_stream(seed, _SUFFIX, input_tokens, prefix_tokens, i),
+                    head_text=prefix.text,
+                    head_ids=_kept(prefix.ids),
+                    head_positions=_kept(prefix.positions),
+                )
+            )
+        kind(input_tokens, drafts)
+        return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
+
+    return _assembled_or_whole(tokenizer, vocab, seed, n, make)
+
+
+# Makes drafts exact: (target tokens, drafts) -> None.
+_Maker = Callable[[int, list["_Draft"]], None]
+
+
+def _assembled_or_whole(
+    tokenizer: Tokenizer, vocab: _Vocab, seed: int, n: int, make: Callable[[_Maker], list[Prompt]]
+) -> list[Prompt]:
+    """``make``'s prompts assembled from the seed's pool; made whole when there is no pool or a
+    prompt keeps failing its checks (from fresh streams, so the outcome depends only on the inputs)."""
     pool = _pool(tokenizer, vocab, seed) if n else None
     if pool is not None:
         try:
-            return _assembled_shared_prefix(
-                tokenizer, vocab, pool, n, input_tokens, prefix_tokens, groups, seed
-            )
+            return make(lambda target, drafts: _assemble_all(tokenizer, vocab, pool, target, drafts))
         except _Unassemblable:
-            pass  # made whole below, from fresh streams
-    prefixes = [
-        _Draft(index=g, rng=_stream(seed, _PREFIX, prefix_tokens, g), keep_ids=True)
-        for g in range(min(groups, n))
-    ]
-    _make_exact(tokenizer, vocab, prefix_tokens, prefixes)
-    drafts = []
-    for i in range(n):
-        prefix = prefixes[i % groups]
-        assert prefix.ids is not None  # kept above
-        drafts.append(
-            _Draft(
-                index=i,
-                rng=_stream(seed, _SUFFIX, input_tokens, prefix_tokens, i),
-                head_text=prefix.text,
-                head_ids=prefix.ids,
-            )
-        )
-    _make_exact(tokenizer, vocab, input_tokens, drafts)
-    return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
+            pass
+    return make(lambda target, drafts: _make_exact(tokenizer, vocab, target, drafts))
+
+
+def _kept(ids: _IdArray | None) -> _IdArray:
+    return ids if ids is not None else np.empty(0, dtype=np.int64)
 
 
 def _stream(seed: int, *key: int) -> np.random.Generator:
@@ -302,37 +316,6 @@ def _pool(tokenizer: Tokenizer, vocab: _Vocab, seed: int) -> _Pool | None:
     offsets = np.zeros((_POOL_BLOCKS, _BLOCK_WORDS + 1), dtype=np.int64)
     np.cumsum(vocab.lens[positions], axis=1, out=offsets[:, 1:])
     return _Pool(positions, tuple(texts), offsets, lead_id, lead_text)
-
-
-def _assembled_shared_prefix(
-    tokenizer: Tokenizer,
-    vocab: _Vocab,
-    pool: _Pool,
-    n: int,
-    input_tokens: int,
-    prefix_tokens: int,
-    groups: int,
-    seed: int,
-) -> list[Prompt]:
-    prefixes = [
-        _Draft(index=g, rng=_stream(seed, _PREFIX, prefix_tokens, g), keep_ids=True)
-        for g in range(min(groups, n))
-    ]
-    _assemble_all(tokenizer, vocab, pool, prefix_tokens, prefixes)
-    drafts = []
-    for i in range(n):
-        prefix = prefixes[i % groups]
-        assert prefix.positions is not None  # kept above
-        drafts.append(
-            _Draft(
-                index=i,
-                rng=_stream(seed, _SUFFIX, input_tokens, prefix_tokens, i),
-                head_text=prefix.text,
-                head_positions=prefix.positions,
-            )
-        )
-    _assemble_all(tokenizer, vocab, pool, input_tokens, drafts)
-    return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
 
 
 def _assemble_all(

@@ -25,11 +25,15 @@ def _corpus() -> list[str]:
 @pytest.fixture(scope="session")
 def byte_level_tokenizer() -> Tokenizer:
     """A GPT-2-style byte-level BPE (vocab 2048) with ChatML-ish special tokens."""
+    return _byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), 2048)
+
+
+def _byte_level_bpe(pre_tokenizer: pre_tokenizers.PreTokenizer, vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=2048,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -78,22 +82,9 @@ def regex_tokenizer() -> Tokenizer:
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
         r"|\s*[\r\n]+|\s+(?!\S)|\s+"
     )
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), "isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=3000,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train(_corpus(), trainer)
-    return tok
+    split = pre_tokenizers.Split(Regex(pattern), "isolated")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return _byte_level_bpe(pre_tokenizers.Sequence([split, byte_level]), 3000)
 
 
 @pytest.fixture(scope="session")
