@@ -13,11 +13,14 @@ them into exactly those words: tokenization is local, and a join of words re-enc
 drawn ids. Making a long prompt is then string slicing, and verifying it needs the tokenizer only
 where pieces meet:
 
-- a *pool* of word blocks (64 blocks of 1024 words, keyed by the seed) is drawn and each block is
-  encoded whole once per call, after a lead word (so nothing is checked at a text's start);
-- a prompt is 16 fresh words drawn from its own stream, then segments of 128-1024 words cut from
-  random blocks at random offsets; its text is the words' texts joined (checked once per call to
-  read exactly as the tokenizer's decode would);
+- a *pool* of word blocks of 1024 words, keyed by the seed, is drawn and each block is encoded
+  whole once per call, after a lead word (so nothing is checked at a text's start). It holds 64
+  blocks, or 1.25x the prompt length in words and 8 blocks more, whichever is larger;
+- a prompt is 16 fresh words drawn from its own stream, then segments of 128-1024 words (longer
+  for long prompts) cut at random offsets from blocks in a random order, each block at most once,
+  so no prompt repeats a stretch of words (uniformly random tokens would not either: an n-gram
+  drafter or a model that copies finds nothing to copy). Its text is the words' texts joined
+  (checked once per call to read exactly as the tokenizer's decode would);
 - every place that no block encode covered is checked by encoding a window of words either side:
   the start (the fresh words and the first join), each join between segments and the end. A
   window has 4 words a side, or as many as the vocabulary's widest token spans (a token or added
@@ -28,10 +31,11 @@ where pieces meet:
 So every prompt's length is verified piecewise: each of its words sits inside an encode that gave
 exactly the expected ids, with at least a window of real context on each side. From a large
 vocabulary, at most 8192 word tokens are used (a seeded sample), which fit the tokenizer's BPE
-cache. On one core, ten 200K-token prompts take about 0.2 s with the tiny model's 2K vocabulary and
-0.4 s with a 160K one (vLLM's RandomDataset: 6.7 s and 19 s); encoding every prompt whole took 3 s
-with the 2K vocabulary. ``tests/bench/test_datasets.py`` encodes every prompt whole and compares,
-for byte-level, Metaspace, Llama-2-normalizer, split-regex and WordPiece tokenizers.
+cache. On one core, ten 200K-token prompts take about 0.4 s with the tiny model's 2K vocabulary and
+0.75 s with a 123K one (vLLM's RandomDataset: 6.6 s and 19 s), most of it the pool's 259K words;
+encoding every prompt whole took 3 s with the 2K vocabulary. ``tests/bench/test_datasets.py``
+encodes every prompt whole and compares, for byte-level, Metaspace, Llama-2-normalizer, split-regex
+and WordPiece tokenizers.
 
 When the vocabulary has too few word tokens, or a pool block or a prompt keeps failing its check,
 the prompts are made whole instead: ids drawn from all ordinary tokens (added/special tokens are
@@ -79,7 +83,7 @@ _BATCH_TOKENS = 2_000_000
 _RANDOM, _PREFIX, _SUFFIX, _POOL = 0, 1, 2, 3
 # Piecewise assembly: pool blocks x words, words per segment (min, max <= block), fresh words that
 # start each prompt (and each shared-prefix suffix), words checked either side of a join.
-_POOL_BLOCKS = 64
+_POOL_BLOCKS = 64  # at least; more for long prompts, so a prompt never uses a block twice
 _BLOCK_WORDS = 1024
 _SEGMENT_WORDS = (128, 1024)
 _FRESH_WORDS = 16
@@ -158,7 +162,7 @@ def random_prompts(tokenizer: Tokenizer, n: int, input_tokens: int, seed: int) -
         kind(input_tokens, drafts)
         return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
 
-    return _assembled_or_whole(tokenizer, vocab, seed, n, make)
+    return _assembled_or_whole(tokenizer, vocab, seed, n, input_tokens, make)
 
 
 def shared_prefix_prompts(
@@ -169,8 +173,9 @@ def shared_prefix_prompts(
     Prompt ``i`` is random prefix ``i % groups`` (``prefix_tokens`` tokens) followed by a random
     suffix of its own. Every prompt's encoding starts with exactly its prefix's encoding (checked),
     so an engine's prefix cache can reuse those ``prefix_tokens`` tokens. Prefix ``g`` depends only
-    on ``(seed, prefix_tokens, g)``, prompt ``i``'s suffix on ``(seed, input_tokens, prefix_tokens,
-    i)``, each drawn from a random stream of its own (apart from random prompts of the same seed).
+    on ``(seed, prefix_tokens, input_tokens, g)``, prompt ``i``'s suffix on ``(seed, input_tokens,
+    prefix_tokens, i)``, each drawn from a random stream of its own (apart from random prompts of
+    the same seed); ``input_tokens`` counts through the pool, which grows with long prompts.
 
     Raises:
         BenchmarkError: bad sizes, or the exact lengths cannot be reached with this tokenizer.
@@ -202,12 +207,13 @@ def shared_prefix_prompts(
                     head_text=prefix.text,
                     head_ids=_kept(prefix.ids),
                     head_positions=_kept(prefix.positions),
+                    head_blocks=prefix.blocks,
                 )
             )
         kind(input_tokens, drafts)
         return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
 
-    return _assembled_or_whole(tokenizer, vocab, seed, n, make)
+    return _assembled_or_whole(tokenizer, vocab, seed, n, input_tokens, make)
 
 
 # Makes drafts exact: (target tokens, drafts) -> None.
@@ -215,11 +221,16 @@ _Maker = Callable[[int, list["_Draft"]], None]
 
 
 def _assembled_or_whole(
-    tokenizer: Tokenizer, vocab: _Vocab, seed: int, n: int, make: Callable[[_Maker], list[Prompt]]
+    tokenizer: Tokenizer,
+    vocab: _Vocab,
+    seed: int,
+    n: int,
+    tokens: int,
+    make: Callable[[_Maker], list[Prompt]],
 ) -> list[Prompt]:
     """``make``'s prompts assembled from the seed's pool; made whole when there is no pool or a
     prompt keeps failing its checks (from fresh streams, so the outcome depends only on the inputs)."""
-    pool = _pool(tokenizer, vocab, seed) if n else None
+    pool = _pool(tokenizer, vocab, seed, tokens) if n else None
     if pool is not None:
         try:
             return make(lambda target, drafts: _assemble_all(tokenizer, vocab, pool, target, drafts))
@@ -266,6 +277,9 @@ class _Draft:
     # and the (text, expected ids) windows that must encode exactly.
     head_positions: _IdArray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     positions: _IdArray | None = None
+    # Pool blocks the head's and the prompt's segments were cut from (none is used twice).
+    head_blocks: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
     checks: list[tuple[str, list[int]]] = field(default_factory=list)
     text: str = ""
     ids: _IdArray | None = None
@@ -283,22 +297,32 @@ class _Pool:
     """Blocks of words, each verified by one encode, that prompts are cut from."""
 
     positions: _IdArray  # (blocks, words): positions in the vocabulary's pool
+    shortest: int  # words in a segment at least (but a piece's last): no prompt runs out of blocks
     texts: tuple[str, ...]  # each block's words joined as they read after another word
     offsets: _IdArray  # (blocks, words + 1): where each word starts in its block's text
     lead_id: int  # a word that every check after a text's start is prefixed with
     lead_text: str  # ... as it reads at the start of a text
 
 
-def _pool(tokenizer: Tokenizer, vocab: _Vocab, seed: int) -> _Pool | None:
-    """The seed's pool of verified word blocks, or None when the vocabulary has no word texts or
-    a block keeps encoding to other ids than its words (prompts are then made whole)."""
+def _pool(tokenizer: Tokenizer, vocab: _Vocab, seed: int, tokens: int) -> _Pool | None:
+    """The pool of verified word blocks for prompts of ``tokens`` tokens, keyed by the seed, or None
+    when the vocabulary has no word texts or a block keeps encoding to other ids than its words
+    (prompts are then made whole).
+
+    A prompt cuts each of its segments from a block of its own, so it never repeats a stretch of
+    words (as uniformly random tokens would not: an n-gram drafter, or a model that copies, must
+    find nothing to copy). Hence at least 1.25x ``tokens`` words in blocks, and segments long enough
+    that a prompt needs at most 8 blocks fewer than there are.
+    """
     if vocab.words is None or vocab.lens is None:
         return None
+    blocks = max(_POOL_BLOCKS, -(-tokens * 5 // (4 * _BLOCK_WORDS)) + 8)
+    shortest = min(_SEGMENT_WORDS[1], max(_SEGMENT_WORDS[0], -(-tokens // (blocks - 8))))
     rng = _stream(seed, _POOL)
     lead_id, lead_text = int(vocab.pool[0]), _decode(tokenizer, vocab.pool[:1])
-    positions = rng.integers(0, vocab.pool.size, size=(_POOL_BLOCKS, _BLOCK_WORDS))
+    positions = rng.integers(0, vocab.pool.size, size=(blocks, _BLOCK_WORDS))
     texts = ["".join(vocab.words[row].tolist()) for row in positions]
-    pending = list(range(_POOL_BLOCKS))
+    pending = list(range(blocks))
     for draw in range(_MAX_POOL_DRAWS):
         encodings = _encode_batch(tokenizer, [lead_text + texts[b] for b in pending])
         pending = [
@@ -313,9 +337,9 @@ def _pool(tokenizer: Tokenizer, vocab: _Vocab, seed: int) -> _Pool | None:
         for b in pending:  # in block order, from the pool's own stream: deterministic
             positions[b] = rng.integers(0, vocab.pool.size, size=_BLOCK_WORDS)
             texts[b] = "".join(vocab.words[positions[b]].tolist())
-    offsets = np.zeros((_POOL_BLOCKS, _BLOCK_WORDS + 1), dtype=np.int64)
+    offsets = np.zeros((blocks, _BLOCK_WORDS + 1), dtype=np.int64)
     np.cumsum(vocab.lens[positions], axis=1, out=offsets[:, 1:])
-    return _Pool(positions, tuple(texts), offsets, lead_id, lead_text)
+    return _Pool(positions, shortest, tuple(texts), offsets, lead_id, lead_text)
 
 
 def _assemble_all(
@@ -379,11 +403,22 @@ def _assemble(tokenizer: Tokenizer, vocab: _Vocab, pool: _Pool, d: _Draft, targe
     texts = ["".join(vocab.words[runs[0]].tolist())]
     spans = [(head, head + fresh)]  # word ranges whose insides no block encode covered
     at = head + fresh
-    low, high = _SEGMENT_WORDS
+    high = _SEGMENT_WORDS[1]
+    free = pool.positions.shape[0]
+    if d.head_blocks:
+        order = d.rng.permutation(np.setdiff1d(np.arange(free), d.head_blocks)).tolist()
+    else:
+        order = d.rng.permutation(free).tolist()
+    used = []
     while at < target:
         left = target - at
-        size = left if left <= high else int(d.rng.integers(low, min(high, left - low) + 1))
-        block = int(d.rng.integers(0, _POOL_BLOCKS))
+        if not order:
+            raise _Unassemblable  # the pool is sized so that this cannot happen
+        # at least an even share of the blocks left: the last block is never short of words
+        low = min(high, max(pool.shortest, -(-left // len(order))))
+        size = left if left <= high else int(d.rng.integers(low, high + 1))
+        block = order.pop()
+        used.append(block)
         offset = int(d.rng.integers(0, _BLOCK_WORDS - size + 1))
         runs.append(pool.positions[block, offset : offset + size])
         first, last = pool.offsets[block, offset], pool.offsets[block, offset + size]
@@ -414,7 +449,7 @@ def _assemble(tokenizer: Tokenizer, vocab: _Vocab, pool: _Pool, d: _Draft, targe
             checks.append((window, ids[:b].tolist()))
         else:
             checks.append((pool.lead_text + window, [pool.lead_id, *ids[a:b].tolist()]))
-    d.text, d.positions, d.checks = text, positions, checks
+    d.text, d.positions, d.checks, d.blocks = text, positions, checks, (*d.head_blocks, *used)
 
 
 def _make_exact(tokenizer: Tokenizer, vocab: _Vocab, target: int, drafts: list[_Draft]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -251,7 +252,7 @@ def test_a_join_the_tokenizer_would_merge_is_caught_and_drawn_again(byte_level_t
     join = byte_level_tokenizer.decode(ids[15:17]).strip()
     assert " " in join  # two words
     merging = _with_added(byte_level_tokenizer, join)
-    assert datasets._pool(merging, datasets._vocabulary(merging), 8) is not None
+    assert datasets._pool(merging, datasets._vocabulary(merging), 8, 600) is not None
     after = random_prompts(merging, 3, 600, 8)
     assert join in before[0].text
     assert join not in after[0].text
@@ -267,7 +268,7 @@ def test_blocks_that_do_not_encode_exactly_make_the_prompts_whole(byte_level_tok
     # An added token 's t' spells the join of any word ending in s and any starting with t: no pool
     # block survives its check, and the prompts are made whole (encoded in full) instead.
     merging = _with_added(byte_level_tokenizer, "s t")
-    assert datasets._pool(merging, datasets._vocabulary(merging), 0) is None
+    assert datasets._pool(merging, datasets._vocabulary(merging), 0, 3000) is None
     added = set(merging.get_added_tokens_decoder())
     for p in random_prompts(merging, 4, 3000, 0):
         got = merging.encode(p.text, add_special_tokens=False).ids
@@ -290,3 +291,25 @@ def test_prompts_that_keep_failing_their_checks_are_made_whole(
     monkeypatch.undo()
     monkeypatch.setattr(datasets, "_assemble", failing)
     assert random_prompts(byte_level_tokenizer, 4, 700, 3) == whole
+
+
+@pytest.mark.parametrize(("n", "length"), [(3, 40_000), (2, 150_000)])
+def test_a_prompt_never_repeats_a_stretch_of_words(
+    byte_level_tokenizer: Tokenizer, n: int, length: int
+) -> None:
+    # Uniformly random tokens never repeat a 12-token stretch; neither may an assembled prompt (an
+    # n-gram drafter, or a model that copies, must find nothing to copy). Each segment comes from
+    # a pool block of its own, and a 150K prompt needs a larger pool than the 64 blocks' 65K words.
+    for p in random_prompts(byte_level_tokenizer, n, length, 6):
+        ids = np.asarray(byte_level_tokenizer.encode(p.text, add_special_tokens=False).ids, dtype=np.int64)
+        grams = np.lib.stride_tricks.sliding_window_view(ids, 12)
+        assert len(np.unique(grams, axis=0)) == len(grams)
+
+
+def test_a_shared_prefix_prompt_never_repeats_its_prefix_blocks(byte_level_tokenizer: Tokenizer) -> None:
+    prompts = shared_prefix_prompts(byte_level_tokenizer, 4, 60_000, 30_000, 2, 1)
+    for p in prompts:
+        ids = np.asarray(byte_level_tokenizer.encode(p.text, add_special_tokens=False).ids, dtype=np.int64)
+        grams = np.lib.stride_tricks.sliding_window_view(ids, 12)
+        assert len(ids) == 60_000
+        assert len(np.unique(grams, axis=0)) == len(grams)
