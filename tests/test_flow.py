@@ -8,10 +8,12 @@ import secrets
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
 import yaml
+from mlflow.entities import Run
 
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
@@ -72,6 +74,28 @@ def _processes_with_port(port: int) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def _stopped_before_launch(
+    tmp_path: Path, port: int, workloads: list[dict[str, Any]], match: str
+) -> tuple[Run, Tracker]:
+    """Run the demo experiment with ``workloads``: it must raise a PreflightError matching
+    ``match`` within a minute, start nothing on ``port`` and leave one FAILED MLflow run."""
+    from flows.benchmark import benchmark
+    from k3pipe.errors import PreflightError
+
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(demo_experiment(port, workloads)))
+    t0 = time.monotonic()
+    with pytest.raises(PreflightError, match=match):
+        benchmark(str(exp))
+    assert time.monotonic() - t0 < 60  # no engine was started
+    assert _processes_with_port(port) == []
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    (run,) = tracker.client.search_runs([tracker.experiment_id])
+    assert run.info.status == "FAILED"
+    return run, tracker
 
 
 def test_flow_records_everything_in_mlflow(
@@ -199,22 +223,9 @@ def test_flow_records_everything_in_mlflow(
 
 def test_preflight_error_stops_before_launch(prefect_harness: None, tmp_path: Path) -> None:
     """A workload longer than the engine's max model length: nothing starts, MLflow says why."""
-    from flows.benchmark import benchmark
-    from k3pipe.errors import PreflightError
-
     port = free_port()
     too_long = [{"name": "too-long", "input_tokens": 4000, "output_tokens": 200, "num_requests": 2}]
-    exp = tmp_path / "exp.yaml"
-    exp.write_text(yaml.safe_dump(demo_experiment(port, too_long)))
-    t0 = time.monotonic()
-    with pytest.raises(PreflightError, match="too-long"):
-        benchmark(str(exp))
-    assert time.monotonic() - t0 < 60  # no engine was started
-    assert _processes_with_port(port) == []
-    settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
-    (run,) = tracker.client.search_runs([tracker.experiment_id])
-    assert run.info.status == "FAILED"
+    run, tracker = _stopped_before_launch(tmp_path, port, too_long, match="too-long")
     assert run.data.tags["k3pipe.error"].startswith("preflight: ")
     assert run.data.metrics["preflight_errors"] >= 1
     assert "preflight.json" in {a.path for a in tracker.client.list_artifacts(run.info.run_id)}
@@ -222,9 +233,6 @@ def test_preflight_error_stops_before_launch(prefect_harness: None, tmp_path: Pa
 
 def test_a_dataset_that_cannot_be_built_stops_before_launch(prefect_harness: None, tmp_path: Path) -> None:
     """A ShareGPT file that is not there: found with the prompts, before any engine starts."""
-    from flows.benchmark import benchmark
-    from k3pipe.errors import PreflightError
-
     port = free_port()
     missing = tmp_path / "no-such.json"
     workloads = [
@@ -235,17 +243,7 @@ def test_a_dataset_that_cannot_be_built_stops_before_launch(prefect_harness: Non
             "dataset": {"kind": "sharegpt", "path": str(missing)},
         }
     ]
-    exp = tmp_path / "exp.yaml"
-    exp.write_text(yaml.safe_dump(demo_experiment(port, workloads)))
-    t0 = time.monotonic()
-    with pytest.raises(PreflightError, match=r"workload 'chat'.*no-such\.json"):
-        benchmark(str(exp))
-    assert time.monotonic() - t0 < 60  # no engine was started
-    assert _processes_with_port(port) == []
-    settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
-    (run,) = tracker.client.search_runs([tracker.experiment_id])
-    assert run.info.status == "FAILED"
+    run, _ = _stopped_before_launch(tmp_path, port, workloads, match=r"workload 'chat'.*no-such\.json")
     assert run.data.tags["k3pipe.error"] == "preflight: dataset"
 
 

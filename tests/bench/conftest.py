@@ -58,18 +58,11 @@ def metaspace_tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def sentencepiece_tokenizer() -> Tokenizer:
+def sentencepiece_tokenizer(metaspace_tokenizer: Tokenizer) -> Tokenizer:
     """Llama-2's tokenizer.json shape: no pre-tokenizer, a normalizer that prepends '▁' and turns
-    spaces into '▁', so BPE runs over the whole text (trained on words, as SentencePiece is)."""
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=3000, special_tokens=["<unk>", "<s>", "</s>", *SPECIAL_TOKENS], show_progress=False
-    )
-    tok.train(_corpus(), trainer)
+    spaces into '▁', so BPE runs over the whole text (the Metaspace one's vocabulary, trained on
+    words, as SentencePiece is)."""
+    tok = Tokenizer.from_str(metaspace_tokenizer.to_str())
     tok.pre_tokenizer = None
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     return tok
