@@ -71,15 +71,22 @@ bench-client: setup
 		--model-dir $(TINY_MODEL) --out docs/performance-results.json $(BENCH_ARGS)
 
 # An isolated dockerd (no bridge, no iptables) + a registry on 127.0.0.1:5055, and the test images.
-# `make test` starts them and stops them after pytest, whatever pytest's outcome (its status is kept).
-docker:
-	scripts/docker-env.sh up
-	scripts/build-base-image.sh && scripts/build-test-image.sh || { scripts/docker-env.sh down; exit 1; }
+# `make docker` leaves them running (stop them with `scripts/docker-env.sh down`), unless a step fails
+# or is interrupted: then it stops them. `make test` starts them in the same recipe as pytest and
+# stops them on every path out of it (a failed start or image build, a test failure, Ctrl-C); the
+# exit status is kept.
+DOCKER_UP := scripts/docker-env.sh up && scripts/build-base-image.sh && scripts/build-test-image.sh
+ON_SIGNAL_EXIT := trap 'exit 130' INT; trap 'exit 143' TERM
 
-test: setup lint docker
-	trap 'scripts/docker-env.sh down' EXIT; \
-	eval "$$(scripts/docker-env.sh env)"; \
-	$(VENV)/bin/python -m pytest; status=$$?; exit $$status
+docker:
+	$(ON_SIGNAL_EXIT); trap 'status=$$?; [ $$status = 0 ] || scripts/docker-env.sh down; exit $$status' EXIT; \
+	$(DOCKER_UP)
+
+test: setup lint
+	$(ON_SIGNAL_EXIT); trap 'status=$$?; scripts/docker-env.sh down; exit $$status' EXIT; \
+	$(DOCKER_UP) && \
+	eval "$$(scripts/docker-env.sh env)" && \
+	$(VENV)/bin/python -m pytest
 
 clean:
 	rm -rf $(VENV) $(K3PIPE_HOME)

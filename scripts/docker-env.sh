@@ -10,6 +10,10 @@
 # no NAT rules); containers use host networking and bind to 127.0.0.1. Its socket, data, exec root,
 # pid file and log live under $K3PIPE_HOME/docker; the registry (distribution v2) listens on
 # 127.0.0.1:5055 (not 5000, which other tools use) and stores under $K3PIPE_HOME/registry.
+#
+# `up` is all or nothing: when a step fails (or `up` is interrupted), it stops what it started itself
+# before it exits non-zero, so a failed `up` leaves no daemon. Each start waits at most
+# K3PIPE_DOCKER_START_TIMEOUT_S (30) seconds, whether the page cache is cold or warm.
 set -euo pipefail
 
 K3PIPE_HOME=${K3PIPE_HOME:-./.k3pipe}
@@ -27,20 +31,46 @@ REG_PID=$REG_DIR/registry.pid
 REG_LOG=$REG_DIR/registry.log
 # Debian's client matches Debian's daemon (API 1.41); another `docker` may come first on PATH.
 DOCKER=/usr/bin/docker
-START_TIMEOUT_S=30
+# the programs; tests put a wrapper here (e.g. one that is slow to exec, as on a cold page cache)
+DOCKERD_BIN=${K3PIPE_DOCKERD_BIN:-dockerd}
+REGISTRY_BIN=${K3PIPE_REGISTRY_BIN:-docker-registry}
+START_TIMEOUT_S=${K3PIPE_DOCKER_START_TIMEOUT_S:-30}
 STOP_TIMEOUT_S=20
+# what this invocation of `up` started: stopped again if a later step fails
+STARTED_DOCKERD=""
+STARTED_REGISTRY=""
 
 log() { echo "docker-env: $*" >&2; }
 
-# the pid in FILE if that process is alive and runs PROGRAM, else nothing
+# the pid in FILE if that process is alive and runs PROGRAM, else nothing. For a pid file that may
+# be stale (a pid reused by another program); not for a process we have just forked, whose exec of
+# PROGRAM may not have happened yet: that one is followed by its pid (running, below).
 live_pid() {
     local file=$1 program=$2 pid
     [[ -s $file ]] || return 1
     pid=$(<"$file")
     [[ $pid =~ ^[0-9]+$ ]] || return 1
-    kill -0 "$pid" 2>/dev/null || return 1
+    running "$pid" || return 1
     [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$program"* ]] || return 1
     echo "$pid"
+}
+
+# whether process PID exists and has not exited (a zombie has exited)
+running() {
+    local state
+    kill -0 "$1" 2>/dev/null || return 1
+    state=$(awk '{ sub(/^.*\) /, ""); print $1 }' "/proc/$1/stat" 2>/dev/null) || return 1
+    [[ -n $state && $state != Z && $state != X ]]
+}
+
+# fail if something already listens on ADDR (host:port): our daemon could not bind, and a readiness
+# probe would be answered by the other program
+port_free() {
+    local addr=$1
+    if (exec 3<>"/dev/tcp/${addr%:*}/${addr##*:}") 2>/dev/null; then
+        log "$addr is already in use by another program: stop it, or set K3PIPE_REGISTRY_ADDR to a free 127.0.0.1 port"
+        return 1
+    fi
 }
 
 docker_cmd() { "$DOCKER" -H "unix://$SOCK" "$@"; }
@@ -64,6 +94,13 @@ start_dockerd() {
         log "dockerd already running (pid $(<"$DOCKER_PID"))"
         return 0
     fi
+    # dockerd's containerd listens on EXEC_ROOT/containerd/containerd.sock.ttrpc: past a unix socket
+    # path's 108 bytes it never comes up (dockerd times out after 20 s with a gRPC dial error)
+    local ttrpc=$DOCKER_DIR/exec/containerd/containerd.sock.ttrpc
+    if ((${#ttrpc} > 107)); then
+        log "K3PIPE_HOME ($K3PIPE_HOME) is too long for a unix socket under it ($ttrpc is ${#ttrpc} bytes, at most 107): use a shorter K3PIPE_HOME"
+        return 1
+    fi
     rm -f "$DOCKER_PID" "$SOCK"
     mkdir -p "$DOCKER_DIR/data" "$DOCKER_DIR/exec"
     # our own (empty) daemon config, so that no /etc/docker/daemon.json is read
@@ -73,7 +110,7 @@ start_dockerd() {
     # setsid: its own session and process group, so no terminal signal reaches it and `down` can end
     # the group; the containerd it starts (its own session) is stopped by dockerd or, failing that,
     # by `down` through containerd's pid file
-    setsid dockerd \
+    setsid "$DOCKERD_BIN" \
         --iptables=false --ip6tables=false --bridge=none --ip-forward=false --ip-masq=false \
         --userland-proxy=false \
         --storage-driver="${K3PIPE_DOCKER_STORAGE_DRIVER:-overlay2}" \
@@ -83,18 +120,23 @@ start_dockerd() {
         --exec-root "$DOCKER_DIR/exec" \
         --pidfile "$DOCKER_PID" \
         </dev/null >>"$DOCKER_LOG" 2>&1 &
-    local launched=$!
+    STARTED_DOCKERD=$!
     local deadline=$((SECONDS + START_TIMEOUT_S))
-    until docker_cmd info >/dev/null 2>&1; do
-        if ! kill -0 "$launched" 2>/dev/null || ((SECONDS > deadline)); then
-            log "dockerd did not start within ${START_TIMEOUT_S} s; end of $DOCKER_LOG:"
+    # `docker info` answers only once the daemon is up; its own timeout keeps each try short
+    until timeout 5 "$DOCKER" -H "unix://$SOCK" info >/dev/null 2>&1; do
+        if ! running "$STARTED_DOCKERD"; then
+            log "dockerd exited during start-up; end of $DOCKER_LOG:"
             tail -n 30 "$DOCKER_LOG" >&2
-            kill -TERM "$launched" 2>/dev/null || true
+            return 1
+        fi
+        if ((SECONDS >= deadline)); then
+            log "dockerd did not answer within ${START_TIMEOUT_S} s; end of $DOCKER_LOG:"
+            tail -n 30 "$DOCKER_LOG" >&2
             return 1
         fi
         sleep 0.1
     done
-    log "dockerd ready (pid $(<"$DOCKER_PID")) in $((($(date +%s%N) - t0) / 1000000)) ms"
+    log "dockerd ready (pid $STARTED_DOCKERD) in $((($(date +%s%N) - t0) / 1000000)) ms"
 }
 
 write_registry_config() {
@@ -129,34 +171,49 @@ start_registry() {
         return 0
     fi
     rm -f "$REG_PID"
+    port_free "$REGISTRY_ADDR"
     write_registry_config
     local t0
     t0=$(date +%s%N)
-    # in a non-interactive shell a background job is not a group leader: setsid execs in place
-    setsid docker-registry serve "$REG_CONF" </dev/null >>"$REG_LOG" 2>&1 &
-    echo $! >"$REG_PID"
+    # In a non-interactive shell a background job is not a group leader, so setsid execs in place and
+    # $! is the registry's pid. Until that exec has happened (milliseconds, or seconds when the binary
+    # is not in the page cache) /proc/PID/comm still names the shell or setsid: the wait follows the
+    # pid itself, and only the pid file's later readers (live_pid) check the program's name.
+    setsid "$REGISTRY_BIN" serve "$REG_CONF" </dev/null >>"$REG_LOG" 2>&1 &
+    STARTED_REGISTRY=$!
+    echo "$STARTED_REGISTRY" >"$REG_PID"
     local deadline=$((SECONDS + START_TIMEOUT_S))
-    until curl -fsS -o /dev/null "http://$REGISTRY_ADDR/v2/" 2>/dev/null; do
-        if ! live_pid "$REG_PID" docker-registry >/dev/null || ((SECONDS > deadline)); then
-            log "registry did not start within ${START_TIMEOUT_S} s; end of $REG_LOG:"
+    until curl -fsS --max-time 2 -o /dev/null "http://$REGISTRY_ADDR/v2/" 2>/dev/null; do
+        if ! running "$STARTED_REGISTRY"; then
+            log "the registry exited during start-up; end of $REG_LOG:"
             tail -n 30 "$REG_LOG" >&2
-            stop_pidfile "$REG_PID" docker-registry
+            return 1
+        fi
+        if ((SECONDS >= deadline)); then
+            log "the registry did not answer on $REGISTRY_ADDR within ${START_TIMEOUT_S} s; end of $REG_LOG:"
+            tail -n 30 "$REG_LOG" >&2
             return 1
         fi
         sleep 0.1
     done
-    log "registry ready on $REGISTRY_ADDR (pid $(<"$REG_PID")) in $((($(date +%s%N) - t0) / 1000000)) ms"
+    log "registry ready on $REGISTRY_ADDR (pid $STARTED_REGISTRY) in $((($(date +%s%N) - t0) / 1000000)) ms"
 }
 
 # SIGTERM the process in FILE, wait, then SIGKILL; then whatever is left of its process group (it
 # was started by setsid, so the group is ours: e.g. the containerd that dockerd manages)
 stop_pidfile() {
-    local file=$1 program=$2 pid pgid i
-    if ! pid=$(live_pid "$file" "$program"); then
-        rm -f "$file"
-        return 0
+    local file=$1 program=$2 pid
+    if pid=$(live_pid "$file" "$program"); then
+        stop_pid "$pid" "$program"
     fi
-    pgid=$(ps -o pgid= -p "$pid" | tr -d ' ')
+    rm -f "$file"
+}
+
+# stop process PID (one we started, so no check of its name) and the rest of its process group
+stop_pid() {
+    local pid=$1 program=$2 pgid i
+    running "$pid" || return 0
+    pgid=$(ps -o pgid= -p "$pid" | tr -d ' ') || true
     log "stopping $program (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < STOP_TIMEOUT_S * 10; i++)); do
@@ -176,7 +233,6 @@ stop_pidfile() {
         done
         kill -KILL -- "-$pgid" 2>/dev/null || true
     fi
-    rm -f "$file"
 }
 
 # dockerd leaves mounts under its roots after a clean stop (e.g. exec/netns/default); without this,
@@ -190,10 +246,33 @@ unmount_leftovers() {
         done
 }
 
+# After a failed or interrupted `up`: stop what this invocation started (and nothing else: a daemon
+# that was already running stays), so that no daemon is left behind.
+undo_up() {
+    local status=$?
+    trap - EXIT INT TERM
+    if [[ -n $STARTED_REGISTRY || -n $STARTED_DOCKERD ]]; then
+        log "up failed: stopping what it started"
+        [[ -n $STARTED_REGISTRY ]] && stop_pid "$STARTED_REGISTRY" docker-registry
+        [[ -n $STARTED_REGISTRY ]] && rm -f "$REG_PID"
+        if [[ -n $STARTED_DOCKERD ]]; then
+            stop_pid "$STARTED_DOCKERD" dockerd
+            stop_pidfile "$DOCKER_DIR/exec/containerd/containerd.pid" containerd
+            rm -f "$DOCKER_PID" "$SOCK"
+            unmount_leftovers
+        fi
+    fi
+    exit $((status == 0 ? 1 : status))
+}
+
 cmd_up() {
+    trap undo_up EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
     install_packages
     start_dockerd
     start_registry
+    trap - EXIT INT TERM
 }
 
 cmd_down() {
