@@ -19,13 +19,15 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError, PreflightError
 from k3pipe.launchers import Launcher
-from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder, record_preflight_stop
+from k3pipe.node import nvidia_smi_report
+from k3pipe.record import ArmRecorder, record_preflight_stop, summary_table
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
 from k3pipe.tracking import Tracker
 from tasks.steps import (
     benchmark_task,
+    cold_start_task,
     engine_version_task,
     fetch_model_task,
     health_gate_task,
@@ -33,6 +35,7 @@ from tasks.steps import (
     plan_arm_task,
     preflight_task,
     prepare_prompts_task,
+    probe_node_task,
     pull_image_task,
     reap_orphans_task,
     start_engine_task,
@@ -75,7 +78,7 @@ def _run_arm(
         "model": models["model"].path,
         **{f"models.{k}": r.path for k, r in models.items() if k != "model"},
     }
-    plan = plan_arm_task(spec, arm, home, dirs)
+    plan = plan_arm_task(spec, arm, home, dirs, {k: r.digest() for k, r in models.items()})
     key = read_secret(plan.api_key_env)
     if key is not None:
         tracker.add_secret(key.get_secret_value())
@@ -93,10 +96,13 @@ def _run_arm(
             image = pull_image_task(plan)
             recorder.log_image(image, plan)
         labels = {"k3pipe.flow_run_id": _flow_run_id(), "k3pipe.mlflow_run_id": recorder.run_id}
+        recorder.log_node(probe_node_task(plan, settings))
         launcher = start_engine_task(plan, log_path, settings, image, labels)
         cold = wait_ready_task(plan, launcher)
         check = health_gate_task(plan)
         recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
+        if plan.launcher != "external":
+            recorder.log_cold_start(cold_start_task(plan, log_path, cold, recorder.run_id))
         # rows are kept as each workload ends: a later failure must not drop them from the summary
         rows: list[dict[str, Any]] = outcome.setdefault("workloads", [])
         for workload in spec.workloads:
@@ -126,6 +132,8 @@ def _run_arm(
         if launcher is not None:
             logger.info("stopping engine (%s)", plan.launcher)
             launcher.stop()
+            if plan.launcher != "external":
+                recorder.log_nvidia_smi_after(nvidia_smi_report())
         recorder.finish(
             status, error, log_path if launcher is not None and plan.launcher != "external" else None
         )
@@ -178,10 +186,7 @@ def benchmark(
     for name in selected:
         outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings, prompts))
     rows = [row for o in outcomes for row in o.get("workloads", [])]
-    table = [
-        {c: (round(r[c], 3) if isinstance(r.get(c), float) else r.get(c)) for c in SUMMARY_COLUMNS}
-        for r in rows
-    ]
+    table = summary_table(rows)
     if table:
         create_table_artifact(
             table=table, key="benchmark-summary", description=f"{spec.name}: workload summaries"

@@ -100,15 +100,11 @@ def run(
 def _print_outcomes(outcomes: list[dict]) -> None:
     import pandas as pd
 
-    from k3pipe.record import SUMMARY_COLUMNS
+    from k3pipe.record import summary_table
 
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if rows:
-        frame = pd.DataFrame(rows)
-        for col in ("completed", "failed"):
-            if col in frame:
-                frame[col] = frame[col].astype(int)
-        print(frame[[c for c in SUMMARY_COLUMNS if c in frame]].round(2).to_string(index=False))
+        print(pd.DataFrame(summary_table(rows)).to_string(index=False))
     for o in outcomes:
         print(f"arm {o['arm']}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
 
@@ -235,6 +231,77 @@ def compare_cmd(
         p = f"{c.p_value:.3g}" if c.p_value is not None else "n/a"
         verdict = "different" if c.different else "within noise" if c.p_value is not None else "needs repeats"
         print(f"{c.metric:<24}{c.mean_a:>12.3f}{c.mean_b:>12.3f}{change:>10}{p:>12}  {verdict}")
+
+
+@app.command()
+def bundle(
+    out: Annotated[Path, typer.Option("--out", help="Directory for the parts, manifest.json, install.sh.")],
+    engine: Annotated[
+        list[str] | None, typer.Option(help="Engine requirement, e.g. vllm==0.22.0 (repeatable).")
+    ] = None,
+    node_freeze: Annotated[
+        Path | None, typer.Option(help="'python3 -m pip list --format=freeze' taken on the node.")
+    ] = None,
+    python_version: Annotated[
+        str | None, typer.Option(help="Target CPython MAJOR.MINOR (default: this interpreter's).")
+    ] = None,
+    platform: Annotated[
+        str | None,
+        typer.Option(help="Target wheel platform, e.g. manylinux_2_35_x86_64 (default: this machine's)."),
+    ] = None,
+    part_size_mib: Annotated[float, typer.Option(help="Largest part, MiB.")] = 60.0,
+    pipeline: Annotated[bool, typer.Option(help="Include k3pipe's wheel and its dependencies.")] = True,
+    upgrade: Annotated[
+        list[str] | None,
+        typer.Option(help="Node package that may resolve to another version, bundled (repeatable)."),
+    ] = None,
+    keep_node: Annotated[
+        list[str] | None,
+        typer.Option(help="Node package kept at its node version though a requirement pins another."),
+    ] = None,
+    omit: Annotated[
+        list[str] | None,
+        typer.Option(help="Package declared but not needed on the node: left out (repeatable)."),
+    ] = None,
+    note: Annotated[
+        list[str] | None, typer.Option(help="A line install.sh prints at the end (repeatable).")
+    ] = None,
+    index_url: Annotated[
+        str | None, typer.Option(help="Package index (default: uv's and pip's own).")
+    ] = None,
+) -> None:
+    """Bundle every wheel an air-gapped node lacks: parts, manifest.json and install.sh."""
+    from k3pipe.bundle import BundleRequest, Target, build_bundle
+
+    try:
+        here = Target.this_machine()
+        target = Target(python_version or here.python_version, platform or here.platform)
+        req = BundleRequest(
+            out_dir=out,
+            engine=tuple(engine or ()),
+            pipeline=pipeline,
+            node_freeze=node_freeze,
+            target=target,
+            part_size=int(part_size_mib * 2**20),
+            upgrade=tuple(upgrade or ()),
+            keep_node=tuple(keep_node or ()),
+            omit=tuple(omit or ()),
+            index_url=index_url,
+            notes=tuple(note or ()),
+        )
+        result = build_bundle(req, Settings().home_dir, progress=lambda line: print(line, flush=True))
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+    m = result.manifest
+    for part in m["parts"]:
+        print(f"  {part['name']}  {part['size'] / 2**20:7.2f} MiB  sha256 {part['sha256'][:16]}")
+    print(
+        f"{len(m['wheels'])} wheels, {len(m['parts'])} parts, {result.total_size / 2**20:.1f} MiB "
+        f"in {result.out_dir}; "
+        f"{len(m['left_out'])} packages left out (manifest.json says why)"
+    )
+    print(f"on the node: copy every file of {result.out_dir} into one directory; bash install.sh --help")
 
 
 def main() -> None:

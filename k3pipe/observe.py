@@ -2,8 +2,9 @@
 k3pipe records from a start-up + serving log.
 
 Each engine module describes its own log with a :class:`LogPatterns` (line prefix, readiness line,
-the lines that carry KV pool size, graph capture time, throughput samples ...);
-:func:`parse_engine_log` does the reading for every engine alike. Lines that match no prefix (uvicorn's
+the lines that carry KV pool size, graph capture time, throughput samples, the cold-start phases,
+compile-cache hits ...); :func:`parse_engine_log` does the reading for every engine alike, and
+:func:`phase_table` renders the cold-start phases as text. Lines that match no prefix (uvicorn's
 own lines, tracebacks, progress bars) are kept as messages without time or rank; lines starting with
 ``#`` (comments of the fixture files under ``tests/fixtures/engines``) and blank lines are skipped.
 """
@@ -15,17 +16,24 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from statistics import fmean
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 __all__ = [
+    "ColdStartPhase",
     "EngineLogFacts",
     "LogFormat",
     "LogLine",
     "LogPatterns",
+    "PhasePattern",
     "parse_engine_log",
+    "phase_table",
     "read_log_lines",
 ]
+
+API_READY = "api_ready"
+"""The phase every engine has: first timestamped log line -> the readiness line."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,24 @@ def _number(text: str) -> float:
 
 
 @dataclass(frozen=True)
+class PhasePattern:
+    """One cold-start phase as an engine logs it.
+
+    ``pattern`` has a group ``v`` (seconds). Per rank, ``combine="sum"`` adds the matches up (target +
+    draft model, several compiled graphs) and ``"last"`` takes the last one (a phase logged once per
+    engine); then the slowest rank is taken, since ranks work in parallel. ``within`` names the phase
+    this one is part of (phases nest, so they do not add up); ``source`` says which format string(s)
+    it reads.
+    """
+
+    name: str
+    pattern: re.Pattern[str]
+    source: str
+    within: str | None = None
+    combine: Literal["sum", "last"] = "sum"
+
+
+@dataclass(frozen=True)
 class LogPatterns:
     """What an engine's log says, as regexes over the message (prefix removed).
 
@@ -110,6 +136,27 @@ class LogPatterns:
     decode_throughput_tps: re.Pattern[str] | None = None
     spec_accept_length: re.Pattern[str] | None = None
     warnings: tuple[re.Pattern[str], ...] = field(default_factory=tuple)
+    phases: tuple[PhasePattern, ...] = ()
+    """Cold-start phases in start-up order, a phase after the one it is part of (``api_ready``, the
+    whole start-up, is added from the readiness line)."""
+    compile_cache_hit: tuple[re.Pattern[str], ...] = ()
+    """Lines that say compiled artifacts were loaded from the compile cache (a warm start)."""
+    compile_cache_dir: re.Pattern[str] | None = None
+    """The line naming the compile cache directory the engine uses (group ``v``)."""
+    compile_ran: tuple[re.Pattern[str], ...] = ()
+    """Lines that say a compile ran (compiled or loaded): without one, nothing went into the cache."""
+
+
+class ColdStartPhase(BaseModel):
+    """One row of the cold-start phase table."""
+
+    model_config = ConfigDict(frozen=True)
+
+    phase: str = Field(description="Phase name; MLflow metric cold_start.<phase>_s.")
+    seconds: float = Field(description="Seconds, slowest rank (see PhasePattern.combine).")
+    within: str | None = Field(default=None, description="The phase this one is part of.")
+    source: str = Field(description="What it is read from (the engine's format string).")
+    line: str | None = Field(default=None, description="The last log line it was read from.")
 
 
 class EngineLogFacts(BaseModel):
@@ -160,6 +207,22 @@ class EngineLogFacts(BaseModel):
         default_factory=list,
         description="Result-changing warnings (field notes, measurement rule 4), each message once.",
     )
+    cold_start_phases: list[ColdStartPhase] = Field(
+        default_factory=list, description="Cold-start phases the log states, in start-up order."
+    )
+    compile_cache_hit: bool = Field(
+        default=False, description="Whether compiled artifacts were loaded from the compile cache."
+    )
+    compile_cache_dir: str | None = Field(
+        default=None, description="The compile cache directory the engine reports using."
+    )
+    compiled: bool = Field(
+        default=False, description="Whether the log shows a compile (from scratch or from the cache)."
+    )
+
+    def phase_seconds(self) -> dict[str, float]:
+        """``{phase: seconds}`` in start-up order."""
+        return {p.phase: p.seconds for p in self.cold_start_phases}
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -204,6 +267,61 @@ def _slowest_rank(lines: Sequence[LogLine], pattern: re.Pattern[str] | None) -> 
             key = line.rank or ""
             per_rank[key] = per_rank.get(key, 0.0) + _number(match.group("v"))
     return round(max(per_rank.values()), 3) if per_rank else None
+
+
+def _phase(lines: Sequence[LogLine], spec: PhasePattern) -> ColdStartPhase | None:
+    per_rank: dict[str, float] = {}
+    last_line: str | None = None
+    for line in lines:
+        match = spec.pattern.search(line.message)
+        if match:
+            value = _number(match.group("v"))
+            key = line.rank or ""
+            per_rank[key] = per_rank.get(key, 0.0) + value if spec.combine == "sum" else value
+            last_line = line.text
+    if not per_rank:
+        return None
+    seconds = max(per_rank.values())
+    return ColdStartPhase(
+        phase=spec.name, seconds=round(seconds, 3), within=spec.within, source=spec.source, line=last_line
+    )
+
+
+def _phases(
+    lines: Sequence[LogLine], patterns: LogPatterns, startup_s: float | None, ready: LogLine | None
+) -> list[ColdStartPhase]:
+    """The engine's phases in start-up order, under ``api_ready`` (the whole start-up) when the
+    readiness line was seen."""
+    found = [p for spec in patterns.phases if (p := _phase(lines, spec)) is not None]
+    root = API_READY if startup_s is not None else None
+    names = {p.phase for p in found}
+    # a phase whose enclosing phase the log does not state hangs under the whole start-up
+    found = [p if p.within in names else p.model_copy(update={"within": root}) for p in found]
+    if startup_s is None:
+        return found
+    total = ColdStartPhase(
+        phase=API_READY,
+        seconds=round(startup_s, 3),
+        source=f"first timestamped log line -> the readiness line ({patterns.ready.pattern})",
+        line=ready.text if ready else None,
+    )
+    return [total, *found]
+
+
+def phase_table(phases: Sequence[ColdStartPhase]) -> str:
+    """The phases as a fixed-width text table; a phase that is part of another is indented under it
+    (phases nest, so they do not add up)."""
+    depth: dict[str, int] = {}
+    names: list[str] = []
+    for p in phases:
+        depth[p.phase] = depth.get(p.within, -1) + 1 if p.within else 0
+        names.append("  " * depth[p.phase] + p.phase)
+    width = max([len("phase"), *(len(n) for n in names)])
+    rows = [f"{'phase':<{width}}  {'seconds':>9}  read from"]
+    for name, p in zip(names, phases, strict=True):
+        rows.append(f"{name:<{width}}  {p.seconds:>9.2f}  {p.source}")
+    rows.append("(an indented phase is part of the one above it: phases nest and do not add up)")
+    return "\n".join(rows) + "\n"
 
 
 def _int(text: str | None) -> int | None:
@@ -257,4 +375,8 @@ def parse_engine_log(
         decode_throughput_tps=_all(parsed, patterns.decode_throughput_tps),
         spec_accept_lengths=_all(parsed, patterns.spec_accept_length),
         warnings=warnings,
+        cold_start_phases=_phases(parsed, patterns, startup_s, ready_line),
+        compile_cache_hit=any(p.search(ln.message) for ln in parsed for p in patterns.compile_cache_hit),
+        compile_cache_dir=_last(parsed, patterns.compile_cache_dir),
+        compiled=any(p.search(ln.message) for ln in parsed for p in patterns.compile_ran),
     )

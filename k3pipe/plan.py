@@ -2,17 +2,86 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.engines import RenderedCommand, get_engine, render_args
+from k3pipe.engines.base import Engine
 from k3pipe.sources import model_dir
 from k3pipe.specs import ArmSpec, ExperimentSpec, LauncherSpec, expand_home
 
-__all__ = ["ArmPlan", "default_model_dirs", "plan_arm"]
+__all__ = ["ArmPlan", "CompileCache", "compile_cache_key", "default_model_dirs", "plan_arm"]
+
+
+class CompileCache(BaseModel):
+    """Where an arm's engine keeps its compile cache, so that a relaunch of the same configuration
+    loads its compiled graphs instead of compiling again (a warm start)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    var: str = Field(description="The engine's environment variable for it, e.g. VLLM_CACHE_ROOT.")
+    key: str = Field(description="Short hash of what the compiled artifacts depend on (see factors).")
+    dir: str = Field(description="The directory as the engine sees it (the variable's value).")
+    host_dir: str | None = Field(
+        description="The same directory on this machine (None: a container path the spec set)."
+    )
+    source: Literal["k3pipe", "spec"] = Field(
+        description="k3pipe: K3PIPE_HOME/cache/<engine>/<key>; spec: the spec's env sets the variable."
+    )
+    factors: dict[str, Any] = Field(
+        description="What went into the key: engine, declared version, executable or image, model "
+        "digests, and the arguments and environment that can change compilation."
+    )
+
+    def describe(self) -> str:
+        return f"compile cache: {self.var}={self.dir} (key {self.key}, set by {self.source})"
+
+
+def compile_cache_key(factors: Mapping[str, Any]) -> str:
+    """12 hex digits of sha256 over the factors as sorted JSON."""
+    text = json.dumps(factors, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _compile_cache(
+    engine: Engine,
+    arm: ArmSpec,
+    home: Path,
+    host_dirs: Mapping[str, str],
+    model_digests: Mapping[str, str] | None,
+    env: Mapping[str, str],
+) -> CompileCache | None:
+    var = engine.compile_cache_env_var
+    if var is None or arm.launcher.kind == "external":
+        return None
+    digests = dict(model_digests or {})
+    models = {}
+    for key, host_dir in host_dirs.items():
+        name = key.removeprefix("models.")
+        # without the digest (k3pipe render, before any download) the directory stands in for it
+        models[name] = digests.get(name) or f"dir:{host_dir}"
+    factors = {
+        "engine": engine.kind,
+        "version": arm.engine.version,
+        "executable": list(arm.engine.executable or []) if arm.launcher.kind != "docker" else None,
+        "image": arm.engine.image if arm.launcher.kind == "docker" else None,
+        "models": models,
+        **engine.compiles_with(arm.engine.args, {k: v for k, v in env.items() if k != var}),
+    }
+    key = compile_cache_key(factors)
+    if var in env:
+        where = env[var]
+        host = where if arm.launcher.kind == "process" else None
+        return CompileCache(var=var, key=key, dir=where, host_dir=host, source="spec", factors=factors)
+    host_dir = str(home / "cache" / engine.kind / key)
+    inside = engine.compile_cache_mount if arm.launcher.kind == "docker" else host_dir
+    return CompileCache(var=var, key=key, dir=inside, host_dir=host_dir, source="k3pipe", factors=factors)
 
 
 class ArmPlan(BaseModel):
@@ -44,6 +113,25 @@ class ArmPlan(BaseModel):
     mounts: dict[str, str] = Field(
         default_factory=dict, description="docker: host model directory -> path in the container."
     )
+    compile_cache: CompileCache | None = Field(
+        default=None, description="The engine's compile cache (None: the engine or launcher has none)."
+    )
+
+    def engine_env(self) -> dict[str, str]:
+        """The spec's environment plus the compile-cache variable k3pipe sets (a spec's own wins)."""
+        env = dict(self.command.env)
+        cache = self.compile_cache
+        if cache is not None and cache.source == "k3pipe":
+            env[cache.var] = cache.dir
+        return env
+
+    @property
+    def writable_mounts(self) -> dict[str, str]:
+        """docker: host directory -> path in the container, mounted read-write (the compile cache)."""
+        cache = self.compile_cache
+        if self.launcher != "docker" or cache is None or cache.source != "k3pipe" or not cache.host_dir:
+            return {}
+        return {cache.host_dir: cache.dir}
 
     def docker_run(self, image: str | None = None) -> str:
         """The equivalent ``docker run`` command line (secrets redacted), for humans and the record."""
@@ -61,6 +149,10 @@ class ArmPlan(BaseModel):
             parts += ["--gpus", f'"device={",".join(spec.gpus)}"']
         for host, container in self.mounts.items():
             parts += ["-v", f"{host}:{container}:ro"]
+        for host, container in self.writable_mounts.items():
+            parts += ["-v", f"{host}:{container}"]
+        if self.writable_mounts and self.compile_cache is not None:
+            parts += ["-e", f"{self.compile_cache.var}={self.compile_cache.dir}"]
         for key, value in self.command.redacted_env().items():
             parts += ["-e", f"{key}={value}"]
         parts.append(image or self.image or "IMAGE")
@@ -76,12 +168,21 @@ def default_model_dirs(exp: ExperimentSpec, home: Path) -> dict[str, str]:
 
 
 def plan_arm(
-    exp: ExperimentSpec, arm: ArmSpec, home: Path, model_dirs: Mapping[str, str] | None = None
+    exp: ExperimentSpec,
+    arm: ArmSpec,
+    home: Path,
+    model_dirs: Mapping[str, str] | None = None,
+    model_digests: Mapping[str, str] | None = None,
 ) -> ArmPlan:
-    """Render ``arm`` of ``exp``: managed flags (model, served name, host, port) then the spec's args."""
+    """Render ``arm`` of ``exp``: managed flags (model, served name, host, port) then the spec's args.
+
+    ``model_digests`` ({'model': digest, 'NAME': digest}, from the ModelRecords) go into the compile
+    cache's key; without them each model's directory stands in.
+    """
     engine = get_engine(arm.engine.kind)
     engine.check_args(arm.engine.args)
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
+    host_dirs = dict(dirs)
     mounts: dict[str, str] = {}
     if arm.launcher.kind == "docker":
         # the engine sees each model read-only under launcher.model_mount
@@ -123,4 +224,5 @@ def plan_arm(
         stop_timeout_s=arm.launcher.stop_timeout_s,
         launch=arm.launcher,
         mounts=mounts,
+        compile_cache=_compile_cache(engine, arm, home, host_dirs, model_digests, env),
     )

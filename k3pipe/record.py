@@ -9,7 +9,7 @@ beside it (see k3pipe.bench.repeats), plus ``repeats.json`` and ``repeats.parque
 from __future__ import annotations
 
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,11 +18,14 @@ import pandas as pd
 
 from k3pipe.bench import records_frame
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
+from k3pipe.bench.summary import timing_note
+from k3pipe.coldstart import ColdStart
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
 from k3pipe.metrics import series_frame
-from k3pipe.observe import EngineLogFacts
+from k3pipe.node import NodeInfo, gpu_memory_frame
+from k3pipe.observe import EngineLogFacts, phase_table
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
 from k3pipe.sources import ModelRecord
@@ -31,7 +34,7 @@ from k3pipe.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.steps import WorkloadOutcome
 from k3pipe.tracking import KEY_METRICS, Tracker
 
-__all__ = ["SUMMARY_COLUMNS", "ArmRecorder", "record_preflight_stop"]
+__all__ = ["SUMMARY_COLUMNS", "ArmRecorder", "record_preflight_stop", "summary_table"]
 
 SUMMARY_COLUMNS = (
     "arm",
@@ -48,6 +51,48 @@ SUMMARY_COLUMNS = (
     "slo_attainment_pct",
 )
 """The columns of the summary table the flow publishes and `k3pipe run` prints."""
+
+_CLIENT_TIMING = ("tpot_ms_p50", "itl_ms_p50")
+
+
+def summary_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The summary table for people: ``SUMMARY_COLUMNS``, counts as integers, figures rounded to 2.
+
+    A figure the run did not measure reads ``-``, never NaN. A workload whose delivery was bursty
+    (``client_timing_bursty``, see k3pipe.bench.summary) shows ``bursty`` in place of the client's
+    TPOT and ITL, which would read near zero, and a ``client_timing`` column says why and gives the
+    engine's own ITL.
+    """
+    rows = list(rows)
+    any_bursty = any(r.get("client_timing_bursty") for r in rows)
+    table = []
+    for r in rows:
+        bursty = bool(r.get("client_timing_bursty"))
+        out: dict[str, Any] = {}
+        for column in SUMMARY_COLUMNS:
+            value = r.get(column)
+            if bursty and column in _CLIENT_TIMING:
+                out[column] = "bursty"
+            elif value is None or (isinstance(value, float) and value != value):
+                out[column] = "-"
+            elif column in _COUNTS:
+                out[column] = int(value)
+            elif isinstance(value, float):
+                out[column] = round(value, 2)
+            else:
+                out[column] = value
+        if any_bursty:
+            out["client_timing"] = _timing_cell(r) if bursty else "ok"
+        table.append(out)
+    return table
+
+
+def _timing_cell(row: Mapping[str, Any]) -> str:
+    pct = row.get("bursty_requests_pct")
+    share = "?" if pct is None else f"{pct:.0f}%"
+    engine = row.get("engine_itl_ms_p50")
+    where = "no engine ITL" if engine is None else f"engine ITL p50 {engine:.2f} ms"
+    return f"bursty ({share} of requests): {where}"
 
 
 def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,6 +120,7 @@ class ArmRecorder:
         self._repeat_metrics: dict[str, list[dict[str, float]]] = {}
         self._open: dict[str, WorkloadSpec] = {}
         self._single: dict[str, dict[str, float]] = {}
+        self._bursty: set[str] = set()  # workloads whose client timing was bursty
 
     def log_plan(self, exp: ExperimentSpec, experiment_file: str, models: Mapping[str, ModelRecord]) -> None:
         plan = self.plan
@@ -94,6 +140,7 @@ class ArmRecorder:
             "k3pipe_commit": git_commit(),
             **_flat("env", cmd.redacted_env()),
             **_flat("arg", exp.arm(plan.arm).engine.args),
+            **_compile_cache_params(plan),
         }
         for name, rec in models.items():
             params.update(
@@ -231,6 +278,7 @@ class ArmRecorder:
                 self.tracker.log_frame(
                     run_id, series_frame(outcome.scrapes, result.t_start), "engine_metrics.parquet"
                 )
+            self._log_gpu_memory(run_id, outcome)
             self.tracker.log_metrics(run_id, outcome.engine_metrics)
             self.tracker.log_metrics(run_id, {"client_engine_discrepancies": len(outcome.discrepancies)})
             if outcome.discrepancies:
@@ -238,6 +286,16 @@ class ArmRecorder:
                     run_id, [asdict(d) for d in outcome.discrepancies], "discrepancies.json"
                 )
             self.tracker.log_dict(run_id, summary.model_dump(mode="json"), "summary.json")
+            note = timing_note({**metrics, **outcome.engine_metrics})
+            self.tracker.set_tags(
+                run_id,
+                {"k3pipe.client_timing": "bursty" if note else "ok", "k3pipe.client_timing_note": note},
+            )
+            if note:
+                self._bursty.add(result.workload)
+                self.tracker.set_tags(
+                    self.run_id, {"k3pipe.bursty_workloads": ",".join(sorted(self._bursty))}
+                )
             failed = bool(metrics.get("failed"))
             self.tracker.end_run(run_id, "FAILED" if failed and not metrics.get("completed") else "FINISHED")
         except BaseException:
@@ -299,7 +357,76 @@ class ArmRecorder:
         )
         if facts.warnings:
             self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": " | ".join(facts.warnings)[:4000]})
+        self._log_phases(facts)
         return facts
+
+    def _log_phases(self, facts: EngineLogFacts) -> None:
+        """The cold-start phase table: metrics ``cold_start.<phase>_s``, cold_start_phases.json/.txt."""
+        if not facts.cold_start_phases:
+            return
+        self.tracker.log_metrics(
+            self.run_id, {f"cold_start.{p.phase}_s": p.seconds for p in facts.cold_start_phases}
+        )
+        self.tracker.log_dict(
+            self.run_id, [p.model_dump() for p in facts.cold_start_phases], "cold_start_phases.json"
+        )
+        self.tracker.log_text(self.run_id, phase_table(facts.cold_start_phases), "cold_start_phases.txt")
+
+    def log_cold_start(self, cold: ColdStart) -> None:
+        """What the compile cache did for this launch: ``compile_cache.hit``, and on a hit the cold
+        start of the launch that filled it (``compile_cache.first_cold_start_s``, its run and date)
+        and ``compile_cache.warm_over_cold`` (this cold start over that one)."""
+        cache = cold.compile_cache
+        if cache is None:
+            return
+        self.tracker.log_metrics(
+            self.run_id,
+            {
+                "compile_cache.hit": int(cache.hit),
+                "compile_cache.first_cold_start_s": cache.first_cold_start_s,
+                "compile_cache.warm_over_cold": cold.warm_over_cold,
+            },
+        )
+        self.tracker.log_params(
+            self.run_id,
+            {
+                k: v
+                for k, v in {
+                    "compile_cache.engine_dir": cache.engine_dir,
+                    "compile_cache.first_run_id": cache.first_run_id,
+                    "compile_cache.first_date": cache.first_date,
+                }.items()
+                if v is not None
+            },
+        )
+        planned = self.plan.compile_cache
+        factors = planned.factors if planned is not None else None
+        self.tracker.log_dict(self.run_id, {**cache.model_dump(), "factors": factors}, "compile_cache.json")
+
+    def log_node(self, node: NodeInfo | None) -> None:
+        """The node: params ``node.*`` and nvidia-smi's output before launch (nothing without one)."""
+        if node is None:
+            return
+        self.tracker.log_params(self.run_id, node.params())
+        self.tracker.log_text(self.run_id, node.nvidia_smi, "node/nvidia-smi-before.txt")
+
+    def log_nvidia_smi_after(self, report: str | None) -> None:
+        """nvidia-smi's output after teardown (what the engine left behind); never raises."""
+        if report is None:
+            return
+        try:
+            self.tracker.log_text(self.run_id, report, "node/nvidia-smi-after.txt")
+        except Exception as exc:  # a bonus: never lose the run over it
+            self.tracker.set_tags(self.run_id, {"k3pipe.node_error": repr(exc)[:500]})
+
+    def _log_gpu_memory(self, run_id: str, outcome: WorkloadOutcome) -> None:
+        if not outcome.gpu_memory:
+            return
+        self.tracker.log_frame(
+            run_id, gpu_memory_frame(outcome.gpu_memory, outcome.result.t_start), "gpu_memory.parquet"
+        )
+        peak = max(s.memory_used_mib for s in outcome.gpu_memory)
+        self.tracker.log_metrics(run_id, {"gpu_memory_used_mib_max": peak})
 
     def finish(self, status: str, error: BaseException | None = None, log_path: Path | None = None) -> None:
         """Close workload runs whose repeats did not all run, attach the engine log, its findings and
@@ -330,6 +457,20 @@ class ArmRecorder:
 
 
 _COUNTS = ("requests", "completed", "failed", "warmup_requests", "slo_met")
+
+
+def _compile_cache_params(plan: ArmPlan) -> dict[str, Any]:
+    """``compile_cache.key``, ``.dir`` (as the engine sees it), ``.host_dir``, ``.source``, ``.var``."""
+    cache = plan.compile_cache
+    if cache is None:
+        return {}
+    return {
+        "compile_cache.key": cache.key,
+        "compile_cache.dir": cache.dir,
+        "compile_cache.host_dir": cache.host_dir,
+        "compile_cache.source": cache.source,
+        "compile_cache.var": cache.var,
+    }
 
 
 def _repeat_metrics(stats: Mapping[str, RepeatStats]) -> dict[str, float | None]:

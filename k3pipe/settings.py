@@ -60,3 +60,7 @@ def prepare_prefect_env(settings: Settings) -> None:
     os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    # Prefect's temporary server (no PREFECT_API_URL) gets 20 s to answer by default; on a loaded
+    # machine (an engine compiling beside it, 2 cores) it took longer and `k3pipe run` failed with
+    # "Timed out while attempting to connect to ephemeral Prefect API server"
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from k3pipe.bench import WorkloadResult, WorkloadSummary, load_tokenizer, run_workload, summarize
 from k3pipe.bench.corpora import PromptSet, build_prompts
 from k3pipe.bench.summary import retokenize
+from k3pipe.coldstart import ensure_compile_cache
 from k3pipe.engines import get_engine
 from k3pipe.errors import BenchmarkError, SpecError
 from k3pipe.health import wait_until_healthy
@@ -36,6 +37,7 @@ from k3pipe.metrics import (
     engine_side_summary,
     reconcile,
 )
+from k3pipe.node import GpuMemorySample, GpuMemorySampler
 from k3pipe.plan import ArmPlan
 from k3pipe.settings import Settings
 from k3pipe.sources.images import ImageRecord, resolve_image
@@ -68,7 +70,8 @@ def launch_engine(
     docker: the container is created from ``image.pinned`` (the digest), labelled with ``labels``.
     """
     launcher: Launcher
-    env = dict(plan.command.env)
+    env = plan.engine_env()  # the spec's env + the compile cache's variable
+    ensure_compile_cache(plan)
     key_var = get_engine(plan.engine).api_key_env_var
     if api_key is not None and key_var:
         env[key_var] = api_key.get_secret_value()
@@ -95,6 +98,7 @@ def launch_engine(
                 **(labels or {}),
             },
             mounts=plan.mounts,
+            writable_mounts=plan.writable_mounts,
             gpus=spec.gpus,
             ipc=spec.ipc,
             shm_size=spec.shm_size,
@@ -153,6 +157,8 @@ class WorkloadOutcome:
     prompts: PromptSet | None = None
     repeat: int = 0
     seed: int = 0
+    gpu_memory: list[GpuMemorySample] = field(default_factory=list)
+    """GPU memory in use, sampled every metrics_interval_s during the run (none without nvidia-smi)."""
 
     def metrics(self) -> dict[str, float]:
         """The client summary's metrics and the engine-side ones, flat."""
@@ -269,7 +275,9 @@ def benchmark_workload(
                 if task is not None:
                     await task
 
-    result = _run_interruptibly(go)
+    # the node's GPUs only matter when the engine is ours (not for an external endpoint)
+    with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launcher != "external") as gpu:
+        result = _run_interruptibly(go)
     result = retokenize(result, lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids))
     summary = summarize(result, workload.slo)
     window = bracketing_scrapes(scraper.scrapes, result.t_start, result.t_end)
@@ -284,6 +292,7 @@ def benchmark_workload(
         prompts=prompt_set,
         repeat=repeat,
         seed=seed,
+        gpu_memory=gpu.samples,
     )
 
 

@@ -7,6 +7,7 @@ is gibberish, which is fine for measuring a pipeline.
 Runs in the engine's venv (it needs torch and transformers):
     ENGINE_PYTHON scripts/make_tiny_model.py OUT_DIR
 It writes into a temporary directory and renames it into place, so OUT_DIR is complete or absent.
+scripts/make_random_llama.py builds larger models with the same tokenizer (build_tokenizer).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 VOCAB = 2048
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -35,32 +37,60 @@ def corpus() -> list[str]:
     return [str(p) for p in sorted(stdlib.glob("*.py"))]
 
 
+def build_tokenizer(directory: Path) -> Any:
+    """Train the byte-level BPE tokenizer, save it (with the chat template) into ``directory`` and
+    return it as a ``PreTrainedTokenizerFast``. Shared with scripts/make_random_llama.py."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return fast
+
+
+def special_token_ids(fast: Any) -> dict[str, int]:
+    """The bos/eos/pad ids a model config takes from the tokenizer."""
+    return {
+        "bos_token_id": fast.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": fast.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": fast.convert_tokens_to_ids("<|endoftext|>"),
+    }
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Make ``tmp`` world-readable and rename it to ``out`` (replacing an older ``out``)."""
+    tmp.chmod(0o755)
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
 def build(out: Path) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
     try:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=VOCAB,
-            special_tokens=SPECIAL,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train(corpus(), trainer)
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<|endoftext|>",
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            unk_token="<|endoftext|>",
-        )
-        fast.chat_template = CHAT_TEMPLATE
-        fast.save_pretrained(tmp)
+        fast = build_tokenizer(tmp)
 
         torch.manual_seed(0)
         config = LlamaConfig(
@@ -73,9 +103,7 @@ def build(out: Path) -> None:
             head_dim=64,
             max_position_embeddings=4096,
             tie_word_embeddings=True,
-            bos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
-            eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
+            **special_token_ids(fast),
             torch_dtype="float32",
         )
         model = LlamaForCausalLM(config)
@@ -83,12 +111,7 @@ def build(out: Path) -> None:
         (tmp / "k3pipe-tiny.json").write_text(
             json.dumps({"made_by": "scripts/make_tiny_model.py", "vocab": VOCAB, "seed": 0}) + "\n"
         )
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

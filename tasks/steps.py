@@ -10,9 +10,12 @@ from prefect.cache_policies import NO_CACHE
 
 from k3pipe import steps
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.bench.summary import summary_line, timing_note
+from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck, check_endpoint
 from k3pipe.launchers import Launcher, connect, reap_orphans
+from k3pipe.node import NodeInfo, probe_node
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.preflight import preflight
 from k3pipe.settings import Settings, read_secret
@@ -57,10 +60,40 @@ def fetch_model_task(name: str, spec: ModelScopeModel | LocalModel, home: Path) 
 
 
 @task(name="plan-arm", cache_policy=NO_CACHE)
-def plan_arm_task(spec: ExperimentSpec, arm: str, home: Path, model_dirs: dict[str, str]) -> ArmPlan:
-    plan = plan_arm(spec, spec.arm(arm), home, model_dirs)
+def plan_arm_task(
+    spec: ExperimentSpec,
+    arm: str,
+    home: Path,
+    model_dirs: dict[str, str],
+    model_digests: dict[str, str] | None = None,
+) -> ArmPlan:
+    plan = plan_arm(spec, spec.arm(arm), home, model_dirs, model_digests)
     get_run_logger().info("arm %s command: %s", arm, plan.command.shell())
+    if plan.compile_cache is not None:
+        get_run_logger().info("arm %s %s", arm, plan.compile_cache.describe())
     return plan
+
+
+@task(name="probe-node", cache_policy=NO_CACHE)
+def probe_node_task(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
+    node = probe_node(
+        plan.command.argv, plan.launcher, plan.engine, {**settings.process_env(), **plan.engine_env()}
+    )
+    if node is not None:
+        get_run_logger().info("node: %s", node.describe())
+    elif plan.launcher != "external":
+        get_run_logger().info("node: no nvidia-smi on PATH, so no GPU facts are recorded")
+    return node
+
+
+@task(name="cold-start", cache_policy=NO_CACHE)
+def cold_start_task(
+    plan: ArmPlan, log_path: Path | None, cold_start_s: float | None, run_id: str
+) -> ColdStart:
+    cold = read_cold_start(plan, log_path, cold_start_s, run_id)
+    for line in cold.log_lines():
+        get_run_logger().info("%s", line)
+    return cold
 
 
 @task(name="reap-orphans", cache_policy=NO_CACHE)
@@ -165,18 +198,11 @@ def benchmark_task(
         home=home,
         prompts=prompts,
     )
-    m = outcome.summary.metrics()
-    logger.info(
-        "%s: ttft p50 %.1f ms, tpot p50 %.2f ms, itl p50 %.2f ms (%s), output %.1f tok/s, %d failed%s",
-        workload.name,
-        m.get("ttft_ms_p50") or float("nan"),
-        m.get("tpot_ms_p50") or float("nan"),
-        m.get("itl_ms_p50") or float("nan"),
-        outcome.summary.itl_basis or "no ITL",
-        m.get("output_throughput_tps") or 0.0,
-        int(m.get("failed") or 0),
-        f", SLO attainment {m['slo_attainment_pct']:.1f}%" if "slo_attainment_pct" in m else "",
-    )
+    m = outcome.metrics()
+    logger.info(summary_line(workload.name, m, outcome.summary.itl_basis))
+    note = timing_note(m)
+    if note:
+        logger.warning("%s: %s", workload.name, note)
     for d in outcome.discrepancies:
         logger.warning("%s: client and engine disagree: %s", workload.name, d.message)
     return outcome

@@ -70,6 +70,9 @@ class Script:
     role_delay_s: float = 0.0  # before the role chunk (chat) / before anything (completions)
     first_token_delay_s: float = 0.0  # after the role chunk, before the first token chunk
     inter_token_s: float = 0.0  # between token chunks
+    # token chunks are made inter_token_s apart but written this many at a time, in one write (a
+    # starved API server handing over a stream in bursts); the last write takes what is left
+    burst_chunks: int = 1
     reasoning_tokens: int = 0  # chat only: reasoning tokens before the content tokens
     reasoning_field: Literal["reasoning", "reasoning_content", "both"] = "reasoning"
     output_tokens: int | None = None  # reasoning + content; None: the request's max_tokens
@@ -291,12 +294,14 @@ class ScriptedOpenAI:
                     received, "finish", {**head, "choices": [finish], **_null_usage(chat, script)}
                 )
             done = 0
+            held: list[str] = []  # token chunks made but not yet written (burst_chunks > 1)
             for n, (kind, text) in enumerate(groups):
                 if n:
                     await asyncio.sleep(script.inter_token_s)
                 if script.stream_error_after is not None and n == script.stream_error_after:
                     err = _error("scripted error in stream", "InternalServerError", 500)
-                    yield self._emit(received, "error", err)
+                    yield "".join(held) + self._emit(received, "error", err)
+                    held = []
                     break
                 last = n == len(groups) - 1
                 reason = "length" if last else None
@@ -305,7 +310,10 @@ class ScriptedOpenAI:
                 else:
                     choice = _text(text, reason)
                 done += len(text.split())
-                yield self._emit(received, kind, {**head, "choices": [choice], **running(done)})
+                held.append(self._emit(received, kind, {**head, "choices": [choice], **running(done)}))
+                if len(held) >= script.burst_chunks or last:
+                    yield "".join(held)
+                    held = []
             await asyncio.sleep(script.tail_delay_s)
             if send_usage:
                 completion = sum(len(g[1].split()) for g in groups)

@@ -191,6 +191,13 @@ def test_flow_records_everything_in_mlflow(
         # read, so the client's TPOT may be 0 for most requests. The engine's own figure is not.
         assert 0 <= m["tpot_ms_p50"] < 5_000
         assert 0 < m["engine_itl_ms_mean"] < 5_000
+        # ... and then that is a finding, not a speed: tagged, with the engine's ITL as the figure
+        bursty = m["client_timing_bursty"] == 1.0
+        assert child.data.tags["k3pipe.client_timing"] == ("bursty" if bursty else "ok")
+        if bursty:
+            assert "the engine's ITL" in child.data.tags["k3pipe.client_timing_note"]
+        elif m["tpot_ms_p50"] == 0:
+            pytest.fail("a TPOT p50 of 0 ms without the bursty flag")
         assert m["output_tokens_total"] == spec["num_requests"] * spec["output_tokens"]
         assert 0 < m["output_throughput_tps"] <= m["output_throughput_bound_tps"] * 1.001
         assert m["throughput_exceeds_bound"] == 0

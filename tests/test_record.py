@@ -9,7 +9,7 @@ import pytest
 
 from k3pipe.bench import RequestRecord, WorkloadResult, summarize
 from k3pipe.plan import plan_arm
-from k3pipe.record import ArmRecorder
+from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder, summary_table
 from k3pipe.specs import WorkloadSpec, parse_experiment
 from k3pipe.steps import WorkloadOutcome
 from k3pipe.tracking import Tracker
@@ -188,3 +188,65 @@ def test_a_workload_run_is_closed_even_when_its_params_fail(
     rec.finish("FAILED", RuntimeError("store hiccup"))
     statuses = {r.info.run_name: r.info.status for r in tracker.client.search_runs([tracker.experiment_id])}
     assert "RUNNING" not in statuses.values(), statuses
+
+
+def bursty_outcome(workload: WorkloadSpec) -> WorkloadOutcome:
+    """Two requests whose 4 tokens all came in one read (equal stamps), and the engine's own ITL."""
+    records = [
+        RequestRecord(
+            index=i,
+            warmup=False,
+            prompt_tokens=8,
+            max_tokens=4,
+            usage_output_tokens=4,
+            t_scheduled=T0,
+            t_send=T0,
+            t_first_delta=T0 + 0.1,
+            t_first_content=T0 + 0.1,
+            chunk_times=[T0 + 0.1] * 4,
+            chunk_tokens=[1, 1, 1, 1],
+            t_end=T0 + 0.1,
+            status_code=200,
+        )
+        for i in range(2)
+    ]
+    result = WorkloadResult(
+        workload=workload.name, records=records, t_start=T0, t_end=T0 + 0.1, started_at_unix_s=0
+    )
+    return WorkloadOutcome(result, summarize(result), engine_metrics={"engine_itl_ms_p50": 4.25})
+
+
+def test_bursty_delivery_is_a_tag_a_metric_and_a_marked_table_cell(tracker: Tracker, tmp_path: Path) -> None:
+    rec = recorder(tracker, tmp_path)
+    bursty, clean = workload(1), workload(1).model_copy(update={"name": "clean"})
+    bursty_run = rec.log_workload(bursty, bursty_outcome(bursty))
+    clean_run = rec.log_workload(clean, outcome(clean, 0, 0.1))
+    rec.finish("FINISHED")
+
+    run = tracker.client.get_run(bursty_run)
+    assert run.data.metrics["client_timing_bursty"] == 1.0
+    assert run.data.metrics["bursty_requests_pct"] == 100.0
+    assert run.data.metrics["itl_ms_p50"] == 0.0  # kept as measured, and flagged
+    assert run.data.tags["k3pipe.client_timing"] == "bursty"
+    assert "the engine's ITL p50 is 4.25 ms" in run.data.tags["k3pipe.client_timing_note"]
+    assert tracker.client.get_run(clean_run).data.tags["k3pipe.client_timing"] == "ok"
+    assert tracker.client.get_run(rec.run_id).data.tags["k3pipe.bursty_workloads"] == "w"
+
+    rows = [{"arm": "a", "workload": name, **rec.workload_metrics(name)} for name in ("w", "clean")]
+    table = summary_table(rows)
+    assert table[0]["tpot_ms_p50"] == table[0]["itl_ms_p50"] == "bursty"
+    assert table[0]["client_timing"] == "bursty (100% of requests): engine ITL p50 4.25 ms"
+    assert table[1]["client_timing"] == "ok"
+    assert table[1]["tpot_ms_p50"] == pytest.approx(100.0)
+    assert table[1]["completed"] == 2
+    assert isinstance(table[1]["completed"], int)
+    # no SLO on these workloads: a dash, not NaN
+    assert table[0]["slo_attainment_pct"] == "-"
+    assert list(table[1])[: len(SUMMARY_COLUMNS)] == list(SUMMARY_COLUMNS)
+
+
+def test_a_table_without_bursty_workloads_has_no_timing_column() -> None:
+    table = summary_table([{"arm": "a", "workload": "w", "tpot_ms_p50": 1.234567, "completed": 3.0}])
+    assert "client_timing" not in table[0]
+    assert table[0]["tpot_ms_p50"] == 1.23
+    assert table[0]["itl_ms_p50"] == "-"

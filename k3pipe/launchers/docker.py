@@ -79,6 +79,7 @@ class DockerLauncher:
         init: bool = True,
         stop_timeout_s: float = 30.0,
         name: str | None = None,
+        writable_mounts: Mapping[str, str] | None = None,
     ) -> None:
         self.client = client
         self.image = image
@@ -87,6 +88,7 @@ class DockerLauncher:
         self.log_path: Path | None = log_path
         self.labels = {MANAGED_LABEL: "true", **labels}
         self.mounts = dict(mounts)
+        self.writable_mounts = dict(writable_mounts or {})  # host dir -> path, read-write (caches)
         self.gpus = gpus
         self.ipc = ipc
         self.shm_size = shm_size
@@ -109,8 +111,10 @@ class DockerLauncher:
             "command": self.command,
             "environment": self.env,
             "labels": self.labels,
-            "mounts": [
-                Mount(target=c, source=h, type="bind", read_only=True) for h, c in self.mounts.items()
+            "mounts": [Mount(target=c, source=h, type="bind", read_only=True) for h, c in self.mounts.items()]
+            + [
+                Mount(target=c, source=h, type="bind", read_only=False)
+                for h, c in self.writable_mounts.items()
             ],
             "network_mode": self.network,
             "init": self.init,

@@ -49,7 +49,12 @@ def test_real_engine_counts_exactly_what_was_sent(vllm_engine: RunningEngine, ap
         assert r.saw_done
         assert r.finish_reason == "length"
         assert r.usage_output_tokens == 24  # ignore_eos: exactly max_tokens
-        assert len(r.chunk_times) == 24  # one token per chunk without speculative decoding
+        # one token per chunk without speculative decoding, unless the API server fell behind the
+        # engine: vLLM's output collector (v1/engine/output_processor.py, RequestOutputCollector)
+        # then merges the steps it holds into one delta, which continuous usage counts
+        assert r.chunk_tokens is not None
+        assert sum(r.chunk_tokens) == 24
+        assert len(r.chunk_times) <= 24
         assert r.t_first_delta == r.chunk_times[0]  # the role chunk was not counted
         assert r.t_first_content == r.t_first_delta  # no reasoning parser: content first
         assert r.usage_prompt_tokens is not None

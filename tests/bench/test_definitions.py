@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, run_workload, summarize
-from k3pipe.bench.summary import retokenize
+from k3pipe.bench.summary import WorkloadSummary, records_frame, retokenize, timing_note
 from k3pipe.specs import SLOSpec, WorkloadSpec
 from tests.scripted_openai import Received, Script, ScriptedOpenAI
 
@@ -338,3 +338,80 @@ def test_a_token_sent_without_text_after_the_last_chunk_is_not_in_tpot() -> None
 def test_one_visible_chunk_without_counts_has_no_tpot() -> None:
     s = summarize(result_of(record([0.1], None, 5)))
     assert s.tpot_ms is None  # no time after the only chunk: not 0 ms
+
+
+# --- bursty delivery: a finding, not a speed ---
+
+
+def test_a_stream_delivered_in_bursts_is_flagged_not_timed(server: ScriptedOpenAI) -> None:
+    """Tokens made 10 ms apart but written 8 chunks at a time: of each request's 31 tokens after the
+    first, 28 came in the same read as the token before (4 writes of 8, less each write's first
+    chunk). The client's ITL p50 is then 0: it times delivery, and the summary says so."""
+    server.script = Script(inter_token_s=0.01, burst_chunks=8)
+    result = run(server.base_url, workload(output_tokens=32, num_requests=3, concurrency=3))
+    s = summarize(result)
+    assert s.completed == 3
+    assert s.bursty_requests == 3
+    assert s.bursty_requests_pct == pytest.approx(100.0)
+    assert s.coalesced_tokens_pct == pytest.approx(100.0 * 28 / 31)
+    assert s.client_timing_bursty
+    assert s.itl_ms is not None
+    assert s.itl_ms.p50 == 0.0  # what a user would have read as a speed
+    metrics = s.metrics()
+    assert metrics["client_timing_bursty"] == 1.0
+    assert metrics["bursty_requests_pct"] == pytest.approx(100.0)
+    frame = records_frame(result)
+    assert frame["coalesced_tokens"].tolist() == [28, 28, 28]
+    # the server's own stamps were 10 ms apart: the engine's ITL is the figure to read
+    note = timing_note({**metrics, "engine_itl_ms_p50": 10.2})
+    assert note is not None
+    assert "bursty delivery: 100% of requests" in note
+    assert "the engine's ITL p50 is 10.20 ms" in note
+    without_engine = timing_note(metrics)
+    assert without_engine is not None
+    assert "no decode speed was measured" in without_engine
+
+
+def test_a_stream_written_token_by_token_is_not_bursty(server: ScriptedOpenAI) -> None:
+    server.script = Script(inter_token_s=0.01)
+    s = summarize(run(server.base_url, workload(output_tokens=16, num_requests=2, concurrency=2)))
+    assert s.bursty_requests == 0
+    assert s.coalesced_tokens_pct == pytest.approx(0.0)
+    assert not s.client_timing_bursty
+    assert timing_note(s.metrics()) is None
+    assert s.itl_ms is not None
+    assert s.itl_ms.p50 == pytest.approx(10.0, abs=SLACK_S * 1000)
+
+
+def test_bursty_thresholds() -> None:
+    """A request is bursty at half its tokens after the first coalesced; a workload at 10% bursty
+    requests or 25% coalesced tokens. A multi-token chunk from the server is not coalescing."""
+    clean = [0.1, 0.2, 0.3, 0.4, 0.5]  # 4 tokens after the first, none coalesced
+    half = [0.1, 0.2, 0.2, 0.3, 0.3]  # 2 of 4 coalesced: bursty
+    below = [0.1, 0.2, 0.2, 0.3, 0.4]  # 1 of 4: not bursty
+
+    def of(*chunks: list[float]) -> WorkloadSummary:
+        return summarize(result_of(*(record(c, [1] * len(c), len(c), index=i) for i, c in enumerate(chunks))))
+
+    one_in_ten = of(half, *[clean] * 9)
+    assert one_in_ten.bursty_requests == 1
+    assert one_in_ten.bursty_requests_pct == pytest.approx(10.0)
+    assert one_in_ten.coalesced_tokens_pct == pytest.approx(5.0)
+    assert one_in_ten.client_timing_bursty
+    one_in_twenty = of(half, *[clean] * 19)
+    assert one_in_twenty.bursty_requests_pct == pytest.approx(5.0)
+    assert not one_in_twenty.client_timing_bursty
+    # no request bursty, but a quarter of all timed tokens coalesced
+    spread = of(below, below, below, below)
+    assert spread.bursty_requests == 0
+    assert spread.coalesced_tokens_pct == pytest.approx(25.0)
+    assert spread.client_timing_bursty
+    # 4-token chunks 80 ms apart (speculative decoding, or a server's own batching) are timed per token
+    multi = summarize(result_of(record([0.1, 0.18, 0.26], [4, 4, 4], 12)))
+    assert multi.coalesced_tokens_pct == pytest.approx(0.0)
+    assert not multi.client_timing_bursty
+    # nothing after the first chunk: nothing to call bursty
+    single = summarize(result_of(record([0.1], [5], 5)))
+    assert single.coalesced_tokens_pct is None
+    assert single.bursty_requests_pct is None
+    assert not single.client_timing_bursty

@@ -198,8 +198,10 @@ def test_metrics_are_flat_floats_with_units_in_names() -> None:
         "itl_per_token",
         "throughput_exceeds_bound",
         "stopped_by_duration",
+        "bursty_requests",
+        "client_timing_bursty",
     }
-    unit = re.compile(r"(_ms_(mean|p50|p90|p99)|_s|_rps|_tps|_total)$")
+    unit = re.compile(r"(_ms_(mean|p50|p90|p99)|_s|_rps|_tps|_total|_pct)$")
     for name, value in metrics.items():
         assert type(value) is float, name
         assert name in counts or unit.search(name), name

@@ -1,0 +1,296 @@
+"""The node an arm runs on, for the record: its GPUs, driver and CUDA (from ``nvidia-smi``), the engine
+interpreter's package versions, and the GPUs' memory sampled while a workload runs.
+
+Without ``nvidia-smi`` on PATH (a CPU machine) nothing here is recorded and nothing fails:
+:func:`probe_node` returns None, :func:`nvidia_smi_report` None and :class:`GpuMemorySampler`
+samples nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
+
+from k3pipe.engines import get_engine
+
+__all__ = [
+    "GpuInfo",
+    "GpuMemorySample",
+    "GpuMemorySampler",
+    "NodeInfo",
+    "engine_python",
+    "gpu_memory_frame",
+    "interpreter_versions",
+    "nvidia_smi_report",
+    "parse_cuda_version",
+    "parse_gpu_query",
+    "probe_node",
+]
+
+NVIDIA_SMI = "nvidia-smi"
+GPU_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+MEMORY_QUERY = ["--query-gpu=memory.used", "--format=csv,noheader"]
+_TIMEOUT_S = 30.0
+
+
+class GpuInfo(BaseModel):
+    """One GPU as ``nvidia-smi --query-gpu=name,memory.total,driver_version`` lists it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    name: str
+    memory_total_mib: int | None
+    driver_version: str
+
+
+class NodeInfo(BaseModel):
+    """The node under an arm: GPUs, driver, CUDA, and the versions in the engine's interpreter."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpus: list[GpuInfo]
+    cuda_version: str | None = Field(description="The CUDA version nvidia-smi's header reports.")
+    python: str | None = Field(default=None, description="The engine's interpreter (process arms).")
+    packages: dict[str, str | None] = Field(
+        default_factory=dict, description="Versions in the engine's interpreter ('python' included)."
+    )
+    nvidia_smi: str = Field(description="nvidia-smi's full output before launch.")
+
+    def describe(self) -> str:
+        """One line for the flow's log."""
+        p = self.params()
+        text = f"{p.get('node.gpu_count')} x {p.get('node.gpu_name')} ({p.get('node.gpu_memory_mib')} MiB)"
+        text += f", driver {p.get('node.driver_version')}, CUDA {self.cuda_version}"
+        versions = ", ".join(f"{k} {v}" for k, v in self.packages.items())
+        return text + (f"; engine interpreter {self.python}: {versions}" if versions else "")
+
+    def params(self) -> dict[str, Any]:
+        """MLflow params ``node.*``."""
+        names = sorted({g.name for g in self.gpus})
+        memory = sorted({g.memory_total_mib for g in self.gpus if g.memory_total_mib is not None})
+        out: dict[str, Any] = {
+            "node.gpu_name": ", ".join(names) or None,
+            "node.gpu_count": len(self.gpus),
+            "node.gpu_memory_mib": ", ".join(str(m) for m in memory) or None,
+            "node.driver_version": self.gpus[0].driver_version if self.gpus else None,
+            "node.cuda_version": self.cuda_version,
+            "node.engine_python": self.python,
+        }
+        for name, version in self.packages.items():
+            out[f"node.{name}_version"] = version
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def _nvidia_smi(args: Sequence[str] = ()) -> str | None:
+    exe = shutil.which(NVIDIA_SMI)
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def nvidia_smi_report() -> str | None:
+    """``nvidia-smi``'s full output (None: no nvidia-smi, or it failed)."""
+    return _nvidia_smi()
+
+
+_MIB = re.compile(r"^\s*(\d+)\s*MiB\s*$")
+
+
+def _mib(text: str) -> int | None:
+    match = _MIB.match(text)
+    return int(match.group(1)) if match else None
+
+
+def parse_gpu_query(text: str) -> list[GpuInfo]:
+    """The lines of ``nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader``
+    (e.g. ``NVIDIA H200, 143771 MiB, 580.159.04``), one per GPU in index order."""
+    out: list[GpuInfo] = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.rsplit(",", 2)]
+        if len(parts) != 3 or not parts[0]:
+            continue
+        out.append(
+            GpuInfo(index=len(out), name=parts[0], memory_total_mib=_mib(parts[1]), driver_version=parts[2])
+        )
+    return out
+
+
+_CUDA = re.compile(r"CUDA Version:\s*([\w.]+)")
+
+
+def parse_cuda_version(report: str) -> str | None:
+    """The CUDA version in nvidia-smi's header (``... CUDA Version: 13.0 |``)."""
+    match = _CUDA.search(report)
+    return match.group(1) if match else None
+
+
+def engine_python(executable: str, path: str | None = None) -> str | None:
+    """The Python interpreter behind an arm's executable: the executable itself when it is a python,
+    else the interpreter its ``#!`` line names (entry-point scripts such as ``vllm``), else a
+    ``python`` beside it. ``path`` is the PATH to look a bare name up in."""
+    found = shutil.which(executable, path=path) if "/" not in executable else executable
+    if found is None or not Path(found).is_file():
+        return None
+    exe = Path(found)
+    if exe.name.startswith("python"):
+        return str(exe)
+    try:
+        with exe.open("rb") as fh:
+            first = fh.readline(512).decode(errors="replace")
+    except OSError:
+        first = ""
+    if first.startswith("#!"):
+        words = first[2:].split()
+        if words and Path(words[0]).name == "env" and len(words) > 1:
+            words = [shutil.which(words[1], path=path) or words[1], *words[2:]]
+        if words and Path(words[0]).name.startswith("python") and Path(words[0]).is_file():
+            return words[0]
+    for name in ("python", "python3"):
+        if (exe.parent / name).is_file():
+            return str(exe.parent / name)
+    return None
+
+
+# Reads distribution metadata only: importing torch or vLLM would take seconds and touch the GPU.
+_VERSIONS = """
+import importlib.metadata as md, json, platform, sys
+names = md.packages_distributions()
+out = {"python": platform.python_version()}
+for pkg in sys.argv[1:]:
+    version = None
+    for dist in [pkg, *names.get(pkg, [])]:
+        try:
+            version = md.version(dist)
+            break
+        except md.PackageNotFoundError:
+            pass
+    out[pkg] = version
+print(json.dumps(out))
+"""
+
+
+def interpreter_versions(
+    python: str, packages: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = 60.0
+) -> dict[str, str | None]:
+    """``{'python': X.Y.Z, package: version or None}`` as ``python`` sees them ({} when it cannot run)."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _VERSIONS, *packages],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=dict(env) if env is not None else None,
+            check=False,
+        )
+        data = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+    return {str(k): (str(v) if v is not None else None) for k, v in data.items()}
+
+
+def probe_node(
+    argv: Sequence[str], launcher: str, engine: str, env: Mapping[str, str] | None = None
+) -> NodeInfo | None:
+    """The node's GPUs, driver and CUDA, and (process launcher) the torch and engine versions of the
+    interpreter ``argv[0]`` runs in; None without nvidia-smi, and for an external endpoint (whose
+    node is not this one)."""
+    if launcher == "external":
+        return None
+    report = nvidia_smi_report()
+    if report is None:
+        return None
+    gpus = parse_gpu_query(_nvidia_smi(GPU_QUERY) or "")
+    python = None
+    packages: dict[str, str | None] = {}
+    if launcher == "process" and argv:
+        python = engine_python(argv[0], (env or {}).get("PATH"))
+        wanted = ["torch", *([p] if (p := get_engine(engine).python_package) else [])]
+        if python is not None:
+            packages = interpreter_versions(python, wanted, env)
+    return NodeInfo(
+        gpus=gpus,
+        cuda_version=parse_cuda_version(report),
+        python=python,
+        packages=packages,
+        nvidia_smi=report,
+    )
+
+
+@dataclass(frozen=True)
+class GpuMemorySample:
+    """GPU ``gpu``'s memory in use at ``t`` (``time.perf_counter()``)."""
+
+    t: float
+    gpu: int
+    memory_used_mib: int
+
+
+class GpuMemorySampler:
+    """Samples every GPU's memory in use every ``interval_s`` in a thread, while in its ``with``
+    block (nothing when nvidia-smi is absent or ``enabled`` is false)."""
+
+    def __init__(self, interval_s: float = 1.0, enabled: bool = True) -> None:
+        self.interval_s = max(0.1, interval_s)
+        self.enabled = enabled
+        self.samples: list[GpuMemorySample] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample_once(self) -> None:
+        t = time.perf_counter()
+        text = _nvidia_smi(MEMORY_QUERY)
+        if text is None:
+            return
+        for gpu, line in enumerate(ln for ln in text.splitlines() if ln.strip()):
+            used = _mib(line)
+            if used is not None:
+                self.samples.append(GpuMemorySample(t, gpu, used))
+
+    def _run(self) -> None:
+        while True:
+            self.sample_once()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> GpuMemorySampler:
+        if self.enabled and shutil.which(NVIDIA_SMI) is not None:
+            self._thread = threading.Thread(target=self._run, name="k3pipe-gpu-memory", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_TIMEOUT_S + 5)
+            self.sample_once()  # the state at the end of the window
+
+    def max_used_mib(self) -> int | None:
+        return max((s.memory_used_mib for s in self.samples), default=None)
+
+
+def gpu_memory_frame(samples: Sequence[GpuMemorySample], t0: float) -> pd.DataFrame:
+    """One row per sample: ``t_s`` (seconds from ``t0``, the workload's start), ``gpu``,
+    ``memory_used_mib``."""
+    return pd.DataFrame(
+        {
+            "t_s": [s.t - t0 for s in samples],
+            "gpu": [s.gpu for s in samples],
+            "memory_used_mib": [s.memory_used_mib for s in samples],
+        }
+    )

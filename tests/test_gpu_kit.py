@@ -1,0 +1,354 @@
+"""The GPU run kit: scripts/make_random_llama.py (at a tiny size), scripts/gpu-node.sh (stash, model, run,
+collect) and scripts/check_gpu_record.py.
+
+One flow runs here (module fixture): ``gpu-node.sh run`` drives ``k3pipe run`` on an experiment of two
+process arms serving tests/docker/fake_engine.py (the scripted vLLM stand-in: /health, /version,
+/metrics, vLLM log lines; no real engine, no docker) with a made-up key; ``gpu-node.sh collect`` packs
+the store, and check_gpu_record.py must find it complete, and incomplete once a part is removed or
+the key planted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, TINY_MODEL, VLLM_PYTHON, free_port
+
+NODE = REPO / "scripts" / "gpu-node.sh"
+CHECK = REPO / "scripts" / "check_gpu_record.py"
+FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
+sys.path.insert(0, str(REPO / "scripts"))
+import make_random_llama  # noqa: E402
+
+
+def _torch_python() -> Path:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"no python with torch at {VLLM_PYTHON}; run the tests with `make test`, which builds it")
+    return VLLM_PYTHON
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header: dict[str, Any] = json.loads(fh.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_1b_preset_is_a_1b_llama() -> None:
+    shape = make_random_llama.PRESETS["1b"]
+    assert shape["hidden_size"] == 2048
+    assert shape["num_hidden_layers"] == 16
+    assert shape["num_attention_heads"] * shape["head_dim"] == 2048
+    assert shape["num_key_value_heads"] == 8
+    assert shape["intermediate_size"] == 8192
+    assert shape["max_position_embeddings"] >= 4096 + 256
+    assert make_random_llama.parameter_count(shape) == 977_340_416
+
+
+def test_random_llama_at_a_tiny_size(tmp_path: Path) -> None:
+    out = tmp_path / "models" / "rl"
+    flags = ["--preset", "tiny", "--layers", "1", "--hidden", "128", "--heads", "2", "--kv-heads", "1",
+             "--intermediate", "256", "--device", "cpu"]  # fmt: skip
+    cmd = [str(_torch_python()), str(REPO / "scripts" / "make_random_llama.py"), str(out), *flags]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "random llama written to" in first.stdout
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (128, 1, 1)
+    assert config["max_position_embeddings"] == 8192
+    assert config["vocab_size"] == 2048
+    header = _safetensors_header(out / "model.safetensors")
+    assert {t["dtype"] for t in header.values()} == {"BF16"}
+    count = sum(math.prod(t["shape"]) for t in header.values())
+    shape = make_random_llama.resolve_shape(
+        "tiny", {"layers": 1, "hidden": 128, "heads": 2, "kv_heads": 1, "intermediate": 256}
+    )
+    assert count == make_random_llama.parameter_count(shape)
+    info = json.loads((out / make_random_llama.MARKER).read_text())
+    assert info["parameters"] == count
+    assert info["device"] == "cpu"
+    # the tiny demo model's tokenizer, byte for byte
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert _sha(out / name) == _sha(TINY_MODEL / name), name
+    assert not list(out.parent.glob(".random-llama-*"))  # no temporary directory left
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "already at" in again.stdout
+
+
+def test_the_tiny_model_is_unchanged(tmp_path: Path) -> None:
+    """make_tiny_model.py shares its tokenizer code with make_random_llama.py; its output stays the same."""
+    out = tmp_path / "tiny"
+    done = subprocess.run(
+        [str(_torch_python()), str(REPO / "scripts" / "make_tiny_model.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    built = sorted(p.name for p in out.iterdir())
+    assert built == sorted(p.name for p in TINY_MODEL.iterdir())
+    for name in built:
+        assert _sha(out / name) == _sha(TINY_MODEL / name), name
+
+
+def test_stash_moves_carried_parts_to_the_stage(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(NODE, repo / "scripts" / "gpu-node.sh")
+    bundle = repo / ".gpu" / "bundle"
+    bundle.mkdir(parents=True)
+    (bundle / "install.sh").write_text("echo hi\n")
+    part0, part1 = b"a" * 1000, b"b" * 10
+    (bundle / "k3pipe-bundle.part000").write_bytes(part0)
+    manifest = {
+        "parts": [
+            {
+                "name": f"k3pipe-bundle.part00{i}",
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+            for i, data in enumerate((part0, part1))
+        ]
+    }
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    stage = tmp_path / "stage"
+    env = {**os.environ, "K3PIPE_HOME": str(tmp_path / "home"), "K3PIPE_STAGE": str(stage)}
+    script = repo / "scripts" / "gpu-node.sh"
+
+    def stash(*paths: str) -> subprocess.CompletedProcess[str]:
+        argv = ["bash", str(script), "stash", *paths]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+    done = stash()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (stage / "install.sh").read_text() == "echo hi\n"
+    assert (stage / "k3pipe-bundle.part000").read_bytes() == part0
+    assert not (bundle / "install.sh").exists()  # moved, not copied
+    assert "manifest.json: 1 of 2 parts ok, 1 still to come (k3pipe-bundle.part001), 0 bad" in done.stdout
+    assert "3 file(s)" in done.stdout
+
+    # the next call carries the next part
+    (bundle / "k3pipe-bundle.part001").write_bytes(part1)
+    done = stash()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "manifest.json: 2 of 2 parts ok, 0 still to come, 0 bad" in done.stdout
+    assert "4 file(s)" in done.stdout
+
+    # a damaged part fails loudly
+    (bundle / "k3pipe-bundle.part001").write_bytes(b"x" * 10)
+    bad = stash()
+    assert bad.returncode != 0
+    assert "PART DOES NOT MATCH manifest.json: k3pipe-bundle.part001" in bad.stdout
+    assert "!!!" in bad.stdout + bad.stderr
+    # nothing carried: a loud failure, not a silent no-op
+    none = stash("no/such/dir")
+    assert none.returncode != 0
+    assert "nothing carried at no/such/dir" in none.stdout + none.stderr
+
+
+# ------------------------------------------------------------------------------- one flow, then checks
+
+
+def _experiment(port: int) -> dict[str, Any]:
+    engine = {
+        "kind": "vllm",
+        "version": "0.32.0",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "env": {"VLLM_NO_USAGE_STATS": "1", "VLLM_CACHE_ROOT": "{home}/cache/vllm"},
+        "args": {"startup_delay_s": 0.5, "token_delay_ms": 2, "stats_interval_s": 1, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": port, "startup_timeout_s": 60,
+                "stop_timeout_s": 10}  # fmt: skip
+    arms = [
+        {
+            "name": name,
+            "engine": engine,
+            "launcher": launcher,
+            "endpoint": {"api_key_env": "K3PIPE_GPU_API_KEY"},
+        }
+        for name in ("cold", "warm")
+    ]
+    return {
+        "name": "gpu-kit-test",
+        "model": {"source": "local", "path": "{home}/models/llama-1b-random", "served_name": "llama-test"},
+        "arms": arms,
+        "workloads": [
+            {"name": "c4", "input_tokens": 64, "output_tokens": 8, "concurrency": 4, "num_requests": 8,
+             "warmup_requests": 2, "seed": 1},
+            {"name": "prefix", "input_tokens": 96, "output_tokens": 8, "concurrency": 4, "num_requests": 8,
+             "dataset": {"kind": "shared_prefix", "prefix_tokens": 64, "groups": 2}, "seed": 2},
+            {"name": "poisson", "input_tokens": 64, "output_tokens": 8, "load": "poisson", "rate_rps": 20,
+             "concurrency": 8, "num_requests": 10, "duration_s": 5, "warmup_requests": 1, "seed": 3,
+             "slo": {"ttft_ms": 500}},
+        ],
+    }  # fmt: skip
+
+
+class Record:
+    def __init__(self, root: Path, out: Path, experiment: Path, logs: str) -> None:
+        self.root = root
+        self.out = out
+        self.experiment = experiment
+        self.logs = logs
+        self.summary = (out / "summary.txt").read_text()
+        self.key = next(
+            line.split(": ", 1)[1]
+            for line in self.summary.splitlines()
+            if line.startswith("made_up_api_key: ")
+        )
+
+
+def _node(sub: list[str], env: dict[str, str], timeout: float) -> str:
+    done = subprocess.run(
+        ["bash", str(NODE), *sub], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, f"gpu-node.sh {' '.join(sub)} failed:\n{text[-6000:]}"
+    return text
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory: pytest.TempPathFactory) -> Record:
+    """model (tiny) -> run (the one flow) -> collect, as on the node."""
+    root = tmp_path_factory.mktemp("gpu-kit")
+    experiment = root / "experiment.yaml"
+    experiment.write_text(yaml.safe_dump(_experiment(free_port()), sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("K3PIPE_", "MLFLOW_", "PREFECT_", "OUT"))}
+    env.update(
+        K3PIPE_HOME=str(root / "home"),
+        K3PIPE_EXPERIMENT=str(experiment),
+        K3PIPE_PIPELINE_PYTHON=sys.executable,
+        K3PIPE_MODEL_PYTHON=str(_torch_python()),
+        PREFECT_HOME=str(root / "prefect"),
+    )
+    logs = _node(["model", "--preset", "tiny"], env, 300)
+    logs += _node(["run", "--deadline", "300"], env, 420)
+    out = root / "out"
+    logs += _node(["collect"], {**env, "OUT": str(out)}, 300)
+    return Record(root, out, experiment, logs)
+
+
+def _check(parts: Path, experiment: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    argv = [str(parts), "--experiment", str(experiment), "--engine-version", "0.32.0", *extra]
+    return subprocess.run([sys.executable, str(CHECK), *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_node_driver_steps_print_timings(record: Record) -> None:
+    for step in ("random-weight 1B Llama", "k3pipe render", "k3pipe preflight", "k3pipe run", "tar.gz"):
+        assert f"<== {step}" in record.logs, step
+    assert "<== k3pipe run: ok in" in record.logs
+    files = sorted(p.name for p in record.out.iterdir())
+    assert files == ["record.tar.gz.part-00", "summary.txt"]
+    assert "run_rc: 0" in record.summary
+    assert "key_occurrences_in_node_logs: 0" in record.summary
+    assert record.key.startswith("made-up-")
+    # the key is only in $OUT's summary, not in the record
+    with tarfile.open(record.out / "record.tar.gz.part-00") as tar:
+        names = tar.getnames()
+        inner = tar.extractfile("record/summary.txt")
+        assert inner is not None
+        assert record.key not in inner.read().decode()
+    assert "record/mlflow/mlflow.db" in names
+    assert any(n.startswith("record/mlflow/artifacts/") and n.endswith("requests.parquet") for n in names)
+    assert any(n.startswith("record/node/nvidia-smi") for n in names)
+    assert any(n.startswith("record/logs/run.log") for n in names)
+
+
+def test_check_finds_the_whole_record(record: Record) -> None:
+    done = _check(record.out, record.experiment)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "record: COMPLETE" in out
+    assert "key: not found anywhere in the record" in out
+    for arm in ("cold", "warm"):
+        assert f"arm {arm}: FINISHED" in out
+    assert out.count("required: ") == 2
+    assert "MISSING" not in out
+    for workload in ("c4", "prefix", "poisson"):
+        assert f"  {workload} " in out
+    # present or missing, never failing: what other parts of k3pipe add
+    for optional in ("cold-start phases", "compile-cache params", "node facts", "nvidia-smi artifacts",
+                     "GPU memory series"):  # fmt: skip
+        assert optional in out
+    # the key given explicitly is looked for too
+    assert _check(record.out, record.experiment, "--key-value", record.key).returncode == 0
+
+
+def _repack(record: Record, dest: Path, change: Any) -> Path:
+    """The record unpacked, changed by ``change(root)``, packed again into parts + summary.txt in dest."""
+    work = dest / "work"
+    with tarfile.open(record.out / "record.tar.gz.part-00") as tar:
+        tar.extractall(work, filter="data")
+    change(work / "record")
+    parts = dest / "parts"
+    parts.mkdir()
+    whole = dest / "record.tar.gz"
+    with tarfile.open(whole, "w:gz") as tar:
+        tar.add(work / "record", arcname="record")
+    data = whole.read_bytes()
+    half = len(data) // 2
+    (parts / "record.tar.gz.part-00").write_bytes(data[:half])
+    (parts / "record.tar.gz.part-01").write_bytes(data[half:])
+    summary = [line for line in record.summary.splitlines() if not line.startswith("record_tar_gz_sha256")]
+    summary.append(f"record_tar_gz_sha256: {hashlib.sha256(data).hexdigest()}")
+    (parts / "summary.txt").write_text("\n".join(summary) + "\n")
+    return parts
+
+
+def _run_dirs(root: Path, artifact: str) -> list[Path]:
+    return sorted(p.parent for p in (root / "mlflow" / "artifacts").rglob(artifact))
+
+
+def test_check_fails_on_a_missing_part(record: Record, tmp_path: Path) -> None:
+    def drop(root: Path) -> None:
+        (_run_dirs(root, "requests.parquet")[0] / "requests.parquet").unlink()
+        for log in (root / "mlflow" / "artifacts").rglob("logs/*.log"):
+            log.unlink()
+
+    done = _check(_repack(record, tmp_path, drop), record.experiment)
+    assert done.returncode == 1, done.stdout
+    assert "artifact requests.parquet" in done.stdout
+    assert "MISSING  artifact logs/<engine log>" in done.stdout
+    assert "record: INCOMPLETE" in done.stdout
+
+
+def test_check_fails_when_the_key_is_in_the_store(record: Record, tmp_path: Path) -> None:
+    def plant(root: Path) -> None:
+        command = _run_dirs(root, "command.txt")[0] / "command.txt"
+        command.write_text(command.read_text() + f"--api-key {record.key}\n")
+
+    done = _check(_repack(record, tmp_path, plant), record.experiment)
+    assert done.returncode == 1, done.stdout
+    assert "KEY FOUND in 1 file(s)" in done.stdout
+    assert "command.txt" in done.stdout
+
+
+def test_check_refuses_parts_that_do_not_join(record: Record, tmp_path: Path) -> None:
+    parts = _repack(record, tmp_path, lambda root: None)
+    (parts / "record.tar.gz.part-01").unlink()
+    done = _check(parts, record.experiment)
+    assert done.returncode != 0
+    assert "a part is missing or damaged" in done.stderr
