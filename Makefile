@@ -30,7 +30,8 @@ help:
 setup: system venv engine model
 
 system:
-	@missing=""; for p in git curl ca-certificates; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in git curl ca-certificates; do \
+		[ "$$(dpkg-query -W -f='$${Status}' $$p 2>/dev/null)" = "install ok installed" ] || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "apt-get install:$$missing"; apt-get update -qq && apt-get install -y -qq $$missing; fi
 
 $(UV):

@@ -75,10 +75,16 @@ port_free() {
 
 docker_cmd() { "$DOCKER" -H "unix://$SOCK" "$@"; }
 
+# whether Debian package $1 is installed: `dpkg -s` also succeeds for a package that was removed
+# but left its configuration files ('deinstall ok config-files'), whose programs are gone
+installed() {
+    [[ $(dpkg-query -W -f='${Status}' "$1" 2>/dev/null) == "install ok installed" ]]
+}
+
 install_packages() {
     local missing=() p t0
     for p in docker.io docker-registry debootstrap; do
-        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+        installed "$p" || missing+=("$p")
     done
     [[ ${#missing[@]} -eq 0 ]] && return 0
     t0=$SECONDS

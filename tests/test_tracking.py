@@ -53,7 +53,17 @@ def test_runs_params_metrics_artifacts(tracker: Tracker, tmp_path: Path) -> None
 def test_recent_runs_one_row_per_workload(tracker: Tracker) -> None:
     first = tracker.start_run("a")
     tracker.log_metrics(
-        first, {"cold_start_s": 40.0, "w1.ttft_ms_p50": 9.0, "w2.ttft_ms_p50": 7.0, "w1.other": 1.0}
+        first,
+        {
+            "cold_start_s": 40.0,
+            "w1.ttft_ms_p50": 9.0,
+            "w2.ttft_ms_p50": 7.0,
+            "w1.other": 1.0,
+            "w1.tpot_ms_p50": 3.5,
+            "w1.client_timing_bursty": 0.0,
+            "w2.tpot_ms_p50": 0.0,
+            "w2.client_timing_bursty": 1.0,
+        },
     )
     tracker.start_run("child", parent_id=first)
     second = tracker.start_run("b")
@@ -65,6 +75,10 @@ def test_recent_runs_one_row_per_workload(tracker: Tracker) -> None:
     assert rows.loc["w2", "ttft_ms_p50"] == 7.0
     assert rows.loc["w2", "cold_start_s"] == 40.0
     assert "other" not in frame.columns
+    # a bursty workload's client TPOT is not shown as a speed
+    assert rows.loc["w1", "tpot_ms_p50"] == 3.5
+    assert rows.loc["w2", "tpot_ms_p50"] == "bursty"
+    assert "client_timing_bursty" not in frame.columns
     assert len(tracker.recent_runs(1)) == 1
 
 

@@ -277,3 +277,29 @@ def test_a_home_too_long_for_containerd_is_refused(tmp_path: Path) -> None:
         assert not env.left_running()
     finally:
         env.cleanup()
+
+
+def test_a_package_removed_but_not_purged_is_installed_again(docker_env: DockerEnv, tmp_path: Path) -> None:
+    """`apt-get remove docker.io` leaves 'deinstall ok config-files', which `dpkg -s` reports as
+    present although dockerd is gone (a fresh user's first `make test` failed so). `up` asks apt
+    for it. dpkg-query and apt-get are stand-ins here that say how the packages stand and record
+    what was asked; dockerd is made to fail at once, so nothing is started."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    asked = tmp_path / "apt-get.calls"
+    _wrapper(
+        bin_dir / "dpkg-query",
+        "for last; do :; done\n"
+        'case $last in docker.io) printf "deinstall ok config-files" ;;\n'
+        '  *) printf "install ok installed" ;;\nesac',
+    )
+    _wrapper(bin_dir / "apt-get", f'echo "$*" >> {asked}')
+    docker_env.env["PATH"] = f"{bin_dir}:{docker_env.env['PATH']}"
+    docker_env.env["K3PIPE_DOCKERD_BIN"] = "/bin/false"
+    up = docker_env.run("up")
+    assert up.returncode != 0  # dockerd "failed"
+    calls = asked.read_text().splitlines()
+    assert any(c.startswith("install") and c.split()[-1] == "docker.io" for c in calls), calls
+    assert not any("docker-registry" in c or "debootstrap" in c for c in calls), calls
+    assert "apt-get install docker.io" in up.stderr
+    _assert_nothing_left(docker_env)
