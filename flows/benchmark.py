@@ -20,10 +20,11 @@ from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError, PreflightError
 from k3pipe.launchers import Launcher
 from k3pipe.node import nvidia_smi_report
-from k3pipe.record import ArmRecorder, record_preflight_stop, summary_table
+from k3pipe.record import ArmRecorder, record_preflight_stop, record_speculation, summary_table
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
+from k3pipe.speculation import speculation_setting
 from k3pipe.tracking import Tracker
 from tasks.steps import (
     benchmark_task,
@@ -31,6 +32,7 @@ from tasks.steps import (
     engine_version_task,
     fetch_model_task,
     health_gate_task,
+    judge_speculation_task,
     load_experiment_task,
     plan_arm_task,
     preflight_task,
@@ -138,6 +140,9 @@ def _run_arm(
             status, error, log_path if launcher is not None and plan.launcher != "external" else None
         )
         outcome["status"] = status
+        facts = recorder.engine_log_facts
+        if facts is not None and facts.spec_accept_length_mean is not None:
+            outcome["engine_log_spec_accept_length_mean"] = facts.spec_accept_length_mean
         logger.info("arm %s: %s; MLflow run %s", arm, status, recorder.run_id)
     return outcome
 
@@ -151,6 +156,25 @@ def _stop_on_errors(findings: list[Finding], spec: ExperimentSpec, arms: list[st
         record_preflight_stop(tracker, spec.name, arm, findings, {"prefect.flow_run_id": _flow_run_id()})
     summary = "; ".join(f"[{f.arm or 'experiment'}] {f.message}" for f in errors)
     raise PreflightError(f"preflight found {len(errors)} error(s), nothing was launched: {summary}")
+
+
+def _judge_speculation(
+    spec: ExperimentSpec, outcomes: list[dict[str, Any]], rows: list[dict[str, Any]], tracker: Tracker
+) -> None:
+    """Speculative arms against their plain baselines, once every arm ran: findings in the log, the
+    judgement on each speculative arm's MLflow run, and its summary in that arm's outcome."""
+    log_lengths = {
+        o["arm"]: o["engine_log_spec_accept_length_mean"]
+        for o in outcomes
+        if o.get("engine_log_spec_accept_length_mean") is not None
+    }
+    report = judge_speculation_task(spec, rows, log_lengths)
+    record_speculation(tracker, {o["arm"]: o["mlflow_run_id"] for o in outcomes}, report)
+    by_arm = {a.arm: a for a in report.arms}
+    for o in outcomes:
+        judged = by_arm.get(o["arm"])
+        if judged is not None:
+            o["speculation"] = f"{judged.summary} (baseline: {judged.baseline.baseline or 'none'})"
 
 
 @flow(name="benchmark")
@@ -186,6 +210,11 @@ def benchmark(
     for name in selected:
         outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings, prompts))
     rows = [row for o in outcomes for row in o.get("workloads", [])]
+    if any(speculation_setting(spec.arm(name)) for name in selected):
+        try:
+            _judge_speculation(spec, outcomes, rows, tracker)
+        except Exception as exc:  # an analysis after the fact: the summary and the arms' status come first
+            logger.warning("speculation could not be judged: %s: %s", type(exc).__name__, exc)
     table = summary_table(rows)
     if table:
         create_table_artifact(

@@ -59,6 +59,19 @@ class BundleError(K3pipeError):
     """A bundle could not be resolved, downloaded or written (the message says what to do)."""
 
 
+# Packages the pipeline imports at run time though nothing at import time of k3pipe itself shows it:
+# --omit refuses them when the pipeline is bundled.
+PIPELINE_RUNTIME_NEEDS = {
+    "asyncpg": "Prefect 3.9's server (prefect.server.api.server, started by 'k3pipe run') imports it "
+    "at start-up even with SQLite",
+}
+
+# What install.sh runs in each venv after installing (and with --check-only): the modules 'k3pipe run'
+# imports, Prefect's server included (a missing asyncpg fails there, not at 'import prefect').
+PIPELINE_SMOKE_IMPORTS = ["k3pipe.cli", "flows.benchmark", "prefect.server.api.server", "mlflow"]
+PIPELINE_SMOKE_COMMANDS = [["k3pipe", "--help"]]
+
+
 # ---------------------------------------------------------------------------------------------
 # names, freezes, targets
 
@@ -630,6 +643,12 @@ def build_bundle(req: BundleRequest, home: Path, progress: Any = None) -> Bundle
     unknown = sorted(keep - set(installed))
     if unknown:
         raise BundleError(f"--keep-node {', '.join(unknown)}: not in the node's freeze (nothing to keep)")
+    needed = sorted(omit & set(PIPELINE_RUNTIME_NEEDS)) if req.pipeline else []
+    if needed:
+        raise BundleError(
+            "; ".join(f"--omit {n}: the pipeline needs it ({PIPELINE_RUNTIME_NEEDS[n]})" for n in needed)
+            + ": bundle it (drop the --omit)"
+        )
 
     project = _project_dir(req.project_dir) if req.pipeline else None
     own_name, own_version, own_deps = _k3pipe_requirements(project) if project else ("", "", [])
@@ -752,7 +771,11 @@ def build_bundle(req: BundleRequest, home: Path, progress: Any = None) -> Bundle
         "expected_pip_check": sorted(keep | omit | {canonical_name(n) for n in dropped}),
         "smoke_imports": {
             ENGINE: [_import_name(r) for r in req.engine],
-            PIPELINE: ["k3pipe", "prefect", "mlflow"] if project else [],
+            PIPELINE: list(PIPELINE_SMOKE_IMPORTS) if project else [],
+        },
+        "smoke_commands": {
+            ENGINE: [],
+            PIPELINE: [list(c) for c in PIPELINE_SMOKE_COMMANDS] if project else [],
         },
         "notes": list(req.notes),
         "resolved": [{"name": p.name, "version": p.version, "groups": list(p.groups)} for p in pins],
@@ -872,7 +895,9 @@ INSTALL_SH = r'''#!/usr/bin/env bash
 # k3pipe offline bundle installer (written by `k3pipe bundle`): bash + python3 standard library.
 # Verifies every part against manifest.json, reassembles the wheels, verifies every wheel, and
 # installs them with pip --no-index --no-deps into a venv (new ones get --system-site-packages, so
-# the node's own torch, CUDA libraries etc. are used). Run with --help for the options.
+# the node's own torch, CUDA libraries etc. are used; when the interpreter is itself a venv, a .pth
+# file makes the new venv see that venv's packages too, behind its own), then imports what
+# 'k3pipe run' imports. Run with --help for the options.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${K3PIPE_INSTALL_PYTHON:-python3}"
@@ -884,7 +909,7 @@ if ! command -v "$PY" >/dev/null 2>&1; then
   exit 2
 fi
 exec "$PY" - "$HERE" "@MANIFEST_SHA256@" "$@" <<'PYEOF'
-import argparse, hashlib, json, os, platform, shutil, subprocess, sys, tarfile, time
+import argparse, hashlib, json, os, platform, shutil, subprocess, sys, tarfile, tempfile, time
 from pathlib import Path
 
 HERE, MANIFEST_SHA = Path(sys.argv[1]), sys.argv[2]
@@ -916,7 +941,8 @@ ap = argparse.ArgumentParser(prog="install.sh", description="Install a k3pipe of
   one (default)  engine and pipeline in one venv: --venv DIR
   two            engine in --engine-venv DIR, pipeline (k3pipe, Prefect, MLflow) in --pipeline-venv DIR
 An existing venv (DIR/bin/python exists) is installed into as it is; otherwise a new one is made.""")
-ap.add_argument("--python", default=sys.executable, help="base interpreter for new venvs (default: %(default)s)")
+ap.add_argument("--python", default=sys.executable,
+    help="interpreter for new venvs; if it is itself a venv, new venvs see its packages too (default: %(default)s)")
 ap.add_argument("--parts", type=Path, default=HERE, help="directory holding the parts (default: this script's)")
 ap.add_argument("--layout", choices=["one", "two"], default="one")
 ap.add_argument("--groups", default=None, help="with --layout one: install only these groups (engine,pipeline)")
@@ -927,6 +953,8 @@ ap.add_argument("--no-system-site-packages", action="store_true", help="new venv
 ap.add_argument("--work", type=Path, default=None, help="where the wheels are unpacked (default: PARTS/wheels)")
 ap.add_argument("--keep-wheels", action="store_true", help="keep the unpacked wheels afterwards")
 ap.add_argument("--verify-only", action="store_true", help="verify the parts and stop")
+ap.add_argument("--check-only", action="store_true",
+    help="install nothing: run the import checks and pip check in the venv(s) and stop")
 ap.add_argument("--skip-target-check", action="store_true", help="install even if the interpreter or glibc differ")
 args = ap.parse_args(sys.argv[3:])
 
@@ -941,12 +969,18 @@ groups = manifest["groups"]
 
 step(f"checking the target: CPython {target['python_version']}, {target['platform']}")
 base = Path(args.python)
-probe = subprocess.run([str(base), "-c", "import platform,sys;print('%d.%d'%sys.version_info[:2]);"
-    "print(platform.python_implementation());print('-'.join(platform.libc_ver()));print(platform.machine())"],
+probe = subprocess.run([str(base), "-c", "import json,platform,sys,sysconfig;p=sysconfig.get_paths();"
+    "print(json.dumps({'version':'%d.%d'%sys.version_info[:2],'impl':platform.python_implementation(),"
+    "'libc':'-'.join(platform.libc_ver()),'machine':platform.machine(),'prefix':sys.prefix,"
+    "'base_prefix':sys.base_prefix,'site':list(dict.fromkeys([p['purelib'],p['platlib']]))}))"],
     capture_output=True, text=True)
 if probe.returncode != 0:
     die(f"cannot run {base}: {probe.stderr.strip()}")
-pyver, impl, libc, machine = probe.stdout.split("\n")[:4]
+info = json.loads(probe.stdout)
+pyver, impl, libc, machine = info["version"], info["impl"], info["libc"], info["machine"]
+# the interpreter is itself a venv: a venv made from it with --system-site-packages sees the packages of
+# its base interpreter (sys.base_prefix), not its own; those are added to new venvs by a .pth file
+parent_site = [d for d in info["site"] if os.path.isdir(d)] if info["prefix"] != info["base_prefix"] else []
 problems = []
 if pyver != target["python_version"] or impl != "CPython":
     problems.append(f"{base} is {impl} {pyver}; the bundle is for CPython {target['python_version']}: pass --python /path/to/python{target['python_version']}")
@@ -962,6 +996,104 @@ if machine != target["arch"]:
 if problems and not args.skip_target_check:
     die("the bundle does not fit this machine:\n  " + "\n  ".join(problems) + "\n(--skip-target-check installs anyway)")
 say(f"    {base}: {impl} {pyver}, {libc}, {machine}: ok")
+if parent_site:
+    say(f"    {base} is itself a venv ({info['prefix']}, made from {info['base_prefix']}): "
+        + ("new venvs get a .pth file that adds its site-packages behind their own"
+           if not args.no_system_site_packages else "--no-system-site-packages: new venvs will not see its packages"))
+
+if args.layout == "one":
+    chosen = args.groups.split(",") if args.groups else groups
+    for g in chosen:
+        if g not in groups:
+            die(f"--groups {g}: this bundle holds {', '.join(groups)}")
+    plan = [(args.venv, chosen)]
+else:
+    plan = [(v, [g]) for v, g in ((args.engine_venv, "engine"), (args.pipeline_venv, "pipeline")) if g in groups]
+
+def pip_for(venv):
+    py = venv / "bin" / "python"
+    if subprocess.run([str(py), "-c", "import pip"], capture_output=True).returncode == 0:
+        return [str(py), "-m", "pip"]
+    return [str(base), "-m", "pip", "--python", str(py)]
+
+def add_parent_site(venv):
+    """Make a new venv see the parent venv's site-packages, after its own (its packages win)."""
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        die(f"cannot ask {venv}/bin/python for its site-packages: {r.stderr.strip()}")
+    pth = Path(r.stdout.strip()) / "_k3pipe_parent_venv.pth"
+    # an 'import' line of a .pth runs at start-up, after the venv's own site-packages is on sys.path;
+    # addsitedir appends (so the venv's own packages come first) and reads the parent's .pth files too
+    pth.write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in parent_site))
+    say(f"    {base} is a venv: {pth} adds {', '.join(parent_site)} behind {venv}'s own packages")
+
+def sees_parent(venv):
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print('\\n'.join(sys.path))"],
+                       capture_output=True, text=True)
+    return all(d in r.stdout.splitlines() for d in parent_site)
+
+def check_venv(venv, gs):
+    """Import what the groups run ('k3pipe run': Prefect's server too), run their commands, pip check."""
+    unexpected = 0
+    imports = [m for g in gs for m in manifest.get("smoke_imports", {}).get(g, [])]
+    commands = [c for g in gs for c in manifest.get("smoke_commands", {}).get(g, [])]
+    with tempfile.TemporaryDirectory(prefix="k3pipe-install-check-") as scratch:
+        env = {**os.environ, "PREFECT_HOME": os.path.join(scratch, "prefect"), "K3PIPE_HOME": os.path.join(scratch, "k3pipe")}
+        for mod in imports:
+            t0 = time.perf_counter()
+            r = subprocess.run([str(venv / "bin" / "python"), "-c", f"import {mod}; print(getattr({mod}, '__version__', ''))"],
+                               capture_output=True, text=True, cwd=scratch, env=env)
+            if r.returncode != 0:
+                die(f"'import {mod}' fails in {venv}:\n{r.stderr.strip()[-3000:]}\n"
+                    "A package it needs is not in the venv: was it left out of the bundle (manifest.json left_out)?", code=1)
+            say(f"    import {mod}: ok {r.stdout.strip()} ({time.perf_counter() - t0:.1f} s)")
+        for cmd in commands:
+            t0 = time.perf_counter()
+            r = subprocess.run([str(venv / "bin" / cmd[0]), *cmd[1:]], capture_output=True, text=True, cwd=scratch, env=env)
+            if r.returncode != 0:
+                die(f"'{' '.join(cmd)}' fails in {venv} (exit {r.returncode}):\n{(r.stdout + r.stderr).strip()[-3000:]}", code=1)
+            say(f"    {' '.join(cmd)}: ok ({time.perf_counter() - t0:.1f} s)")
+
+    step(f"pip check in {venv}")
+    pip = pip_for(venv)
+    check = subprocess.run([*pip, "check"], capture_output=True, text=True)
+    lines = [l for l in (check.stdout + check.stderr).splitlines() if l.strip()]
+    expected_names = set(manifest.get("expected_pip_check", []))
+    def canon(s):
+        import re
+        return re.sub(r"[-_.]+", "-", s).lower()
+    if not lines or check.returncode == 0:
+        say("    pip check: no problems")
+        lines = []
+    for line in lines:
+        words = {canon(w.strip(",.:;")) for w in line.split()}
+        tag = "expected: left out on purpose (see manifest.json left_out)" if words & expected_names else "NOT expected"
+        if tag == "NOT expected":
+            unexpected += 1
+        say(f"    pip check: {line}   [{tag}]")
+    return unexpected
+
+def report(unexpected_total):
+    say("")
+    for note in manifest.get("notes", []):
+        say(f"note: {note}")
+    for venv, gs in plan:
+        say(f"done: {'+'.join(gs)} in {venv.expanduser().absolute()}")
+    if unexpected_total:
+        say(f"pip check reported {unexpected_total} problem(s) the bundle did not expect (shown above); "
+            "they may be the node's own (with --system-site-packages pip check sees the node's packages too)")
+
+if args.check_only:
+    total_unexpected = 0
+    for venv, gs in plan:
+        venv = venv.expanduser().absolute()
+        if not (venv / "bin" / "python").exists():
+            die(f"--check-only: {venv} is no venv (no bin/python)")
+        step(f"checking {venv} ({'+'.join(gs)}; --check-only: installing nothing)")
+        total_unexpected += check_venv(venv, gs)
+    report(total_unexpected)
+    sys.exit(0)
 
 parts = manifest["parts"]
 total = sum(p["size"] for p in parts)
@@ -1035,27 +1167,15 @@ if wrong:
     die("the parts verified but the wheels do not (the bundle is inconsistent: rebuild it with k3pipe bundle):\n  " + "\n  ".join(wrong))
 say(f"    all {len(expected)} wheels match the manifest")
 
-if args.layout == "one":
-    chosen = args.groups.split(",") if args.groups else groups
-    for g in chosen:
-        if g not in groups:
-            die(f"--groups {g}: this bundle holds {', '.join(groups)}")
-    plan = [(args.venv, chosen)]
-else:
-    plan = [(v, [g]) for v, g in ((args.engine_venv, "engine"), (args.pipeline_venv, "pipeline")) if g in groups]
-
-def pip_for(venv):
-    py = venv / "bin" / "python"
-    if subprocess.run([str(py), "-c", "import pip"], capture_output=True).returncode == 0:
-        return [str(py), "-m", "pip"]
-    return [str(base), "-m", "pip", "--python", str(py)]
-
 unexpected_total = 0
 for venv, gs in plan:
     venv = venv.expanduser().absolute()
     files = sorted(w["filename"] for w in manifest["wheels"] if set(w["groups"]) & set(gs))
     if (venv / "bin" / "python").exists():
         step(f"installing {len(files)} wheels ({'+'.join(gs)}) into the existing venv {venv}")
+        if parent_site and not args.no_system_site_packages and not sees_parent(venv):
+            say(f"    warning: {venv} does not see the packages of {info['prefix']} (the venv {base} belongs to); "
+                "install.sh leaves an existing venv as it is: remove it to have it made with a .pth that adds them")
     else:
         flags = [] if args.no_system_site_packages else ["--system-site-packages"]
         step(f"creating {venv} ({' '.join(flags) or 'isolated'}) and installing {len(files)} wheels ({'+'.join(gs)})")
@@ -1067,6 +1187,8 @@ for venv, gs in plan:
             again = subprocess.run([str(base), "-m", "venv", "--without-pip", *flags, str(venv)], capture_output=True, text=True)
             if again.returncode != 0:
                 die(f"cannot create the venv {venv}:\n{made.stderr.strip()}\n{again.stderr.strip()}")
+        if parent_site and not args.no_system_site_packages:
+            add_parent_site(venv)
     pip = pip_for(venv)
     t0 = time.perf_counter()
     cmd = [*pip, "install", "--no-index", "--no-deps", "--no-cache-dir", "--disable-pip-version-check",
@@ -1077,40 +1199,10 @@ for venv, gs in plan:
             f"so look for a disk-space or permission problem, or a wheel this interpreter does not accept")
     say(f"    installed in {time.perf_counter() - t0:.0f} s")
 
-    imports = [m for g in gs for m in manifest.get("smoke_imports", {}).get(g, [])]
-    for mod in imports:
-        t0 = time.perf_counter()
-        r = subprocess.run([str(venv / "bin" / "python"), "-c", f"import {mod}; print(getattr({mod}, '__version__', ''))"],
-                           capture_output=True, text=True, cwd=str(venv))
-        if r.returncode != 0:
-            die(f"'import {mod}' fails in {venv}:\n{r.stderr.strip()[-3000:]}", code=1)
-        say(f"    import {mod}: ok {r.stdout.strip()} ({time.perf_counter() - t0:.1f} s)")
-
-    step(f"pip check in {venv}")
-    check = subprocess.run([*pip, "check"], capture_output=True, text=True)
-    lines = [l for l in (check.stdout + check.stderr).splitlines() if l.strip()]
-    expected_names = set(manifest.get("expected_pip_check", []))
-    def canon(s):
-        import re
-        return re.sub(r"[-_.]+", "-", s).lower()
-    if not lines or check.returncode == 0:
-        say("    pip check: no problems")
-    for line in lines:
-        words = {canon(w.strip(",.:;")) for w in line.split()}
-        tag = "expected: left out on purpose (see manifest.json left_out)" if words & expected_names else "NOT expected"
-        if tag == "NOT expected":
-            unexpected_total += 1
-        say(f"    pip check: {line}   [{tag}]")
+    unexpected_total += check_venv(venv, gs)
 
 if not args.keep_wheels:
     shutil.rmtree(work, ignore_errors=True)
-say("")
-for note in manifest.get("notes", []):
-    say(f"note: {note}")
-for venv, gs in plan:
-    say(f"done: {'+'.join(gs)} in {venv.expanduser().absolute()}")
-if unexpected_total:
-    say(f"pip check reported {unexpected_total} problem(s) the bundle did not expect (shown above); "
-        "they may be the node's own (with --system-site-packages pip check sees the node's packages too)")
+report(unexpected_total)
 PYEOF
 '''  # noqa: E501

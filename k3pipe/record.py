@@ -31,10 +31,11 @@ from k3pipe.provenance import git_commit
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
+from k3pipe.speculation import SpeculationReport
 from k3pipe.steps import WorkloadOutcome
 from k3pipe.tracking import KEY_METRICS, Tracker
 
-__all__ = ["SUMMARY_COLUMNS", "ArmRecorder", "record_preflight_stop", "summary_table"]
+__all__ = ["SUMMARY_COLUMNS", "ArmRecorder", "record_preflight_stop", "record_speculation", "summary_table"]
 
 SUMMARY_COLUMNS = (
     "arm",
@@ -121,6 +122,8 @@ class ArmRecorder:
         self._open: dict[str, WorkloadSpec] = {}
         self._single: dict[str, dict[str, float]] = {}
         self._bursty: set[str] = set()  # workloads whose client timing was bursty
+        self.engine_log_facts: EngineLogFacts | None = None
+        """What the engine log said (set by :meth:`log_engine_findings`, so after :meth:`finish`)."""
 
     def log_plan(self, exp: ExperimentSpec, experiment_file: str, models: Mapping[str, ModelRecord]) -> None:
         plan = self.plan
@@ -335,6 +338,7 @@ class ArmRecorder:
             return None
         with log_path.open(errors="replace") as fh:
             facts = get_engine(self.plan.engine).parse_log(fh)
+        self.engine_log_facts = facts
         self.tracker.log_dict(self.run_id, facts.model_dump(mode="json"), "engine_findings.json")
         self.tracker.log_metrics(
             self.run_id,
@@ -501,3 +505,39 @@ def record_preflight_stop(
     tracker.set_tags(run_id, {"k3pipe.error": "preflight: " + "; ".join(f.rule for f in errors)})
     tracker.end_run(run_id, "FAILED")
     return run_id
+
+
+def record_speculation(tracker: Tracker, run_ids: Mapping[str, str], report: SpeculationReport) -> None:
+    """On each speculative arm's run (``run_ids``: arm -> MLflow run id, closed runs are fine): the
+    arm's judgement as ``speculation.json``, metrics ``speculation.<workload>.throughput_ratio``,
+    ``.tpot_ratio`` and ``.accept_length``, and the tags ``k3pipe.speculation_verdict`` (the verdict
+    counts) and ``k3pipe.speculation_baseline``. A store error is tagged on that run, never raised."""
+    for arm in report.arms:
+        run_id = run_ids.get(arm.arm)
+        if run_id is None:
+            continue
+        try:
+            tracker.log_dict(
+                run_id,
+                {
+                    "accept_length_threshold": report.accept_length_threshold,
+                    "noise_margin": report.noise_margin,
+                    **arm.model_dump(mode="json"),
+                },
+                "speculation.json",
+            )
+            metrics: dict[str, float | None] = {}
+            for v in arm.workloads:
+                metrics[f"speculation.{v.workload}.throughput_ratio"] = v.throughput_ratio
+                metrics[f"speculation.{v.workload}.tpot_ratio"] = v.tpot_ratio
+                metrics[f"speculation.{v.workload}.accept_length"] = v.accept_length
+            tracker.log_metrics(run_id, metrics)
+            tracker.set_tags(
+                run_id,
+                {
+                    "k3pipe.speculation_verdict": arm.summary,
+                    "k3pipe.speculation_baseline": arm.baseline.baseline or "none",
+                },
+            )
+        except Exception as exc:  # a judgement after the fact: never lose the flow over it
+            tracker.set_tags(run_id, {"k3pipe.speculation_error": repr(exc)[:500]})

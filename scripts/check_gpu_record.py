@@ -1,7 +1,7 @@
 """Check the record a GPU node brought back: is the whole run in the MLflow store?
 
     .venv/bin/python scripts/check_gpu_record.py PARTS_DIR [--experiment experiments/gpu-h200.yaml]
-        [--key-value KEY] [--engine-version 0.22.0] [--keep DIR]
+        [--key-value KEY] [--engine-version 0.22.0] [--keep DIR] [--json PATH]
 
 PARTS_DIR holds what ``scripts/gpu-node.sh collect`` wrote: ``record.tar.gz.part-NN`` and
 ``summary.txt``. The parts are joined (and checked against the sha256 in summary.txt), unpacked into
@@ -25,6 +25,10 @@ file, the node's logs) may contain it (``--key-value``, default: ``made_up_api_k
 Reported as present or missing, never failing: cold-start phase metrics (``cold_start.*``),
 compile-cache params, node facts (GPU name, driver, CUDA, torch params; nvidia-smi artifacts; GPU
 memory series). Prints a table per arm and exits 1 when a required part is missing.
+
+``--json PATH`` also writes the record's compact summary (per arm: run id, status, cold_start_s, the
+cold_start.* phases, compile_cache.*, node.* and arg.* params; per workload: SUMMARY_METRICS) as JSON,
+the figures as MLflow holds them (docs/gpu-h200-2026-12-01.json was written so).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import re
 import shutil
 import sys
@@ -87,6 +92,32 @@ COLUMNS = (
     ("kv max", "engine_kv_usage_ratio_max", "{:.2f}"),
     ("spec acc", "engine_spec_acceptance_rate", "{:.2f}"),
     ("slo %", "slo_attainment_pct", "{:.0f}"),
+)
+# what --json keeps per workload run (the figures of docs/gpu.md's tables)
+SUMMARY_METRICS = (
+    "requests",
+    "warmup_requests",
+    "completed",
+    "failed",
+    "duration_s",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "itl_ms_p50",
+    "e2e_ms_p50",
+    "output_throughput_tps",
+    "request_throughput_rps",
+    "output_tokens_total",
+    "engine_generation_tps",
+    "engine_generation_tokens",
+    "engine_kv_usage_ratio_max",
+    "gpu_memory_used_mib_max",
+    "engine_spec_mean_acceptance_length",
+    "engine_spec_acceptance_rate",
+    "engine_spec_drafts",
+    "engine_spec_draft_tokens",
+    "engine_spec_accepted_tokens",
+    "slo_attainment_pct",
 )
 NODE_PARAM = re.compile(r"(^|[._])(gpu|driver|cuda|torch|node|nvidia)([._]|$)", re.IGNORECASE)
 COMPILE_PARAM = re.compile(r"compile", re.IGNORECASE)
@@ -423,6 +454,59 @@ def print_report(
     return 0 if missing == 0 else 1
 
 
+def record_summary(
+    reports: list[ArmReport], key_hits: list[str], summary: dict[str, str], experiment: str
+) -> dict[str, Any]:
+    """The compact summary --json writes: per arm its engine run, per workload SUMMARY_METRICS."""
+    arms: dict[str, Any] = {}
+    for rep in reports:
+        run = rep.run
+        if run is None:
+            arms[rep.arm] = {"run_id": None}
+            continue
+        m, p = run.data.metrics, run.data.params
+        arms[rep.arm] = {
+            "run_id": run.info.run_id,
+            "run_name": run.data.tags.get("mlflow.runName"),
+            "status": run.info.status,
+            "engine_version": p.get("engine_version"),
+            "cold_start_s": m.get("cold_start_s"),
+            "probe_first_delta_s": m.get("probe_first_delta_s"),
+            "cold_start": {
+                k.removeprefix("cold_start.").removesuffix("_s"): v
+                for k, v in sorted(m.items())
+                if k.startswith("cold_start.")
+            },
+            "compile_cache": {
+                **{
+                    k.removeprefix("compile_cache."): v
+                    for k, v in sorted(p.items())
+                    if k.startswith("compile_cache.")
+                },
+                **{
+                    k.removeprefix("compile_cache."): v
+                    for k, v in sorted(m.items())
+                    if k.startswith("compile_cache.")
+                },
+            },
+            "node": {k.removeprefix("node."): v for k, v in sorted(p.items()) if k.startswith("node.")},
+            "args": {k.removeprefix("arg."): v for k, v in sorted(p.items()) if k.startswith("arg.")},
+            "workloads": {
+                name: {k: metrics[k] for k in SUMMARY_METRICS if k in metrics}
+                for name, metrics in rep.workloads.items()
+            },
+        }
+    return {
+        "experiment": experiment,
+        "record": {
+            k: summary.get(k) for k in ("boot_id", "run_rc", "run_seconds", "gpu", "record_tar_gz_sha256")
+        },
+        "key_found_in": key_hits,
+        "required_missing": sum(1 for r in reports for c in r.checks if c.required and not c.ok),
+        "arms": arms,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("parts_dir", type=Path, help="the folder the device call's files came back to")
@@ -431,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-version", default="0.22.0", help="the version the engine must report")
     p.add_argument("--mlflow-experiment", default="k3pipe")
     p.add_argument("--keep", type=Path, default=None, help="unpack here (kept) instead of a temp dir")
+    p.add_argument("--json", type=Path, default=None, help="also write the record's compact summary here")
     args = p.parse_args(argv)
 
     spec = yaml.safe_load(args.experiment.read_text())
@@ -449,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
         store = Store(root, args.mlflow_experiment)
         reports = [check_arm(store, spec, arm, args.engine_version) for arm in spec["arms"]]
         hits = scan_for_key(root, key)
+        if args.json is not None:
+            data = record_summary(reports, hits, summary, spec["name"])
+            args.json.write_text(json.dumps(data, indent=2) + "\n")
+            print(f"summary written to {args.json}\n")
         return print_report(reports, hits, summary, sys.stdout)  # type: ignore[arg-type]
     finally:
         if args.keep is None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -22,6 +23,7 @@ from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec, load_experiment
+from k3pipe.speculation import SpeculationReport, judge_speculation
 
 
 @task(name="load-experiment", cache_policy=NO_CACHE)
@@ -206,3 +208,19 @@ def benchmark_task(
     for d in outcome.discrepancies:
         logger.warning("%s: client and engine disagree: %s", workload.name, d.message)
     return outcome
+
+
+@task(name="judge-speculation", cache_policy=NO_CACHE)
+def judge_speculation_task(
+    spec: ExperimentSpec, rows: list[dict[str, Any]], log_accept_length: Mapping[str, float] | None = None
+) -> SpeculationReport:
+    """Each speculative arm against its plain baseline, workload by workload (k3pipe.speculation)."""
+    logger = get_run_logger()
+    report = judge_speculation(spec, rows, log_accept_length=log_accept_length)
+    for arm in report.arms:
+        logger.info("speculation %s: baseline %s", arm.arm, arm.baseline.reason)
+    for f in report.findings:
+        logger.warning("speculation [%s] %s: %s", f.arm, f.rule, f.message)
+    for line in report.summary_lines():
+        logger.info("%s", line)
+    return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -9,12 +10,14 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from k3pipe.bundle import (
     INSTALL_SH,
+    PIPELINE_SMOKE_IMPORTS,
     BundleError,
     BundleRequest,
     Installed,
@@ -174,9 +177,11 @@ def test_parts_round_trip_and_respect_the_size(tmp_path: Path) -> None:
         assert a.read_bytes() == b.read_bytes()
 
 
-def _fake_bundle(tmp_path: Path) -> tuple[Path, dict]:
-    """A bundle of three small wheels (no network), written as build_bundle writes it."""
-    files = _files(tmp_path / "wheels", [200_000, 90_000, 5])
+def _fake_bundle(
+    tmp_path: Path, files: list[Path] | None = None, smoke_imports: list[str] | None = None
+) -> tuple[Path, dict]:
+    """A bundle of ``files`` (default: three small random ones; no network), as build_bundle writes it."""
+    files = files or _files(tmp_path / "wheels", [200_000, 90_000, 5])
     out = tmp_path / "bundle"
     written = split_into_parts(files, out, 1 << 16)
     target = Target.this_machine()
@@ -184,6 +189,7 @@ def _fake_bundle(tmp_path: Path) -> tuple[Path, dict]:
         "format": 1,
         "target": target.as_dict(),
         "groups": ["pipeline"],
+        "smoke_imports": {"pipeline": smoke_imports or []},
         "wheels": [
             {
                 "filename": f.name,
@@ -240,6 +246,107 @@ def test_install_sh_verifies_parts_and_names_a_corrupt_or_missing_one(tmp_path: 
 
     (bundle / "manifest.json").write_text("{}")
     assert "does not match this install.sh" in _install_sh(bundle, "--verify-only").stderr
+
+
+def _wheel(out: Path, name: str, version: str, modules: dict[str, str]) -> Path:
+    """A minimal pure-Python wheel, built here (no network, no build backend)."""
+    out.mkdir(parents=True, exist_ok=True)
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        **{f"{mod}.py": text for mod, text in modules.items()},
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: k3pipe-tests\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = []
+    for arc, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{arc},sha256={digest},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    path = out / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for arc, text in files.items():
+            zf.writestr(arc, text)
+        zf.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def _py(python: Path, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, cwd=python.parent)
+
+
+def test_install_sh_makes_a_venv_of_a_venv_see_the_parent_behind_its_own(tmp_path: Path) -> None:
+    """The node's python3 is itself a venv (/opt/torch/.venv, holding torch): the new venv must see it."""
+    wheels = tmp_path / "wheels"
+    parent_only = _wheel(wheels / "parent", "k3t_parent_only", "1.0", {"k3t_parent_only": "WHO = 'parent'\n"})
+    shadow_old = _wheel(wheels / "parent", "k3t_shadow", "1.0", {"k3t_shadow": "WHO = 'parent'\n"})
+    shadow_new = _wheel(wheels / "bundle", "k3t_shadow", "2.0", {"k3t_shadow": "WHO = 'bundle'\n"})
+    own = _wheel(wheels / "bundle", "k3t_own", "1.0", {"k3t_own": "WHO = 'bundle'\n"})
+
+    v1 = tmp_path / "v1"  # plays /opt/torch/.venv
+    subprocess.run([_base_python(), "-m", "venv", str(v1)], check=True, capture_output=True)
+    subprocess.run(
+        [str(v1 / "bin" / "python"), "-m", "pip", "install", "--no-index", "--no-deps", "--quiet",
+         "--disable-pip-version-check", str(parent_only), str(shadow_old)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    v1_python = v1 / "bin" / "python"
+
+    # the problem: --system-site-packages from a venv's python shows the base interpreter's packages only
+    plain = tmp_path / "plain"
+    subprocess.run(
+        [str(v1_python), "-m", "venv", "--without-pip", "--system-site-packages", str(plain)], check=True
+    )
+    assert _py(plain / "bin" / "python", "import k3t_parent_only").returncode != 0
+
+    bundle, _ = _fake_bundle(tmp_path, [shadow_new, own], smoke_imports=["k3t_own", "k3t_parent_only"])
+    v2 = tmp_path / "v2"
+    r = subprocess.run(
+        ["bash", str(bundle / "install.sh"), f"--python={v1_python}", "--venv", str(v2)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"{v1_python} is itself a venv ({v1}, made from " in r.stdout
+    assert "problem(s) the bundle did not expect" not in r.stdout
+    assert "_k3pipe_parent_venv.pth adds" in r.stdout
+    assert "import k3t_parent_only: ok" in r.stdout
+
+    py2 = v2 / "bin" / "python"
+    seen = _py(
+        py2,
+        "import k3t_parent_only as p, k3t_shadow as s, k3t_own as o; "
+        "print(p.__file__, s.WHO, s.__file__, o.__file__)",
+    )
+    assert seen.returncode == 0, seen.stderr
+    parent_file, who, shadow_file, own_file = seen.stdout.split()
+    assert parent_file.startswith(str(v1))  # the parent venv's package is seen
+    assert who == "bundle"  # the new venv's own copy wins
+    assert shadow_file.startswith(str(v2))
+    assert own_file.startswith(str(v2))
+    order = _py(
+        py2,
+        "import os, sys, k3t_parent_only as p, k3t_shadow as s; "
+        "print(*(sys.path.index(os.path.dirname(m.__file__)) for m in (s, p)))",
+    )
+    own_at, parent_at = (int(x) for x in order.stdout.split())
+    assert own_at < parent_at
+
+    # --no-system-site-packages: no .pth, the parent stays out
+    iso = tmp_path / "iso"
+    r = subprocess.run(
+        ["bash", str(bundle / "install.sh"), f"--python={v1_python}", "--venv", str(iso),
+         "--no-system-site-packages", "--groups", "pipeline"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 1  # the smoke import of k3t_parent_only fails: the parent is not seen
+    assert "'import k3t_parent_only' fails" in r.stderr
+    assert not list(iso.glob("lib/python*/site-packages/_k3pipe_parent_venv.pth"))
+
+
+def test_omitting_what_k3pipe_run_imports_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BundleError, match=r"--omit asyncpg: the pipeline needs it \(Prefect 3.9's server"):
+        build_bundle(BundleRequest(out_dir=tmp_path / "out", omit=("tilelang", "asyncpg")), tmp_path)
+    assert "prefect.server.api.server" in PIPELINE_SMOKE_IMPORTS
 
 
 def test_install_sh_refuses_another_interpreter(tmp_path: Path) -> None:
@@ -343,7 +450,9 @@ def test_bundle_installs_offline_and_k3pipe_renders(
     install_s = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"all {len(m['wheels'])} wheels match the manifest" in r.stdout
-    assert "import k3pipe: ok" in r.stdout
+    assert "import k3pipe.cli: ok" in r.stdout
+    assert "import prefect.server.api.server: ok" in r.stdout
+    assert "k3pipe --help: ok" in r.stdout
     assert "pip check" in r.stdout
     print(f"bundle {bundle_s:.0f} s, install {install_s:.0f} s, {len(m['wheels'])} wheels")
 
@@ -362,3 +471,48 @@ def test_bundle_installs_offline_and_k3pipe_renders(
     )
     assert render.returncode == 0, render.stderr
     assert "vllm.entrypoints.openai.api_server" in render.stdout
+
+
+def test_install_check_catches_a_missing_asyncpg(
+    real_bundle: tuple[Path, dict, float], tmp_path: Path
+) -> None:
+    """'k3pipe run' failed on the node with "No module named 'asyncpg'"; install.sh's check must see it."""
+    out, m, _ = real_bundle
+    asyncpg = next(w for w in m["wheels"] if w["name"].lower() == "asyncpg")
+    venv = tmp_path / "venv"
+    r = subprocess.run(
+        ["bash", str(out / "install.sh"), f"--python={_base_python()}", "--venv", str(venv)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    py = venv / "bin" / "python"
+    subprocess.run(
+        [str(py), "-m", "pip", "uninstall", "-y", "-q", "asyncpg"], check=True, capture_output=True
+    )
+
+    # the old check (import k3pipe, prefect, mlflow) passes without asyncpg: it would not have caught it
+    old = subprocess.run(
+        [str(py), "-c", "import k3pipe, prefect, mlflow"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert old.returncode == 0, old.stderr
+    check = subprocess.run(
+        ["bash", str(out / "install.sh"), f"--python={_base_python()}", "--venv", str(venv), "--check-only"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "'import prefect.server.api.server' fails" in check.stderr
+    assert "No module named 'asyncpg'" in check.stderr
+
+    wheel = ASSETS_HOME / "cache" / "bundle" / "wheels" / asyncpg["filename"]
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "--no-index", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    again = subprocess.run(
+        ["bash", str(out / "install.sh"), f"--python={_base_python()}", "--venv", str(venv), "--check-only"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "import prefect.server.api.server: ok" in again.stdout
+    assert "k3pipe --help: ok" in again.stdout
