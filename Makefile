@@ -76,7 +76,10 @@ bench-client: setup
 # or is interrupted: then it stops them. `make test` starts them in the same recipe as pytest and
 # stops them on every path out of it (a failed start or image build, a test failure, Ctrl-C); the
 # exit status is kept.
-DOCKER_UP := scripts/docker-env.sh up && scripts/build-base-image.sh && scripts/build-test-image.sh
+# the images are built in the daemon `up` started and pushed to its registry, whatever DOCKER_HOST or
+# K3PIPE_REGISTRY the caller's environment holds
+DOCKER_UP := scripts/docker-env.sh up && eval "$$(scripts/docker-env.sh env)" && \
+	scripts/build-base-image.sh && scripts/build-test-image.sh
 ON_SIGNAL_EXIT := trap 'exit 130' INT; trap 'exit 143' TERM
 
 docker:
@@ -86,7 +89,6 @@ docker:
 test: setup lint
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; scripts/docker-env.sh down; exit $$status' EXIT; \
 	$(DOCKER_UP) && \
-	eval "$$(scripts/docker-env.sh env)" && \
 	$(VENV)/bin/python -m pytest
 
 clean:

@@ -58,8 +58,10 @@ class DockerEnv:
         self.home = home
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
+        # not the session's daemon and registry (`make test` exports them): this env's own
+        inherited = {k: v for k, v in os.environ.items() if k not in ("DOCKER_HOST", "K3PIPE_REGISTRY")}
         self.env = {
-            **os.environ,
+            **inherited,
             "K3PIPE_HOME": str(home),
             "K3PIPE_REGISTRY_ADDR": self.addr,
             **env,
@@ -247,9 +249,16 @@ def test_interrupted_up_stops_what_it_started(docker_env: DockerEnv, tmp_path: P
 
 def test_make_docker_stops_the_daemons_when_the_image_build_fails(docker_env: DockerEnv) -> None:
     """`make docker`: the daemons come up, the base image build fails (its Debian mirror refuses),
-    and the recipe stops both before it fails."""
+    and the recipe stops both before it fails. The caller's DOCKER_HOST and K3PIPE_REGISTRY point at
+    another daemon and registry (as inside `make test`): the build must use the ones `up` started
+    (it once found the base image in the other daemon and passed)."""
     closed = free_port()  # nothing listens there: debootstrap fails at once
-    env = {**docker_env.env, "K3PIPE_DEBIAN_MIRROR": f"http://127.0.0.1:{closed}/debian"}
+    env = {
+        **docker_env.env,
+        "K3PIPE_DEBIAN_MIRROR": f"http://127.0.0.1:{closed}/debian",
+        "DOCKER_HOST": os.environ.get("DOCKER_HOST", "unix:///nonexistent/docker.sock"),
+        "K3PIPE_REGISTRY": os.environ.get("K3PIPE_REGISTRY", "127.0.0.1:1"),
+    }
     proc = subprocess.run(
         ["make", "--no-print-directory", "-C", str(REPO), "docker", f"K3PIPE_HOME={docker_env.home}"],
         env=env,
