@@ -101,7 +101,9 @@ def test_compare_verdicts() -> None:
 
     rows = {r["key"]: r for r in gc.compare([run(gc.K3PIPE, 1000, 20), run(gc.PEER, 1030, 30)], 0.05, 0.5)}
     assert rows["output_throughput_tps"]["verdict"] == "agree"
-    assert rows["ttft_p50"]["verdict"] == "differ, as expected"
+    # TTFT is the same event for both (vLLM writes its role chunk with the first token): a gap is a
+    # disagreement, not a difference of definitions
+    assert rows["ttft_p50"]["verdict"] == "DIFFER (same definition)"
     assert rows["tpot_p50"]["verdict"] == "agree"
     assert rows["cpu_phase"]["verdict"] == "vLLM / k3pipe = 1.00x"
     rows = {r["key"]: r for r in gc.compare([run(gc.K3PIPE, 1000, 20), run(gc.PEER, 1200, 20)], 0.05, 0.5)}
@@ -115,7 +117,8 @@ def test_end_to_end_against_the_scripted_server(tokenizer_dir: Path, tmp_path: P
     monkeypatch.setenv("GPU_TEST_KEY", "sk-gpu-test")
     monkeypatch.setenv("STUB_DIR", str(tmp_path))
     monkeypatch.setenv("STUB_FIXTURE", str(FIXTURE))
-    script = Script(first_token_delay_s=0.02, inter_token_s=0.002)
+    # gaps wide enough that a loaded 2-core machine does not deliver them in one read (a 2 ms gap did)
+    script = Script(first_token_delay_s=0.02, inter_token_s=0.02)
     out = tmp_path / "out"
     with ScriptedOpenAI(script, api_key="sk-gpu-test", model="m") as server:
         rc = gc.main(
@@ -143,9 +146,9 @@ def test_end_to_end_against_the_scripted_server(tokenizer_dir: Path, tmp_path: P
     assert mine["completed"] == 4
     assert mine["failed"] == 0
     assert mine["output_tokens"] == 32
-    # the scripted 20 ms first token and 2 ms gaps, from k3pipe's own stamps
-    assert 20 <= mine["figures"]["ttft_p50"] < 60
-    assert 1.5 <= mine["figures"]["itl_p50"] < 10
+    # the scripted 20 ms first token and 20 ms gaps, from k3pipe's own stamps
+    assert 20 <= mine["figures"]["ttft_p50"] < 80
+    assert 15 <= mine["figures"]["itl_p50"] < 60
     assert mine["cpu_phase_s"] is not None
     assert mine["cpu_total_s"] >= mine["cpu_phase_s"]
     # the stand-in burns 0.2 s of CPU between vLLM's two lines
