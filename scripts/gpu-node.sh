@@ -373,6 +373,10 @@ cmd_bench() {
     local -a engine_args
     read -r -a engine_args <<< "${K3PIPE_BENCH_ENGINE_ARGS:---dtype bfloat16 --max-model-len 4096 --attention-backend FLASH_ATTN --gpu-memory-utilization 0.9}"
     say "bench: vLLM $VLLM_VERSION on 127.0.0.1:$BENCH_PORT (log $log); deadline ${deadline} s"
+    # 150 s of the deadline are kept for the clients; the rest is the engine's start, which took 89 s
+    # cold on the H200: refuse, before launching anything, a deadline that leaves it under 120 s
+    [ "$((deadline - 150))" -ge 120 ] \
+        || die "deadline ${deadline} s leaves $((deadline - 150)) s for the engine's start (150 s are kept for the clients; a cold start took 89 s on the H200): use --deadline 270 or more"
     # the `vllm` arm of experiments/gpu-h200.yaml, alone; the key in VLLM_API_KEY (vLLM's own
     # variable, as k3pipe passes it: not in the argv, not in vLLM's logged arguments). setsid: its own
     # session and process group (pgid = its pid), so that the engine's workers go with it
