@@ -63,6 +63,26 @@ running() {
     [[ -n $state && $state != Z && $state != X ]]
 }
 
+# wait_started PID NAME WHERE LOG PROBE...: until PROBE succeeds, while process PID (just forked by
+# us) runs, for at most START_TIMEOUT_S; on failure say which way it failed, with the end of LOG
+wait_started() {
+    local pid=$1 name=$2 where=$3 logfile=$4 deadline=$((SECONDS + START_TIMEOUT_S))
+    shift 4
+    until "$@" >/dev/null 2>&1; do
+        if ! running "$pid"; then
+            log "$name exited during start-up; end of $logfile:"
+            tail -n 30 "$logfile" >&2
+            return 1
+        fi
+        if ((SECONDS >= deadline)); then
+            log "$name did not answer$where within ${START_TIMEOUT_S} s; end of $logfile:"
+            tail -n 30 "$logfile" >&2
+            return 1
+        fi
+        sleep 0.1
+    done
+}
+
 # fail if something already listens on ADDR (host:port): our daemon could not bind, and a readiness
 # probe would be answered by the other program
 port_free() {
@@ -127,21 +147,9 @@ start_dockerd() {
         --pidfile "$DOCKER_PID" \
         </dev/null >>"$DOCKER_LOG" 2>&1 &
     STARTED_DOCKERD=$!
-    local deadline=$((SECONDS + START_TIMEOUT_S))
     # `docker info` answers only once the daemon is up; its own timeout keeps each try short
-    until timeout 5 "$DOCKER" -H "unix://$SOCK" info >/dev/null 2>&1; do
-        if ! running "$STARTED_DOCKERD"; then
-            log "dockerd exited during start-up; end of $DOCKER_LOG:"
-            tail -n 30 "$DOCKER_LOG" >&2
-            return 1
-        fi
-        if ((SECONDS >= deadline)); then
-            log "dockerd did not answer within ${START_TIMEOUT_S} s; end of $DOCKER_LOG:"
-            tail -n 30 "$DOCKER_LOG" >&2
-            return 1
-        fi
-        sleep 0.1
-    done
+    wait_started "$STARTED_DOCKERD" dockerd "" "$DOCKER_LOG" \
+        timeout 5 "$DOCKER" -H "unix://$SOCK" info || return 1
     log "dockerd ready (pid $STARTED_DOCKERD) in $((($(date +%s%N) - t0) / 1000000)) ms"
 }
 
@@ -188,20 +196,8 @@ start_registry() {
     setsid "$REGISTRY_BIN" serve "$REG_CONF" </dev/null >>"$REG_LOG" 2>&1 &
     STARTED_REGISTRY=$!
     echo "$STARTED_REGISTRY" >"$REG_PID"
-    local deadline=$((SECONDS + START_TIMEOUT_S))
-    until curl -fsS --max-time 2 -o /dev/null "http://$REGISTRY_ADDR/v2/" 2>/dev/null; do
-        if ! running "$STARTED_REGISTRY"; then
-            log "the registry exited during start-up; end of $REG_LOG:"
-            tail -n 30 "$REG_LOG" >&2
-            return 1
-        fi
-        if ((SECONDS >= deadline)); then
-            log "the registry did not answer on $REGISTRY_ADDR within ${START_TIMEOUT_S} s; end of $REG_LOG:"
-            tail -n 30 "$REG_LOG" >&2
-            return 1
-        fi
-        sleep 0.1
-    done
+    wait_started "$STARTED_REGISTRY" "the registry" " on $REGISTRY_ADDR" "$REG_LOG" \
+        curl -fsS --max-time 2 -o /dev/null "http://$REGISTRY_ADDR/v2/" || return 1
     log "registry ready on $REGISTRY_ADDR (pid $STARTED_REGISTRY) in $((($(date +%s%N) - t0) / 1000000)) ms"
 }
 
