@@ -70,6 +70,11 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[1]
 K3PIPE = "k3pipe"
 PEER = "vllm bench serve"
+# --diagnose: the same two clients with one difference each, to find where a disagreement comes from
+K3PIPE_NO_CU = "k3pipe, no continuous usage"
+PEER_SAME = "vllm bench serve, k3pipe's prompts"
+DIAGNOSTIC = (K3PIPE_NO_CU, PEER_SAME)
+CLIENT_DIRS = {K3PIPE: "k3pipe", PEER: "vllm", K3PIPE_NO_CU: "k3pipe-no-cu", PEER_SAME: "vllm-same-prompts"}
 START_MARK = "@@gpu-clients start"
 END_MARK = "@@gpu-clients end"
 # the lines vllm bench serve prints right before its measured requests and right after them
@@ -131,6 +136,8 @@ class Run:
     duration_s: float | None = None
     figures: dict[str, float | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # the engine's own view of this run: /metrics deltas around it (see server_view)
+    server: dict[str, float | None] = field(default_factory=dict)
 
     def cpu_ms_per_1k(self, which: str) -> float | None:
         cpu = self.cpu_phase_s if which == "phase" else self.cpu_total_s
@@ -248,10 +255,84 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+# ---------------------------------------------------------------------------------------------
+# The engine's own view: /metrics before and after each run
+
+# vLLM's request histograms (vllm/v1/metrics/loggers.py, PrometheusStatLogger). The frontend stamps a
+# request's arrival when it has parsed and tokenized it (InputProcessor), and its first token when it
+# processes the engine core's output: a client's TTFT minus the server's is what lies between the
+# client's stamps and those (HTTP, chat template, tokenization, the response's way back, the client).
+SERVER_HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+}
+SERVER_COUNTERS = {
+    "generation_tokens": "vllm:generation_tokens_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+    "preemptions": "vllm:num_preemptions_total",
+}
+
+
+def scrape_totals(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
+    """``GET /metrics``: each wanted sample summed over its label sets; None when it cannot be read."""
+    import urllib.request
+
+    from k3pipe.metrics import parse_exposition
+
+    names = [f"{n}{suffix}" for n in SERVER_HISTOGRAMS.values() for suffix in ("_sum", "_count")]
+    names += list(SERVER_COUNTERS.values())
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as response:
+            text = response.read().decode("utf-8", "replace")
+        samples = parse_exposition(text, keep=names)
+    except (OSError, ValueError):
+        return None
+    totals: dict[str, float] = {}
+    for (name, _labels), value in samples.items():
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def server_view(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
+    """What the engine measured between two scrapes: each histogram's mean (ms) and count, the counters'
+    deltas, and the prefix cache's hit rate (%). Empty when either scrape is missing."""
+    if before is None or after is None:
+        return {}
+    view: dict[str, float | None] = {}
+    for key, name in SERVER_HISTOGRAMS.items():
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+        view[f"{key}_count"] = count
+        view[f"{key}_mean_ms"] = 1000.0 * total / count if count > 0 else None
+    for key, name in SERVER_COUNTERS.items():
+        view[key] = after.get(name, 0.0) - before.get(name, 0.0) if name in after else None
+    queries, hits = view.get("prefix_cache_queries"), view.get("prefix_cache_hits")
+    view["prefix_cache_hit_pct"] = 100.0 * hits / queries if queries and hits is not None else None
+    return view
+
+
 # --- k3pipe -------------------------------------------------------------------------------------
 
 
-def k3pipe_spec(args: argparse.Namespace, point: Point, seed: int, warmup: bool = False) -> dict[str, Any]:
+def k3pipe_spec(
+    args: argparse.Namespace,
+    point: Point,
+    seed: int,
+    warmup: bool = False,
+    continuous_usage: bool | None = None,
+    prompts_out: Path | None = None,
+) -> dict[str, Any]:
+    """The k3pipe child's request; ``prompts_out``: write the prompts there (``vllm bench serve``'s
+    custom-dataset JSONL) and stop (see :func:`write_prompts`)."""
+    if continuous_usage is None:
+        continuous_usage = not args.no_continuous_usage
     return {
         "base_url": args.base_url.rstrip("/") + "/v1",
         "model": args.model,
@@ -264,8 +345,28 @@ def k3pipe_spec(args: argparse.Namespace, point: Point, seed: int, warmup: bool 
         "seed": seed,
         "warmup": warmup,
         "request_timeout_s": args.request_timeout_s,
-        "continuous_usage": not args.no_continuous_usage,
+        "continuous_usage": continuous_usage,
+        "prompts_out": None if prompts_out is None else str(prompts_out),
+        "prompts_only": prompts_out is not None,
     }
+
+
+def write_prompts(args: argparse.Namespace, point: Point, seed: int, path: Path, log: IO[str]) -> None:
+    """k3pipe's prompts for ``point`` and ``seed`` (the ones its run of that seed sends) into ``path``,
+    by the k3pipe child outside any measured run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path = path.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps(k3pipe_spec(args, point, seed, prompts_out=path)))
+    env = _env({"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
+    log.write(f"\n=== k3pipe's prompts for {point.name} (seed {seed}) into {path}\n")
+    child = run_child(
+        [sys.executable, str(Path(__file__).resolve()), "_k3pipe", str(spec_path), str(path) + ".out"],
+        env, log, START_MARK, END_MARK, 120.0,
+    )  # fmt: skip
+    if child.rc != 0 or not path.exists():
+        raise RuntimeError(
+            f"k3pipe's prompts for {point.name}: exit {child.rc}: " + " | ".join(child.tail[-5:])
+        )
 
 
 def run_k3pipe(spec: dict[str, Any], work: Path, log: IO[str], timeout_s: float, run: Run) -> Run:
@@ -315,6 +416,12 @@ def _k3pipe_child(spec_path: str, out_path: str) -> int:
     tokenizer = load_tokenizer(spec["tokenizer"])
     prompts = random_prompts(tokenizer, spec["requests"], spec["input_tokens"], spec["seed"])
     prompts_s = time.perf_counter() - t0
+    if spec.get("prompts_out"):
+        with open(spec["prompts_out"], "w") as f:
+            for prompt in prompts:
+                f.write(json.dumps({"prompt": prompt.text}) + "\n")
+        if spec.get("prompts_only"):
+            return 0
     workload = WorkloadSpec(
         name="warmup" if spec["warmup"] else "gpu-clients",
         input_tokens=spec["input_tokens"],
@@ -387,7 +494,25 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
     return shlex.split(args.vllm)
 
 
-def vllm_argv(args: argparse.Namespace, point: Point, seed: int, result_dir: Path) -> list[str]:
+def vllm_argv(
+    args: argparse.Namespace, point: Point, seed: int, result_dir: Path, prompts: Path | None = None
+) -> list[str]:
+    """``vllm bench serve``'s argv; ``prompts``: k3pipe's prompts (a JSONL of ``{"prompt": text}``) as
+    its custom dataset, sent as they are (``--skip-chat-template``: the server applies the template,
+    as for k3pipe), in file order, instead of its own random ones."""
+    if prompts is None:
+        dataset = [
+            "--dataset-name", "random",
+            "--random-input-len", str(point.input_tokens),
+            "--random-output-len", str(point.output_tokens),
+            "--random-range-ratio", "0",
+        ]  # fmt: skip
+    else:
+        dataset = [
+            "--dataset-name", "custom", "--dataset-path", str(prompts),
+            "--custom-output-len", str(point.output_tokens),
+            "--skip-chat-template", "--disable-shuffle",
+        ]  # fmt: skip
     return [
         "bench", "serve",
         "--backend", "openai-chat",
@@ -395,10 +520,7 @@ def vllm_argv(args: argparse.Namespace, point: Point, seed: int, result_dir: Pat
         "--endpoint", "/v1/chat/completions",
         "--model", args.model,
         "--tokenizer", args.tokenizer,
-        "--dataset-name", "random",
-        "--random-input-len", str(point.input_tokens),
-        "--random-output-len", str(point.output_tokens),
-        "--random-range-ratio", "0",
+        *dataset,
         "--num-prompts", str(point.requests),
         "--max-concurrency", str(point.concurrency),
         "--request-rate", "inf",
@@ -416,7 +538,13 @@ def vllm_argv(args: argparse.Namespace, point: Point, seed: int, result_dir: Pat
 
 
 def run_vllm(
-    args: argparse.Namespace, point: Point, work: Path, log: IO[str], timeout_s: float, run: Run
+    args: argparse.Namespace,
+    point: Point,
+    work: Path,
+    log: IO[str],
+    timeout_s: float,
+    run: Run,
+    prompts: Path | None = None,
 ) -> Run:
     """``vllm bench serve`` on ``point``; fills ``run`` from the JSON it saves."""
     work.mkdir(parents=True, exist_ok=True)
@@ -424,7 +552,7 @@ def run_vllm(
     result.unlink(missing_ok=True)
     key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
     env = _env({"OPENAI_API_KEY": key} if key else {})
-    argv = [*vllm_command(args), *vllm_argv(args, point, run.seed, work)]
+    argv = [*vllm_command(args), *vllm_argv(args, point, run.seed, work, prompts)]
     log.write(f"\n=== {PEER} {run.point} repeat {run.repeat} (seed {run.seed})\n")
     child = run_child(argv, env, log, PEER_START, PEER_END, timeout_s)
     _fill_child(run, child)
@@ -584,7 +712,7 @@ def compare(runs: list[Run], tolerance: float, abs_tol_ms: float) -> list[dict[s
         per: dict[str, list[float]] = {K3PIPE: [], PEER: []}
         for run in runs:
             value = _value(run, key)
-            if run.error is None and value is not None:
+            if run.client in per and run.error is None and value is not None:
                 per[run.client].append(float(value))
         mine, theirs = _mean(per[K3PIPE]), _mean(per[PEER])
         spread = max((max(v) - min(v) for v in per.values() if len(v) > 1), default=0.0)
@@ -619,6 +747,56 @@ def compare(runs: list[Run], tolerance: float, abs_tol_ms: float) -> list[dict[s
             }
         )
     return rows
+
+
+# (label, where, key): "client" figures from the client's own stamps, "engine" from its /metrics,
+# "gap" the client's TTFT mean minus the engine's, per run
+DIAGNOSIS_ROWS: list[tuple[str, str, str]] = [
+    ("output tok/s", "client", "output_throughput_tps"),
+    ("TTFT mean (ms), client", "client", "ttft_mean"),
+    ("TTFT mean (ms), engine", "engine", "ttft_mean_ms"),
+    ("TTFT client - engine (ms)", "gap", "ttft"),
+    ("queue mean (ms), engine", "engine", "queue_mean_ms"),
+    ("prefill mean (ms), engine", "engine", "prefill_mean_ms"),
+    ("E2E mean (ms), client", "client", "e2e_mean"),
+    ("E2E mean (ms), engine", "engine", "e2e_mean_ms"),
+    ("E2E client - engine (ms)", "gap", "e2e"),
+    ("TPOT mean (ms), client", "client", "tpot_mean"),
+    ("TPOT mean (ms), engine", "engine", "tpot_mean_ms"),
+    ("ITL mean (ms), engine", "engine", "itl_mean_ms"),
+    ("requests seen by the engine", "engine", "ttft_count"),
+    ("prefix cache hits (%)", "engine", "prefix_cache_hit_pct"),
+    ("preemptions", "engine", "preemptions"),
+]
+
+
+def _diagnosis_value(run: Run, where: str, key: str) -> float | None:
+    if where == "client":
+        return run.figures.get(key)
+    if where == "engine":
+        return run.server.get(key)
+    mine, engine = run.figures.get(f"{key}_mean"), run.server.get(f"{key}_mean_ms")
+    return None if mine is None or engine is None else mine - engine
+
+
+def diagnosis(runs: list[Run]) -> dict[str, Any]:
+    """Each client's mean (over its good runs) of the figures that place a disagreement: the client's
+    stamps next to the engine's, for the two clients and, with --diagnose, their two variants."""
+    clients = [c for c in (K3PIPE, PEER, *DIAGNOSTIC) if any(r.client == c for r in runs)]
+    rows = []
+    for label, where, key in DIAGNOSIS_ROWS:
+        cells: dict[str, float | None] = {}
+        for client in clients:
+            values = [
+                v
+                for r in runs
+                if r.client == client and r.error is None
+                for v in [_diagnosis_value(r, where, key)]
+                if v is not None
+            ]
+            cells[client] = _mean([float(v) for v in values])
+        rows.append({"figure": label, "where": where, "key": key, "cells": cells})
+    return {"clients": clients, "rows": rows}
 
 
 def _f(value: float | None) -> str:
@@ -674,6 +852,23 @@ def markdown(results: dict[str, Any]) -> str:
         notes = point.get("notes") or []
         if notes:
             lines += ["", *[f"- {n}" for n in notes]]
+        diag = point.get("diagnosis")
+        if diag and any(
+            v is not None for row in diag["rows"] if row["where"] != "client" for v in row["cells"].values()
+        ):
+            clients = diag["clients"]
+            lines += [
+                "",
+                "Where the time goes: each client's stamps next to the engine's own (its /metrics, "
+                "scraped before and after each run; means over the runs).",
+                "",
+                "| figure | " + " | ".join(clients) + " |",
+                "|---|" + "---:|" * len(clients),
+            ]
+            for row in diag["rows"]:
+                lines.append(
+                    f"| {row['figure']} | " + " | ".join(_f(row["cells"].get(c)) for c in clients) + " |"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -757,6 +952,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="k3pipe without stream_options.continuous_usage_stats (a diagnostic: the flow asks for it; "
         "vllm bench serve does not)",
     )
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="two more clients per repeat: k3pipe without continuous usage stats, and vllm bench serve "
+        "sending k3pipe's prompts (its custom dataset); the 'where the time goes' table places each "
+        "client's figures next to the engine's /metrics",
+    )
     p.add_argument("--tolerance", type=float, default=0.05, help="relative agreement tolerance (0.05)")
     p.add_argument("--abs-tol-ms", type=float, default=0.5, help="absolute agreement tolerance (ms figures)")
     p.add_argument("--client-timeout-s", type=float, default=300.0, help="one client run's limit")
@@ -791,6 +993,7 @@ def rerender(path: Path, tolerance: float, abs_tol_ms: float) -> dict[str, Any]:
         runs = [Run(**r) for r in entry["runs"]]
         entry["rows"] = compare(runs, tolerance, abs_tol_ms)
         entry["notes"] = point_notes(runs)
+        entry["diagnosis"] = diagnosis(runs)
     return results
 
 
@@ -857,26 +1060,42 @@ def main(argv: list[str] | None = None) -> int:
             runs: list[Run] = []
             for repeat in range(args.repeats):
                 seed = args.seed + 100 * (i + 1) + repeat
-                clients = [K3PIPE, PEER] if (i + repeat) % 2 == 0 else [PEER, K3PIPE]
+                clients = [K3PIPE, PEER, *DIAGNOSTIC] if args.diagnose else [K3PIPE, PEER]
+                if (i + repeat) % 2:
+                    clients.reverse()
+                prompts = out / "work" / f"{point.name}-r{repeat}-prompts.jsonl"
+                if args.diagnose:
+                    write_prompts(args, point, seed, prompts, log)
                 for order, client in enumerate(clients):
                     run = Run(client, point.name, repeat, order, seed)
-                    work = out / "work" / f"{point.name}-r{repeat}-{'k3pipe' if client == K3PIPE else 'vllm'}"
-                    if client == K3PIPE:
-                        run_k3pipe(k3pipe_spec(args, point, seed), work, log, args.client_timeout_s, run)
+                    work = out / "work" / f"{point.name}-r{repeat}-{CLIENT_DIRS[client]}"
+                    before = scrape_totals(args.base_url)
+                    if client in (K3PIPE, K3PIPE_NO_CU):
+                        spec = k3pipe_spec(
+                            args, point, seed, continuous_usage=None if client == K3PIPE else False
+                        )
+                        run_k3pipe(spec, work, log, args.client_timeout_s, run)
                     else:
-                        run_vllm(args, point, work, log, args.client_timeout_s, run)
+                        run_vllm(
+                            args, point, work, log, args.client_timeout_s, run,
+                            prompts=prompts if client == PEER_SAME else None,
+                        )  # fmt: skip
+                    run.server = server_view(before, scrape_totals(args.base_url))
                     runs.append(run)
                     print(
                         f"{point.name} repeat {repeat} {client}: {run.error or 'ok'}; "
                         f"{_f(run.figures.get('output_throughput_tps'))} tok/s, TTFT p50 "
                         f"{_f(run.figures.get('ttft_p50'))} ms, "
                         f"TPOT p50 {_f(run.figures.get('tpot_p50'))} ms, "
-                        f"CPU phase {_f(run.cpu_phase_s)} s, wall {_f(run.wall_s)} s",
+                        f"CPU phase {_f(run.cpu_phase_s)} s, wall {_f(run.wall_s)} s; TTFT mean "
+                        f"client / engine {_f(run.figures.get('ttft_mean'))} / "
+                        f"{_f(run.server.get('ttft_mean_ms'))} ms",
                         flush=True,
                     )
                     entry["runs"] = [asdict(r) for r in runs]
                     entry["rows"] = compare(runs, args.tolerance, args.abs_tol_ms)
                     entry["notes"] = point_notes(runs)
+                    entry["diagnosis"] = diagnosis(runs)
                     save()
     results["wall_s"] = time.perf_counter() - t_all
     save()

@@ -444,6 +444,8 @@ sys.exit(f"no /health within {limit:.0f} s")
         # the clients' output (the last 4 MiB), the key blanked
         [ ! -f "$BENCH_DIR/gpu-clients.log" ] \
             || tail -c 4194304 "$BENCH_DIR/gpu-clients.log" | sed "s/$K3PIPE_GPU_API_KEY/***/g" > "$OUT/gpu-clients.log"
+        # the engine's log (the last 2 MiB), the key blanked
+        [ ! -f "$log" ] || tail -c 2097152 "$log" | sed "s/$K3PIPE_GPU_API_KEY/***/g" > "$OUT/bench-vllm.log"
         say "into $OUT: $(cd "$OUT" && ls)"
     fi
     [ "$rc" -ne 124 ] || die "bench/gpu_clients.py hit its ${left} s limit (partial results kept)"

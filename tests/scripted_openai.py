@@ -144,6 +144,7 @@ class ScriptedOpenAI:
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ]
         )
         sock = self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -190,6 +191,29 @@ class ScriptedOpenAI:
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _metrics(self, request: Request) -> Response:
+        """vLLM's TTFT and E2E histograms (their _sum and _count only), from this server's own stamps:
+        a request's arrival to its first token chunk / to [DONE], over the requests that got there."""
+        ttft, e2e = [], []
+        with self._lock:
+            received = list(self.requests)
+        for r in received:
+            kinds = dict(reversed(r.sent))  # the first stamp of each kind
+            first = min((t for k, t in r.sent if k in ("content", "reasoning", "text")), default=None)
+            if first is not None:
+                ttft.append(first - r.t_received)
+            if "done" in kinds:
+                e2e.append(kinds["done"] - r.t_received)
+        label = f'{{engine="0",model_name="{self.model}"}}'
+        lines = []
+        for name, values in (("time_to_first_token", ttft), ("e2e_request_latency", e2e)):
+            lines += [
+                f"# TYPE vllm:{name}_seconds histogram",
+                f"vllm:{name}_seconds_sum{label} {sum(values)!r}",
+                f"vllm:{name}_seconds_count{label} {float(len(values))!r}",
+            ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def _chat(self, request: Request) -> Response:
         return await self._answer(request, "chat")

