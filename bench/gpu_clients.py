@@ -138,6 +138,7 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
     # the engine's own view of this run: /metrics deltas around it (see server_view)
     server: dict[str, float | None] = field(default_factory=dict)
+    prefix_cache_reset: bool | None = None  # --reset-prefix-cache: whether the engine took it
 
     def cpu_ms_per_1k(self, which: str) -> float | None:
         cpu = self.cpu_phase_s if which == "phase" else self.cpu_total_s
@@ -298,6 +299,21 @@ def scrape_totals(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | 
     for (name, _labels), value in samples.items():
         totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def reset_prefix_cache(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> bool:
+    """``POST /reset_prefix_cache`` (vLLM serves it with ``VLLM_SERVER_DEV_MODE=1``): whether it was
+    accepted. Between runs, so that no run's prompts find blocks that an earlier run left cached."""
+    import urllib.request
+
+    request = urllib.request.Request(base_url.rstrip("/") + "/reset_prefix_cache", data=b"", method="POST")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return bool(200 <= response.status < 300)
+    except OSError:
+        return False
 
 
 def server_view(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
@@ -836,7 +852,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{run['completed']} completed, {run['failed']} failed, "
                 f"{run['output_tokens']} output tokens, "
                 f"wall {_f(run['wall_s'])} s, CPU phase / total {_f(run['cpu_phase_s'])} / "
-                f"{_f(run['cpu_total_s'])} s"
+                f"{_f(run['cpu_total_s'])} s" + _cache_words(run)
             )
         lines += [
             "",
@@ -871,6 +887,18 @@ def markdown(results: dict[str, Any]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def _cache_words(run: dict[str, Any]) -> str:
+    """', prefix cache reset before it, 12.5% hits' (what is known of the engine's prefix cache)."""
+    words = []
+    reset = run.get("prefix_cache_reset")
+    if reset is not None:
+        words.append("prefix cache reset before it" if reset else "prefix cache NOT reset (refused)")
+    hits = (run.get("server") or {}).get("prefix_cache_hit_pct")
+    if hits is not None:
+        words.append(f"{hits:.1f}% prefix cache hits")
+    return "".join(f", {w}" for w in words)
 
 
 def point_notes(runs: list[Run]) -> list[str]:
@@ -958,6 +986,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="two more clients per repeat: k3pipe without continuous usage stats, and vllm bench serve "
         "sending k3pipe's prompts (its custom dataset); the 'where the time goes' table places each "
         "client's figures next to the engine's /metrics",
+    )
+    p.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="POST /reset_prefix_cache before every measured run (vLLM with VLLM_SERVER_DEV_MODE=1), so "
+        "that no run hits blocks an earlier run cached (the hit rate is in 'where the time goes')",
     )
     p.add_argument("--tolerance", type=float, default=0.05, help="relative agreement tolerance (0.05)")
     p.add_argument("--abs-tol-ms", type=float, default=0.5, help="absolute agreement tolerance (ms figures)")
@@ -1069,6 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
                 for order, client in enumerate(clients):
                     run = Run(client, point.name, repeat, order, seed)
                     work = out / "work" / f"{point.name}-r{repeat}-{CLIENT_DIRS[client]}"
+                    if args.reset_prefix_cache:
+                        run.prefix_cache_reset = reset_prefix_cache(args.base_url, key)
                     before = scrape_totals(args.base_url)
                     if client in (K3PIPE, K3PIPE_NO_CU):
                         spec = k3pipe_spec(

@@ -380,7 +380,9 @@ cmd_bench() {
     # the `vllm` arm of experiments/gpu-h200.yaml, alone; the key in VLLM_API_KEY (vLLM's own
     # variable, as k3pipe passes it: not in the argv, not in vLLM's logged arguments). setsid: its own
     # session and process group (pgid = its pid), so that the engine's workers go with it
-    env VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_API_KEY="$K3PIPE_GPU_API_KEY" \
+    # VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache, which the clients call before every run (on
+    # 127.0.0.1 only, like the rest of the engine's routes)
+    env VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_API_KEY="$K3PIPE_GPU_API_KEY" VLLM_SERVER_DEV_MODE=1 \
         VLLM_CACHE_ROOT="$K3PIPE_HOME/cache/vllm-bench" \
         setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL_DIR" --served-model-name llama-1b-random --host 127.0.0.1 --port "$BENCH_PORT" \
@@ -430,7 +432,7 @@ sys.exit(f"no /health within {limit:.0f} s")
     PYTHONPATH="$REPO" timeout --signal=TERM --kill-after=20 "$left" \
         "$py" bench/gpu_clients.py --base-url "http://127.0.0.1:$BENCH_PORT" --model llama-1b-random \
         --tokenizer "$MODEL_DIR" --api-key-env K3PIPE_GPU_API_KEY --vllm "$VLLM_VENV/bin/vllm" \
-        --out "$BENCH_DIR" "$@" &
+        --reset-prefix-cache --out "$BENCH_DIR" "$@" &
     BENCH_CLIENTS_PID=$!
     wait "$BENCH_CLIENTS_PID" || rc=$?
     BENCH_CLIENTS_PID=""

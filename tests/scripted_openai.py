@@ -126,6 +126,7 @@ class ScriptedOpenAI:
         self.requests: list[Received] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.prefix_cache_resets: list[int] = []  # requests received before each POST /reset_prefix_cache
         self._lock = threading.Lock()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -145,6 +146,7 @@ class ScriptedOpenAI:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/reset_prefix_cache", self._reset_prefix_cache, methods=["POST"]),
             ]
         )
         sock = self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -191,6 +193,12 @@ class ScriptedOpenAI:
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's dev-mode route (it caches nothing here): counted in ``prefix_cache_resets``."""
+        with self._lock:
+            self.prefix_cache_resets.append(len(self.requests))
+        return Response(status_code=200)
 
     async def _metrics(self, request: Request) -> Response:
         """vLLM's TTFT and E2E histograms (their _sum and _count only), from this server's own stamps:

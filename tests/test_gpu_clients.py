@@ -252,16 +252,21 @@ def test_diagnose_runs_four_clients_and_places_them_next_to_the_engine(
                 "--point", "2:4",
                 "--warmup-requests", "0",
                 "--diagnose",
+                "--reset-prefix-cache",
                 "--out", str(out),
             ]
         )  # fmt: skip
         received = list(server.requests)
+        resets = list(server.prefix_cache_resets)
     assert rc == 0
     results = json.loads((out / gc.RESULT_JSON).read_text())
     (point,) = results["points"]
     runs = {r["client"]: r for r in point["runs"]}
     assert set(runs) == {gc.K3PIPE, gc.PEER, gc.K3PIPE_NO_CU, gc.PEER_SAME}
     assert all(r["error"] is None for r in runs.values())
+    # the prefix cache was reset before each of the four runs (none before the prompts-only child)
+    assert len(resets) == 4
+    assert all(r["prefix_cache_reset"] is True for r in runs.values())
     # only the two k3pipe runs reached the server (the stand-in vLLM sends nothing)
     assert len(received) == 8
     asked = [r.body.get("stream_options", {}).get("continuous_usage_stats") for r in received]
