@@ -42,6 +42,18 @@ throughput window starts when its benchmark starts, k3pipe's at the first send. 
 column says, for each row, which of these apply, and whether the two figures agree within
 ``--tolerance`` (relative; with repeats, also the run-to-run spread).
 
+**The engine's own view.** Around every run the engine's ``/metrics`` is scraped; the deltas give
+the engine's mean TTFT, queue, prefill, E2E and TPOT for exactly that run's requests and its
+prefix-cache hit rate. Where two clients' figures are apart, each client's offset from the engine's
+figure tells a client difference from an engine that was faster in one client's runs (the verdict
+then reads "agree against the engine"). ``--reset-prefix-cache`` posts vLLM's
+``/reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``) before every run, so no run finds blocks an
+earlier one cached. ``--diagnose`` adds two clients per repeat: k3pipe without
+``continuous_usage_stats``, and ``vllm bench serve`` on k3pipe's prompts (its custom dataset, the
+prompts the k3pipe run of that seed sends), and a second comparison table on those same requests:
+vLLM's random dataset is another workload (runs of consecutive token ids, which can hit the prefix
+cache within a run), so only the same requests test the clients.
+
 Output in ``--out``: ``gpu-clients.json`` (every figure of every run, the server's version, the
 arguments), ``gpu-clients.md`` (the tables), ``gpu-clients.log`` (both clients' output); the JSON
 and the markdown are rewritten after every run, so a run cut short keeps what it measured.
@@ -652,6 +664,7 @@ ROWS: list[tuple[str, str, str, str]] = [
         "which can only make vLLM's longer: a shorter vLLM TTFT is not explained by the definitions",
     ),
     ("ttft_p99", "TTFT p99 (ms)", "same", "as TTFT p50"),
+    ("ttft_mean", "TTFT mean (ms)", "same", "as TTFT p50 (the engine's /metrics gives means: see below)"),
     (
         "tpot_p50",
         "TPOT p50 (ms)",
@@ -659,6 +672,7 @@ ROWS: list[tuple[str, str, str, str]] = [
         "same: (E2E - TTFT) / (N - 1) with one token per chunk; vLLM's E2E runs to the usage chunk",
     ),
     ("tpot_p99", "TPOT p99 (ms)", "same", "as TPOT p50"),
+    ("tpot_mean", "TPOT mean (ms)", "same", "as TPOT p50"),
     (
         "itl_p50",
         "ITL p50 (ms)",
@@ -708,7 +722,7 @@ ROWS: list[tuple[str, str, str, str]] = [
 
 
 def _value(run: Run, key: str) -> float | None:
-    if run.client == PEER and key.startswith("chunk_itl_"):
+    if run.client in (PEER, PEER_SAME) and key.startswith("chunk_itl_"):
         return run.figures.get(key.removeprefix("chunk_"))  # vLLM's ITL is per chunk
     if key == "cpu_phase":
         return run.cpu_ms_per_1k("phase")
@@ -721,16 +735,20 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def compare(runs: list[Run], tolerance: float, abs_tol_ms: float) -> list[dict[str, Any]]:
-    """One row per figure for one point: each client's mean over its good runs, and a verdict."""
+def compare(
+    runs: list[Run], tolerance: float, abs_tol_ms: float, against: str = PEER
+) -> list[dict[str, Any]]:
+    """One row per figure for one point: k3pipe's and ``against``'s (``vllm bench serve``, or with
+    --diagnose the same CLI on k3pipe's prompts) means over their good runs, and a verdict. The row
+    keeps the peer's figure under PEER whichever run it came from."""
     rows = []
     for key, label, kind, why in ROWS:
-        per: dict[str, list[float]] = {K3PIPE: [], PEER: []}
+        per: dict[str, list[float]] = {K3PIPE: [], against: []}
         for run in runs:
             value = _value(run, key)
             if run.client in per and run.error is None and value is not None:
                 per[run.client].append(float(value))
-        mine, theirs = _mean(per[K3PIPE]), _mean(per[PEER])
+        mine, theirs = _mean(per[K3PIPE]), _mean(per[against])
         spread = max((max(v) - min(v) for v in per.values() if len(v) > 1), default=0.0)
         diff_pct = None
         verdict = "-"
@@ -743,7 +761,7 @@ def compare(runs: list[Run], tolerance: float, abs_tol_ms: float) -> list[dict[s
             # within the tolerance; else within the run-to-run spread (noise); else apart
             close = "agree" if gap <= tol else f"within noise (spread {_f(spread)})" if gap <= spread else ""
             if kind == "same":
-                verdict = close or "DIFFER (same definition)"
+                verdict = close or _against_engine(runs, key, against, tolerance, mine, theirs)
             elif kind == "cpu":
                 verdict = f"vLLM / k3pipe = {theirs / mine:.2f}x" if mine else "-"
             else:
@@ -755,6 +773,7 @@ def compare(runs: list[Run], tolerance: float, abs_tol_ms: float) -> list[dict[s
                 "kind": kind,
                 K3PIPE: mine,
                 PEER: theirs,
+                "against": against,
                 "values": per,
                 "vllm_minus_k3pipe_pct": diff_pct,
                 "spread": spread,
@@ -763,6 +782,51 @@ def compare(runs: list[Run], tolerance: float, abs_tol_ms: float) -> list[dict[s
             }
         )
     return rows
+
+
+# figures with a counterpart in the engine's /metrics (means): the engine is a common reference that
+# removes its own run-to-run variation from the comparison
+ENGINE_REF = {"ttft_mean": "ttft_mean_ms", "tpot_mean": "tpot_mean_ms", "e2e_mean": "e2e_mean_ms"}
+
+
+def _against_engine(
+    runs: list[Run], key: str, against: str, tolerance: float, mine: float, theirs: float
+) -> str:
+    """The verdict on two figures of one definition that are apart: where the engine measured the same
+    figure in every run, compare each client's offset from it (client - engine, per run, averaged);
+    when those agree within the tolerance, the engine itself was that much faster in one client's
+    runs and the clients agree."""
+    fallback = "DIFFER (same definition)"
+    ref = ENGINE_REF.get(key)
+    if ref is None:
+        return fallback
+    offsets: dict[str, list[float]] = {K3PIPE: [], against: []}
+    engine: dict[str, list[float]] = {K3PIPE: [], against: []}
+    for run in runs:
+        if run.client not in offsets or run.error is not None:
+            continue
+        value, base = run.figures.get(key), run.server.get(ref)
+        if value is None or base is None:
+            return fallback  # every run needs the engine's figure
+        offsets[run.client].append(float(value) - float(base))
+        engine[run.client].append(float(base))
+    om, ot = _mean(offsets[K3PIPE]), _mean(offsets[against])
+    em, et = _mean(engine[K3PIPE]), _mean(engine[against])
+    if om is None or ot is None or em is None or et is None:
+        return fallback
+    if abs(om - ot) > tolerance * max(abs(mine), abs(theirs)):
+        return fallback + f"; against the engine too (client - engine: {_f(om)} vs {_f(ot)} ms)"
+    return (
+        f"agree against the engine: the engine's own figure was {_f(em)} vs {_f(et)} ms in these runs; "
+        f"client - engine {_f(om)} vs {_f(ot)} ms"
+    )
+
+
+def _same_prompt_rows(runs: list[Run], tolerance: float, abs_tol_ms: float) -> list[dict[str, Any]]:
+    """With --diagnose: the comparison on the same requests (vllm bench serve on k3pipe's prompts)."""
+    if not any(r.client == PEER_SAME for r in runs):
+        return []
+    return compare(runs, tolerance, abs_tol_ms, against=PEER_SAME)
 
 
 # (label, where, key): "client" figures from the client's own stamps, "engine" from its /metrics,
@@ -854,17 +918,23 @@ def markdown(results: dict[str, Any]) -> str:
                 f"wall {_f(run['wall_s'])} s, CPU phase / total {_f(run['cpu_phase_s'])} / "
                 f"{_f(run['cpu_total_s'])} s" + _cache_words(run)
             )
-        lines += [
-            "",
-            "| figure | k3pipe | vllm bench serve | vLLM vs k3pipe | verdict | why they differ |",
-            "|---|---:|---:|---:|---|---|",
-        ]
-        for row in point["rows"]:
-            pct = row["vllm_minus_k3pipe_pct"]
-            lines.append(
-                f"| {row['figure']} | {_f(row[K3PIPE])} | {_f(row[PEER])} | "
-                f"{'-' if pct is None else f'{pct:+.1f}%'} | {row['verdict']} | {row['why']} |"
-            )
+        tables = [("each client on its own prompts", point["rows"])]
+        if point.get("rows_same_prompts"):
+            tables.append(("both on k3pipe's prompts (the same requests)", point["rows_same_prompts"]))
+        for title, rows in tables:
+            lines += [
+                "",
+                f"k3pipe vs {rows[0].get('against', PEER) if rows else PEER}: {title}",
+                "",
+                "| figure | k3pipe | vllm bench serve | vLLM vs k3pipe | verdict | why they differ |",
+                "|---|---:|---:|---:|---|---|",
+            ]
+            for row in rows:
+                pct = row["vllm_minus_k3pipe_pct"]
+                lines.append(
+                    f"| {row['figure']} | {_f(row[K3PIPE])} | {_f(row[PEER])} | "
+                    f"{'-' if pct is None else f'{pct:+.1f}%'} | {row['verdict']} | {row['why']} |"
+                )
         notes = point.get("notes") or []
         if notes:
             lines += ["", *[f"- {n}" for n in notes]]
@@ -926,7 +996,33 @@ def point_notes(runs: list[Run]) -> list[str]:
                 f"first ITL entry (role chunk -> first token) p50 {_f(ex.get('first_itl_ms_p50'))} ms, "
                 f"server prompt tokens {_f(ex.get('server_input_tokens_mean'))}"
             )
+    notes += workload_notes(runs)
     return notes
+
+
+def workload_notes(runs: list[Run]) -> list[str]:
+    """What the engine says of the two clients' workloads: its prefix-cache hit rate and its own TTFT
+    and TPOT under each (the /metrics deltas of their runs), when it was scraped."""
+
+    def engine_mean(client: str, key: str) -> float | None:
+        values = [r.server.get(key) for r in runs if r.client == client and r.error is None]
+        return _mean([float(v) for v in values if v is not None])
+
+    present = [c for c in (K3PIPE, PEER, PEER_SAME) if engine_mean(c, "ttft_mean_ms") is not None]
+    if len(present) < 2:
+        return []
+    parts = [
+        f"{c}: {_f(engine_mean(c, 'prefix_cache_hit_pct'))}% prefix-cache hits, engine TTFT / TPOT "
+        f"{_f(engine_mean(c, 'ttft_mean_ms'))} / {_f(engine_mean(c, 'tpot_mean_ms'))} ms"
+        for c in present
+    ]
+    return [
+        "the engine under each workload (its /metrics): " + "; ".join(parts) + ". vllm bench serve's "
+        "random prompts are runs of consecutive token ids ((offset + index + arange(input_len)) % "
+        "vocabulary, vllm/benchmarks/datasets/datasets.py, RandomDataset), k3pipe's independent random "
+        "tokens: a different workload, which can hit the prefix cache within a run and decode at another "
+        "speed; the comparison on the same requests is the one that tests the clients"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1026,6 +1122,7 @@ def rerender(path: Path, tolerance: float, abs_tol_ms: float) -> dict[str, Any]:
     for entry in results["points"]:
         runs = [Run(**r) for r in entry["runs"]]
         entry["rows"] = compare(runs, tolerance, abs_tol_ms)
+        entry["rows_same_prompts"] = _same_prompt_rows(runs, tolerance, abs_tol_ms)
         entry["notes"] = point_notes(runs)
         entry["diagnosis"] = diagnosis(runs)
     return results
@@ -1130,6 +1227,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     entry["runs"] = [asdict(r) for r in runs]
                     entry["rows"] = compare(runs, args.tolerance, args.abs_tol_ms)
+                    entry["rows_same_prompts"] = _same_prompt_rows(runs, args.tolerance, args.abs_tol_ms)
                     entry["notes"] = point_notes(runs)
                     entry["diagnosis"] = diagnosis(runs)
                     save()

@@ -15,7 +15,8 @@
 #   scripts/gpu-node.sh bench [--deadline S] [GPU_CLIENTS ARGS...]
 #                                         vLLM 0.22 alone (the `vllm` arm's args) on 127.0.0.1, then
 #                                         bench/gpu_clients.py: k3pipe's client and `vllm bench serve`
-#                                         side by side (2048/256, c16 x64 and c128 x512); results in
+#                                         side by side (2048/256, c16 x64 and c128 x512; the prefix cache
+#                                         reset before every run; --diagnose: two more clients); results in
 #                                         $K3PIPE_HOME/bench-gpu, gpu-clients.{json,md,log} into $OUT;
 #                                         the engine is stopped by process group on every exit
 #   scripts/gpu-node.sh collect           nvidia-smi, the node's logs and the MLflow store (sqlite db +

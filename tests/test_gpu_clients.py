@@ -292,4 +292,47 @@ def test_diagnose_runs_four_clients_and_places_them_next_to_the_engine(
     assert 0 <= gap < 30
     table = (out / gc.RESULT_MD).read_text()
     assert "Where the time goes" in table
+    assert f"k3pipe vs {gc.PEER_SAME}: both on k3pipe's prompts (the same requests)" in table
+    # the stand-in vLLM sent nothing, so the engine saw one workload: nothing to set side by side
+    assert "the engine under each workload" not in table
     assert f"| figure | {gc.K3PIPE} | {gc.PEER} | {gc.K3PIPE_NO_CU} | {gc.PEER_SAME} |" in table
+
+
+def test_a_gap_the_engine_measured_too_is_not_a_client_disagreement() -> None:
+    """TPOT apart by 10%, but the engine's own TPOT (its /metrics, per run) was apart by as much: each
+    client is as far from the engine as the other, so the clients agree; when one client's offset from
+    the engine is the gap, they do not."""
+
+    def run(client: str, tpot: float, engine_tpot: float) -> object:
+        r = gc.Run(client, "p", 0, 0, 1, output_tokens=1000)
+        r.figures = {"tpot_mean": tpot}
+        r.server = {"tpot_mean_ms": engine_tpot}
+        return r
+
+    rows = {r["key"]: r for r in gc.compare([run(gc.K3PIPE, 6.7, 6.6), run(gc.PEER, 6.0, 5.9)], 0.05, 0.05)}
+    assert rows["tpot_mean"]["verdict"].startswith("agree against the engine")
+    assert "6.60 vs 5.90 ms" in rows["tpot_mean"]["verdict"]
+    rows = {r["key"]: r for r in gc.compare([run(gc.K3PIPE, 6.7, 5.9), run(gc.PEER, 6.0, 5.9)], 0.05, 0.05)}
+    assert rows["tpot_mean"]["verdict"].startswith("DIFFER (same definition); against the engine too")
+    # a run without the engine's figure: no reference, the plain verdict
+    bare = run(gc.PEER, 6.0, 5.9)
+    bare.server = {}
+    rows = {r["key"]: r for r in gc.compare([run(gc.K3PIPE, 6.7, 6.6), bare], 0.05, 0.05)}
+    assert rows["tpot_mean"]["verdict"] == "DIFFER (same definition)"
+    # the same-prompts comparison takes the peer's variant
+    same = run(gc.PEER_SAME, 6.65, 6.6)
+    rows = {r["key"]: r for r in gc._same_prompt_rows([run(gc.K3PIPE, 6.7, 6.6), same], 0.05, 0.05)}
+    assert rows["tpot_mean"]["against"] == gc.PEER_SAME
+    assert rows["tpot_mean"]["verdict"] == "agree"
+
+
+def test_workload_notes_set_the_engine_under_each_workload_side_by_side() -> None:
+    def run(client: str, hits: float, ttft: float) -> object:
+        r = gc.Run(client, "p", 0, 0, 1)
+        r.server = {"prefix_cache_hit_pct": hits, "ttft_mean_ms": ttft, "tpot_mean_ms": 6.0}
+        return r
+
+    (note,) = gc.workload_notes([run(gc.K3PIPE, 0.0, 729.1), run(gc.PEER, 12.5, 637.9)])
+    assert "k3pipe: 0.000% prefix-cache hits, engine TTFT / TPOT 729.1 / 6.00 ms" in note
+    assert "vllm bench serve: 12.50% prefix-cache hits, engine TTFT / TPOT 637.9 / 6.00 ms" in note
+    assert gc.workload_notes([run(gc.K3PIPE, 0.0, 729.1)]) == []
