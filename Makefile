@@ -63,7 +63,7 @@ demo: setup
 	$(VENV)/bin/k3pipe runs --limit 5
 
 lint: venv
-	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts bench
+	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts bench cli
 	$(VENV)/bin/mypy
 
 # The client benchmark (docs/performance.md): about 7 minutes on 2 cores; BENCH_ARGS=--quick: a 2-minute subset.

@@ -21,6 +21,7 @@ from k3pipe.errors import BenchmarkError, PreflightError
 from k3pipe.launchers import Launcher
 from k3pipe.node import nvidia_smi_report
 from k3pipe.record import ArmRecorder, record_preflight_stop, record_speculation, summary_table
+from k3pipe.rerun import RERUN_TAG, RerunInputs
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -40,6 +41,8 @@ from tasks.steps import (
     probe_node_task,
     pull_image_task,
     reap_orphans_task,
+    rerun_verdict_task,
+    restore_run_task,
     start_engine_task,
     wait_ready_task,
 )
@@ -73,6 +76,7 @@ def _run_arm(
     settings: Settings,
     findings: list[Finding],
     prompts: dict[str, list[PromptSet]],
+    rerun: RerunInputs | None = None,
 ) -> dict[str, Any]:
     logger = get_run_logger()
     home = settings.home_dir
@@ -84,7 +88,14 @@ def _run_arm(
     key = read_secret(plan.api_key_env)
     if key is not None:
         tracker.add_secret(key.get_secret_value())
-    recorder = ArmRecorder(tracker, plan, tags={"prefect.flow_run_id": _flow_run_id()})
+    tags = {"prefect.flow_run_id": _flow_run_id()}
+    if rerun is not None:
+        tags[RERUN_TAG] = rerun.run_id
+        if rerun.drift:
+            tags["k3pipe.rerun_drift"] = "; ".join(rerun.drift)
+    recorder = ArmRecorder(tracker, plan, tags=tags)
+    if rerun is not None:
+        recorder.rerun_of, recorder.drift = rerun.run_id, list(rerun.drift)
     log_path = home / "logs" / f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{recorder.run_id[:8]}.log"
     outcome: dict[str, Any] = {"arm": arm, "mlflow_run_id": recorder.run_id, "status": "FAILED"}
     launcher: Launcher | None = None
@@ -92,6 +103,7 @@ def _run_arm(
     error: BaseException | None = None
     try:
         recorder.log_plan(spec, experiment, models)
+        recorder.log_prompts(spec.workloads, prompts)
         recorder.log_preflight(findings)
         image = None
         if plan.launcher == "docker":
@@ -179,36 +191,52 @@ def _judge_speculation(
 
 @flow(name="benchmark")
 def benchmark(
-    experiment: str = "experiments/demo-cpu.yaml", arms: list[str] | None = None
+    experiment: str = "experiments/demo-cpu.yaml",
+    arms: list[str] | None = None,
+    rerun_of: str | None = None,
+    allow_drift: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every arm (or the named ``arms``) of the experiment file and record it in MLflow."""
+    """Run every arm (or the named ``arms``) of the experiment file and record it in MLflow; with
+    ``rerun_of`` (an arm's MLflow run id), run that arm again from its record alone (``experiment``
+    and ``arms`` are then not used): the same verified model files, image digest, prompts and seeds."""
     logger = get_run_logger()
     settings = Settings()
-    spec = load_experiment_task(experiment)
-    selected = arms or [a.name for a in spec.arms]
-    for name in selected:
-        spec.arm(name)  # unknown arm names fail before anything starts
     home = settings.home_dir
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    rerun = restore_run_task(tracker, rerun_of, home, allow_drift) if rerun_of else None
+    spec = rerun.spec if rerun is not None else load_experiment_task(experiment)
+    if rerun is not None:
+        experiment = rerun.record.experiment_file
+    selected = arms if rerun is None and arms else [a.name for a in spec.arms]
+    for name in selected:
+        spec.arm(name)  # unknown arm names fail before anything starts
     # preflight before the (possibly hours-long) download, and again with the model's config.json
     _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker)
     if any(spec.arm(name).launcher.kind == "docker" for name in selected):
         reap_orphans_task(_flow_run_is_running)
-    models = {"model": fetch_model_task("model", spec.model, home)}
-    for name, extra in spec.extra_models.items():
-        models[name] = fetch_model_task(name, extra, home)
+    if rerun is not None:
+        models = rerun.models
+    else:
+        models = {"model": fetch_model_task("model", spec.model, home)}
+        for name, extra in spec.extra_models.items():
+            models[name] = fetch_model_task(name, extra, home)
     findings = preflight_task(spec, "model", models["model"].path)
     _stop_on_errors(findings, spec, selected, tracker)
     # every workload's prompts before any launch: a dataset that cannot give them fails the flow here
-    try:
-        prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
-    except BenchmarkError as exc:
-        dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
-        _stop_on_errors([dataset_error], spec, selected, tracker)
-        raise
+    if rerun is not None:
+        prompts = rerun.prompts
+    else:
+        try:
+            prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
+        except BenchmarkError as exc:
+            dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
+            _stop_on_errors([dataset_error], spec, selected, tracker)
+            raise
     outcomes = []
     for name in selected:
-        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings, prompts))
+        outcomes.append(
+            _run_arm(spec, experiment, name, models, tracker, settings, findings, prompts, rerun)
+        )
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if any(speculation_setting(spec.arm(name)) for name in selected):
         try:
@@ -225,11 +253,21 @@ def benchmark(
         if link.startswith("http"):
             create_link_artifact(link=link, link_text=f"MLflow run of {o['arm']}", key=f"mlflow-{o['arm']}")
         logger.info("MLflow run of %s: %s", o["arm"], link)
+    if rerun is not None:
+        for o in outcomes:
+            o["rerun_of"] = rerun.run_id
+            o["verdicts"] = rerun_verdict_task(tracker, rerun.run_id, o["mlflow_run_id"])
     bad = [o["arm"] for o in outcomes if o["status"] != "FINISHED"]
     if bad:
         details = "; ".join(f"{o['arm']}: {o.get('error', o['status'])}" for o in outcomes if o["arm"] in bad)
         raise RuntimeError(f"arm(s) did not finish cleanly ({details}); see their MLflow runs")
     return outcomes
+
+
+@flow(name="rerun")
+def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
+    """Run an arm's MLflow run again from its record alone, and compare the new run with it."""
+    return benchmark(rerun_of=run_id, allow_drift=allow_drift)
 
 
 if __name__ == "__main__":

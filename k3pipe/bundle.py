@@ -68,7 +68,7 @@ PIPELINE_RUNTIME_NEEDS = {
 
 # What install.sh runs in each venv after installing (and with --check-only): the modules 'k3pipe run'
 # imports, Prefect's server included (a missing asyncpg fails there, not at 'import prefect').
-PIPELINE_SMOKE_IMPORTS = ["k3pipe.cli", "flows.benchmark", "prefect.server.api.server", "mlflow"]
+PIPELINE_SMOKE_IMPORTS = ["cli.main", "flows.benchmark", "prefect.server.api.server", "mlflow"]
 PIPELINE_SMOKE_COMMANDS = [["k3pipe", "--help"]]
 
 

@@ -18,7 +18,14 @@ from k3pipe.bench.repeats import Comparison, compare
 from k3pipe.errors import TrackingError
 from k3pipe.tracking import Tracker
 
-__all__ = ["DEFAULT_METRICS", "compare_workloads", "resolve_workload_run", "workload_values"]
+__all__ = [
+    "DEFAULT_METRICS",
+    "REQUEST_METRICS",
+    "compare_workloads",
+    "request_values",
+    "resolve_workload_run",
+    "workload_values",
+]
 
 DEFAULT_METRICS = (
     "ttft_ms_p50",
@@ -71,6 +78,28 @@ def workload_values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
         path = tracker.client.download_artifacts(run.info.run_id, "repeats.json", tmp)
         stats = json.loads(Path(path).read_text())
     return {k: [float(x) for x in v["values"]] for k, v in stats.items()}
+
+
+# per-request figures (requests.parquet columns) a single run can be tested on: its requests are the
+# samples (they share the engine, so they are not independent: a rough test, said so where shown)
+REQUEST_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+def request_values(
+    tracker: Tracker, run: Any, columns: Sequence[str] = REQUEST_METRICS
+) -> dict[str, list[float]]:
+    """Per column, its value for each measured request (warm-up and failed ones left out) of a workload
+    run without repeats; empty when it has no requests.parquet."""
+    import pandas as pd
+
+    names = {a.path for a in tracker.client.list_artifacts(run.info.run_id)}
+    if "requests.parquet" not in names:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tracker.client.download_artifacts(run.info.run_id, "requests.parquet", tmp)
+        frame = pd.read_parquet(path)
+    measured = frame[(~frame["warmup"]) & (frame["ok"])]
+    return {c: [float(x) for x in measured[c].dropna()] for c in columns if c in measured.columns}
 
 
 def compare_workloads(

@@ -28,6 +28,7 @@ __all__ = [
     "ModelNotServedError",
     "ModelSourceError",
     "PreflightError",
+    "RerunError",
     "SpecError",
     "TrackingError",
 ]
@@ -79,3 +80,7 @@ class BenchmarkError(K3pipeError):
 
 class TrackingError(K3pipeError):
     """The run could not be recorded."""
+
+
+class RerunError(K3pipeError):
+    """A run cannot be repeated exactly: an input of its record cannot be had (or verified) again."""

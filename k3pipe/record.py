@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from k3pipe.bench import records_frame
+from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.bench.summary import timing_note
 from k3pipe.coldstart import ColdStart
@@ -28,6 +29,7 @@ from k3pipe.node import NodeInfo, gpu_memory_frame
 from k3pipe.observe import EngineLogFacts, phase_table
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
+from k3pipe.runrecord import RECORD_FILE, PromptsRef, RunRecord, prompts_artifact, prompts_digest
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
@@ -124,6 +126,10 @@ class ArmRecorder:
         self._bursty: set[str] = set()  # workloads whose client timing was bursty
         self.engine_log_facts: EngineLogFacts | None = None
         """What the engine log said (set by :meth:`log_engine_findings`, so after :meth:`finish`)."""
+        self.record: RunRecord | None = None
+        """The run as a value (from :meth:`log_plan` on), written as run_record.json by :meth:`finish`."""
+        self.rerun_of: str | None = None
+        self.drift: list[str] = []
 
     def log_plan(self, exp: ExperimentSpec, experiment_file: str, models: Mapping[str, ModelRecord]) -> None:
         plan = self.plan
@@ -161,6 +167,18 @@ class ArmRecorder:
             self.tracker.log_dict(self.run_id, rec.model_dump(), f"provenance/{name}.json")
         self.tracker.log_params(self.run_id, {k: v for k, v in params.items() if v is not None})
         self.tracker.log_dict(self.run_id, exp.model_dump(mode="json"), "experiment.json")
+        self.record = RunRecord(
+            experiment_name=exp.name,
+            experiment_file=experiment_file,
+            experiment=exp.model_dump(mode="json"),
+            arm=plan.arm,
+            models=dict(models),
+            command=self.tracker.scrub(cmd.shell()),
+            env={k: self.tracker.scrub(str(v)) for k, v in cmd.redacted_env().items()},
+            k3pipe_commit=params["k3pipe_commit"],
+            rerun_of=self.rerun_of,
+            drift=list(self.drift),
+        )
         self.tracker.log_text(
             self.run_id,
             "\n".join(
@@ -184,8 +202,34 @@ class ArmRecorder:
         rules = sorted({f.rule for f in mine if f.severity != "info"})
         self.tracker.set_tags(self.run_id, {"k3pipe.preflight": ", ".join(rules) or "clean"})
 
+    def log_prompts(self, workloads: Iterable[WorkloadSpec], prompts: Mapping[str, list[PromptSet]]) -> None:
+        """Every prompt the arm will send, one artifact per workload repeat, and their digests in the
+        record: a rerun sends these very prompts (verified) instead of drawing them again."""
+        refs: list[PromptsRef] = []
+        for workload in workloads:
+            for repeat, prompt_set in enumerate(prompts.get(workload.name, [])):
+                artifact = prompts_artifact(workload.name, repeat)
+                self.tracker.log_dict(self.run_id, prompt_set.model_dump(mode="json"), artifact)
+                seed = prompt_set.profile.get("seed")
+                refs.append(
+                    PromptsRef(
+                        workload=workload.name,
+                        repeat=repeat,
+                        seed=int(seed) if isinstance(seed, int) else None,
+                        dataset=prompt_set.name,
+                        dataset_digest=prompt_set.digest,
+                        sha256=prompts_digest(prompt_set),
+                        count=len(prompt_set.prompts),
+                        artifact=artifact,
+                    )
+                )
+        if self.record is not None:
+            self.record = self.record.model_copy(update={"prompts": refs})
+
     def log_image(self, image: ImageRecord, plan: ArmPlan) -> None:
         """The image as pinned: the digest a rerun must use, and the equivalent docker run."""
+        if self.record is not None:
+            self.record = self.record.model_copy(update={"image": image})
         self.tracker.log_params(
             self.run_id,
             {
@@ -205,6 +249,8 @@ class ArmRecorder:
             self.tracker.log_metrics(self.run_id, {"cold_start_s": cold_start_s})
         if version:
             self.tracker.log_params(self.run_id, {"engine_version": version})
+            if self.record is not None:
+                self.record = self.record.model_copy(update={"engine_version": version})
         if check is not None:
             self.tracker.log_dict(self.run_id, check.model_dump(), "endpoint_check.json")
             self.tracker.log_metrics(self.run_id, {"probe_first_delta_s": check.first_delta_s})
@@ -457,7 +503,11 @@ class ArmRecorder:
                     "error.txt",
                 )
         finally:
-            self.tracker.end_run(self.run_id, status)
+            try:
+                if self.record is not None:
+                    self.tracker.log_dict(self.run_id, self.record.model_dump(mode="json"), RECORD_FILE)
+            finally:
+                self.tracker.end_run(self.run_id, status)
 
 
 _COUNTS = ("requests", "completed", "failed", "warmup_requests", "slo_met")

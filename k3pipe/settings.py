@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "prepare_prefect_env", "read_secret"]
+__all__ = ["Settings", "read_secret"]
 
 
 class Settings(BaseSettings):
@@ -53,14 +53,3 @@ def read_secret(env_name: str | None) -> SecretStr | None:
         return None
     value = os.environ.get(env_name)
     return SecretStr(value) if value else None
-
-
-def prepare_prefect_env(settings: Settings) -> None:
-    """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect)."""
-    os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    # Prefect's temporary server (no PREFECT_API_URL) gets 20 s to answer by default; on a loaded
-    # machine (an engine compiling beside it, 2 cores) it took longer and `k3pipe run` failed with
-    # "Timed out while attempting to connect to ephemeral Prefect API server"
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

@@ -87,7 +87,7 @@ pipeline_python() {
 k3pipe() {
     local py
     py=$(pipeline_python) || die "no python for the pipeline: run 'scripts/gpu-node.sh install' first"
-    (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$py" -m k3pipe.cli "$@")
+    (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$py" -m cli.main "$@")
 }
 
 stage_inventory() {
@@ -217,7 +217,7 @@ cmd_install() {
     local py
     py=$(pipeline_python) || die "install.sh made no pipeline python (looked for $K3PIPE_HOME/venvs/k3pipe, $K3PIPE_HOME/venvs/pipeline, .venv)"
     step "the pipeline ($py) imports k3pipe, prefect, mlflow" \
-        bash -c "cd '$REPO' && PYTHONPATH='$REPO' '$py' -c 'import k3pipe.cli, flows.benchmark, mlflow, prefect; print(\"prefect\", prefect.__version__, \"mlflow\", mlflow.__version__)'"
+        bash -c "cd '$REPO' && PYTHONPATH='$REPO' '$py' -c 'import cli.main, flows.benchmark, mlflow, prefect; print(\"prefect\", prefect.__version__, \"mlflow\", mlflow.__version__)'"
 }
 
 cmd_model() {
@@ -299,7 +299,7 @@ cmd_run() {
     say "==> k3pipe run $EXPERIMENT $*"
     # SIGINT at the deadline: the flow stops the engine and records the arm as KILLED; SIGKILL 60 s later
     (cd "$REPO" && PYTHONPATH="$REPO" timeout --signal=INT --kill-after=60 "$deadline" \
-        "$py" -m k3pipe.cli run "$EXPERIMENT" "$@") || rc=$?
+        "$py" -m cli.main run "$EXPERIMENT" "$@") || rc=$?
     echo "$rc" > "$NODE_LOGS/run.rc"
     awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f\n", b - a }' > "$NODE_LOGS/run.seconds"
     end_leftovers "after the run"

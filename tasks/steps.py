@@ -19,11 +19,13 @@ from k3pipe.launchers import Launcher, connect, reap_orphans
 from k3pipe.node import NodeInfo, probe_node
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.preflight import preflight
+from k3pipe.rerun import RerunInputs, restore, verdict
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec, load_experiment
 from k3pipe.speculation import SpeculationReport, judge_speculation
+from k3pipe.tracking import Tracker
 
 
 @task(name="load-experiment", cache_policy=NO_CACHE)
@@ -224,3 +226,33 @@ def judge_speculation_task(
     for line in report.summary_lines():
         logger.info("%s", line)
     return report
+
+
+@task(name="restore-run", cache_policy=NO_CACHE)
+def restore_run_task(tracker: Tracker, run_id: str, home: Path, allow_drift: bool) -> RerunInputs:
+    """The recorded run's inputs, each verified (model files, image digest, prompts)."""
+    logger = get_run_logger()
+    inputs = restore(tracker, run_id, home, allow_drift, progress=logger.info)
+    for drift in inputs.drift:
+        logger.warning("rerun with drift (--allow-drift): %s", drift)
+    logger.info("rerun of %s (arm %s of %s)", inputs.run_id, inputs.record.arm, inputs.record.experiment_name)
+    return inputs
+
+
+@task(name="rerun-verdict", cache_policy=NO_CACHE)
+def rerun_verdict_task(tracker: Tracker, original: str, rerun: str) -> list[dict[str, Any]]:
+    """Each workload of the rerun against the original (Welch's test per metric), in the log too."""
+    logger = get_run_logger()
+    out = []
+    for v in verdict(tracker, original, rerun):
+        logger.info("rerun verdict, %s: %s", v.workload, v.summary)
+        out.append(
+            {
+                "workload": v.workload,
+                "verdict": v.summary,
+                "original": v.original,
+                "rerun": v.rerun,
+                "metrics": [c.model_dump() for c in v.rows],
+            }
+        )
+    return out

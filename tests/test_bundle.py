@@ -450,7 +450,7 @@ def test_bundle_installs_offline_and_k3pipe_renders(
     install_s = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"all {len(m['wheels'])} wheels match the manifest" in r.stdout
-    assert "import k3pipe.cli: ok" in r.stdout
+    assert "import cli.main: ok" in r.stdout
     assert "import prefect.server.api.server: ok" in r.stdout
     assert "k3pipe --help: ok" in r.stdout
     assert "pip check" in r.stdout

@@ -1,4 +1,4 @@
-"""prefect.yaml's `benchmark` deployment, run for real: a Prefect server, a process work pool, a
+"""prefect.yaml's `benchmark` and `rerun` deployments, run for real: a Prefect server, a process work pool, a
 worker, `prefect deployment run`; the experiment uses the `external` launcher against the session's
 real vLLM, so the worker starts and stops no engine of its own."""
 
@@ -115,17 +115,30 @@ def test_benchmark_deployment_runs_on_a_worker(
             timeout=400,
         )
         assert "Completed" in out
+        settings = Settings()
+        tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+        runs = tracker.recent_runs(5)
+        assert list(runs["name"]) == ["external-demo/gateway"]
+        assert list(runs["workload"]) == ["w"]
+        assert list(runs["status"]) == ["FINISHED"]
+        first = str(runs["run_id"][0])
+        # the rerun deployment: the run again from its record alone (the experiment file is gone)
+        exp.unlink()
+        out = prefect(
+            "deployment", "run", "rerun/rerun", "--param", f"run_id={first}", "--watch", timeout=400
+        )  # fmt: skip
+        assert "Completed" in out
     finally:
         _stop(worker, signal.SIGINT)
         worker_log.close()
 
-    settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
     runs = tracker.recent_runs(5)
-    assert list(runs["name"]) == ["external-demo/gateway"]
-    assert list(runs["workload"]) == ["w"]
-    assert list(runs["status"]) == ["FINISHED"]
-    run = tracker.client.get_run(runs["run_id"][0])
+    assert list(runs["name"]) == ["external-demo/gateway", "external-demo/gateway"]
+    again = tracker.client.get_run(str(runs["run_id"][0]))
+    assert again.data.tags["k3pipe.rerun_of"] == first
+    assert again.info.status == "FINISHED"
+    assert "rerun verdict, w:" in (tmp_path / "worker.log").read_text()
+    run = tracker.client.get_run(first)
     assert run.data.params["launcher"] == "external"
     assert "prefect.flow_run_id" in run.data.tags
     assert run.data.tags["prefect.flow_run_id"] != "none"

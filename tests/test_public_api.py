@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import k3pipe
 
@@ -52,8 +54,42 @@ def test_error_tree() -> None:
 
 def test_library_does_not_import_prefect() -> None:
     code = (
-        "import sys, k3pipe, k3pipe.steps, k3pipe.record, k3pipe.cli, k3pipe.tracking; "
+        "import sys, k3pipe, k3pipe.steps, k3pipe.record, k3pipe.rerun, k3pipe.tracking; "
         "print('prefect' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# what the library must never import: the orchestrator and the layers above it
+SHELL_MODULES = ("prefect", "flows", "tasks", "cli")
+
+
+def shell_imports(package: Path) -> list[str]:
+    """Every import of SHELL_MODULES in the package's files, at any depth (inside functions too)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in SHELL_MODULES:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_module_of_the_library_imports_the_shell() -> None:
+    assert shell_imports(Path(k3pipe.__file__).parent) == []
+
+
+def test_the_import_scan_sees_a_function_level_import(tmp_path: Path) -> None:
+    package = tmp_path / "lib"
+    package.mkdir()
+    (package / "ok.py").write_text("import os\nfrom k3pipe import specs\n")
+    (package / "bad.py").write_text("def f():\n    from prefect import flow\n    import flows.benchmark\n")
+    assert shell_imports(package) == ["lib/bad.py:2: prefect", "lib/bad.py:3: flows.benchmark"]

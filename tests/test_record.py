@@ -156,7 +156,7 @@ def test_compare_two_recorded_workloads(
 ) -> None:
     from typer.testing import CliRunner
 
-    from k3pipe.cli import app
+    from cli.main import app
     from k3pipe.compare import compare_workloads, resolve_workload_run
     from k3pipe.errors import TrackingError
 

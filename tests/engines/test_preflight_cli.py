@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from k3pipe.cli import app
+from cli.main import app
 from tests.engines.helpers import STUDY
 from tests.engines.test_preflight import SYNTHETIC_STUDY_CONFIG
 

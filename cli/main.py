@@ -1,7 +1,8 @@
-"""The k3pipe command line: render, preflight, run, runs, compare."""
+"""The k3pipe command line: render, preflight, run, rerun, runs, compare, bundle."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -9,7 +10,19 @@ from typing import Annotated
 import typer
 
 from k3pipe.errors import K3pipeError
-from k3pipe.settings import Settings, prepare_prefect_env
+from k3pipe.settings import Settings
+
+
+def prepare_prefect_env(settings: Settings) -> None:
+    """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect)."""
+    os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    # Prefect's temporary server (no PREFECT_API_URL) gets 20 s to answer by default; on a loaded
+    # machine (an engine compiling beside it, 2 cores) it took longer and `k3pipe run` failed with
+    # "Timed out while attempting to connect to ephemeral Prefect API server"
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
 
 app = typer.Typer(help="Repeatable, tracked inference-engine benchmarks.", no_args_is_help=True)
 
@@ -95,6 +108,38 @@ def run(
         _fail(exc)
         return
     _print_outcomes(outcomes)
+
+
+@app.command()
+def rerun(
+    run_id: Annotated[str, typer.Argument(help="An arm's MLflow run id (or a workload run's; prefix ok).")],
+    allow_drift: Annotated[
+        bool,
+        typer.Option(help="Rerun although a model file differs from the record (recorded as drift)."),
+    ] = False,
+) -> None:
+    """Run an arm again from its MLflow record alone, then compare the new run with the original."""
+    settings = Settings()
+    prepare_prefect_env(settings)
+    from flows.benchmark import rerun as rerun_flow
+
+    try:
+        outcomes = rerun_flow(run_id, allow_drift=allow_drift)
+    except KeyboardInterrupt:
+        typer.secho("interrupted: the engine was stopped", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        _fail(exc)
+        return
+    _print_outcomes(outcomes)
+    for o in outcomes:
+        for v in o.get("verdicts", []):
+            print(f"\n{o['arm']} / {v['workload']}: {v['verdict']}  (rerun of {o['rerun_of'][:12]})")
+            print(f"  {'metric':<24}{'original':>12}{'rerun':>12}{'change':>10}{'p (Welch)':>12}")
+            for c in v["metrics"]:
+                change = f"{c['relative_change']:+.1%}" if c["relative_change"] is not None else "n/a"
+                p = f"{c['p_value']:.3g}" if c["p_value"] is not None else "n/a"
+                print(f"  {c['metric']:<24}{c['mean_a']:>12.3f}{c['mean_b']:>12.3f}{change:>10}{p:>12}")
 
 
 def _print_outcomes(outcomes: list[dict]) -> None:
@@ -305,6 +350,8 @@ def bundle(
 
 
 def main() -> None:
+    # MLflow's per-download progress bars would interleave with the tables (rerun reads artifacts)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         app()
     except K3pipeError as exc:

@@ -1,0 +1,229 @@
+"""Exact reruns: rebuild an arm's run from its record alone, verify every input, compare the result.
+
+:func:`restore` reads an arm's ``run_record.json`` (see :mod:`k3pipe.runrecord`) and gives back what
+the flow needs to run that arm again: the experiment as recorded, the model files fetched again at the
+recorded revision (or found on disk) and checked file by file against the recorded sha256, the image
+pinned to the recorded digest, and the very prompts that were sent, checked against their digest. An
+input that cannot be had exactly stops the rerun with a :class:`RerunError` that names it and says what
+to do; with ``allow_drift`` the difference is recorded instead (``RunRecord.drift``).
+
+:func:`verdict` compares each workload of the rerun with the original (``k3pipe compare``'s test).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.bench.repeats import Comparison, compare
+from k3pipe.compare import DEFAULT_METRICS, _find_run, compare_workloads, request_values
+from k3pipe.errors import K3pipeError, RerunError
+from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
+from k3pipe.sources import ModelRecord, fetch_model
+from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, parse_experiment
+from k3pipe.tracking import Tracker
+
+__all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict"]
+
+RERUN_TAG = "k3pipe.rerun_of"
+Progress = Callable[[str], None]
+
+
+@dataclass
+class RerunInputs:
+    """What the flow runs again: one arm of the recorded experiment with its verified inputs."""
+
+    run_id: str  # the original arm run
+    record: RunRecord
+    spec: ExperimentSpec  # the recorded experiment, its arm's image pinned to the recorded digest
+    models: dict[str, ModelRecord]
+    prompts: dict[str, list[PromptSet]]
+    drift: list[str] = field(default_factory=list)
+
+
+def arm_run(tracker: Tracker, run_ref: str) -> Any:
+    """The arm's MLflow run for ``run_ref``: an arm run, or a workload or repeat run under one."""
+    run = _find_run(tracker, run_ref)
+    for _ in range(2):  # repeat -> workload -> arm
+        if not (run.data.tags.get("k3pipe.workload") and run.data.tags.get("mlflow.parentRunId")):
+            break
+        run = tracker.client.get_run(run.data.tags["mlflow.parentRunId"])
+    return run
+
+
+def _download(tracker: Tracker, run_id: str, artifact: str) -> str | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = tracker.client.download_artifacts(run_id, artifact, tmp)
+        except Exception:
+            return None
+        return Path(path).read_text()
+
+
+def read_record(tracker: Tracker, run_id: str) -> RunRecord:
+    text = _download(tracker, run_id, RECORD_FILE)
+    if text is None:
+        raise RerunError(
+            f"run {run_id} has no {RECORD_FILE}: it is not an arm run, or it was made by a k3pipe that "
+            "did not record runs as values yet; run its experiment again with `k3pipe run` instead"
+        )
+    try:
+        return RunRecord.model_validate_json(text)
+    except ValueError as exc:
+        raise RerunError(f"run {run_id}: {RECORD_FILE} cannot be read ({exc}); it cannot be rerun") from exc
+
+
+def _model_spec(spec: ExperimentSpec, name: str) -> ModelScopeModel | LocalModel:
+    if name == "model":
+        return spec.model
+    if name not in spec.extra_models:
+        raise RerunError(f"the record names model {name!r}, which its experiment does not declare")
+    return spec.extra_models[name]
+
+
+def _files_differ(recorded: ModelRecord, found: ModelRecord) -> list[str]:
+    """What differs between two fingerprints of a model, file by file (at most 5 named)."""
+    changed = sorted(f for f in recorded.files if f in found.files and found.files[f] != recorded.files[f])
+    missing = sorted(f for f in recorded.files if f not in found.files)
+    extra = sorted(f for f in found.files if f not in recorded.files)
+    out = []
+    for what, names in (("changed", changed), ("missing", missing), ("not in the record", extra)):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            out.append(f"{what}: {shown}")
+    return out
+
+
+def _restore_model(
+    name: str, recorded: ModelRecord, model_spec: ModelScopeModel | LocalModel, home: Path, say: Progress
+) -> tuple[ModelRecord, str | None]:
+    """The model fetched (at the recorded revision) or found again; a drift text when it differs."""
+    if isinstance(model_spec, ModelScopeModel):
+        revision = recorded.resolved_revision or recorded.requested_revision or model_spec.revision
+        model_spec = model_spec.model_copy(update={"revision": revision})
+        say(f"{name}: fetching {model_spec.id}@{revision} (the recorded revision) and checking every file")
+    else:
+        say(f"{name}: checking every file of {model_spec.path} against the record")
+    try:
+        found = fetch_model(model_spec, home, say)
+    except K3pipeError as exc:
+        raise RerunError(
+            f"{name}: the recorded model cannot be had again: {exc}. A rerun needs the same files "
+            f"({len(recorded.files)} files, digest {recorded.digest()[:16]})"
+        ) from exc
+    differences = _files_differ(recorded, found)
+    if not differences:
+        return found, None
+    where = found.path
+    drift = f"{name} ({where}): " + "; ".join(differences)
+    return found, drift
+
+
+def restore(
+    tracker: Tracker,
+    run_ref: str,
+    home: Path,
+    allow_drift: bool = False,
+    progress: Progress | None = None,
+) -> RerunInputs:
+    """Everything needed to run the arm of ``run_ref`` again, each input verified against its record.
+
+    Raises:
+        RerunError: the run has no record, or an input differs (unless ``allow_drift``) or cannot be
+            had: the message names the input and says what to do.
+    """
+    say: Progress = progress or (lambda _msg: None)
+    run = arm_run(tracker, run_ref)
+    run_id = run.info.run_id
+    record = read_record(tracker, run_id)
+    spec = parse_experiment(record.experiment, f"{RECORD_FILE} of run {run_id}")
+    arm = spec.arm(record.arm)
+    drift: list[str] = []
+
+    models: dict[str, ModelRecord] = {}
+    for name, recorded in record.models.items():
+        found, differs = _restore_model(name, recorded, _model_spec(spec, name), home, say)
+        if differs is not None:
+            if not allow_drift:
+                raise RerunError(
+                    f"the model files differ from the recorded run's: {differs}. Restore the recorded "
+                    "files (digest "
+                    f"{recorded.digest()[:16]}; each file's sha256 is in provenance/{name}.json of run "
+                    f"{run_id}), or pass --allow-drift to rerun on these files (recorded as drift)"
+                )
+            drift.append(differs)
+        models[name] = found
+
+    if record.image is not None:
+        arm = arm.model_copy(update={"engine": arm.engine.model_copy(update={"image": record.image.pinned})})
+        say(f"image pinned to the recorded digest: {record.image.pinned}")
+    spec = spec.model_copy(update={"arms": [arm]})
+
+    prompts: dict[str, list[PromptSet]] = {}
+    for workload in spec.workloads:
+        sets = []
+        for repeat in range(workload.repeats):
+            ref = record.prompts_of(workload.name, repeat)
+            where = f"workload {workload.name!r} repeat {repeat + 1}"
+            if ref is None:
+                raise RerunError(f"{where}: the record holds no prompts for it, so it cannot be sent again")
+            text = _download(tracker, run_id, ref.artifact)
+            if text is None:
+                raise RerunError(f"{where}: the prompts artifact {ref.artifact} of run {run_id} is gone")
+            prompt_set = PromptSet.model_validate(json.loads(text))
+            if prompts_digest(prompt_set) != ref.sha256:
+                raise RerunError(
+                    f"{where}: the stored prompts ({ref.artifact}) do not match their recorded sha256 "
+                    f"{ref.sha256[:16]}: the artifact was changed; it cannot be rerun exactly"
+                )
+            sets.append(prompt_set)
+        prompts[workload.name] = sets
+        say(f"{workload.name}: {sum(len(s.prompts) for s in sets)} recorded prompts, digests verified")
+    return RerunInputs(run_id, record, spec, models, prompts, drift)
+
+
+@dataclass
+class WorkloadVerdict:
+    workload: str
+    original: str  # workload run ids
+    rerun: str
+    rows: list[Comparison]
+    basis: str = "repeats"  # or "requests": single runs, tested on their per-request figures
+
+    @property
+    def summary(self) -> str:
+        tested = [c for c in self.rows if c.p_value is not None]
+        different = [c.metric for c in tested if c.different]
+        where = "" if self.basis == "repeats" else " (single runs: Welch's test over their requests)"
+        if different:
+            return "different: " + ", ".join(different) + where
+        if tested:
+            return "no difference within noise" + where
+        return "no verdict: neither repeats nor per-request figures to test"
+
+
+def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[WorkloadVerdict]:
+    """Each workload of the rerun against the original's: ``k3pipe compare``'s test, per metric."""
+    a = {c.data.tags.get("k3pipe.workload"): c for c in tracker.children(original_arm)}
+    b = {c.data.tags.get("k3pipe.workload"): c for c in tracker.children(rerun_arm)}
+    out = []
+    for name in sorted(k for k in a if k and k in b):
+        rows = compare_workloads(tracker, a[name], b[name], DEFAULT_METRICS)
+        basis = "repeats"
+        if not any(c.p_value is not None for c in rows):
+            # single runs: their requests are the samples (per-request TTFT, TPOT, E2E)
+            ra, rb = request_values(tracker, a[name]), request_values(tracker, b[name])
+            tested = [
+                compare(f"{m} (per request)", ra[m], rb[m])
+                for m in ra
+                if len(ra[m]) > 1 and len(rb.get(m, [])) > 1
+            ]
+            if tested:
+                rows, basis = tested + rows, "requests"
+        out.append(WorkloadVerdict(name, a[name].info.run_id, b[name].info.run_id, rows, basis))
+    return out

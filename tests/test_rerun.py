@@ -1,0 +1,143 @@
+"""The run record as a value and restoring a run from it (a real SQLite MLflow store; no engine): the
+record round-trips, the prompts come back verified, a changed model file refuses the rerun unless
+drift is allowed, and a tampered prompts artifact refuses it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from k3pipe.bench import load_tokenizer
+from k3pipe.errors import RerunError
+from k3pipe.plan import plan_arm
+from k3pipe.record import ArmRecorder
+from k3pipe.rerun import arm_run, read_record, restore
+from k3pipe.runrecord import RECORD_FILE, prompts_digest
+from k3pipe.sources import fetch_model
+from k3pipe.specs import parse_experiment
+from k3pipe.steps import prepare_prompts
+from k3pipe.tracking import Tracker
+from tests.conftest import TINY_MODEL
+
+
+def _experiment(model_dir: Path) -> dict:
+    return {
+        "name": "rerun-test",
+        "model": {"source": "local", "path": str(model_dir)},
+        "arms": [
+            {
+                "name": "gateway",
+                "engine": {"kind": "vllm"},
+                "launcher": {"kind": "external"},
+                "endpoint": {"base_url": "http://127.0.0.1:9/v1", "model": "tiny"},
+            }
+        ],
+        "workloads": [
+            {"name": "w1", "input_tokens": 32, "output_tokens": 4, "concurrency": 1, "num_requests": 3,
+             "warmup_requests": 1, "seed": 5},
+            {"name": "w2", "input_tokens": 48, "output_tokens": 4, "concurrency": 1, "num_requests": 2,
+             "warmup_requests": 0, "seed": 6, "repeats": 2},
+        ],
+    }  # fmt: skip
+
+
+@pytest.fixture
+def recorded(tmp_path: Path) -> tuple[Tracker, str, Path, dict]:
+    """An arm run recorded as the flow records it (plan, prompts, finish), on a copy of the tiny model."""
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    model_dir = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, model_dir)
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
+    spec = parse_experiment(_experiment(model_dir))
+    home = tmp_path / "home"
+    models = {"model": fetch_model(spec.model, home)}
+    prompts = prepare_prompts(spec.workloads, model_dir, home)
+    recorder = ArmRecorder(tracker, plan_arm(spec, spec.arms[0], home))
+    recorder.log_plan(spec, "experiments/rerun-test.yaml", models)
+    recorder.log_prompts(spec.workloads, prompts)
+    recorder.finish("FINISHED")
+    return tracker, recorder.run_id, home, {k: [prompts_digest(p) for p in v] for k, v in prompts.items()}
+
+
+def test_the_record_holds_the_inputs_and_restores_them(recorded: tuple[Tracker, str, Path, dict]) -> None:
+    tracker, run_id, home, digests = recorded
+    record = read_record(tracker, run_id)
+    assert record.arm == "gateway"
+    assert record.experiment_name == "rerun-test"
+    assert record.models["model"].files  # every file with its sha256
+    assert {(p.workload, p.repeat) for p in record.prompts} == {("w1", 0), ("w2", 0), ("w2", 1)}
+    assert record.prompts_of("w2", 1).count == 2  # type: ignore[union-attr]
+    assert record.k3pipe_commit
+    said: list[str] = []
+    inputs = restore(tracker, run_id[:12], home, progress=said.append)
+    assert inputs.run_id == run_id
+    assert inputs.drift == []
+    assert [a.name for a in inputs.spec.arms] == ["gateway"]
+    assert inputs.models["model"].digest() == record.models["model"].digest()
+    # the very prompts that were recorded, repeat by repeat
+    assert {k: [prompts_digest(p) for p in v] for k, v in inputs.prompts.items()} == digests
+    assert digests["w2"][0] != digests["w2"][1]  # each repeat draws its own
+    assert any("digests verified" in line for line in said)
+
+
+def test_a_workload_run_id_finds_its_arm(recorded: tuple[Tracker, str, Path, dict]) -> None:
+    tracker, run_id, _home, _ = recorded
+    child = tracker.start_run("gateway/w1", tags={"k3pipe.workload": "w1"}, parent_id=run_id)
+    assert arm_run(tracker, child).info.run_id == run_id
+
+
+def test_a_changed_model_file_refuses_the_rerun(recorded: tuple[Tracker, str, Path, dict]) -> None:
+    tracker, run_id, home, _ = recorded
+    record = read_record(tracker, run_id)
+    model_dir = Path(record.models["model"].path)
+    with (model_dir / "config.json").open("a") as f:
+        f.write("\n")
+    with pytest.raises(RerunError) as caught:
+        restore(tracker, run_id, home)
+    message = str(caught.value)
+    assert "changed: config.json" in message
+    assert "--allow-drift" in message
+    assert f"provenance/model.json of run {run_id}" in message
+    inputs = restore(tracker, run_id, home, allow_drift=True)
+    assert len(inputs.drift) == 1
+    assert "changed: config.json" in inputs.drift[0]
+
+
+def test_a_missing_model_directory_says_what_is_needed(recorded: tuple[Tracker, str, Path, dict]) -> None:
+    tracker, run_id, home, _ = recorded
+    shutil.rmtree(read_record(tracker, run_id).models["model"].path)
+    with pytest.raises(RerunError, match=r"model: the recorded model cannot be had again: .*does not exist"):
+        restore(tracker, run_id, home)
+
+
+def test_tampered_prompts_refuse_the_rerun(recorded: tuple[Tracker, str, Path, dict], tmp_path: Path) -> None:
+    tracker, run_id, home, _ = recorded
+    record = read_record(tracker, run_id)
+    ref = record.prompts_of("w1", 0)
+    assert ref is not None
+    local = Path(tracker.client.download_artifacts(run_id, ref.artifact, str(tmp_path)))
+    data = json.loads(local.read_text())
+    data["prompts"][0]["text"] = data["prompts"][0]["text"][::-1]
+    tracker.log_dict(run_id, data, ref.artifact)
+    with pytest.raises(RerunError, match="do not match their recorded sha256"):
+        restore(tracker, run_id, home)
+
+
+def test_a_run_without_a_record_cannot_be_rerun(tmp_path: Path) -> None:
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
+    run_id = tracker.start_run("old/arm")
+    with pytest.raises(RerunError, match=f"has no {RECORD_FILE}"):
+        restore(tracker, run_id, tmp_path)
+
+
+def test_the_tokenizer_is_the_recorded_models(recorded: tuple[Tracker, str, Path, dict]) -> None:
+    """The restored model directory serves the tokenizer the prompts were counted with."""
+    tracker, run_id, home, _ = recorded
+    inputs = restore(tracker, run_id, home)
+    tok = load_tokenizer(Path(inputs.models["model"].path))
+    first = inputs.prompts["w1"][0].prompts[0]
+    assert len(tok.encode(first.text, add_special_tokens=False).ids) == first.tokens
