@@ -6,7 +6,6 @@ prefect: python -m flows.benchmark experiments/demo-cpu.yaml   (or `k3pipe run`,
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -18,11 +17,10 @@ from prefect.context import get_run_context
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError, PreflightError
-from k3pipe.launchers import Launcher
-from k3pipe.node import nvidia_smi_report
-from k3pipe.record import ArmRecorder, record_preflight_stop, record_speculation, summary_table
-from k3pipe.rerun import RERUN_TAG, RerunInputs
-from k3pipe.settings import Settings, read_secret
+from k3pipe.record import record_preflight_stop, record_speculation, summary_table
+from k3pipe.rerun import RerunInputs
+from k3pipe.run import ArmRun, ArmSteps
+from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
 from k3pipe.speculation import speculation_setting
@@ -67,6 +65,21 @@ def _flow_run_is_running(flow_run_id: str) -> bool:
     return state is not None and not state.is_final()
 
 
+def _steps() -> ArmSteps:
+    """The arm's steps as Prefect tasks: each is a task run in the UI; the lifetime is the library's."""
+    return ArmSteps(
+        plan=plan_arm_task,
+        pull_image=pull_image_task,
+        probe_node=probe_node_task,
+        start_engine=start_engine_task,
+        wait_ready=wait_ready_task,
+        health_gate=health_gate_task,
+        engine_version=engine_version_task,
+        cold_start=cold_start_task,
+        benchmark=benchmark_task,
+    )
+
+
 def _run_arm(
     spec: ExperimentSpec,
     experiment: str,
@@ -79,84 +92,12 @@ def _run_arm(
     rerun: RerunInputs | None = None,
 ) -> dict[str, Any]:
     logger = get_run_logger()
-    home = settings.home_dir
-    dirs = {
-        "model": models["model"].path,
-        **{f"models.{k}": r.path for k, r in models.items() if k != "model"},
-    }
-    plan = plan_arm_task(spec, arm, home, dirs, {k: r.digest() for k, r in models.items()})
-    key = read_secret(plan.api_key_env)
-    if key is not None:
-        tracker.add_secret(key.get_secret_value())
-    tags = {"prefect.flow_run_id": _flow_run_id()}
-    if rerun is not None:
-        tags[RERUN_TAG] = rerun.run_id
-        if rerun.drift:
-            tags["k3pipe.rerun_drift"] = "; ".join(rerun.drift)
-    recorder = ArmRecorder(tracker, plan, tags=tags)
-    if rerun is not None:
-        recorder.rerun_of, recorder.drift = rerun.run_id, list(rerun.drift)
-    log_path = home / "logs" / f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{recorder.run_id[:8]}.log"
-    outcome: dict[str, Any] = {"arm": arm, "mlflow_run_id": recorder.run_id, "status": "FAILED"}
-    launcher: Launcher | None = None
-    status = "FAILED"
-    error: BaseException | None = None
-    try:
-        recorder.log_plan(spec, experiment, models)
-        recorder.log_prompts(spec.workloads, prompts)
-        recorder.log_preflight(findings)
-        image = None
-        if plan.launcher == "docker":
-            image = pull_image_task(plan)
-            recorder.log_image(image, plan)
-        labels = {"k3pipe.flow_run_id": _flow_run_id(), "k3pipe.mlflow_run_id": recorder.run_id}
-        recorder.log_node(probe_node_task(plan, settings))
-        launcher = start_engine_task(plan, log_path, settings, image, labels)
-        cold = wait_ready_task(plan, launcher)
-        check = health_gate_task(plan)
-        recorder.log_engine(cold if plan.health_url else None, engine_version_task(plan), check)
-        if plan.launcher != "external":
-            recorder.log_cold_start(cold_start_task(plan, log_path, cold, recorder.run_id))
-        # rows are kept as each workload ends: a later failure must not drop them from the summary
-        rows: list[dict[str, Any]] = outcome.setdefault("workloads", [])
-        for workload in spec.workloads:
-            for repeat in range(workload.repeats):
-                measured = benchmark_task(
-                    plan, workload, Path(models["model"].path), repeat, home, prompts[workload.name][repeat]
-                )
-                recorder.log_workload(workload, measured)
-            rows.append({"arm": arm, "workload": workload.name, **recorder.workload_metrics(workload.name)})
-        failed = sum(float(r.get("failed") or 0) for r in rows)
-        status = "FINISHED" if failed == 0 else "FAILED"
-        if failed:
-            error = RuntimeError("some requests failed; see requests.parquet of each workload")
-    except KeyboardInterrupt as exc:
-        status, error = "KILLED", exc
-        raise
-    except Exception as exc:
-        # recorded in MLflow and in the outcome; the flow fails after the other arms have run
-        status, error = "FAILED", exc
-        outcome["error"] = f"{type(exc).__name__}: {exc}"
-        logger.error("arm %s failed: %s", arm, outcome["error"])
-    except BaseException as exc:
-        status, error = "KILLED", exc
-        raise
-    finally:
-        # teardown runs on every path, Ctrl-C included, so it calls the library, not a task
-        if launcher is not None:
-            logger.info("stopping engine (%s)", plan.launcher)
-            launcher.stop()
-            if plan.launcher != "external":
-                recorder.log_nvidia_smi_after(nvidia_smi_report())
-        recorder.finish(
-            status, error, log_path if launcher is not None and plan.launcher != "external" else None
-        )
-        outcome["status"] = status
-        facts = recorder.engine_log_facts
-        if facts is not None and facts.spec_accept_length_mean is not None:
-            outcome["engine_log_spec_accept_length_mean"] = facts.spec_accept_length_mean
-        logger.info("arm %s: %s; MLflow run %s", arm, status, recorder.run_id)
-    return outcome
+    run = ArmRun(
+        spec, arm, models, prompts, tracker, settings, findings, experiment, _steps(),
+        tags={"prefect.flow_run_id": _flow_run_id()}, labels={"k3pipe.flow_run_id": _flow_run_id()},
+        rerun=rerun, say=logger.info, warn=logger.error,
+    )  # fmt: skip
+    return run.execute().as_dict()
 
 
 def _stop_on_errors(findings: list[Finding], spec: ExperimentSpec, arms: list[str], tracker: Tracker) -> None:
@@ -234,9 +175,7 @@ def benchmark(
             raise
     outcomes = []
     for name in selected:
-        outcomes.append(
-            _run_arm(spec, experiment, name, models, tracker, settings, findings, prompts, rerun)
-        )
+        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings, prompts, rerun))
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if any(speculation_setting(spec.arm(name)) for name in selected):
         try:

@@ -1,0 +1,284 @@
+"""One arm's lifetime, owned by the library: launch, wait, gate, workloads, findings, teardown.
+
+:class:`ArmRun` is a context manager. Entering it renders the arm's plan and opens its MLflow run.
+:meth:`ArmRun.launch` records the plan, the prompts and the preflight findings, pulls the image,
+starts the engine, waits for it and proves the endpoint. :meth:`ArmRun.run_workloads` runs every
+workload repeat by repeat, each recorded as soon as it ends. Leaving it, on every path (an error,
+Ctrl-C, a kill signal turned into an exception), stops the engine it started and closes the run
+with a status: ``FINISHED`` when every request of every workload completed, ``FAILED`` otherwise,
+``KILLED`` when interrupted. An ordinary error is recorded and kept in the :class:`ArmOutcome` (so
+that a study goes on with its other arms); an interrupt goes on up. :meth:`ArmRun.execute` is the
+three together.
+
+The steps themselves are an :class:`ArmSteps`: :meth:`ArmSteps.library` calls the library
+functions directly; the Prefect flow passes its tasks instead (the same signatures), so that each
+step is a task run in the UI while the lifetime stays here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from k3pipe import steps as lib
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.coldstart import ColdStart, read_cold_start
+from k3pipe.engines.base import Finding
+from k3pipe.health import EndpointCheck, check_endpoint
+from k3pipe.launchers import Launcher
+from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
+from k3pipe.plan import ArmPlan, plan_arm
+from k3pipe.record import ArmRecorder
+from k3pipe.rerun import RERUN_TAG, RerunInputs
+from k3pipe.settings import Settings, read_secret
+from k3pipe.sources import ModelRecord
+from k3pipe.sources.images import ImageRecord
+from k3pipe.specs import ExperimentSpec, WorkloadSpec
+from k3pipe.tracking import Tracker
+
+__all__ = ["ArmOutcome", "ArmRun", "ArmSteps"]
+
+log = logging.getLogger("k3pipe.run")
+
+
+@dataclass
+class ArmSteps:
+    """The steps of an arm's lifetime; each takes and returns what the library function does."""
+
+    plan: Callable[..., ArmPlan]
+    pull_image: Callable[[ArmPlan], ImageRecord]
+    probe_node: Callable[[ArmPlan, Settings], NodeInfo | None]
+    start_engine: Callable[..., Launcher]
+    wait_ready: Callable[[ArmPlan, Launcher], float]
+    health_gate: Callable[[ArmPlan], EndpointCheck]
+    engine_version: Callable[[ArmPlan], str | None]
+    cold_start: Callable[[ArmPlan, Path | None, float | None, str], ColdStart]
+    benchmark: Callable[..., lib.WorkloadOutcome]
+
+    @classmethod
+    def library(cls, say: Callable[[str], None] | None = None) -> ArmSteps:
+        """The library functions themselves, their progress to ``say`` (default: this module's logger)."""
+        out: Callable[[str], None] = say or log.info
+
+        def plan(
+            spec: ExperimentSpec,
+            arm: str,
+            home: Path,
+            dirs: dict[str, str],
+            digests: dict[str, str] | None = None,
+        ) -> ArmPlan:
+            return plan_arm(spec, spec.arm(arm), home, dirs, digests)
+
+        def node(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
+            return probe_node(
+                plan.command.argv, plan.launcher, plan.engine, {**settings.process_env(), **plan.engine_env()}
+            )
+
+        def start(
+            plan: ArmPlan,
+            log_path: Path,
+            settings: Settings,
+            image: ImageRecord | None = None,
+            labels: dict[str, str] | None = None,
+        ) -> Launcher:
+            return lib.launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), image, labels)
+
+        def gate(plan: ArmPlan) -> EndpointCheck:
+            return check_endpoint(
+                plan.base_url,
+                plan.model,
+                read_secret(plan.api_key_env),
+                continuous_usage=plan.continuous_usage,
+            )
+
+        def bench(
+            plan: ArmPlan,
+            workload: WorkloadSpec,
+            model_dir: Path,
+            repeat: int = 0,
+            home: Path | None = None,
+            prompts: PromptSet | None = None,
+        ) -> lib.WorkloadOutcome:
+            return lib.benchmark_workload(
+                plan, workload, model_dir, read_secret(plan.api_key_env), out, repeat, home, prompts
+            )
+
+        return cls(
+            plan=plan,
+            pull_image=lambda plan: lib.pull_image(plan, progress=out),
+            probe_node=node,
+            start_engine=start,
+            wait_ready=lambda plan, launcher: lib.wait_ready(plan, launcher, progress=out),
+            health_gate=gate,
+            engine_version=lib.engine_version,
+            cold_start=read_cold_start,
+            benchmark=bench,
+        )
+
+
+class ArmOutcome(BaseModel):
+    """How an arm's run ended, and its workloads' summary rows (kept as each workload ends)."""
+
+    arm: str
+    mlflow_run_id: str
+    status: str = Field(description="FINISHED, FAILED or KILLED (MLflow's run status).")
+    error: str | None = None
+    workloads: list[dict[str, Any]] = Field(default_factory=list)
+    engine_log_spec_accept_length_mean: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flow's outcome dict (keys of None values left out, as before)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+@dataclass
+class ArmRun:
+    """One arm of an experiment, from launch to teardown (see the module's docstring):
+    ``outcome = ArmRun(spec, arm, models, prompts, tracker, settings).execute()``."""
+
+    spec: ExperimentSpec
+    arm: str
+    models: Mapping[str, ModelRecord]
+    prompts: Mapping[str, list[PromptSet]]
+    tracker: Tracker
+    settings: Settings
+    findings: list[Finding] = field(default_factory=list)
+    experiment_file: str = ""
+    steps: ArmSteps = field(default_factory=ArmSteps.library)
+    tags: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # container labels (docker launcher)
+    rerun: RerunInputs | None = None
+    say: Callable[[str], None] = log.info
+    warn: Callable[[str], None] = log.error  # an arm's failure
+
+    def __post_init__(self) -> None:
+        self.launcher: Launcher | None = None
+        self.plan: ArmPlan | None = None
+        self.recorder: ArmRecorder | None = None
+        self.log_path: Path | None = None
+        self.outcome: ArmOutcome | None = None
+        self._error: BaseException | None = None
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> ArmRun:
+        home = self.settings.home_dir
+        dirs = {
+            "model": self.models["model"].path,
+            **{f"models.{k}": r.path for k, r in self.models.items() if k != "model"},
+        }
+        plan = self.plan = self.steps.plan(
+            self.spec, self.arm, home, dirs, {k: r.digest() for k, r in self.models.items()}
+        )
+        key = read_secret(plan.api_key_env)
+        if key is not None:
+            self.tracker.add_secret(key.get_secret_value())
+        tags = dict(self.tags)
+        if self.rerun is not None:
+            tags[RERUN_TAG] = self.rerun.run_id
+            if self.rerun.drift:
+                tags["k3pipe.rerun_drift"] = "; ".join(self.rerun.drift)
+        recorder = self.recorder = ArmRecorder(self.tracker, plan, tags=tags)
+        if self.rerun is not None:
+            recorder.rerun_of, recorder.drift = self.rerun.run_id, list(self.rerun.drift)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.log_path = home / "logs" / f"{self.spec.name}-{self.arm}-{stamp}-{recorder.run_id[:8]}.log"
+        self.outcome = ArmOutcome(arm=self.arm, mlflow_run_id=recorder.run_id, status="FAILED")
+        return self
+
+    def execute(self) -> ArmOutcome:
+        """The whole lifetime: ``with self: launch(); run_workloads()``; the outcome, whatever happened
+        short of an interrupt."""
+        with self:
+            self.launch()
+            self.run_workloads()
+        assert self.outcome is not None
+        return self.outcome
+
+    def launch(self) -> None:
+        """The inputs into the record (plan, prompts, preflight), then the image (docker), the node's
+        facts, the engine's start, its health, the endpoint's proof and the cold-start phases."""
+        plan, recorder = self._ready()
+        recorder.log_plan(self.spec, self.experiment_file, self.models)
+        recorder.log_prompts(self.spec.workloads, self.prompts)
+        recorder.log_preflight(self.findings)
+        image = None
+        if plan.launcher == "docker":
+            image = self.steps.pull_image(plan)
+            recorder.log_image(image, plan)
+        labels = {**self.labels, "k3pipe.mlflow_run_id": recorder.run_id}
+        recorder.log_node(self.steps.probe_node(plan, self.settings))
+        assert self.log_path is not None
+        self.launcher = self.steps.start_engine(plan, self.log_path, self.settings, image, labels)
+        cold = self.steps.wait_ready(plan, self.launcher)
+        check = self.steps.health_gate(plan)
+        recorder.log_engine(cold if plan.health_url else None, self.steps.engine_version(plan), check)
+        if plan.launcher != "external":
+            recorder.log_cold_start(self.steps.cold_start(plan, self.log_path, cold, recorder.run_id))
+
+    def run_workloads(self) -> None:
+        """Every workload, repeat by repeat; the status from what completed."""
+        plan, recorder = self._ready()
+        assert self.outcome is not None
+        model_dir = Path(self.models["model"].path)
+        for workload in self.spec.workloads:
+            for repeat in range(workload.repeats):
+                measured = self.steps.benchmark(
+                    plan,
+                    workload,
+                    model_dir,
+                    repeat,
+                    self.settings.home_dir,
+                    self.prompts[workload.name][repeat],
+                )
+                recorder.log_workload(workload, measured)
+            self.outcome.workloads.append(
+                {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
+            )
+        failed = sum(float(r.get("failed") or 0) for r in self.outcome.workloads)
+        if failed:
+            self._error = RuntimeError("some requests failed; see requests.parquet of each workload")
+        else:
+            self.outcome.status = "FINISHED"
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        assert self.outcome is not None
+        assert self.recorder is not None
+        assert self.plan is not None
+        plan, recorder, outcome = self.plan, self.recorder, self.outcome
+        interrupted = exc is not None and not isinstance(exc, Exception)
+        if exc is not None:
+            outcome.status = "KILLED" if interrupted else "FAILED"
+            self._error = exc
+            if not interrupted:
+                outcome.error = f"{type(exc).__name__}: {exc}"
+                self.warn(f"arm {self.arm} failed: {outcome.error}")
+        try:
+            if self.launcher is not None:
+                self.say(f"stopping engine ({plan.launcher})")
+                self.launcher.stop()
+                if plan.launcher != "external":
+                    recorder.log_nvidia_smi_after(nvidia_smi_report())
+        finally:
+            own_log = self.launcher is not None and plan.launcher != "external"
+            recorder.finish(outcome.status, self._error, self.log_path if own_log else None)
+            facts = recorder.engine_log_facts
+            if facts is not None and facts.spec_accept_length_mean is not None:
+                outcome.engine_log_spec_accept_length_mean = facts.spec_accept_length_mean
+            self.say(f"arm {self.arm}: {outcome.status}; MLflow run {recorder.run_id}")
+        # an ordinary error is recorded and kept in the outcome; an interrupt goes on up
+        return exc is not None and not interrupted
+
+    def _ready(self) -> tuple[ArmPlan, ArmRecorder]:
+        if self.plan is None or self.recorder is None:
+            raise RuntimeError("ArmRun is used as a context manager: `with ArmRun(...) as arm:`")
+        return self.plan, self.recorder
