@@ -38,8 +38,8 @@ def render(
     arm: Annotated[str | None, typer.Option(help="Only this arm.")] = None,
 ) -> None:
     """Print, per arm, the engine's environment and exact command line."""
+    from k3pipe.experiment import load_experiment
     from k3pipe.plan import plan_arm
-    from k3pipe.specs import load_experiment
 
     try:
         spec = load_experiment(experiment)
@@ -89,7 +89,7 @@ def run(
     arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
 ) -> None:
     """Run the experiment through the Prefect benchmark flow and record it in MLflow."""
-    from k3pipe.specs import load_experiment
+    from k3pipe.experiment import load_experiment
 
     settings = Settings()
     try:
@@ -172,10 +172,10 @@ def preflight(
     """Check an experiment before launching it; exit 1 if any finding is an error."""
     import textwrap
 
+    from k3pipe.experiment import load_experiment
     from k3pipe.plan import default_model_dirs
     from k3pipe.preflight import preflight as run_preflight
     from k3pipe.preflight import read_model_config, safetensors_bytes
-    from k3pipe.specs import load_experiment
 
     try:
         spec = load_experiment(experiment)

@@ -16,9 +16,10 @@ from k3pipe.errors import (
     SpecError,
     TrackingError,
 )
+from k3pipe.experiment import load_experiment, parse_experiment
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.settings import Settings
-from k3pipe.specs import ExperimentSpec, WorkloadSpec, load_experiment, parse_experiment
+from k3pipe.specs import ExperimentSpec, WorkloadSpec
 
 __version__ = "0.1.0"
 

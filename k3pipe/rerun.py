@@ -23,9 +23,10 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import Comparison, compare
 from k3pipe.compare import DEFAULT_METRICS, _find_run, compare_workloads, request_values
 from k3pipe.errors import K3pipeError, RerunError
+from k3pipe.experiment import parse_experiment
 from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
 from k3pipe.sources import ModelRecord, fetch_model
-from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, parse_experiment
+from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.tracking import Tracker
 
 __all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict"]

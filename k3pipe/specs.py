@@ -2,7 +2,9 @@
 
 An experiment is one model (plus optional extra models such as a speculative draft), one or more
 engine arms (engine + launcher + endpoint) and the workloads each arm runs. Specs hold the NAME of
-the environment variable that carries an API key, never the key itself.
+the environment variable that carries an API key, never the key itself. Loading a file, and the
+checks that need the engine registry, are in :mod:`k3pipe.experiment` (so that specs import no
+engine).
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k3pipe.errors import SpecError
 
@@ -34,8 +35,6 @@ __all__ = [
     "SharedPrefixDataset",
     "WorkloadSpec",
     "expand_home",
-    "load_experiment",
-    "parse_experiment",
 ]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -97,16 +96,6 @@ class EngineSpec(_Spec):
             "dicts as JSON, lists as repeated values; '{model}' and '{models.NAME}' expand to model dirs."
         ),
     )
-
-    @field_validator("kind")
-    @classmethod
-    def _known_kind(cls, value: str) -> str:
-        from k3pipe.engines import engine_kinds
-
-        kinds = engine_kinds()
-        if value not in kinds:
-            raise ValueError(f"unknown engine kind {value!r}; expected one of {', '.join(kinds)}")
-        return value
 
     @field_validator("env")
     @classmethod
@@ -439,104 +428,3 @@ class ExperimentSpec(_Spec):
 def expand_home(value: str, home: Path) -> str:
     """Replace '{home}' with the state directory."""
     return value.replace("{home}", str(home))
-
-
-# The tag of each discriminated-union member, as pydantic puts it in an error's location.
-_UNION_TAGS: dict[str, type[BaseModel]] = {
-    "modelscope": ModelScopeModel,
-    "local": LocalModel,
-    "random": RandomDataset,
-    "sharegpt": ShareGPTDataset,
-    "documents": DocumentsDataset,
-    "shared_prefix": SharedPrefixDataset,
-}
-
-
-def _loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in _UNION_TAGS and out.endswith(("model", "]", "dataset")):
-            # discriminated-union tag pydantic puts in the location: not a field of the file
-            continue
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(top level)"
-
-
-def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
-    """Field names allowed at the parent of ``loc`` (for 'extra field' errors)."""
-    model: Any = ExperimentSpec
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        if part in _UNION_TAGS:
-            model = _UNION_TAGS[part]
-            continue
-        fields = getattr(model, "model_fields", None)
-        if not fields or part not in fields:
-            return None
-        ann = fields[part].annotation
-        inner = _model_in(ann)
-        if inner is None:
-            return None
-        model = inner
-    fields = getattr(model, "model_fields", None)
-    return sorted(fields) if fields else None
-
-
-def _model_in(ann: Any) -> Any:
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    for arg in getattr(ann, "__args__", ()) or ():
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _format_errors(source: str, exc: ValidationError) -> str:
-    lines = [f"{source}: invalid experiment ({exc.error_count()} problem(s))"]
-    for err in exc.errors():
-        loc = _loc(tuple(err["loc"]))
-        value = err.get("input")
-        if err["type"] == "extra_forbidden":
-            allowed = _fields_at(tuple(err["loc"]))
-            hint = f"; allowed fields: {', '.join(allowed)}" if allowed else ""
-            lines.append(f"  {loc}: unknown field{hint}")
-            continue
-        if err["type"] == "missing":
-            lines.append(f"  {loc}: required field is missing")
-            continue
-        if err["type"] == "union_tag_invalid":
-            lines.append(f"  {loc}: {err['msg']}")
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
-        lines.append(f"  {loc}: {msg} (got {shown})")
-    return "\n".join(lines)
-
-
-def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
-    """Validate already-parsed YAML/JSON data; errors name ``source``, field path, value and choices."""
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: an experiment must be a mapping, got {type(data).__name__}")
-    try:
-        return ExperimentSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(_format_errors(source, exc)) from exc
-
-
-def load_experiment(path: str | Path) -> ExperimentSpec:
-    """Load an experiment YAML file."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError as exc:
-        raise SpecError(f"{p}: experiment file not found") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML: {exc}") from exc
-    return parse_experiment(data, str(p))

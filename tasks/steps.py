@@ -14,6 +14,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.summary import summary_line, timing_note
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
+from k3pipe.experiment import load_experiment
 from k3pipe.health import EndpointCheck, check_endpoint
 from k3pipe.launchers import Launcher, connect, reap_orphans
 from k3pipe.node import NodeInfo, probe_node
@@ -23,7 +24,7 @@ from k3pipe.rerun import RerunInputs, restore, verdict
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
-from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec, load_experiment
+from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec
 from k3pipe.speculation import SpeculationReport, judge_speculation
 from k3pipe.tracking import Tracker
 

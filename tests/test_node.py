@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from k3pipe.coldstart import read_cold_start
+from k3pipe.experiment import parse_experiment
 from k3pipe.node import (
     GpuMemorySampler,
     engine_python,
@@ -24,7 +25,7 @@ from k3pipe.node import (
 )
 from k3pipe.plan import plan_arm
 from k3pipe.record import ArmRecorder
-from k3pipe.specs import WorkloadSpec, parse_experiment
+from k3pipe.specs import WorkloadSpec
 from k3pipe.tracking import Tracker
 from tests.conftest import demo_experiment
 from tests.engines.helpers import FIXTURES

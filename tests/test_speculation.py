@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from k3pipe.experiment import parse_experiment
 from k3pipe.record import ArmRecorder, record_speculation
-from k3pipe.specs import ExperimentSpec, parse_experiment
+from k3pipe.specs import ExperimentSpec
 from k3pipe.speculation import choose_baseline, judge_speculation, speculation_setting
 from k3pipe.tracking import Tracker
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3pipe.specs import ExperimentSpec, load_experiment
+from k3pipe.experiment import load_experiment
+from k3pipe.specs import ExperimentSpec
 from tests.engines.helpers import STUDY
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from k3pipe.specs import ExperimentSpec, parse_experiment
+from k3pipe.experiment import parse_experiment
+from k3pipe.specs import ExperimentSpec
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "engines"

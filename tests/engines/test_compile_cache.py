@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from k3pipe.coldstart import ensure_compile_cache, marker_path, read_cold_start
+from k3pipe.experiment import parse_experiment
 from k3pipe.plan import ArmPlan, plan_arm
-from k3pipe.specs import parse_experiment
 from tests.engines.helpers import FIXTURES
 
 HOME = Path("/h")
