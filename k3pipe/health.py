@@ -12,8 +12,10 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from k3pipe.bench.client import stream_options
+from k3pipe.engines import get_engine
 from k3pipe.errors import EndpointAuthError, HealthError, LaunchError, ModelNotServedError
 from k3pipe.launchers.base import Launcher
+from k3pipe.plan import ArmPlan
 
 __all__ = ["EndpointCheck", "check_endpoint", "server_root", "wait_until_healthy"]
 
@@ -217,3 +219,31 @@ def _probe(
     return EndpointCheck(
         base_url=base_url, model=model, served_models=ids, first_delta_s=first, reply_kinds=kinds
     )
+
+
+Progress = Callable[[str], None]
+
+
+def wait_ready(plan: ArmPlan, launcher: Launcher, progress: Progress | None = None) -> float:
+    """Wait until the engine answers its health URL; returns the seconds waited (0 for external)."""
+    if plan.health_url is None:
+        return 0.0
+
+    def waiting(elapsed: float) -> None:
+        if progress:
+            progress(f"waiting for {plan.engine} at {plan.health_url}: {elapsed:.0f} s")
+
+    return wait_until_healthy(plan.health_url, launcher, plan.startup_timeout_s, on_wait=waiting)
+
+
+def engine_version(plan: ArmPlan) -> str | None:
+    """The version the running engine reports, if it has a version endpoint."""
+    if not plan.version_url:
+        return plan.engine_version
+    try:
+        resp = httpx.get(plan.version_url, timeout=10.0, trust_env=False)
+        if resp.status_code == 200:
+            return get_engine(plan.engine).version_from(resp.json()) or plan.engine_version
+    except (httpx.HTTPError, ValueError):
+        pass
+    return plan.engine_version

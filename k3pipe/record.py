@@ -19,6 +19,7 @@ import pandas as pd
 from k3pipe.bench import records_frame
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
+from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import timing_note
 from k3pipe.coldstart import ColdStart
 from k3pipe.engines import get_engine
@@ -34,7 +35,6 @@ from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.speculation import SpeculationReport
-from k3pipe.steps import WorkloadOutcome
 from k3pipe.tracking import KEY_METRICS, Tracker
 
 __all__ = ["SUMMARY_COLUMNS", "ArmRecorder", "record_preflight_stop", "record_speculation", "summary_table"]

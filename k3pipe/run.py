@@ -27,12 +27,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from k3pipe import steps as lib
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.bench.session import WorkloadOutcome, benchmark_workload
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
-from k3pipe.health import EndpointCheck, check_endpoint
+from k3pipe.health import EndpointCheck, check_endpoint, engine_version, wait_ready
 from k3pipe.launchers import Launcher
+from k3pipe.launchers.factory import launch_engine, pull_image
 from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import ArmRecorder
@@ -60,7 +61,7 @@ class ArmSteps:
     health_gate: Callable[[ArmPlan], EndpointCheck]
     engine_version: Callable[[ArmPlan], str | None]
     cold_start: Callable[[ArmPlan, Path | None, float | None, str], ColdStart]
-    benchmark: Callable[..., lib.WorkloadOutcome]
+    benchmark: Callable[..., WorkloadOutcome]
 
     @classmethod
     def library(cls, say: Callable[[str], None] | None = None) -> ArmSteps:
@@ -88,7 +89,8 @@ class ArmSteps:
             image: ImageRecord | None = None,
             labels: dict[str, str] | None = None,
         ) -> Launcher:
-            return lib.launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), image, labels)
+            pinned = image.pinned if image else None
+            return launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), pinned, labels)
 
         def gate(plan: ArmPlan) -> EndpointCheck:
             return check_endpoint(
@@ -105,19 +107,19 @@ class ArmSteps:
             repeat: int = 0,
             home: Path | None = None,
             prompts: PromptSet | None = None,
-        ) -> lib.WorkloadOutcome:
-            return lib.benchmark_workload(
+        ) -> WorkloadOutcome:
+            return benchmark_workload(
                 plan, workload, model_dir, read_secret(plan.api_key_env), out, repeat, home, prompts
             )
 
         return cls(
             plan=plan,
-            pull_image=lambda plan: lib.pull_image(plan, progress=out),
+            pull_image=lambda plan: pull_image(plan, progress=out),
             probe_node=node,
             start_engine=start,
-            wait_ready=lambda plan, launcher: lib.wait_ready(plan, launcher, progress=out),
+            wait_ready=lambda plan, launcher: wait_ready(plan, launcher, progress=out),
             health_gate=gate,
-            engine_version=lib.engine_version,
+            engine_version=engine_version,
             cold_start=read_cold_start,
             benchmark=bench,
         )

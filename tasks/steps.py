@@ -1,4 +1,4 @@
-"""Prefect tasks over k3pipe's steps. Retries only where repeating is safe (the model download)."""
+"""Prefect tasks over k3pipe's library functions, one call each (retries only for the model download)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from k3pipe import steps
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.bench.prompts import prepare_prompts
+from k3pipe.bench.session import WorkloadOutcome, benchmark_workload
 from k3pipe.bench.summary import summary_line, timing_note
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.experiment import load_experiment
-from k3pipe.health import EndpointCheck, check_endpoint
+from k3pipe.health import EndpointCheck, check_endpoint, engine_version, wait_ready
 from k3pipe.launchers import Launcher, connect, reap_orphans
+from k3pipe.launchers.factory import launch_engine, pull_image
 from k3pipe.node import NodeInfo, probe_node
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.preflight import preflight
@@ -113,7 +115,7 @@ def reap_orphans_task(is_running: Callable[[str], bool]) -> list[str]:
 @task(name="pull-image", cache_policy=NO_CACHE)
 def pull_image_task(plan: ArmPlan) -> ImageRecord:
     logger = get_run_logger()
-    record = steps.pull_image(plan, progress=logger.info)
+    record = pull_image(plan, progress=logger.info)
     logger.info(
         "image %s -> %s (%s)", plan.image, record.pinned, "pulled" if record.pulled else "already present"
     )
@@ -128,7 +130,9 @@ def start_engine_task(
     image: ImageRecord | None = None,
     labels: dict[str, str] | None = None,
 ) -> Launcher:
-    launcher = steps.launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), image, labels)
+    launcher = launch_engine(
+        plan, log_path, settings, read_secret(plan.api_key_env), image.pinned if image else None, labels
+    )
     where = getattr(launcher, "container_id", None) or f"pid {getattr(launcher, 'pid', None)}"
     get_run_logger().info(
         "engine %s started (launcher %s, %s, log %s)", plan.engine, plan.launcher, where, log_path
@@ -139,7 +143,7 @@ def start_engine_task(
 @task(name="wait-ready", cache_policy=NO_CACHE)
 def wait_ready_task(plan: ArmPlan, launcher: Launcher) -> float:
     logger = get_run_logger()
-    seconds = steps.wait_ready(plan, launcher, progress=logger.info)
+    seconds = wait_ready(plan, launcher, progress=logger.info)
     logger.info("engine healthy after %.1f s (cold start)", seconds)
     return seconds
 
@@ -161,12 +165,12 @@ def health_gate_task(plan: ArmPlan) -> EndpointCheck:
 
 @task(name="engine-version", cache_policy=NO_CACHE)
 def engine_version_task(plan: ArmPlan) -> str | None:
-    return steps.engine_version(plan)
+    return engine_version(plan)
 
 
 @task(name="prepare-prompts", cache_policy=NO_CACHE)
 def prepare_prompts_task(spec: ExperimentSpec, model_dir: Path, home: Path) -> dict[str, list[PromptSet]]:
-    return steps.prepare_prompts(spec.workloads, model_dir, home, progress=get_run_logger().info)
+    return prepare_prompts(spec.workloads, model_dir, home, progress=get_run_logger().info)
 
 
 @task(name="benchmark", cache_policy=NO_CACHE, task_run_name="benchmark-{workload.name}-{repeat}")
@@ -177,7 +181,7 @@ def benchmark_task(
     repeat: int = 0,
     home: Path | None = None,
     prompts: PromptSet | None = None,
-) -> steps.WorkloadOutcome:
+) -> WorkloadOutcome:
     logger = get_run_logger()
     logger.info(
         "%s%s: %d requests (+%d warm-up), %s dataset, %d in / %d out tokens, %s load, "
@@ -193,7 +197,7 @@ def benchmark_task(
         workload.concurrency,
         workload.seed + repeat,
     )
-    outcome = steps.benchmark_workload(
+    outcome = benchmark_workload(
         plan,
         workload,
         model_dir,

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from k3pipe.bench import RequestRecord, WorkloadResult, summarize
+from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.experiment import parse_experiment
 from k3pipe.plan import plan_arm
 from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder, summary_table
 from k3pipe.specs import WorkloadSpec
-from k3pipe.steps import WorkloadOutcome
 from k3pipe.tracking import Tracker
 from tests.conftest import demo_experiment
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from k3pipe.bench import load_tokenizer
+from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.errors import RerunError
 from k3pipe.experiment import parse_experiment
 from k3pipe.plan import plan_arm
@@ -18,7 +19,6 @@ from k3pipe.record import ArmRecorder
 from k3pipe.rerun import arm_run, read_record, restore
 from k3pipe.runrecord import RECORD_FILE, prompts_digest
 from k3pipe.sources import fetch_model
-from k3pipe.steps import prepare_prompts
 from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL
 

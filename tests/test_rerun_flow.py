@@ -62,6 +62,7 @@ def test_rerun_repeats_the_run_and_judges_it(
     assert repeated.drift == []
     assert [p.sha256 for p in repeated.prompts] == [p.sha256 for p in original.prompts]
     assert repeated.models["model"].digest() == original.models["model"].digest()
+
     # the same prompt sets went in as MLflow datasets, repeat by repeat
     def datasets(arm_run: str) -> list[str]:
         (workload,) = tracker.children(arm_run)

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
+from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.experiment import parse_experiment
 from k3pipe.run import ArmRun, ArmSteps
 from k3pipe.runrecord import RECORD_FILE
 from k3pipe.settings import Settings
 from k3pipe.sources import fetch_model
-from k3pipe.steps import prepare_prompts
 from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL
 from tests.scripted_openai import Script, ScriptedOpenAI

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from k3pipe.steps import _run_interruptibly
+from k3pipe.bench.session import _run_interruptibly
 
 
 def _send_soon(sig: signal.Signals, delay_s: float = 0.3) -> threading.Timer:

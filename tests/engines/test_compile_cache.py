@@ -239,8 +239,8 @@ def test_launch_gives_the_engine_the_variable(tmp_path: Path) -> None:
     """launch_engine creates the directory and sets the variable (a shell stands in for vLLM)."""
     import time
 
+    from k3pipe.launchers.factory import launch_engine
     from k3pipe.settings import Settings
-    from k3pipe.steps import launch_engine
 
     data = experiment()
     data["arms"][0]["engine"]["executable"] = ["/bin/sh", "-c", 'echo "cache=$VLLM_CACHE_ROOT"', "sh"]

@@ -1,34 +1,26 @@
-"""The steps of a benchmark, as plain functions: each is what one Prefect task calls.
-
-    pull_image -> launch_engine -> wait_ready -> engine_version -> health gate
-    -> benchmark_workload (each workload, each repeat) -> stop
-
-Nothing here imports Prefect; progress goes to an optional callback.
-"""
+"""The measured session of one workload repeat: the client's requests with the engine's /metrics
+scraped beside them, the GPU memory sampled, and the two views reconciled; interruptible by SIGINT
+and SIGTERM at once."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import threading
-import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import SecretStr
-from tokenizers import Tokenizer
 
-from k3pipe.bench import WorkloadResult, WorkloadSummary, load_tokenizer, run_workload, summarize
-from k3pipe.bench.corpora import PromptSet, build_prompts
-from k3pipe.bench.summary import retokenize
-from k3pipe.coldstart import ensure_compile_cache
+from k3pipe.bench.client import WorkloadResult, run_workload
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.bench.datasets import load_tokenizer
+from k3pipe.bench.prompts import workload_prompts
+from k3pipe.bench.summary import WorkloadSummary, retokenize, summarize
 from k3pipe.engines import get_engine
-from k3pipe.errors import BenchmarkError, SpecError
-from k3pipe.health import wait_until_healthy
-from k3pipe.launchers import DockerLauncher, ExternalLauncher, Launcher, ProcessLauncher, connect
 from k3pipe.metrics import (
     Discrepancy,
     MetricsScraper,
@@ -39,109 +31,12 @@ from k3pipe.metrics import (
 )
 from k3pipe.node import GpuMemorySample, GpuMemorySampler
 from k3pipe.plan import ArmPlan
-from k3pipe.settings import Settings
-from k3pipe.sources.images import ImageRecord, resolve_image
 from k3pipe.specs import WorkloadSpec
 
-__all__ = [
-    "WorkloadOutcome",
-    "benchmark_workload",
-    "engine_version",
-    "launch_engine",
-    "prepare_prompts",
-    "pull_image",
-    "wait_ready",
-]
+__all__ = ["WorkloadOutcome", "benchmark_workload"]
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
-
-
-def launch_engine(
-    plan: ArmPlan,
-    log_path: Path,
-    settings: Settings,
-    api_key: SecretStr | None,
-    image: ImageRecord | None = None,
-    labels: Mapping[str, str] | None = None,
-) -> Launcher:
-    """Start the engine of ``plan`` (returns once started; see :func:`wait_ready`).
-
-    docker: the container is created from ``image.pinned`` (the digest), labelled with ``labels``.
-    """
-    launcher: Launcher
-    env = plan.engine_env()  # the spec's env + the compile cache's variable
-    ensure_compile_cache(plan)
-    key_var = get_engine(plan.engine).api_key_env_var
-    if api_key is not None and key_var:
-        env[key_var] = api_key.get_secret_value()
-    if plan.launcher == "external":
-        launcher = ExternalLauncher()
-    elif plan.launcher == "process":
-        launcher = ProcessLauncher(
-            plan.command.argv, {**settings.process_env(), **env}, log_path, stop_timeout_s=plan.stop_timeout_s
-        )
-    elif plan.launcher == "docker":
-        if image is None:
-            raise SpecError(f"arm {plan.arm!r}: the docker launcher needs the resolved image (pull step)")
-        spec = plan.launch
-        launcher = DockerLauncher(
-            connect(),
-            image.pinned,
-            plan.command.argv,
-            env,
-            log_path,
-            labels={
-                "k3pipe.experiment": plan.experiment,
-                "k3pipe.arm": plan.arm,
-                "k3pipe.engine": plan.engine,
-                **(labels or {}),
-            },
-            mounts=plan.mounts,
-            writable_mounts=plan.writable_mounts,
-            gpus=spec.gpus,
-            ipc=spec.ipc,
-            shm_size=spec.shm_size,
-            network=spec.network,
-            init=spec.init,
-            stop_timeout_s=plan.stop_timeout_s,
-        )
-    else:
-        raise SpecError(f"arm {plan.arm!r}: unknown launcher.kind {plan.launcher!r}")
-    launcher.start()
-    return launcher
-
-
-def pull_image(plan: ArmPlan, progress: Progress | None = None) -> ImageRecord:
-    """Pull the arm's image (per launcher.pull) and pin it to its registry digest."""
-    if not plan.image:
-        raise SpecError(f"arm {plan.arm!r}: the docker launcher needs engine.image")
-    return resolve_image(connect(), plan.image, plan.launch.pull, progress=progress)
-
-
-def wait_ready(plan: ArmPlan, launcher: Launcher, progress: Progress | None = None) -> float:
-    """Wait until the engine answers its health URL; returns the seconds waited (0 for external)."""
-    if plan.health_url is None:
-        return 0.0
-
-    def waiting(elapsed: float) -> None:
-        if progress:
-            progress(f"waiting for {plan.engine} at {plan.health_url}: {elapsed:.0f} s")
-
-    return wait_until_healthy(plan.health_url, launcher, plan.startup_timeout_s, on_wait=waiting)
-
-
-def engine_version(plan: ArmPlan) -> str | None:
-    """The version the running engine reports, if it has a version endpoint."""
-    if not plan.version_url:
-        return plan.engine_version
-    try:
-        resp = httpx.get(plan.version_url, timeout=10.0, trust_env=False)
-        if resp.status_code == 200:
-            return get_engine(plan.engine).version_from(resp.json()) or plan.engine_version
-    except (httpx.HTTPError, ValueError):
-        pass
-    return plan.engine_version
 
 
 @dataclass(frozen=True)
@@ -163,52 +58,6 @@ class WorkloadOutcome:
     def metrics(self) -> dict[str, float]:
         """The client summary's metrics and the engine-side ones, flat."""
         return {**self.summary.metrics(), **self.engine_metrics}
-
-
-def workload_prompts(
-    workload: WorkloadSpec, tokenizer: Tokenizer, repeat: int, home: Path, progress: Progress | None = None
-) -> PromptSet:
-    """The prompts of repeat ``repeat`` of a workload (warm-up ones first), from its dataset.
-
-    Raises:
-        BenchmarkError: the dataset cannot give them; the message names the workload.
-    """
-    if not 0 <= repeat < workload.repeats:
-        raise SpecError(
-            f"workload {workload.name!r}: repeat {repeat} is outside 0..{workload.repeats - 1} (repeats)"
-        )
-    t0 = time.perf_counter()
-    try:
-        prompts = build_prompts(
-            workload.dataset,
-            tokenizer,
-            workload.warmup_requests + workload.num_requests,
-            workload.input_tokens,
-            workload.seed,
-            home,
-            repeat=repeat,
-        )
-    except BenchmarkError as exc:
-        where = f" (repeat {repeat + 1} of {workload.repeats})" if workload.repeats > 1 else ""
-        raise BenchmarkError(f"workload {workload.name!r}{where}: {exc}") from exc
-    if progress:
-        progress(
-            f"{workload.name}: {len(prompts.prompts)} prompts from {prompts.name} "
-            f"(digest {prompts.digest}) in {time.perf_counter() - t0:.2f} s"
-        )
-    return prompts
-
-
-def prepare_prompts(
-    workloads: Sequence[WorkloadSpec], model_dir: Path, home: Path, progress: Progress | None = None
-) -> dict[str, list[PromptSet]]:
-    """Every workload's prompts, one set per repeat, before any engine starts: a dataset that cannot
-    give them fails here, not after a cold start, and every arm gets the same prompts."""
-    tokenizer = load_tokenizer(model_dir)
-    return {
-        w.name: [workload_prompts(w, tokenizer, k, home, progress) for k in range(w.repeats)]
-        for w in workloads
-    }
 
 
 def benchmark_workload(
