@@ -25,6 +25,13 @@ TINY_MODEL = ASSETS_HOME / "models" / "tiny-llama"
 
 _ISOLATED_PREFIXES = ("K3PIPE_", "MLFLOW_", "MODELSCOPE_")
 
+# A test run started as a background job of a non-interactive shell (`make test &`, CI wrappers)
+# inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler, in pytest or in the
+# CLI processes it starts: the Ctrl-C tests would test nothing k3pipe does. Give SIGINT back the
+# disposition a terminal gives it; children get SIG_DFL and install Python's own handler.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True)
 def clean_environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
