@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -99,15 +100,19 @@ def run(
     prepare_prefect_env(settings)
     from flows.benchmark import benchmark
 
+    _print_outcomes(_run_flow(lambda: benchmark(str(experiment), arms=arm or None)))
+
+
+def _run_flow(call: Callable[[], list[dict]]) -> list[dict]:
+    """A flow's outcomes; Ctrl-C exits 130 (the flow stopped the engine), an error exits 2, said."""
     try:
-        outcomes = benchmark(str(experiment), arms=arm or None)
+        return call()
     except KeyboardInterrupt:
         typer.secho("interrupted: the engine was stopped", fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(130) from None
     except Exception as exc:
         _fail(exc)
-        return
-    _print_outcomes(outcomes)
+        raise  # not reached: _fail exits
 
 
 @app.command()
@@ -123,14 +128,7 @@ def rerun(
     prepare_prefect_env(settings)
     from flows.benchmark import rerun as rerun_flow
 
-    try:
-        outcomes = rerun_flow(run_id, allow_drift=allow_drift)
-    except KeyboardInterrupt:
-        typer.secho("interrupted: the engine was stopped", fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(130) from None
-    except Exception as exc:
-        _fail(exc)
-        return
+    outcomes = _run_flow(lambda: rerun_flow(run_id, allow_drift=allow_drift))
     _print_outcomes(outcomes)
     for o in outcomes:
         for v in o.get("verdicts", []):
