@@ -5,7 +5,7 @@ starts ``bench/exact_server.py`` pinned to one core and drives it from the other
 client in turn, on the same workloads:
 
 - **k3pipe**: ``k3pipe.bench.run_workload`` from the pipeline venv, in a child process, called the
-  way ``steps.benchmark_workload`` calls it (``run_workload(None, ...)``: k3pipe's own transport,
+  way ``bench.session.benchmark_workload`` calls it (``run_workload(None, ...)``: k3pipe's own transport,
   ``asyncio.run``); with a k3pipe that has no transport of its own, through an
   ``httpx.AsyncClient`` with ``concurrency + 4`` connections, as the flow then did. Where k3pipe has
   its own transport, the httpx path is measured too (``k3pipe+httpx``), for before and after.
@@ -416,7 +416,7 @@ def run_k3pipe(
 
 
 def _k3pipe_workload(spec_path: str, out_path: str) -> int:
-    """Child: the workload through ``run_workload``, as ``steps.benchmark_workload`` runs it."""
+    """Child: the workload through ``run_workload``, as ``bench.session.benchmark_workload`` runs it."""
     from k3pipe.bench import load_tokenizer, random_prompts, run_workload, summarize
     from k3pipe.specs import WorkloadSpec
 
@@ -436,7 +436,7 @@ def _k3pipe_workload(spec_path: str, out_path: str) -> int:
         request_timeout_s=300.0,
     )
 
-    # as steps.benchmark_workload does: k3pipe's own transport when run_workload offers it (client
+    # as bench.session.benchmark_workload does: k3pipe's own transport when run_workload offers it (client
     # None), else an httpx.AsyncClient with concurrency + 4 connections (the flow before it had one)
     own_transport = _has_own_transport()
     use_httpx = "httpx" in spec["diagnostic"] or not own_transport

@@ -10,7 +10,7 @@ alternating per point (so that drift hits both), and puts their figures side by 
 (``scripts/gpu-node.sh bench`` starts vLLM 0.22 on the GPU node and runs exactly that.)
 
 - **k3pipe**: ``k3pipe.bench.run_workload(None, ...)`` with prompts from
-  ``k3pipe.bench.random_prompts``, as ``steps.benchmark_workload`` runs it, in a child process of
+  ``k3pipe.bench.random_prompts``, as ``bench.session.benchmark_workload`` runs it, in a child process of
   this interpreter (with the repo on ``PYTHONPATH``), so that its CPU time is its own.
 - **vllm bench serve**: the CLI (``--vllm CMD``; default ``vllm``) with ``--backend openai-chat
   --endpoint /v1/chat/completions --dataset-name random --request-rate inf --max-concurrency C
@@ -432,7 +432,7 @@ def apply_k3pipe_output(run: Run, data: dict[str, Any]) -> Run:
 
 
 def _k3pipe_child(spec_path: str, out_path: str) -> int:
-    """Child: one workload through ``run_workload(None, ...)``, as ``steps.benchmark_workload`` runs it."""
+    """Child: one workload through ``run_workload(None, ...)``, as ``benchmark_workload`` runs it."""
     from pydantic import SecretStr
 
     from k3pipe.bench import load_tokenizer, random_prompts, run_workload, summarize

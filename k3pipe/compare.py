@@ -9,9 +9,7 @@ with ``repeats`` to tell a difference from noise.
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from k3pipe.bench.repeats import Comparison, compare
@@ -22,6 +20,7 @@ __all__ = [
     "DEFAULT_METRICS",
     "REQUEST_METRICS",
     "compare_workloads",
+    "find_run",
     "request_values",
     "resolve_workload_run",
     "workload_values",
@@ -44,7 +43,7 @@ def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = 
     """The MLflow run of a workload: ``run_ref`` is a workload run's id, or an arm run's id with the
     ``workload`` name. Ids may be shortened to a unique prefix (``k3pipe runs`` prints 12 characters).
     """
-    run = _find_run(tracker, run_ref)
+    run = find_run(tracker, run_ref)
     if run.data.tags.get("k3pipe.repeat"):  # a single repeat: compare its workload instead
         run = tracker.client.get_run(run.data.tags["mlflow.parentRunId"])
     if run.data.tags.get("k3pipe.workload"):
@@ -71,12 +70,10 @@ def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = 
 
 def workload_values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
     """Per metric, its value in each repeat (one value for a workload run without repeats)."""
-    names = {a.path for a in tracker.client.list_artifacts(run.info.run_id)}
-    if "repeats.json" not in names:
+    data = tracker.read_artifact(run.info.run_id, "repeats.json")
+    if data is None:
         return {k: [v] for k, v in run.data.metrics.items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = tracker.client.download_artifacts(run.info.run_id, "repeats.json", tmp)
-        stats = json.loads(Path(path).read_text())
+    stats = json.loads(data)
     return {k: [float(x) for x in v["values"]] for k, v in stats.items()}
 
 
@@ -90,14 +87,14 @@ def request_values(
 ) -> dict[str, list[float]]:
     """Per column, its value for each measured request (warm-up and failed ones left out) of a workload
     run without repeats; empty when it has no requests.parquet."""
+    import io
+
     import pandas as pd
 
-    names = {a.path for a in tracker.client.list_artifacts(run.info.run_id)}
-    if "requests.parquet" not in names:
+    data = tracker.read_artifact(run.info.run_id, "requests.parquet")
+    if data is None:
         return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = tracker.client.download_artifacts(run.info.run_id, "requests.parquet", tmp)
-        frame = pd.read_parquet(path)
+    frame = pd.read_parquet(io.BytesIO(data))
     measured = frame[(~frame["warmup"]) & (frame["ok"])]
     return {c: [float(x) for x in measured[c].dropna()] for c in columns if c in measured.columns}
 
@@ -110,7 +107,8 @@ def compare_workloads(
     return [compare(m, a[m], b[m]) for m in metrics if a.get(m) and b.get(m)]
 
 
-def _find_run(tracker: Tracker, run_ref: str) -> Any:
+def find_run(tracker: Tracker, run_ref: str) -> Any:
+    """The MLflow run ``run_ref`` names: a whole id, or a unique prefix of at least 6 characters."""
     ref = run_ref.strip()
     if len(ref) == 32:
         try:

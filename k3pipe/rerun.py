@@ -13,7 +13,6 @@ to do; with ``allow_drift`` the difference is recorded instead (``RunRecord.drif
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import Comparison, compare
-from k3pipe.compare import DEFAULT_METRICS, _find_run, compare_workloads, request_values
+from k3pipe.compare import DEFAULT_METRICS, compare_workloads, find_run, request_values
 from k3pipe.errors import K3pipeError, RerunError
 from k3pipe.experiment import parse_experiment
 from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
@@ -49,7 +48,7 @@ class RerunInputs:
 
 def arm_run(tracker: Tracker, run_ref: str) -> Any:
     """The arm's MLflow run for ``run_ref``: an arm run, or a workload or repeat run under one."""
-    run = _find_run(tracker, run_ref)
+    run = find_run(tracker, run_ref)
     for _ in range(2):  # repeat -> workload -> arm
         if not (run.data.tags.get("k3pipe.workload") and run.data.tags.get("mlflow.parentRunId")):
             break
@@ -58,12 +57,8 @@ def arm_run(tracker: Tracker, run_ref: str) -> Any:
 
 
 def _download(tracker: Tracker, run_id: str, artifact: str) -> str | None:
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = tracker.client.download_artifacts(run_id, artifact, tmp)
-        except Exception:
-            return None
-        return Path(path).read_text()
+    data = tracker.read_artifact(run_id, artifact)
+    return None if data is None else data.decode()
 
 
 def read_record(tracker: Tracker, run_id: str) -> RunRecord:

@@ -44,7 +44,16 @@ from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.tracking import Tracker
 
-__all__ = ["ArmOutcome", "ArmRun", "ArmSteps"]
+__all__ = [
+    "ArmOutcome",
+    "ArmRun",
+    "ArmSteps",
+    "benchmark",
+    "health_gate",
+    "node_facts",
+    "plan_for",
+    "start_engine",
+]
 
 log = logging.getLogger("k3pipe.run")
 
@@ -68,38 +77,6 @@ class ArmSteps:
         """The library functions themselves, their progress to ``say`` (default: this module's logger)."""
         out: Callable[[str], None] = say or log.info
 
-        def plan(
-            spec: ExperimentSpec,
-            arm: str,
-            home: Path,
-            dirs: dict[str, str],
-            digests: dict[str, str] | None = None,
-        ) -> ArmPlan:
-            return plan_arm(spec, spec.arm(arm), home, dirs, digests)
-
-        def node(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
-            return probe_node(
-                plan.command.argv, plan.launcher, plan.engine, {**settings.process_env(), **plan.engine_env()}
-            )
-
-        def start(
-            plan: ArmPlan,
-            log_path: Path,
-            settings: Settings,
-            image: ImageRecord | None = None,
-            labels: dict[str, str] | None = None,
-        ) -> Launcher:
-            pinned = image.pinned if image else None
-            return launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), pinned, labels)
-
-        def gate(plan: ArmPlan) -> EndpointCheck:
-            return check_endpoint(
-                plan.base_url,
-                plan.model,
-                read_secret(plan.api_key_env),
-                continuous_usage=plan.continuous_usage,
-            )
-
         def bench(
             plan: ArmPlan,
             workload: WorkloadSpec,
@@ -108,21 +85,70 @@ class ArmSteps:
             home: Path | None = None,
             prompts: PromptSet | None = None,
         ) -> WorkloadOutcome:
-            return benchmark_workload(
-                plan, workload, model_dir, read_secret(plan.api_key_env), out, repeat, home, prompts
-            )
+            return benchmark(plan, workload, model_dir, repeat, home, prompts, progress=out)
 
         return cls(
-            plan=plan,
+            plan=plan_for,
             pull_image=lambda plan: pull_image(plan, progress=out),
-            probe_node=node,
-            start_engine=start,
+            probe_node=node_facts,
+            start_engine=start_engine,
             wait_ready=lambda plan, launcher: wait_ready(plan, launcher, progress=out),
-            health_gate=gate,
+            health_gate=health_gate,
             engine_version=engine_version,
             cold_start=read_cold_start,
             benchmark=bench,
         )
+
+
+# -- the steps that need more than one library call (the flow's tasks call these too) --------------
+
+
+def plan_for(
+    spec: ExperimentSpec, arm: str, home: Path, dirs: dict[str, str], digests: dict[str, str] | None = None
+) -> ArmPlan:
+    """The rendered plan of arm ``arm`` (by name) with its models' directories and digests."""
+    return plan_arm(spec, spec.arm(arm), home, dirs, digests)
+
+
+def node_facts(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
+    """The node's GPUs, driver and CUDA, and (process launcher) the engine's torch and versions."""
+    return probe_node(
+        plan.command.argv, plan.launcher, plan.engine, {**settings.process_env(), **plan.engine_env()}
+    )
+
+
+def start_engine(
+    plan: ArmPlan,
+    log_path: Path,
+    settings: Settings,
+    image: ImageRecord | None = None,
+    labels: dict[str, str] | None = None,
+) -> Launcher:
+    """The arm's engine started (docker: from the image's pinned digest), its key from the environment."""
+    pinned = image.pinned if image else None
+    return launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), pinned, labels)
+
+
+def health_gate(plan: ArmPlan) -> EndpointCheck:
+    """The endpoint proven with its three settings (base URL, key, model id) and one streamed request."""
+    return check_endpoint(
+        plan.base_url, plan.model, read_secret(plan.api_key_env), continuous_usage=plan.continuous_usage
+    )
+
+
+def benchmark(
+    plan: ArmPlan,
+    workload: WorkloadSpec,
+    model_dir: Path,
+    repeat: int = 0,
+    home: Path | None = None,
+    prompts: PromptSet | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WorkloadOutcome:
+    """One repeat of a workload against the arm's endpoint, the key from the environment."""
+    return benchmark_workload(
+        plan, workload, model_dir, read_secret(plan.api_key_env), progress, repeat, home, prompts
+    )
 
 
 class ArmOutcome(BaseModel):

@@ -145,6 +145,15 @@ class Tracker:
         name = f"{artifact_path}/{path.name}" if artifact_path else path.name
         self.log_text(run_id, path.read_text(errors="replace"), name)
 
+    def read_artifact(self, run_id: str, artifact_file: str) -> bytes | None:
+        """The bytes of one of the run's artifacts; None when the run has no such artifact."""
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = self.client.download_artifacts(run_id, artifact_file, tmp)
+            except (MlflowException, OSError):
+                return None
+            return Path(path).read_bytes()
+
     def log_frame(self, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
         """Log a table as parquet; text columns are scrubbed of secrets first."""
         if self._secrets:

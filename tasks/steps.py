@@ -9,21 +9,22 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from k3pipe import run
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.prompts import prepare_prompts
-from k3pipe.bench.session import WorkloadOutcome, benchmark_workload
+from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import summary_line, timing_note
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.experiment import load_experiment
-from k3pipe.health import EndpointCheck, check_endpoint, engine_version, wait_ready
+from k3pipe.health import EndpointCheck, engine_version, wait_ready
 from k3pipe.launchers import Launcher, connect, reap_orphans
-from k3pipe.launchers.factory import launch_engine, pull_image
-from k3pipe.node import NodeInfo, probe_node
-from k3pipe.plan import ArmPlan, plan_arm
+from k3pipe.launchers.factory import pull_image
+from k3pipe.node import NodeInfo
+from k3pipe.plan import ArmPlan
 from k3pipe.preflight import preflight
 from k3pipe.rerun import RerunInputs, restore, verdict
-from k3pipe.settings import Settings, read_secret
+from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec
@@ -74,7 +75,7 @@ def plan_arm_task(
     model_dirs: dict[str, str],
     model_digests: dict[str, str] | None = None,
 ) -> ArmPlan:
-    plan = plan_arm(spec, spec.arm(arm), home, model_dirs, model_digests)
+    plan = run.plan_for(spec, arm, home, model_dirs, model_digests)
     get_run_logger().info("arm %s command: %s", arm, plan.command.shell())
     if plan.compile_cache is not None:
         get_run_logger().info("arm %s %s", arm, plan.compile_cache.describe())
@@ -83,9 +84,7 @@ def plan_arm_task(
 
 @task(name="probe-node", cache_policy=NO_CACHE)
 def probe_node_task(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
-    node = probe_node(
-        plan.command.argv, plan.launcher, plan.engine, {**settings.process_env(), **plan.engine_env()}
-    )
+    node = run.node_facts(plan, settings)
     if node is not None:
         get_run_logger().info("node: %s", node.describe())
     elif plan.launcher != "external":
@@ -130,9 +129,7 @@ def start_engine_task(
     image: ImageRecord | None = None,
     labels: dict[str, str] | None = None,
 ) -> Launcher:
-    launcher = launch_engine(
-        plan, log_path, settings, read_secret(plan.api_key_env), image.pinned if image else None, labels
-    )
+    launcher = run.start_engine(plan, log_path, settings, image, labels)
     where = getattr(launcher, "container_id", None) or f"pid {getattr(launcher, 'pid', None)}"
     get_run_logger().info(
         "engine %s started (launcher %s, %s, log %s)", plan.engine, plan.launcher, where, log_path
@@ -150,9 +147,7 @@ def wait_ready_task(plan: ArmPlan, launcher: Launcher) -> float:
 
 @task(name="health-gate", cache_policy=NO_CACHE)
 def health_gate_task(plan: ArmPlan) -> EndpointCheck:
-    check = check_endpoint(
-        plan.base_url, plan.model, read_secret(plan.api_key_env), continuous_usage=plan.continuous_usage
-    )
+    check = run.health_gate(plan)
     get_run_logger().info(
         "endpoint %s serves %s; probe first delta %.3f s (%s)",
         plan.base_url,
@@ -197,16 +192,7 @@ def benchmark_task(
         workload.concurrency,
         workload.seed + repeat,
     )
-    outcome = benchmark_workload(
-        plan,
-        workload,
-        model_dir,
-        read_secret(plan.api_key_env),
-        progress=logger.info,
-        repeat=repeat,
-        home=home,
-        prompts=prompts,
-    )
+    outcome = run.benchmark(plan, workload, model_dir, repeat, home, prompts, progress=logger.info)
     m = outcome.metrics()
     logger.info(summary_line(workload.name, m, outcome.summary.itl_basis))
     note = timing_note(m)

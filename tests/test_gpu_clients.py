@@ -118,29 +118,39 @@ def test_compare_verdicts() -> None:
     assert rows["ttft_p50"]["verdict"] == "agree"
 
 
-def test_end_to_end_against_the_scripted_server(tokenizer_dir: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def _stub_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The stand-in `vllm` CLI (STUB) in tmp_path, with the key and the fixture it copies."""
     stub = tmp_path / "stub_vllm.py"
     stub.write_text(STUB)
     monkeypatch.setenv("GPU_TEST_KEY", "sk-gpu-test")
     monkeypatch.setenv("STUB_DIR", str(tmp_path))
     monkeypatch.setenv("STUB_FIXTURE", str(FIXTURE))
+    return stub
+
+
+def _main(server: ScriptedOpenAI, tokenizer_dir: Path, stub: Path, out: Path, *extra: str) -> int:
+    """bench/gpu_clients.py against the scripted server: 32 in / 8 out, 2 streams x 4 requests."""
+    argv = [
+        "--base-url", f"http://127.0.0.1:{server.port}",
+        "--model", "m",
+        "--tokenizer", str(tokenizer_dir),
+        "--api-key-env", "GPU_TEST_KEY",
+        "--vllm", f"{sys.executable} {stub}",
+        "--input-len", "32", "--output-len", "8",
+        "--point", "2:4",
+        *extra,
+        "--out", str(out),
+    ]  # fmt: skip
+    return int(gc.main(argv))
+
+
+def test_end_to_end_against_the_scripted_server(tokenizer_dir: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    stub = _stub_vllm(tmp_path, monkeypatch)
     # gaps wide enough that a loaded 2-core machine does not deliver them in one read (a 2 ms gap did)
     script = Script(first_token_delay_s=0.02, inter_token_s=0.02)
     out = tmp_path / "out"
     with ScriptedOpenAI(script, api_key="sk-gpu-test", model="m") as server:
-        rc = gc.main(
-            [
-                "--base-url", f"http://127.0.0.1:{server.port}",
-                "--model", "m",
-                "--tokenizer", str(tokenizer_dir),
-                "--api-key-env", "GPU_TEST_KEY",
-                "--vllm", f"{sys.executable} {stub}",
-                "--input-len", "32", "--output-len", "8",
-                "--point", "2:4",
-                "--warmup-requests", "2",
-                "--out", str(out),
-            ]
-        )  # fmt: skip
+        rc = _main(server, tokenizer_dir, stub, out, "--warmup-requests", "2")
         received = list(server.requests)
     assert rc == 0
     results = json.loads((out / gc.RESULT_JSON).read_text())
@@ -233,29 +243,13 @@ def test_diagnose_runs_four_clients_and_places_them_next_to_the_engine(
 ) -> None:
     """--diagnose: k3pipe with and without continuous usage, vllm bench serve with its own prompts and
     with k3pipe's; the scripted server's /metrics (TTFT and E2E from its own stamps) is the engine."""
-    stub = tmp_path / "stub_vllm.py"
-    stub.write_text(STUB)
-    monkeypatch.setenv("GPU_TEST_KEY", "sk-gpu-test")
-    monkeypatch.setenv("STUB_DIR", str(tmp_path))
-    monkeypatch.setenv("STUB_FIXTURE", str(FIXTURE))
+    stub = _stub_vllm(tmp_path, monkeypatch)
     script = Script(first_token_delay_s=0.05, inter_token_s=0.02)
     out = tmp_path / "out"
     with ScriptedOpenAI(script, api_key="sk-gpu-test", model="m") as server:
-        rc = gc.main(
-            [
-                "--base-url", f"http://127.0.0.1:{server.port}",
-                "--model", "m",
-                "--tokenizer", str(tokenizer_dir),
-                "--api-key-env", "GPU_TEST_KEY",
-                "--vllm", f"{sys.executable} {stub}",
-                "--input-len", "32", "--output-len", "8",
-                "--point", "2:4",
-                "--warmup-requests", "0",
-                "--diagnose",
-                "--reset-prefix-cache",
-                "--out", str(out),
-            ]
-        )  # fmt: skip
+        rc = _main(
+            server, tokenizer_dir, stub, out, "--warmup-requests", "0", "--diagnose", "--reset-prefix-cache"
+        )
         received = list(server.requests)
         resets = list(server.prefix_cache_resets)
     assert rc == 0
