@@ -56,14 +56,12 @@ def render(
             print("# environment")
             for k, v in plan.command.redacted_env().items():
                 print(f"{k}={v}")
-            if plan.launcher == "docker":
-                print("# command (arguments to the image's entrypoint)")
-            else:
-                print("# command")
+            print(f"# {plan.launch.command_heading}")
             print(" \\\n    ".join(_groups(plan.command.redacted_argv())))
-            if plan.launcher == "docker":
-                print("# the same, as docker run (k3pipe launches the image by its pinned digest)")
-                print(plan.docker_run())
+            equivalent = plan.launch.equivalent_command(plan)
+            if equivalent:
+                print("# the same, as one command line (an image is launched by its pinned digest)")
+                print(equivalent)
             print(
                 f"# endpoint: {plan.base_url}  model: {plan.model}  key from: ${plan.api_key_env or '(none)'}"
             )

@@ -153,7 +153,7 @@ def benchmark(
         spec.arm(name)  # unknown arm names fail before anything starts
     # preflight before the (possibly hours-long) download, and again with the model's config.json
     _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker)
-    if any(spec.arm(name).launcher.kind == "docker" for name in selected):
+    if any(spec.arm(name).launcher.leaves_orphans for name in selected):
         reap_orphans_task(_flow_run_is_running)
     if rerun is not None:
         models = rerun.models

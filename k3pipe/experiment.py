@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from k3pipe.engines import engine_kinds
 from k3pipe.errors import SpecError
+from k3pipe.launchers.kinds import LAUNCHER_SPECS
 from k3pipe.specs import (
     DocumentsDataset,
     ExperimentSpec,
@@ -35,6 +36,7 @@ _UNION_TAGS: dict[str, type[BaseModel]] = {
     "sharegpt": ShareGPTDataset,
     "documents": DocumentsDataset,
     "shared_prefix": SharedPrefixDataset,
+    **LAUNCHER_SPECS,
 }
 
 
@@ -43,7 +45,7 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _UNION_TAGS and out.endswith(("model", "]", "dataset")):
+        elif part in _UNION_TAGS and out.endswith(("model", "]", "dataset", "launcher")):
             # discriminated-union tag pydantic puts in the location: not a field of the file
             continue
         else:
@@ -70,6 +72,20 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
         model = inner
     fields = getattr(model, "model_fields", None)
     return sorted(fields) if fields else None
+
+
+def _other_kinds_with(loc: tuple[int | str, ...]) -> list[str]:
+    """For an unknown field under a union member (e.g. ``gpus`` of a process launcher): the tags of
+    the sibling members that do have it (['docker'])."""
+    tags = [p for p in loc[:-1] if isinstance(p, str) and p in _UNION_TAGS]
+    if not tags:
+        return []
+    here = _UNION_TAGS[tags[-1]]
+    family = [
+        t for t, m in _UNION_TAGS.items() if m.model_fields.keys() & here.model_fields.keys() >= {"kind"}
+    ]
+    name = str(loc[-1])
+    return [t for t in family if t != tags[-1] and name in _UNION_TAGS[t].model_fields]
 
 
 def _model_in(ann: Any) -> Any:
@@ -108,13 +124,21 @@ def _format_errors(source: str, exc: ValidationError | None, extra: list[str] | 
         if err["type"] == "extra_forbidden":
             allowed = _fields_at(tuple(err["loc"]))
             hint = f"; allowed fields: {', '.join(allowed)}" if allowed else ""
+            others = _other_kinds_with(tuple(err["loc"]))
+            if others:
+                hint += f" (it is a field of kind {' or '.join(repr(o) for o in others)}: set kind to use it)"
             lines.append(f"  {loc}: unknown field{hint}")
             continue
         if err["type"] == "missing":
             lines.append(f"  {loc}: required field is missing")
             continue
         if err["type"] == "union_tag_invalid":
-            lines.append(f"  {loc}: {err['msg']}")
+            ctx = err.get("ctx") or {}
+            field = str(ctx.get("discriminator", "")).strip("'")
+            field = field if field.isidentifier() else "kind"  # a callable discriminator reads 'kind'
+            tags = [t.strip() for t in str(ctx.get("expected_tags", "")).split(",")]
+            choices = ", ".join(tags[:-1]) + f" or {tags[-1]}" if len(tags) > 1 else tags[0]
+            lines.append(f"  {loc}.{field}: unknown {field} {ctx.get('tag')!r}; expected {choices}")
             continue
         msg = err["msg"].removeprefix("Value error, ")
         shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__

@@ -24,7 +24,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -381,13 +381,8 @@ def engine_side_summary(
     - ``engine_kv_usage_ratio_max`` (0..1), ``engine_requests_running_max``,
       ``engine_requests_waiting_max``: gauge maxima over all scrapes.
     - ``engine_preemptions``: counter delta (SGLang: retracted requests).
-    - Speculative decoding, vLLM: ``engine_spec_drafts``, ``engine_spec_draft_tokens``,
-      ``engine_spec_accepted_tokens``, ``engine_spec_acceptance_rate`` (accepted / drafted tokens),
-      ``engine_spec_mean_acceptance_length`` = 1 + accepted / drafts (bonus token included, as vLLM
-      defines it in vllm/v1/spec_decode/metrics.py:114), ``engine_spec_pos<i>_acceptance_rate``
-      (accepted at position i / drafts). SGLang exports no token counters: ``engine_spec_verify_calls``
-      (delta) and the means over the scrapes of its gauges ``engine_spec_accept_length_mean`` and
-      ``engine_spec_accept_rate_mean`` (gauges of recent batches, so a sampled estimate).
+    - Speculative decoding: whatever the engine derives from the window
+      (:meth:`~k3pipe.engines.base.Engine.speculation_figures`; each engine exports it differently).
     """
     names = engine.metric_names
     ok = [s for s in scrapes if s.ok]
@@ -460,57 +455,41 @@ def engine_side_summary(
     if preemptions is not None:
         out["engine_preemptions"] = preemptions
 
-    drafts, drafted, accepted = (
-        delta("spec_drafts_total"),
-        delta("spec_draft_tokens_total"),
-        delta("spec_accepted_tokens_total"),
-    )
-    for metric, value in (
-        ("engine_spec_drafts", drafts),
-        ("engine_spec_draft_tokens", drafted),
-        ("engine_spec_accepted_tokens", accepted),
-    ):
-        if value is not None:
-            out[metric] = value
-    if accepted is not None and drafted:
-        out["engine_spec_acceptance_rate"] = accepted / drafted
-    if accepted is not None and drafts:
-        out["engine_spec_mean_acceptance_length"] = 1.0 + accepted / drafts
-        per_pos = names.get("spec_accepted_tokens_per_pos_total")
-        if per_pos is not None:
-            for position, value in _per_position_delta(first.samples, last.samples, per_pos).items():
-                out[f"engine_spec_pos{position}_acceptance_rate"] = value / drafts
-
-    verify = delta("spec_verify_calls_total")
-    if verify is not None:
-        out["engine_spec_verify_calls"] = verify
-    for key, metric in (
-        ("spec_accept_length", "engine_spec_accept_length_mean"),
-        ("spec_accept_rate", "engine_spec_accept_rate_mean"),
-    ):
-        name = names.get(key)
-        if name is None:
-            continue
-        values = [v for s in ok if (v := _gauge_max(s.samples, name)) is not None]
-        if values:
-            out[metric] = sum(values) / len(values)
+    out.update(engine.speculation_figures(_Window(ok, delta)))
 
     if reset:
         out["engine_counter_reset"] = 1.0
     return out
 
 
-def _per_position_delta(first: Samples, last: Samples, name: str) -> dict[int, float]:
-    def by_position(samples: Samples) -> dict[int, float]:
-        out: dict[int, float] = {}
-        for (n, labels), value in samples.items():
-            position = dict(labels).get("position")
-            if n == name and position is not None and position.isdigit():
-                out[int(position)] = out.get(int(position), 0.0) + value
-        return out
+@dataclass(frozen=True)
+class _Window:
+    """One workload window's successful scrapes, as an engine reads them (a MetricWindow)."""
 
-    a, b = by_position(first), by_position(last)
-    return {p: b[p] - a[p] for p in sorted(b) if p in a and b[p] >= a[p]}
+    scrapes: Sequence[Scrape]
+    _delta: Callable[[str], float | None]
+
+    def delta(self, key: str) -> float | None:
+        return self._delta(key)
+
+    def gauge_mean(self, name: str) -> float | None:
+        values = [v for s in self.scrapes if (v := _gauge_max(s.samples, name)) is not None]
+        return sum(values) / len(values) if values else None
+
+    def delta_by_label(self, name: str, label: str) -> dict[str, float]:
+        if len(self.scrapes) < 2:
+            return {}
+
+        def by_label(samples: Samples) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for (n, labels), value in samples.items():
+                key = dict(labels).get(label)
+                if n == name and key is not None:
+                    out[key] = out.get(key, 0.0) + value
+            return out
+
+        a, b = by_label(self.scrapes[0].samples), by_label(self.scrapes[-1].samples)
+        return {k: b[k] - a[k] for k in b if k in a and b[k] >= a[k]}
 
 
 # -- reconciliation -------------------------------------------------------------------------------

@@ -205,20 +205,22 @@ def interpreter_versions(
 
 
 def probe_node(
-    argv: Sequence[str], launcher: str, engine: str, env: Mapping[str, str] | None = None
+    argv: Sequence[str],
+    engine: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    interpreter: bool = False,
 ) -> NodeInfo | None:
-    """The node's GPUs, driver and CUDA, and (process launcher) the torch and engine versions of the
-    interpreter ``argv[0]`` runs in; None without nvidia-smi, and for an external endpoint (whose
-    node is not this one)."""
-    if launcher == "external":
-        return None
+    """This node's GPUs, driver and CUDA, and (``interpreter``: the engine runs in a local
+    interpreter) the torch and engine versions of the interpreter ``argv[0]`` runs in; None without
+    nvidia-smi."""
     report = nvidia_smi_report()
     if report is None:
         return None
     gpus = parse_gpu_query(_nvidia_smi(GPU_QUERY) or "")
     python = None
     packages: dict[str, str | None] = {}
-    if launcher == "process" and argv:
+    if interpreter and argv:
         python = engine_python(argv[0], (env or {}).get("PATH"))
         wanted = ["torch", *([p] if (p := get_engine(engine).python_package) else [])]
         if python is not None:

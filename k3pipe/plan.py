@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -58,7 +57,8 @@ def _compile_cache(
     env: Mapping[str, str],
 ) -> CompileCache | None:
     var = engine.compile_cache_env_var
-    if var is None or arm.launcher.kind == "external":
+    launcher = arm.launcher
+    if var is None or not launcher.starts_engine:
         return None
     digests = dict(model_digests or {})
     models = {}
@@ -69,18 +69,17 @@ def _compile_cache(
     factors = {
         "engine": engine.kind,
         "version": arm.engine.version,
-        "executable": list(arm.engine.executable or []) if arm.launcher.kind != "docker" else None,
-        "image": arm.engine.image if arm.launcher.kind == "docker" else None,
+        **launcher.cache_factors(arm.engine),
         "models": models,
         **engine.compiles_with(arm.engine.args, {k: v for k, v in env.items() if k != var}),
     }
     key = compile_cache_key(factors)
     if var in env:
         where = env[var]
-        host = where if arm.launcher.kind == "process" else None
+        host = launcher.host_view(where)
         return CompileCache(var=var, key=key, dir=where, host_dir=host, source="spec", factors=factors)
     host_dir = str(home / "cache" / engine.kind / key)
-    inside = engine.compile_cache_mount if arm.launcher.kind == "docker" else host_dir
+    inside = launcher.engine_cache_dir(host_dir, engine.compile_cache_mount)
     return CompileCache(var=var, key=key, dir=inside, host_dir=host_dir, source="k3pipe", factors=factors)
 
 
@@ -109,9 +108,10 @@ class ArmPlan(BaseModel):
     )
     startup_timeout_s: float
     stop_timeout_s: float
-    launch: LauncherSpec = Field(description="The launcher settings (docker: GPUs, ipc, mounts ...).")
+    launch: LauncherSpec = Field(description="The launcher's spec (its kind's settings and behaviour).")
     mounts: dict[str, str] = Field(
-        default_factory=dict, description="docker: host model directory -> path in the container."
+        default_factory=dict,
+        description="Host model directory -> the engine's path for it, mounted read-only (containers).",
     )
     compile_cache: CompileCache | None = Field(
         default=None, description="The engine's compile cache (None: the engine or launcher has none)."
@@ -124,39 +124,6 @@ class ArmPlan(BaseModel):
         if cache is not None and cache.source == "k3pipe":
             env[cache.var] = cache.dir
         return env
-
-    @property
-    def writable_mounts(self) -> dict[str, str]:
-        """docker: host directory -> path in the container, mounted read-write (the compile cache)."""
-        cache = self.compile_cache
-        if self.launcher != "docker" or cache is None or cache.source != "k3pipe" or not cache.host_dir:
-            return {}
-        return {cache.host_dir: cache.dir}
-
-    def docker_run(self, image: str | None = None) -> str:
-        """The equivalent ``docker run`` command line (secrets redacted), for humans and the record."""
-        spec = self.launch
-        parts = ["docker", "run", "--rm", "--network", spec.network]
-        if spec.ipc:
-            parts += ["--ipc", spec.ipc]
-        if spec.shm_size:
-            parts += ["--shm-size", spec.shm_size]
-        if spec.init:
-            parts.append("--init")
-        if isinstance(spec.gpus, int):
-            parts += ["--gpus", str(spec.gpus)]
-        elif spec.gpus:
-            parts += ["--gpus", f'"device={",".join(spec.gpus)}"']
-        for host, container in self.mounts.items():
-            parts += ["-v", f"{host}:{container}:ro"]
-        for host, container in self.writable_mounts.items():
-            parts += ["-v", f"{host}:{container}"]
-        if self.writable_mounts and self.compile_cache is not None:
-            parts += ["-e", f"{self.compile_cache.var}={self.compile_cache.dir}"]
-        for key, value in self.command.redacted_env().items():
-            parts += ["-e", f"{key}={value}"]
-        parts.append(image or self.image or "IMAGE")
-        return shlex.join(parts) + " " + shlex.join(self.command.redacted_argv())
 
 
 def default_model_dirs(exp: ExperimentSpec, home: Path) -> dict[str, str]:
@@ -183,15 +150,7 @@ def plan_arm(
     engine.check_args(arm.engine.args)
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
     host_dirs = dict(dirs)
-    mounts: dict[str, str] = {}
-    if arm.launcher.kind == "docker":
-        # the engine sees each model read-only under launcher.model_mount
-        in_container = {}
-        for key, host_dir in dirs.items():
-            target = f"{arm.launcher.model_mount.rstrip('/')}/{key.removeprefix('models.')}"
-            mounts[host_dir] = target
-            in_container[key] = target
-        dirs = in_container
+    dirs, mounts = arm.launcher.place_models(dirs)
     port = arm.launcher.port or engine.default_port
     served = exp.model.served_name
     argv = [
@@ -203,7 +162,7 @@ def plan_arm(
     # an engine bound to all interfaces is still reached through loopback from here
     host = "127.0.0.1" if arm.launcher.host in ("0.0.0.0", "::") else arm.launcher.host
     root = f"http://{host}:{port}"
-    external = arm.launcher.kind == "external"
+    external = not arm.launcher.starts_engine
     base_url = arm.endpoint.base_url or f"{root}/v1"
     return ArmPlan(
         experiment=exp.name,

@@ -431,9 +431,13 @@ def _kv_rule(reserve_bytes_per_gpu: float) -> Rule:
             yield ctx.finding(
                 "error",
                 "kv-capacity",
-                f"no memory is left for the KV cache: KV budget per GPU {how}. The engine cannot start "
-                "(vLLM: 'No available memory for the cache blocks'); raise the memory fraction or spread the "
-                "weights over more GPUs.",
+                f"no memory is left for the KV cache: KV budget per GPU {how}. The engine cannot start"
+                + (
+                    f" ({engine.display_name}: '{engine.no_kv_memory_error}')"
+                    if engine.no_kv_memory_error
+                    else ""
+                )
+                + "; raise the memory fraction or spread the weights over more GPUs.",
             )
             return
         basis = f"Estimate (an upper bound): KV budget per GPU {how}; {est.explain()}."

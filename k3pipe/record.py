@@ -237,7 +237,7 @@ class ArmRecorder:
                 "image.digest": image.digest,
                 "image.pinned": image.pinned,
                 "image.pulled": image.pulled,
-                "docker_run": plan.docker_run(image.pinned),
+                "docker_run": plan.launch.equivalent_command(plan, image.pinned),
             },
         )
         self.tracker.log_metrics(self.run_id, {"image_pull_s": image.duration_s})

@@ -111,9 +111,15 @@ def plan_for(
 
 
 def node_facts(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
-    """The node's GPUs, driver and CUDA, and (process launcher) the engine's torch and versions."""
+    """The node's GPUs, driver and CUDA, and (an engine whose interpreter is here) its torch and
+    engine versions; None for an endpoint k3pipe did not start."""
+    if not plan.launch.starts_engine:
+        return None
     return probe_node(
-        plan.command.argv, plan.launcher, plan.engine, {**settings.process_env(), **plan.engine_env()}
+        plan.command.argv,
+        plan.engine,
+        {**settings.process_env(), **plan.engine_env()},
+        interpreter=plan.launch.probes_interpreter,
     )
 
 
@@ -238,7 +244,7 @@ class ArmRun:
         recorder.log_prompts(self.spec.workloads, self.prompts)
         recorder.log_preflight(self.findings)
         image = None
-        if plan.launcher == "docker":
+        if plan.launch.pins_image:
             image = self.steps.pull_image(plan)
             recorder.log_image(image, plan)
         labels = {**self.labels, "k3pipe.mlflow_run_id": recorder.run_id}
@@ -248,7 +254,7 @@ class ArmRun:
         cold = self.steps.wait_ready(plan, self.launcher)
         check = self.steps.health_gate(plan)
         recorder.log_engine(cold if plan.health_url else None, self.steps.engine_version(plan), check)
-        if plan.launcher != "external":
+        if plan.launch.starts_engine:
             recorder.log_cold_start(self.steps.cold_start(plan, self.log_path, cold, recorder.run_id))
 
     def run_workloads(self) -> None:
@@ -294,10 +300,10 @@ class ArmRun:
             if self.launcher is not None:
                 self.say(f"stopping engine ({plan.launcher})")
                 self.launcher.stop()
-                if plan.launcher != "external":
+                if plan.launch.starts_engine:
                     recorder.log_nvidia_smi_after(nvidia_smi_report())
         finally:
-            own_log = self.launcher is not None and plan.launcher != "external"
+            own_log = self.launcher is not None and plan.launch.starts_engine
             recorder.finish(outcome.status, self._error, self.log_path if own_log else None)
             facts = recorder.engine_log_facts
             if facts is not None and facts.spec_accept_length_mean is not None:

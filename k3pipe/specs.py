@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k3pipe.errors import SpecError
+from k3pipe.launchers.kinds import LauncherSpec, ProcessLauncherSpec
 
 __all__ = [
     "ArmSpec",
@@ -106,42 +107,6 @@ class EngineSpec(_Spec):
         return value
 
 
-class LauncherSpec(_Spec):
-    """Where the engine runs."""
-
-    kind: Literal["process", "docker", "external"] = Field(
-        default="process",
-        description="process: a local process group; docker: a container; external: already running.",
-    )
-    host: str = Field(default="127.0.0.1", description="Address the engine binds to.")
-    port: int | None = Field(
-        default=None, ge=1, le=65535, description="Port the engine listens on (default: the engine's)."
-    )
-    startup_timeout_s: float = Field(
-        default=900.0, gt=0, description="Longest wait for the engine to become healthy."
-    )
-    stop_timeout_s: float = Field(
-        default=30.0, gt=0, description="Grace period after SIGTERM before SIGKILL of the group."
-    )
-    gpus: int | list[str] | None = Field(
-        default=None,
-        description="docker: GPUs to request, a count (e.g. 8) or device ids (['0','1']); none if unset.",
-    )
-    ipc: str | None = Field(default="host", description="docker: IPC namespace ('host' for NCCL).")
-    shm_size: str | None = Field(default=None, description="docker: /dev/shm size, e.g. '32g'.")
-    network: str = Field(
-        default="host", description="docker: network mode; 'host' so the engine binds the host's port."
-    )
-    model_mount: str = Field(
-        default="/models", description="docker: where model directories are mounted (read-only)."
-    )
-    init: bool = Field(default=True, description="docker: run an init process as PID 1 (reaps zombies).")
-    pull: Literal["if-missing", "always", "never"] = Field(
-        default="if-missing",
-        description="docker: pull the image always, only when its digest is not present, or never.",
-    )
-
-
 class HardwareSpec(_Spec):
     """The accelerators the experiment is planned for (preflight's capacity estimates use them)."""
 
@@ -195,17 +160,16 @@ class ArmSpec(_Spec):
 
     name: str = Field(description="Arm name, unique within the experiment.")
     engine: EngineSpec = Field(description="The engine and its arguments.")
-    launcher: LauncherSpec = Field(default_factory=LauncherSpec, description="Where the engine runs.")
+    launcher: LauncherSpec = Field(
+        default_factory=ProcessLauncherSpec, description="Where the engine runs (launcher.kind)."
+    )
     endpoint: EndpointSpec = Field(default_factory=EndpointSpec, description="How clients reach it.")
 
     @model_validator(mode="after")
-    def _external_needs_url(self) -> ArmSpec:
-        if self.launcher.kind == "external" and not self.endpoint.base_url:
-            raise ValueError("launcher.kind 'external' needs endpoint.base_url (the running endpoint)")
-        if self.launcher.kind == "process" and not self.engine.executable:
-            raise ValueError("launcher.kind 'process' needs engine.executable (the command that starts it)")
-        if self.launcher.kind == "docker" and not self.engine.image:
-            raise ValueError("launcher.kind 'docker' needs engine.image")
+    def _launcher_fits(self) -> ArmSpec:
+        problem = self.launcher.arm_problem(self.engine, self.endpoint)
+        if problem:
+            raise ValueError(problem)
         return self
 
 

@@ -25,6 +25,8 @@ from k3pipe.node import (
 )
 from k3pipe.plan import plan_arm
 from k3pipe.record import ArmRecorder
+from k3pipe.run import node_facts
+from k3pipe.settings import Settings
 from k3pipe.specs import WorkloadSpec
 from k3pipe.tracking import Tracker
 from tests.conftest import demo_experiment
@@ -91,7 +93,7 @@ def test_report_and_probe_with_nvidia_smi(smi: Path) -> None:
     report = nvidia_smi_report()
     assert report is not None
     assert "Driver Version: 580.159.04     CUDA Version: 13.0" in report
-    node = probe_node([sys.executable, "-m", "x"], "process", "vllm", {"PATH": "/usr/bin:/bin"})
+    node = probe_node([sys.executable, "-m", "x"], "vllm", {"PATH": "/usr/bin:/bin"}, interpreter=True)
     assert node is not None
     params = node.params()
     assert params["node.gpu_name"] == "NVIDIA H200"
@@ -109,19 +111,25 @@ def test_report_and_probe_with_nvidia_smi(smi: Path) -> None:
 
 
 def test_probe_skips_the_interpreter_of_docker_arms(smi: Path) -> None:
-    node = probe_node(["python3", "-m", "vllm"], "docker", "vllm")
+    node = probe_node(["python3", "-m", "vllm"], "vllm")
     assert node is not None
     assert node.python is None
     assert node.packages == {}
 
 
-def test_no_node_for_external_endpoints(smi: Path) -> None:
-    assert probe_node([], "external", "vllm") is None
+def test_no_node_for_external_endpoints(smi: Path, tmp_path: Path) -> None:
+    data = demo_experiment(
+        8000, launcher={"kind": "external"}, endpoint={"base_url": "http://127.0.0.1:9/v1"}
+    )
+    spec = parse_experiment(data)
+    plan = plan_arm(spec, spec.arms[0], tmp_path)
+    assert not plan.launch.starts_engine
+    assert node_facts(plan, Settings(home=tmp_path)) is None
 
 
 def test_nothing_without_nvidia_smi(no_smi: None) -> None:
     assert nvidia_smi_report() is None
-    assert probe_node([sys.executable], "process", "vllm") is None
+    assert probe_node([sys.executable], "vllm", interpreter=True) is None
     with GpuMemorySampler(0.1) as sampler:
         pass
     assert sampler.samples == []
@@ -179,7 +187,7 @@ def recorder(tracker: Tracker, tmp_path: Path) -> ArmRecorder:
 
 def test_node_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
     rec = recorder(tracker, tmp_path)
-    rec.log_node(probe_node([sys.executable], "process", "vllm"))
+    rec.log_node(probe_node([sys.executable], "vllm", interpreter=True))
     rec.log_nvidia_smi_after(nvidia_smi_report())
     run = tracker.client.get_run(rec.run_id)
     assert run.data.params["node.gpu_name"] == "NVIDIA H200"

@@ -81,12 +81,20 @@ def test_bad_literal_names_allowed_values(tmp_path: Path) -> None:
     assert "'k8s'" in msg
 
 
+def test_a_field_of_another_launcher_kind_says_which(tmp_path: Path) -> None:
+    data = _minimal()
+    data["arms"][0]["launcher"] = {"gpus": 8}  # kind defaults to process
+    msg = _error(data, tmp_path)
+    assert "arms[0].launcher.gpus: unknown field" in msg
+    assert "it is a field of kind 'docker'" in msg
+
+
 def test_bad_model_source(tmp_path: Path) -> None:
     data = _minimal()
     data["model"] = {"source": "hf", "id": "a/b"}
     msg = _error(data, tmp_path)
     assert "model" in msg
-    assert "'modelscope', 'local'" in msg
+    assert "model.source: unknown source 'hf'; expected 'modelscope' or 'local'" in msg
 
 
 def test_modelscope_id_shape() -> None:

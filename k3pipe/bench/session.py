@@ -125,7 +125,7 @@ def benchmark_workload(
                     await task
 
     # the node's GPUs only matter when the engine is ours (not for an external endpoint)
-    with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launcher != "external") as gpu:
+    with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launch.starts_engine) as gpu:
         result = _run_interruptibly(go)
     result = retokenize(result, lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids))
     summary = summarize(result, workload.slo)

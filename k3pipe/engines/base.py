@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +32,7 @@ __all__ = [
     "Engine",
     "Finding",
     "FlagTable",
+    "MetricWindow",
     "RenderedCommand",
     "Rule",
     "Severity",
@@ -195,6 +196,20 @@ def plain_int(value: Any) -> int:
     return int(str(value).strip())
 
 
+class MetricWindow(Protocol):
+    """The engine's ``/metrics`` over one workload window, as :meth:`Engine.speculation_figures`
+    reads it (built by :func:`k3pipe.metrics.engine_side_summary`)."""
+
+    def delta(self, key: str) -> float | None:
+        """Counter ``metric_names[key]``: last minus first scrape (None: absent, or it reset)."""
+
+    def gauge_mean(self, name: str) -> float | None:
+        """Gauge ``name`` (a Prometheus name): its mean over the window's scrapes."""
+
+    def delta_by_label(self, name: str, label: str) -> dict[str, float]:
+        """Counter ``name`` split by the value of ``label``: last minus first scrape per value."""
+
+
 class Engine:
     """Base of the engine modules: everything engine-specific lives in a subclass."""
 
@@ -245,6 +260,8 @@ class Engine:
 
     kv_shortfall_consequence: ClassVar[str] = ""
     """What the engine does when its KV pool cannot hold one context-length request."""
+    no_kv_memory_error: ClassVar[str] = ""
+    """The error the engine stops with when no memory is left for its KV pool ('' unknown)."""
 
     @property
     def stock_label(self) -> str:
@@ -382,6 +399,11 @@ class Engine:
             f"- {weight_bytes_per_gpu / 2**30:.2f} GiB weights per GPU = {budget / 2**30:.2f} GiB"
         )
         return budget, how
+
+    def speculation_figures(self, window: MetricWindow) -> dict[str, float]:
+        """Speculative decoding over one workload window (``engine_spec_*``), from the engine's
+        own metrics; {} when it exports none (engines override)."""
+        return {}
 
     def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
         """The settings to change for a bigger KV pool (engines override)."""

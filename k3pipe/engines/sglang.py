@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
-from k3pipe.engines.base import ArmContext, Engine, Finding, Rule, plain_int
+from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
 from k3pipe.observe import LogFormat, LogLine, LogPatterns
 
 __all__ = ["ENGINE", "SGLangEngine", "human_readable_int"]
@@ -150,9 +150,28 @@ class SGLangEngine(Engine):
         "SGLang starts anyway and logs 'KV pool holds N tokens, fewer than --context-length' "
         "(managers/tp_worker.py:559); full-length requests are then refused or truncated at serving time"
     )
+    # model_executor/model_runner.py (init_memory_pool), when the profiled pool has no room
+    no_kv_memory_error: ClassVar[str] = "Not enough memory. Please try to increase --mem-fraction-static."
 
     def parse_int(self, value: Any) -> int:
         return human_readable_int(value)
+
+    def speculation_figures(self, window: MetricWindow) -> dict[str, float]:
+        """SGLang exports no drafted/accepted token counters: ``engine_spec_verify_calls`` (counter
+        delta) and the means over the window's scrapes of its gauges ``engine_spec_accept_length_mean``
+        and ``engine_spec_accept_rate_mean`` (gauges of recent batches, so a sampled estimate)."""
+        out: dict[str, float] = {}
+        verify = window.delta("spec_verify_calls_total")
+        if verify is not None:
+            out["engine_spec_verify_calls"] = verify
+        for key, metric in (
+            ("spec_accept_length", "engine_spec_accept_length_mean"),
+            ("spec_accept_rate", "engine_spec_accept_rate_mean"),
+        ):
+            mean = window.gauge_mean(self.metric_names[key])
+            if mean is not None:
+                out[metric] = mean
+        return out
 
     def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
         fixes = ["raise mem_fraction_static", "lower context_length to the real business length"]

@@ -21,7 +21,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, ClassVar
 
-from k3pipe.engines.base import ArmContext, Engine, Finding, Rule, plain_int
+from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
 from k3pipe.observe import LogFormat, LogLine, LogPatterns, PhasePattern
 
 __all__ = ["ENGINE", "VLLMEngine", "human_readable_int"]
@@ -285,6 +285,8 @@ class VLLMEngine(Engine):
         '(ValueError "To serve at least one request with the model\'s max seq len ...", '
         "v1/core/kv_cache_utils.py:1031), after the whole cold start"
     )
+    # v1/core/kv_cache_utils.py (check_enough_kv_cache_memory), when the budget is <= 0
+    no_kv_memory_error: ClassVar[str] = "No available memory for the cache blocks"
 
     def parse_int(self, value: Any) -> int:
         return human_readable_int(value)
@@ -297,6 +299,34 @@ class VLLMEngine(Engine):
             return None  # fit to memory
         value = self.parse_int(found[1])
         return None if value == -1 else value
+
+    def speculation_figures(self, window: MetricWindow) -> dict[str, float]:
+        """Token counters (v1/spec_decode/metrics.py, SpecDecodingProm): ``engine_spec_drafts``,
+        ``engine_spec_draft_tokens``, ``engine_spec_accepted_tokens``, ``engine_spec_acceptance_rate``
+        (accepted / drafted tokens), ``engine_spec_mean_acceptance_length`` = 1 + accepted / drafts
+        (the bonus token included, as vLLM defines it, metrics.py:114) and
+        ``engine_spec_pos<i>_acceptance_rate`` (accepted at position i / drafts)."""
+        out: dict[str, float] = {}
+        drafts = window.delta("spec_drafts_total")
+        drafted = window.delta("spec_draft_tokens_total")
+        accepted = window.delta("spec_accepted_tokens_total")
+        for metric, value in (
+            ("engine_spec_drafts", drafts),
+            ("engine_spec_draft_tokens", drafted),
+            ("engine_spec_accepted_tokens", accepted),
+        ):
+            if value is not None:
+                out[metric] = value
+        if accepted is not None and drafted:
+            out["engine_spec_acceptance_rate"] = accepted / drafted
+        if accepted is not None and drafts:
+            out["engine_spec_mean_acceptance_length"] = 1.0 + accepted / drafts
+            per_pos = window.delta_by_label(
+                self.metric_names["spec_accepted_tokens_per_pos_total"], "position"
+            )
+            for position in sorted((p for p in per_pos if p.isdigit()), key=int):
+                out[f"engine_spec_pos{position}_acceptance_rate"] = per_pos[position] / drafts
+        return out
 
     def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
         fixes = [

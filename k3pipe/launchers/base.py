@@ -1,16 +1,29 @@
-"""The launcher interface: start, logs, alive, stop. Stop always works and may be called twice."""
+"""The launcher interface: start, logs, alive, stop. Stop always works and may be called twice.
+
+Each launcher kind is one module of this package holding both halves: its spec (the experiment's
+``launcher:`` block, a member of the union :data:`k3pipe.specs.LauncherSpec`) and the launcher the
+spec builds. Code outside ``launchers/`` asks the spec what it needs (does it start an engine, pin an
+image, where does the engine see its models) and never branches on the kind.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-__all__ = ["Launcher", "tail_file"]
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from k3pipe.plan import ArmPlan
+    from k3pipe.specs import EndpointSpec, EngineSpec
+
+__all__ = ["Launcher", "LauncherSpecBase", "tail_file"]
 
 
 class Launcher(Protocol):
-    """Where an engine runs. Implementations: process, external (docker in a later release)."""
+    """Where an engine runs. Implementations: process, docker, external."""
 
     kind: str
     log_path: Path | None
@@ -37,3 +50,76 @@ def tail_file(path: Path | None, lines: int = 40) -> str:
         return ""
     with path.open("r", errors="replace") as fh:
         return "".join(deque(fh, maxlen=lines))
+
+
+class LauncherSpecBase(BaseModel):
+    """What every launcher kind's spec has (where the engine binds, how long it may take), and the
+    questions the rest of k3pipe asks a launcher instead of testing its kind."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str
+    host: str = Field(default="127.0.0.1", description="Address the engine binds to.")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="Port the engine listens on (default: the engine's)."
+    )
+    startup_timeout_s: float = Field(
+        default=900.0, gt=0, description="Longest wait for the engine to become healthy."
+    )
+    stop_timeout_s: float = Field(
+        default=30.0, gt=0, description="Grace period after SIGTERM before SIGKILL of the group."
+    )
+
+    starts_engine: ClassVar[bool] = True
+    """k3pipe starts (and stops) the engine on this node: it has a log, a node, a cold start."""
+    pins_image: ClassVar[bool] = False
+    """The engine runs from an image that is pulled and pinned to its digest before the start."""
+    probes_interpreter: ClassVar[bool] = False
+    """The engine's Python interpreter is on this machine (its torch and engine versions are read)."""
+    leaves_orphans: ClassVar[bool] = False
+    """A run that ended without its teardown (a killed worker) can leave this kind's engine behind:
+    the flow reaps such leftovers before it launches."""
+    command_heading: ClassVar[str] = "command"
+
+    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
+        """Why an arm with this engine and endpoint cannot run on this launcher (None: it can)."""
+        return None
+
+    def cache_factors(self, engine: EngineSpec) -> dict[str, Any]:
+        """What of the engine's start goes into the compile cache's key (the executable or image)."""
+        return {"executable": list(engine.executable or []), "image": None}
+
+    def engine_cache_dir(self, host_dir: str, engine_mount: str) -> str:
+        """Where the engine sees k3pipe's compile cache at ``host_dir`` (``engine_mount``: the
+        engine's path for it inside a container)."""
+        return host_dir
+
+    def host_view(self, engine_path: str) -> str | None:
+        """The path on this machine of a path the engine sees (None: not reachable from here)."""
+        return engine_path
+
+    def place_models(self, dirs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        """The model directories as the engine sees them, and host -> engine read-only mounts."""
+        return dict(dirs), {}
+
+    def writable_mounts(self, plan: ArmPlan) -> dict[str, str]:
+        """Host directory -> engine path, mounted read-write (the compile cache of a container)."""
+        return {}
+
+    def equivalent_command(self, plan: ArmPlan, image: str | None = None) -> str | None:
+        """The start as one command line a human could paste (secrets redacted), where it differs
+        from the plan's argv (a container's ``docker run``); None otherwise."""
+        return None
+
+    def build(
+        self,
+        plan: ArmPlan,
+        log_path: Path,
+        env: Mapping[str, str],
+        base_env: Mapping[str, str],
+        image: str | None,
+        labels: Mapping[str, str],
+    ) -> Launcher:
+        """The launcher for ``plan`` (not started). ``env``: the engine's own variables; ``base_env``:
+        this machine's environment for a local process; ``image``: the pinned image (pins_image)."""
+        raise NotImplementedError

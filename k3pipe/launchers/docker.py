@@ -9,20 +9,33 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import shlex
 import threading
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import docker
 import docker.errors
 from docker.types import DeviceRequest, Mount
+from pydantic import Field
 
-from k3pipe.errors import LaunchError
-from k3pipe.launchers.base import tail_file
+from k3pipe.errors import LaunchError, SpecError
+from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
 
-__all__ = ["FLOW_RUN_LABEL", "MANAGED_LABEL", "DockerLauncher", "connect", "reap_orphans"]
+if TYPE_CHECKING:
+    from k3pipe.plan import ArmPlan
+    from k3pipe.specs import EndpointSpec, EngineSpec
+
+__all__ = [
+    "FLOW_RUN_LABEL",
+    "MANAGED_LABEL",
+    "DockerLauncher",
+    "DockerLauncherSpec",
+    "connect",
+    "reap_orphans",
+]
 
 MANAGED_LABEL = "k3pipe.managed"
 FLOW_RUN_LABEL = "k3pipe.flow_run_id"
@@ -219,3 +232,118 @@ def reap_orphans(
             container.remove(force=True)
         removed.append(str(container.id))
     return removed
+
+
+class DockerLauncherSpec(LauncherSpecBase):
+    """``launcher.kind: docker``: the engine in a container from ``engine.image`` (pulled and pinned
+    to its digest first), models mounted read-only under ``model_mount``, the compile cache
+    read-write; the arguments go to the image's entrypoint."""
+
+    kind: Literal["docker"] = Field(description="docker: a container from engine.image.")
+    gpus: int | list[str] | None = Field(
+        default=None,
+        description="GPUs to request, a count (e.g. 8) or device ids (['0','1']); none if unset.",
+    )
+    ipc: str | None = Field(default="host", description="IPC namespace ('host' for NCCL).")
+    shm_size: str | None = Field(default=None, description="/dev/shm size, e.g. '32g'.")
+    network: str = Field(
+        default="host", description="Network mode; 'host' so the engine binds the host's port."
+    )
+    model_mount: str = Field(
+        default="/models", description="Where model directories are mounted (read-only)."
+    )
+    init: bool = Field(default=True, description="Run an init process as PID 1 (reaps zombies).")
+    pull: Literal["if-missing", "always", "never"] = Field(
+        default="if-missing",
+        description="Pull the image always, only when its digest is not present, or never.",
+    )
+
+    pins_image: ClassVar[bool] = True
+    leaves_orphans: ClassVar[bool] = True
+    command_heading: ClassVar[str] = "command (arguments to the image's entrypoint)"
+
+    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
+        if not engine.image:
+            return "launcher.kind 'docker' needs engine.image"
+        return None
+
+    def cache_factors(self, engine: EngineSpec) -> dict[str, Any]:
+        return {"executable": None, "image": engine.image}
+
+    def engine_cache_dir(self, host_dir: str, engine_mount: str) -> str:
+        return engine_mount
+
+    def host_view(self, engine_path: str) -> str | None:
+        return None  # a path inside the container
+
+    def place_models(self, dirs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        inside, mounts = {}, {}
+        for key, host_dir in dirs.items():
+            target = f"{self.model_mount.rstrip('/')}/{key.removeprefix('models.')}"
+            mounts[host_dir] = target
+            inside[key] = target
+        return inside, mounts
+
+    def writable_mounts(self, plan: ArmPlan) -> dict[str, str]:
+        cache = plan.compile_cache
+        if cache is None or cache.source != "k3pipe" or not cache.host_dir:
+            return {}
+        return {cache.host_dir: cache.dir}
+
+    def equivalent_command(self, plan: ArmPlan, image: str | None = None) -> str:
+        """The ``docker run`` command line (secrets redacted), for humans and the record."""
+        parts = ["docker", "run", "--rm", "--network", self.network]
+        if self.ipc:
+            parts += ["--ipc", self.ipc]
+        if self.shm_size:
+            parts += ["--shm-size", self.shm_size]
+        if self.init:
+            parts.append("--init")
+        if isinstance(self.gpus, int):
+            parts += ["--gpus", str(self.gpus)]
+        elif self.gpus:
+            parts += ["--gpus", f'"device={",".join(self.gpus)}"']
+        for host, container in plan.mounts.items():
+            parts += ["-v", f"{host}:{container}:ro"]
+        writable = self.writable_mounts(plan)
+        for host, container in writable.items():
+            parts += ["-v", f"{host}:{container}"]
+        if writable and plan.compile_cache is not None:
+            parts += ["-e", f"{plan.compile_cache.var}={plan.compile_cache.dir}"]
+        for key, value in plan.command.redacted_env().items():
+            parts += ["-e", f"{key}={value}"]
+        parts.append(image or plan.image or "IMAGE")
+        return shlex.join(parts) + " " + shlex.join(plan.command.redacted_argv())
+
+    def build(
+        self,
+        plan: ArmPlan,
+        log_path: Path,
+        env: Mapping[str, str],
+        base_env: Mapping[str, str],
+        image: str | None,
+        labels: Mapping[str, str],
+    ) -> Launcher:
+        if image is None:
+            raise SpecError(f"arm {plan.arm!r}: the docker launcher needs the resolved image (pull step)")
+        return DockerLauncher(
+            connect(),
+            image,
+            plan.command.argv,
+            env,
+            log_path,
+            labels={
+                "k3pipe.experiment": plan.experiment,
+                "k3pipe.arm": plan.arm,
+                "k3pipe.engine": plan.engine,
+                **labels,
+            },
+            mounts=plan.mounts,
+            writable_mounts=self.writable_mounts(plan),
+            gpus=self.gpus,
+            ipc=self.ipc,
+            shm_size=self.shm_size,
+            network=self.network,
+            init=self.init,
+            stop_timeout_s=self.stop_timeout_s,
+        )

@@ -11,11 +11,18 @@ import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field
 
 from k3pipe.errors import LaunchError
-from k3pipe.launchers.base import tail_file
+from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
 
-__all__ = ["ProcessLauncher"]
+if TYPE_CHECKING:
+    from k3pipe.plan import ArmPlan
+    from k3pipe.specs import EndpointSpec, EngineSpec
+
+__all__ = ["ProcessLauncher", "ProcessLauncherSpec"]
 
 # Launchers still running at interpreter exit are stopped, so an interrupted run leaves no engine
 # behind even when the caller's own cleanup never ran.
@@ -116,3 +123,32 @@ class ProcessLauncher:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         _LIVE.discard(self)
+
+
+class ProcessLauncherSpec(LauncherSpecBase):
+    """``launcher.kind: process``: the engine's command (``engine.executable`` + arguments) as a local
+    process group, its output in the arm's log file."""
+
+    kind: Literal["process"] = Field(
+        default="process", description="process: a local process group (docker, external: see those)."
+    )
+
+    probes_interpreter: ClassVar[bool] = True
+
+    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
+        if not engine.executable:
+            return "launcher.kind 'process' needs engine.executable (the command that starts it)"
+        return None
+
+    def build(
+        self,
+        plan: ArmPlan,
+        log_path: Path,
+        env: Mapping[str, str],
+        base_env: Mapping[str, str],
+        image: str | None,
+        labels: Mapping[str, str],
+    ) -> Launcher:
+        return ProcessLauncher(
+            plan.command.argv, {**base_env, **env}, log_path, stop_timeout_s=self.stop_timeout_s
+        )
