@@ -390,6 +390,8 @@ def test_kv_no_memory_left_is_an_error() -> None:
     assert found.severity == "error"
     assert "no memory is left for the KV cache" in found.message
     assert "- 75.00 GiB weights per GPU = -3.00 GiB" in found.message
+    # the engine's own words for it come from the engine module
+    assert "(vLLM: 'No available memory for the cache blocks')" in found.message
 
 
 def test_kv_skipped_without_config_weights_or_memory_fraction() -> None:
