@@ -63,12 +63,12 @@ demo: setup
 	$(VENV)/bin/k3pipe runs --limit 5
 
 lint: venv
-	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts bench cli
+	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts benchmarks cli
 	$(VENV)/bin/mypy
 
 # The client benchmark (docs/performance.md): about 7 minutes on 2 cores; BENCH_ARGS=--quick: a 2-minute subset.
 bench-client: setup
-	$(VENV)/bin/python bench/client_vs_peers.py --engine-python $(ENGINE_VENV)/bin/python \
+	$(VENV)/bin/python benchmarks/client_vs_peers.py --engine-python $(ENGINE_VENV)/bin/python \
 		--model-dir $(TINY_MODEL) --out docs/performance-results.json $(BENCH_ARGS)
 
 # An isolated dockerd (no bridge, no iptables) + a registry on 127.0.0.1:5055, and the test images.

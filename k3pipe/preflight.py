@@ -471,11 +471,24 @@ def _kv_rule(reserve_bytes_per_gpu: float) -> Rule:
     return rule_kv_capacity
 
 
+def rule_unpinned_models(ctx: ArmContext) -> Iterator[Finding]:
+    for path, value in ctx.engine.unpinned_models(ctx.args):
+        yield ctx.finding(
+            "warning",
+            "unpinned-model",
+            f"engine.args.{path} names {value!r}, which the engine loads itself: k3pipe neither pins "
+            "its revision nor hashes its files, so the run record cannot prove what was served and a "
+            "rerun refuses it (unless --allow-drift). Declare it under extra_models (source, id, "
+            f"revision) and write '{{models.NAME}}' here.",
+        )
+
+
 _GENERIC_RULES: tuple[Rule, ...] = (
     rule_managed_flags,
     rule_bad_values,
     rule_unknown_flags,
     rule_workload_length,
+    rule_unpinned_models,
 )
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}

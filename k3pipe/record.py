@@ -175,6 +175,10 @@ class ArmRecorder:
             models=dict(models),
             command=self.tracker.scrub(cmd.shell()),
             env={k: self.tracker.scrub(str(v)) for k, v in cmd.redacted_env().items()},
+            unpinned_models=[
+                f"engine.args.{path}={value}"
+                for path, value in get_engine(plan.engine).unpinned_models(exp.arm(plan.arm).engine.args)
+            ],
             k3pipe_commit=params["k3pipe_commit"],
             rerun_of=self.rerun_of,
             drift=list(self.drift),

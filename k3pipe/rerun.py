@@ -155,6 +155,17 @@ def restore(
             drift.append(differs)
         models[name] = found
 
+    for unpinned in record.unpinned_models:
+        differs = f"{unpinned} was loaded by the engine itself (not pinned, not hashed)"
+        if not allow_drift:
+            raise RerunError(
+                f"arm {record.arm!r} cannot be rerun exactly: {differs}, so the recorded run cannot say "
+                "which files it served. Declare that model under extra_models and reference it as "
+                "'{models.NAME}' for runs that can be repeated, or pass --allow-drift to rerun with "
+                "whatever the engine loads now (recorded as drift)"
+            )
+        drift.append(differs)
+
     if record.image is not None:
         arm = arm.model_copy(update={"engine": arm.engine.model_copy(update={"image": record.image.pinned})})
         say(f"image pinned to the recorded digest: {record.image.pinned}")

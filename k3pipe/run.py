@@ -25,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload
@@ -48,6 +48,7 @@ __all__ = [
     "ArmOutcome",
     "ArmRun",
     "ArmSteps",
+    "arm_key",
     "benchmark",
     "health_gate",
     "node_facts",
@@ -67,7 +68,7 @@ class ArmSteps:
     probe_node: Callable[[ArmPlan, Settings], NodeInfo | None]
     start_engine: Callable[..., Launcher]
     wait_ready: Callable[[ArmPlan, Launcher], float]
-    health_gate: Callable[[ArmPlan], EndpointCheck]
+    health_gate: Callable[[ArmPlan, SecretStr | None], EndpointCheck]
     engine_version: Callable[[ArmPlan], str | None]
     cold_start: Callable[[ArmPlan, Path | None, float | None, str], ColdStart]
     benchmark: Callable[..., WorkloadOutcome]
@@ -81,11 +82,12 @@ class ArmSteps:
             plan: ArmPlan,
             workload: WorkloadSpec,
             model_dir: Path,
+            api_key: SecretStr | None,
             repeat: int = 0,
             home: Path | None = None,
             prompts: PromptSet | None = None,
         ) -> WorkloadOutcome:
-            return benchmark(plan, workload, model_dir, repeat, home, prompts, progress=out)
+            return benchmark(plan, workload, model_dir, api_key, repeat, home, prompts, progress=out)
 
         return cls(
             plan=plan_for,
@@ -127,34 +129,39 @@ def start_engine(
     plan: ArmPlan,
     log_path: Path,
     settings: Settings,
+    api_key: SecretStr | None,
     image: ImageRecord | None = None,
     labels: dict[str, str] | None = None,
 ) -> Launcher:
-    """The arm's engine started (docker: from the image's pinned digest), its key from the environment."""
+    """The arm's engine started (docker: from the image's pinned digest) with the arm's key
+    (:func:`arm_key`; None: the engine requires none)."""
     pinned = image.pinned if image else None
-    return launch_engine(plan, log_path, settings, read_secret(plan.api_key_env), pinned, labels)
+    return launch_engine(plan, log_path, settings, api_key, pinned, labels)
 
 
-def health_gate(plan: ArmPlan) -> EndpointCheck:
+def health_gate(plan: ArmPlan, api_key: SecretStr | None) -> EndpointCheck:
     """The endpoint proven with its three settings (base URL, key, model id) and one streamed request."""
-    return check_endpoint(
-        plan.base_url, plan.model, read_secret(plan.api_key_env), continuous_usage=plan.continuous_usage
-    )
+    return check_endpoint(plan.base_url, plan.model, api_key, continuous_usage=plan.continuous_usage)
 
 
 def benchmark(
     plan: ArmPlan,
     workload: WorkloadSpec,
     model_dir: Path,
+    api_key: SecretStr | None,
     repeat: int = 0,
     home: Path | None = None,
     prompts: PromptSet | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> WorkloadOutcome:
-    """One repeat of a workload against the arm's endpoint, the key from the environment."""
-    return benchmark_workload(
-        plan, workload, model_dir, read_secret(plan.api_key_env), progress, repeat, home, prompts
-    )
+    """One repeat of a workload against the arm's endpoint."""
+    return benchmark_workload(plan, workload, model_dir, api_key, progress, repeat, home, prompts)
+
+
+def arm_key(plan: ArmPlan) -> SecretStr | None:
+    """The arm's API key, read once from the variable ``endpoint.api_key_env`` names (None: unset,
+    or the arm names none). The one place an arm's key is read; it travels as a SecretStr."""
+    return read_secret(plan.api_key_env)
 
 
 class ArmOutcome(BaseModel):
@@ -198,6 +205,7 @@ class ArmRun:
         self.recorder: ArmRecorder | None = None
         self.log_path: Path | None = None
         self.outcome: ArmOutcome | None = None
+        self.api_key: SecretStr | None = None
         self._error: BaseException | None = None
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -211,7 +219,7 @@ class ArmRun:
         plan = self.plan = self.steps.plan(
             self.spec, self.arm, home, dirs, {k: r.digest() for k, r in self.models.items()}
         )
-        key = read_secret(plan.api_key_env)
+        key = self.api_key = arm_key(plan)
         if key is not None:
             self.tracker.add_secret(key.get_secret_value())
         tags = dict(self.tags)
@@ -250,9 +258,11 @@ class ArmRun:
         labels = {**self.labels, "k3pipe.mlflow_run_id": recorder.run_id}
         recorder.log_node(self.steps.probe_node(plan, self.settings))
         assert self.log_path is not None
-        self.launcher = self.steps.start_engine(plan, self.log_path, self.settings, image, labels)
+        self.launcher = self.steps.start_engine(
+            plan, self.log_path, self.settings, self.api_key, image, labels
+        )
         cold = self.steps.wait_ready(plan, self.launcher)
-        check = self.steps.health_gate(plan)
+        check = self.steps.health_gate(plan, self.api_key)
         recorder.log_engine(cold if plan.health_url else None, self.steps.engine_version(plan), check)
         if plan.launch.starts_engine:
             recorder.log_cold_start(self.steps.cold_start(plan, self.log_path, cold, recorder.run_id))
@@ -268,6 +278,7 @@ class ArmRun:
                     plan,
                     workload,
                     model_dir,
+                    self.api_key,
                     repeat,
                     self.settings.home_dir,
                     self.prompts[workload.name][repeat],

@@ -72,6 +72,10 @@ class RunRecord(BaseModel):
     command: str = Field(description="The rendered command line (secrets redacted).")
     env: dict[str, str] = Field(default_factory=dict, description="The engine's env (secrets redacted).")
     prompts: list[PromptsRef] = Field(default_factory=list)
+    unpinned_models: list[str] = Field(
+        default_factory=list,
+        description="Models the engine loaded itself ('engine.args.PATH=VALUE'): neither pinned nor hashed.",
+    )
     k3pipe_commit: str
     rerun_of: str | None = Field(default=None, description="The run this one reran, if any.")
     drift: list[str] = Field(

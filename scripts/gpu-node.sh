@@ -14,7 +14,7 @@
 #                                         interrupted (SIGINT: clean teardown, recorded) after S seconds
 #   scripts/gpu-node.sh bench [--deadline S] [GPU_CLIENTS ARGS...]
 #                                         vLLM 0.22 alone (the `vllm` arm's args) on 127.0.0.1, then
-#                                         bench/gpu_clients.py: k3pipe's client and `vllm bench serve`
+#                                         benchmarks/gpu_clients.py: k3pipe's client and `vllm bench serve`
 #                                         side by side (2048/256, c16 x64 and c128 x512; the prefix cache
 #                                         reset before every run; --diagnose: two more clients); results in
 #                                         $K3PIPE_HOME/bench-gpu, gpu-clients.{json,md,log} into $OUT;
@@ -428,10 +428,10 @@ sys.exit(f"no /health within {limit:.0f} s")
     local left rc=0
     left=$(awk -v a="$T_START" -v b="$(date +%s.%N)" -v d="$deadline" 'BEGIN { printf "%d", d - (b - a) - 45 }')
     [ "$left" -gt 30 ] || die "only ${left} s left for the clients"
-    say "==> bench/gpu_clients.py (at most ${left} s) $*"
+    say "==> benchmarks/gpu_clients.py (at most ${left} s) $*"
     cd "$REPO"
     PYTHONPATH="$REPO" timeout --signal=TERM --kill-after=20 "$left" \
-        "$py" bench/gpu_clients.py --base-url "http://127.0.0.1:$BENCH_PORT" --model llama-1b-random \
+        "$py" benchmarks/gpu_clients.py --base-url "http://127.0.0.1:$BENCH_PORT" --model llama-1b-random \
         --tokenizer "$MODEL_DIR" --api-key-env K3PIPE_GPU_API_KEY --vllm "$VLLM_VENV/bin/vllm" \
         --reset-prefix-cache --out "$BENCH_DIR" "$@" &
     BENCH_CLIENTS_PID=$!
@@ -451,8 +451,8 @@ sys.exit(f"no /health within {limit:.0f} s")
         [ ! -f "$log" ] || tail -c 2097152 "$log" | sed "s/$K3PIPE_GPU_API_KEY/***/g" > "$OUT/bench-vllm.log"
         say "into $OUT: $(cd "$OUT" && ls)"
     fi
-    [ "$rc" -ne 124 ] || die "bench/gpu_clients.py hit its ${left} s limit (partial results kept)"
-    [ "$rc" -eq 0 ] || die "bench/gpu_clients.py FAILED (exit $rc)"
+    [ "$rc" -ne 124 ] || die "benchmarks/gpu_clients.py hit its ${left} s limit (partial results kept)"
+    [ "$rc" -eq 0 ] || die "benchmarks/gpu_clients.py FAILED (exit $rc)"
     say "<== bench: ok"
 }
 

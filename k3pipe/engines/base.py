@@ -400,6 +400,17 @@ class Engine:
         )
         return budget, how
 
+    def model_references(self, args: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """Further models the arguments make the engine load, as ``(argument path, value)``, e.g.
+        ``('speculative_config.model', 'org/draft')``: a value that is not a '{models.NAME}'
+        placeholder is fetched by the engine itself, unpinned and unhashed (engines override)."""
+        return []
+
+    def unpinned_models(self, args: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """The :meth:`model_references` that k3pipe does not fetch: not a '{model}' or
+        '{models.NAME}' placeholder (a hub id or a path the engine resolves itself)."""
+        return [(path, value) for path, value in self.model_references(args) if "{model" not in value]
+
     def speculation_figures(self, window: MetricWindow) -> dict[str, float]:
         """Speculative decoding over one workload window (``engine_spec_*``), from the engine's
         own metrics; {} when it exports none (engines override)."""

@@ -156,6 +156,13 @@ class SGLangEngine(Engine):
     def parse_int(self, value: Any) -> int:
         return human_readable_int(value)
 
+    def model_references(self, args: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """``--speculative-draft-model-path`` (server_args.py), a directory or a hub id."""
+        found = self.arg(args, "speculative_draft_model_path")
+        if found is None or not isinstance(found[1], str) or not found[1]:
+            return []
+        return [(found[0], found[1])]
+
     def speculation_figures(self, window: MetricWindow) -> dict[str, float]:
         """SGLang exports no drafted/accepted token counters: ``engine_spec_verify_calls`` (counter
         delta) and the means over the window's scrapes of its gauges ``engine_spec_accept_length_mean``

@@ -300,6 +300,20 @@ class VLLMEngine(Engine):
         value = self.parse_int(found[1])
         return None if value == -1 else value
 
+    def model_references(self, args: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """The draft of ``speculative_config.model`` (a dict, or its JSON text); ngram and other
+        draft-free methods name none."""
+        found = self.arg(args, self.speculation_arg)
+        if found is None:
+            return []
+        value = found[1]
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = json.loads(value)
+        if isinstance(value, Mapping) and isinstance(value.get("model"), str) and value["model"]:
+            return [(f"{found[0]}.model", value["model"])]
+        return []
+
     def speculation_figures(self, window: MetricWindow) -> dict[str, float]:
         """Token counters (v1/spec_decode/metrics.py, SpecDecodingProm): ``engine_spec_drafts``,
         ``engine_spec_draft_tokens``, ``engine_spec_accepted_tokens``, ``engine_spec_acceptance_rate``

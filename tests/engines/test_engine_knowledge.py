@@ -153,3 +153,20 @@ def test_human_readable_ints_differ_between_engines() -> None:
     assert vllm.context_length({"max_model_len": "auto"}) is None
     assert vllm.context_length({"max_model_len": -1}) is None
     assert get_engine("sglang").context_length({"context_length": "1M"}) == 1_000_000
+
+
+def test_the_models_an_engine_loads_besides_the_served_one() -> None:
+    vllm, sglang = get_engine("vllm"), get_engine("sglang")
+    draft = {"model": "org/draft", "method": "eagle", "num_speculative_tokens": 3}
+    assert vllm.model_references({"speculative_config": draft}) == [("speculative_config.model", "org/draft")]
+    # the JSON text form, and a method that needs no draft model
+    assert vllm.model_references({"speculative-config": '{"model": "{models.d}"}'}) == [
+        ("speculative-config.model", "{models.d}")
+    ]
+    assert vllm.unpinned_models({"speculative-config": '{"model": "{models.d}"}'}) == []
+    assert vllm.model_references({"speculative_config": {"method": "ngram", "prompt_lookup_max": 4}}) == []
+    assert sglang.model_references({"speculative_draft_model_path": "/models/draft"}) == [
+        ("speculative_draft_model_path", "/models/draft")
+    ]
+    assert sglang.unpinned_models({"speculative_draft_model_path": "{models.draft}"}) == []
+    assert sglang.model_references({}) == []

@@ -434,6 +434,12 @@ def test_study_preset_findings(study: ExperimentSpec) -> None:
     assert "unknown-flag" not in sglang
     assert "VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION" in vllm["vllm-unknown-env"].message
     assert rules(findings, arm=None)["kv-capacity-skipped"].severity == "info"
+    # the study's vLLM draft was a hub id vLLM fetched itself; SGLang's was the downloaded extra model
+    unpinned = vllm["unpinned-model"]
+    assert unpinned.severity == "warning"
+    assert "engine.args.speculative_config.model names 'Inferact/Kimi-K3-DSpark'" in unpinned.message
+    assert "extra_models" in unpinned.message
+    assert "unpinned-model" not in sglang
 
 
 # SYNTHETIC config for the study test: a made-up GQA model, NOT Kimi-K3's config.json (which is not

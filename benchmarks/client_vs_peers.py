@@ -1,7 +1,7 @@
 """k3pipe's streaming client measured against its peer, ``vllm bench serve``, on an exact server.
 
-One command (``make bench-client``, or ``.venv/bin/python bench/client_vs_peers.py --out FILE``)
-starts ``bench/exact_server.py`` pinned to one core and drives it from the other core with each
+One command (``make bench-client``, or ``.venv/bin/python benchmarks/client_vs_peers.py --out FILE``)
+starts ``benchmarks/exact_server.py`` pinned to one core and drives it from the other core with each
 client in turn, on the same workloads:
 
 - **k3pipe**: ``k3pipe.bench.run_workload`` from the pipeline venv, in a child process, called the
@@ -1019,7 +1019,7 @@ class Plan:
     sweep_min_requests: int
     rounds: int  # measured requests >= rounds x streams; warm-up = one round
     # (tokenizer, prompts, input tokens): "tiny" is the tiny model's 2K vocabulary, "stdlib" a
-    # 123K one trained from CPython's stdlib (bench/large_vocab.py), as large as the study's models'
+    # 123K one trained from CPython's stdlib (benchmarks/large_vocab.py), as large as the study's models'
     prompt_sets: tuple[tuple[str, int, int], ...]
     prompt_repeats: int  # the fastest of this many runs counts (CPU-bound: noise only adds)
     # k3pipe through httpx (see run_k3pipe), at the levels' shape and swept like the clients; only
@@ -1325,7 +1325,7 @@ def _prompts_section(
 def _prompt_tokenizer(vocabulary: str, model_dir: Path) -> Path:
     if vocabulary == "tiny":
         return model_dir
-    import large_vocab  # bench/, beside this script
+    import large_vocab  # benchmarks/, beside this script
 
     return large_vocab.ensure(HOME / "bench" / "tokenizer-stdlib", model_dir)
 

@@ -1,6 +1,6 @@
 """A scripted OpenAI-compatible SSE server that emits tokens on an exact schedule, on 127.0.0.1.
 
-Ground truth for benchmark clients (``bench/client_vs_peers.py``): every request is answered on a
+Ground truth for benchmark clients (``benchmarks/client_vs_peers.py``): every request is answered on a
 schedule fixed in advance, so a client's TTFT and inter-token latencies can be compared with the
 truth. The schedule of one request, all times on ``CLOCK_MONOTONIC`` (``time.perf_counter()``)::
 
@@ -55,7 +55,7 @@ did not read fast enough, so the kernel, not the server, held the bytes).
 Control endpoints (JSON): ``POST /_control/script`` sets the script of the following requests;
 ``POST /_control/reset`` forgets the recorded requests; ``GET /_control/records`` returns them.
 
-Run: ``python bench/exact_server.py [--port 0] [--cpu N]``; it prints ``{"port": P, "pid": ...}``
+Run: ``python benchmarks/exact_server.py [--port 0] [--cpu N]``; it prints ``{"port": P, "pid": ...}``
 on one line of stdout when it listens, and stops on SIGTERM or SIGINT.
 """
 

@@ -3,7 +3,7 @@
 One command drives the same server with both clients on the same shapes, one after the other and
 alternating per point (so that drift hits both), and puts their figures side by side::
 
-    python bench/gpu_clients.py --base-url http://127.0.0.1:8021 --model llama-1b-random \\
+    python benchmarks/gpu_clients.py --base-url http://127.0.0.1:8021 --model llama-1b-random \\
         --tokenizer /tmp/k3home/models/llama-1b-random --api-key-env K3PIPE_GPU_API_KEY \\
         --vllm /tmp/k3home/venvs/vllm-0.22.0/bin/vllm --out /tmp/k3home/bench-gpu
 

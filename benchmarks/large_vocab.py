@@ -6,7 +6,7 @@ misses). No such tokenizer can be downloaded here, so one is trained: a byte-lev
 160K tokens on the standard library's own ``.py`` files (not site-packages), which gives about 123K.
 The same Python gives the same corpus, so the same tokenizer; it takes about 10 s and is kept.
 
-Run as a script to build it: ``python bench/large_vocab.py [DIR]``.
+Run as a script to build it: ``python benchmarks/large_vocab.py [DIR]``.
 """
 
 from __future__ import annotations
