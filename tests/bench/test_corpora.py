@@ -18,8 +18,10 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
-import k3pipe.bench.corpora as corpora
+import k3pipe.bench.corpus_tools as corpus_tools
 import k3pipe.bench.datasets as datasets
+import k3pipe.bench.documents as documents
+import k3pipe.bench.sharegpt as sharegpt
 from k3pipe.bench import PromptSet, build_prompts, random_prompts, shared_prefix_prompts
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import DocumentsDataset, RandomDataset, SharedPrefixDataset, ShareGPTDataset
@@ -32,11 +34,11 @@ DOCUMENTS = FIXTURES / "documents"
 @pytest.fixture(autouse=True)
 def _fresh_caches() -> Iterator[None]:
     """Each test starts as a new process would: no ShareGPT file or documents sample kept."""
-    corpora._FIRST_TURNS.clear()
-    corpora._SAMPLES.clear()
+    sharegpt._FIRST_TURNS.clear()
+    documents._SAMPLES.clear()
     yield
-    corpora._FIRST_TURNS.clear()
-    corpora._SAMPLES.clear()
+    sharegpt._FIRST_TURNS.clear()
+    documents._SAMPLES.clear()
 
 
 def _ids(tok: Tokenizer, text: str) -> list[int]:
@@ -350,7 +352,7 @@ def test_sharegpt_file_is_read_once_per_process(
 ) -> None:
     loads: list[Path] = []
     encoded: list[int] = []
-    load, count = corpora._load_sharegpt, corpora._token_counts
+    load, count = sharegpt._load_sharegpt, sharegpt._token_counts
 
     def counting_load(value: str, path: Path) -> list[Any]:
         loads.append(path)
@@ -360,8 +362,8 @@ def test_sharegpt_file_is_read_once_per_process(
         encoded.append(len(texts))
         return count(tokenizer, texts)
 
-    monkeypatch.setattr(corpora, "_load_sharegpt", counting_load)
-    monkeypatch.setattr(corpora, "_token_counts", counting_encode)
+    monkeypatch.setattr(sharegpt, "_load_sharegpt", counting_load)
+    monkeypatch.setattr(sharegpt, "_token_counts", counting_encode)
     path = tmp_path / "sg.json"
     shutil.copy(SHAREGPT, path)
     first = build_prompts(_sharegpt(path), byte_level_tokenizer, 5, 256, 0, tmp_path)
@@ -512,9 +514,9 @@ def test_documents_repeats_never_share_a_start(byte_level_tokenizer: Tokenizer, 
         assert (r.profile["seed"], r.profile["repeat"], r.profile["slice"]) == (1, k, [6 * k, 6 * k + 6])
     assert repeats[0] == build_prompts(_documents(), byte_level_tokenizer, 6, 1000, 1, tmp_path)
     # repeat k is the k-th block of one sequence, whether or not this process made the blocks before
-    corpora._SAMPLES.clear()
+    documents._SAMPLES.clear()
     assert build_prompts(_documents(), byte_level_tokenizer, 6, 1000, 1, tmp_path, repeat=3) == repeats[3]
-    corpora._SAMPLES.clear()
+    documents._SAMPLES.clear()
     whole = build_prompts(_documents(), byte_level_tokenizer, 24, 1000, 1, tmp_path)
     assert whole.prompts == prompts
 
@@ -536,8 +538,8 @@ def test_documents_prompts_are_distinct_when_windows_crowd(
         for k in (0, 1)
     ]
     assert halves[0] + halves[1] == got.prompts
-    monkeypatch.setattr(corpora, "_BATCH_TOKENS", 1)
-    corpora._SAMPLES.clear()
+    monkeypatch.setattr(documents, "_BATCH_TOKENS", 1)
+    documents._SAMPLES.clear()
     assert build_prompts(_documents(glob="long-manual.txt"), tokenizer, 40, size, 0, tmp_path) == got
 
 
@@ -567,17 +569,19 @@ def test_document_windows_are_verified_in_capped_batches(
 ) -> None:
     expected = build_prompts(_documents(), byte_level_tokenizer, 12, 1000, 2, tmp_path)
     batches: list[int] = []
-    encode = corpora._encode_batch
+    encode = documents._encode_batch
 
     def counting(tokenizer: Tokenizer, texts: list[str]) -> list[Any]:
         batches.append(len(texts))
         return encode(tokenizer, texts)
 
-    monkeypatch.setattr(corpora, "_encode_batch", counting)
-    monkeypatch.setattr(corpora, "_ENCODE_BATCH_CHARS", 1)  # the documents themselves: one a call
+    # the windows are encoded in documents, the documents themselves in corpus_tools (_token_ids)
+    monkeypatch.setattr(documents, "_encode_batch", counting)
+    monkeypatch.setattr(corpus_tools, "_encode_batch", counting)
+    monkeypatch.setattr(corpus_tools, "_ENCODE_BATCH_CHARS", 1)  # the documents themselves: one a call
     for cap, per_call in ((3_000, 3), (1, 1)):
-        monkeypatch.setattr(corpora, "_BATCH_TOKENS", cap)
-        corpora._SAMPLES.clear()
+        monkeypatch.setattr(documents, "_BATCH_TOKENS", cap)
+        documents._SAMPLES.clear()
         batches.clear()
         got = build_prompts(_documents(), byte_level_tokenizer, 12, 1000, 2, tmp_path)
         assert max(batches) == per_call  # all 12 windows were encoded in one call
