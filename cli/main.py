@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -101,7 +101,89 @@ def run(
     _print_outcomes(_run_flow(lambda: benchmark(str(experiment), arms=arm or None)))
 
 
-def _run_flow(call: Callable[[], list[dict]]) -> list[dict]:
+@app.command()
+def study(
+    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
+) -> None:
+    """Run every arm on every workload as one study (one parent MLflow run), then print its report's
+    table and where the HTML report is. Exit 1 when an arm failed (the report covers the others)."""
+    from k3pipe.experiment import load_experiment
+
+    settings = Settings()
+    try:
+        load_experiment(experiment)  # a bad file fails here, before Prefect starts
+    except K3pipeError as exc:
+        _fail(exc)
+    prepare_prefect_env(settings)
+    from flows.study import ArmsFailed
+    from flows.study import study as study_flow
+
+    failed = None
+    try:
+        result = _run_flow(lambda: study_flow(str(experiment), arms=arm or None), keep=ArmsFailed)
+    except ArmsFailed as exc:
+        failed, result = exc, exc.result
+    _print_study(settings, result)
+    if failed is not None:
+        typer.secho(f"error: {failed}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+
+
+def _tracker(settings: Settings) -> Any:
+    from k3pipe.tracking import Tracker
+
+    return Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+
+
+def _print_study(settings: Settings, result: dict) -> None:
+    from k3pipe.report import build_report
+
+    tracker = _tracker(settings)
+    report = build_report(tracker, result["study_run_id"])
+    print(report.text())
+    for o in result["arms"]:
+        print(f"arm {o['arm']}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
+    print(f"study: MLflow run id {result['study_run_id']}")
+    print(f"report: {result['report']['html']} (Markdown: {result['report']['markdown']})")
+
+
+@app.command()
+def report(
+    study_run: Annotated[str, typer.Argument(help="A study's MLflow run id (a unique prefix will do).")],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory for report.md, report.html and plots/ (default: under K3PIPE_HOME/reports)."
+        ),
+    ] = None,
+    attach: Annotated[
+        bool, typer.Option(help="Also attach the regenerated report to the study's run.")
+    ] = False,
+) -> None:
+    """Regenerate a study's report from MLflow alone: print its table, write Markdown and HTML."""
+    from flows.study import report_dir
+    from k3pipe.report import build_report, publish
+
+    settings = Settings()
+    try:
+        tracker = _tracker(settings)
+        rep = build_report(tracker, study_run)
+        target = out or report_dir(settings, rep.data.name, rep.data.run_id)
+        paths = publish(tracker, rep, target) if attach else rep.write(target)
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+    print(rep.text())
+    flagged = [b for b in rep.analysis.bounds if b.exceeds] + [
+        c for c in rep.analysis.claims if not c.follows
+    ]
+    if flagged:
+        typer.secho(f"{len(flagged)} figure(s) flagged: see the report's checks", fg=typer.colors.YELLOW)
+    print(f"report: {paths['html']} (Markdown: {paths['markdown']})")
+
+
+def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) -> Any:
     """A flow's outcomes; Ctrl-C exits 130 (the flow stopped the engine), an error exits 2, said."""
     try:
         return call()
@@ -109,6 +191,8 @@ def _run_flow(call: Callable[[], list[dict]]) -> list[dict]:
         typer.secho("interrupted: the engine was stopped", fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(130) from None
     except Exception as exc:
+        if keep is not None and isinstance(exc, keep):
+            raise
         _fail(exc)
         raise  # not reached: _fail exits
 

@@ -100,13 +100,20 @@ def _run_arm(
     return run.execute().as_dict()
 
 
-def _stop_on_errors(findings: list[Finding], spec: ExperimentSpec, arms: list[str], tracker: Tracker) -> None:
+def _stop_on_errors(
+    findings: list[Finding],
+    spec: ExperimentSpec,
+    arms: list[str],
+    tracker: Tracker,
+    parent_id: str | None = None,
+) -> None:
     """Preflight errors end the flow before any launch; each arm's run records why."""
     errors = [f for f in findings if f.severity == "error" and f.arm in (None, *arms)]
     if not errors:
         return
     for arm in arms:
-        record_preflight_stop(tracker, spec.name, arm, findings, {"prefect.flow_run_id": _flow_run_id()})
+        tags = {"prefect.flow_run_id": _flow_run_id()}
+        record_preflight_stop(tracker, spec.name, arm, findings, tags, parent_id)
     summary = "; ".join(f"[{f.arm or 'experiment'}] {f.message}" for f in errors)
     raise PreflightError(f"preflight found {len(errors)} error(s), nothing was launched: {summary}")
 

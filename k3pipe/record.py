@@ -37,7 +37,14 @@ from k3pipe.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.speculation import SpeculationReport
 from k3pipe.tracking import KEY_METRICS, Tracker
 
-__all__ = ["SUMMARY_COLUMNS", "ArmRecorder", "record_preflight_stop", "record_speculation", "summary_table"]
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "ArmRecorder",
+    "record_failed_arm",
+    "record_preflight_stop",
+    "record_speculation",
+    "summary_table",
+]
 
 SUMMARY_COLUMNS = (
     "arm",
@@ -105,7 +112,13 @@ def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:
 class ArmRecorder:
     """Writes one arm's run; every method is safe to call after a failure."""
 
-    def __init__(self, tracker: Tracker, plan: ArmPlan, tags: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        plan: ArmPlan,
+        tags: Mapping[str, str] | None = None,
+        parent_id: str | None = None,
+    ) -> None:
         self.tracker = tracker
         self.plan = plan
         self.run_id = tracker.start_run(
@@ -117,6 +130,7 @@ class ArmRecorder:
                 "k3pipe.launcher": plan.launcher,
                 **(tags or {}),
             },
+            parent_id=parent_id,
         )
         self.workload_runs: dict[str, str] = {}
         # workloads with repeats: the metrics of each repeat logged so far, and which are still open
@@ -541,16 +555,44 @@ def _repeat_metrics(stats: Mapping[str, RepeatStats]) -> dict[str, float | None]
     return out
 
 
+def record_failed_arm(
+    tracker: Tracker,
+    experiment: str,
+    arm: str,
+    engine: str,
+    error: str,
+    tags: Mapping[str, str] | None = None,
+    parent_id: str | None = None,
+) -> str:
+    """A FAILED run for an arm that could not start at all (its inputs could not be had)."""
+    run_id = tracker.start_run(
+        f"{experiment}/{arm}",
+        tags={
+            "k3pipe.experiment": experiment,
+            "k3pipe.arm": arm,
+            "k3pipe.engine": engine,
+            "k3pipe.error": error[:4000],
+            **(tags or {}),
+        },
+        parent_id=parent_id,
+    )
+    tracker.end_run(run_id, "FAILED")
+    return run_id
+
+
 def record_preflight_stop(
     tracker: Tracker,
     experiment: str,
     arm: str,
     findings: list[Finding],
     tags: Mapping[str, str] | None = None,
+    parent_id: str | None = None,
 ) -> str:
     """A FAILED run for an arm that preflight stopped before launch: its findings and why."""
     run_id = tracker.start_run(
-        f"{experiment}/{arm}", tags={"k3pipe.experiment": experiment, "k3pipe.arm": arm, **(tags or {})}
+        f"{experiment}/{arm}",
+        tags={"k3pipe.experiment": experiment, "k3pipe.arm": arm, **(tags or {})},
+        parent_id=parent_id,
     )
     mine = [f for f in findings if f.arm in (None, arm)]
     errors = [f for f in mine if f.severity == "error"]

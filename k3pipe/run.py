@@ -196,6 +196,10 @@ class ArmRun:
     tags: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # container labels (docker launcher)
     rerun: RerunInputs | None = None
+    parent_run_id: str | None = None
+    """The MLflow run the arm's run is nested under (a study's), if any."""
+    image_source: Callable[[ArmPlan], ImageRecord] | None = None
+    """Where the pinned image comes from (a study's prefetch); default ``steps.pull_image``."""
     say: Callable[[str], None] = log.info
     warn: Callable[[str], None] = log.error  # an arm's failure
 
@@ -227,7 +231,7 @@ class ArmRun:
             tags[RERUN_TAG] = self.rerun.run_id
             if self.rerun.drift:
                 tags["k3pipe.rerun_drift"] = "; ".join(self.rerun.drift)
-        recorder = self.recorder = ArmRecorder(self.tracker, plan, tags=tags)
+        recorder = self.recorder = ArmRecorder(self.tracker, plan, tags=tags, parent_id=self.parent_run_id)
         if self.rerun is not None:
             recorder.rerun_of, recorder.drift = self.rerun.run_id, list(self.rerun.drift)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -253,7 +257,7 @@ class ArmRun:
         recorder.log_preflight(self.findings)
         image = None
         if plan.launch.pins_image:
-            image = self.steps.pull_image(plan)
+            image = (self.image_source or self.steps.pull_image)(plan)
             recorder.log_image(image, plan)
         labels = {**self.labels, "k3pipe.mlflow_run_id": recorder.run_id}
         recorder.log_node(self.steps.probe_node(plan, self.settings))

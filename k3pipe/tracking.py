@@ -218,7 +218,8 @@ class Tracker:
 
         Columns: run_id, name, status, start, cold_start_s, workload, then the workload's key
         metrics (ttft_ms_p50, tpot_ms_p50, e2e_ms_p50, output_throughput_tps, failed). A run that
-        recorded no workload has one row with an empty workload.
+        recorded no workload has one row with an empty workload. A study's run has one row
+        (workload ``(study)``), followed by its arms' rows (their names indented).
         """
         runs = self.client.search_runs(
             [self.experiment_id],
@@ -233,26 +234,42 @@ class Tracker:
             seen += 1
             if seen > limit:
                 break
-            base = {
-                "run_id": run.info.run_id,
-                "name": run.info.run_name,
-                "status": run.info.status,
-                "start": pd.Timestamp(run.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M:%S"),
-                "cold_start_s": run.data.metrics.get("cold_start_s"),
-            }
-            per_workload: dict[str, dict[str, float]] = {}
-            for key, value in run.data.metrics.items():
-                workload, dot, metric = key.rpartition(".")
-                if dot and metric in KEY_METRICS:
-                    per_workload.setdefault(workload, {})[metric] = value
-            if not per_workload:
-                rows.append({**base, "workload": ""})
-            for workload, metrics in per_workload.items():
-                # bursty delivery (k3pipe.bench.summary): the client's TPOT timed delivery, not decoding
-                if metrics.pop("client_timing_bursty", 0.0) and "tpot_ms_p50" in metrics:
-                    metrics["tpot_ms_p50"] = "bursty"  # type: ignore[assignment]
-                rows.append({**base, "workload": workload, **metrics})
+            if run.data.tags.get("k3pipe.kind") == "study":
+                # a study: its own row, then its arms (nested runs) each as the runs they are
+                rows.append({**self._run_base(run), "workload": "(study)"})
+                arms = sorted(self.children(run.info.run_id), key=lambda r: r.info.start_time)
+                for arm in arms:
+                    rows.extend(self._run_rows(arm, indent="  "))
+                continue
+            rows.extend(self._run_rows(run))
         return pd.DataFrame(rows)
+
+    @staticmethod
+    def _run_base(run: Any, indent: str = "") -> dict[str, Any]:
+        return {
+            "run_id": run.info.run_id,
+            "name": indent + str(run.info.run_name),
+            "status": run.info.status,
+            "start": pd.Timestamp(run.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M:%S"),
+            "cold_start_s": run.data.metrics.get("cold_start_s"),
+        }
+
+    def _run_rows(self, run: Any, indent: str = "") -> list[dict[str, Any]]:
+        base = self._run_base(run, indent)
+        per_workload: dict[str, dict[str, float]] = {}
+        for key, value in run.data.metrics.items():
+            workload, dot, metric = key.rpartition(".")
+            if dot and metric in KEY_METRICS:
+                per_workload.setdefault(workload, {})[metric] = value
+        if not per_workload:
+            return [{**base, "workload": ""}]
+        rows = []
+        for workload, metrics in per_workload.items():
+            # bursty delivery (k3pipe.bench.summary): the client's TPOT timed delivery, not decoding
+            if metrics.pop("client_timing_bursty", 0.0) and "tpot_ms_p50" in metrics:
+                metrics["tpot_ms_p50"] = "bursty"  # type: ignore[assignment]
+            rows.append({**base, "workload": workload, **metrics})
+        return rows
 
     def children(self, run_id: str) -> list[Any]:
         return list(

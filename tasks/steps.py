@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import SecretStr
 
@@ -24,6 +25,7 @@ from k3pipe.launchers.factory import pull_image
 from k3pipe.node import NodeInfo
 from k3pipe.plan import ArmPlan
 from k3pipe.preflight import preflight
+from k3pipe.report import build_report, publish
 from k3pipe.rerun import RerunInputs, restore, verdict
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
@@ -250,3 +252,26 @@ def rerun_verdict_task(tracker: Tracker, original: str, rerun: str) -> list[dict
             }
         )
     return out
+
+
+@task(name="report", cache_policy=NO_CACHE)
+def report_task(tracker: Tracker, study_run_id: str, out_dir: Path) -> dict[str, str]:
+    """The study's report from MLflow, written under ``out_dir``, attached to the study's run, and
+    published as Prefect artifacts (the Markdown and the results table)."""
+    logger = get_run_logger()
+    report = build_report(tracker, study_run_id)
+    paths = publish(tracker, report, out_dir)
+    create_markdown_artifact(
+        markdown=report.markdown, key="study-report", description=f"{report.data.name}: the study's report"
+    )
+    create_table_artifact(
+        table=report.table_rows(), key="study-results", description=f"{report.data.name}: the results table"
+    )
+    logger.info("study results:\n%s", report.text())
+    for flag in [b for b in report.analysis.bounds if b.exceeds]:
+        logger.warning(
+            "%s %s: %s %.1f tok/s is above its physical ceiling %.1f tok/s",
+            flag.arm, flag.workload, flag.figure, flag.claimed_tps, flag.ceiling_tps,
+        )  # fmt: skip
+    logger.info("report: %s (HTML: %s)", paths["markdown"], paths["html"])
+    return {k: str(v) for k, v in paths.items()}

@@ -19,9 +19,10 @@ def test_study_preset_exits_zero_with_the_studys_warnings() -> None:
     result = runner.invoke(app, ["preflight", str(STUDY)])
     assert result.exit_code == 0, result.output
     out = result.output
-    assert out.startswith("preflight kimi-k3-8xb300: 0 error(s), 3 warning(s), 2 info")
+    assert out.startswith("preflight kimi-k3-8xb300: 0 error(s), 4 warning(s), 2 info")
     vllm, sglang = out.index("arm vllm (vllm)"), out.index("arm sglang (sglang)")
     assert vllm < out.index("WARNING  vllm-gpu-memory-utilization") < sglang
+    assert vllm < out.index("WARNING  unpinned-model") < sglang  # the draft vLLM fetched itself
     assert sglang < out.index("WARNING  sglang-dcp-speculation")
     assert out.index("INFO     kv-capacity-skipped") < vllm  # the experiment-wide finding comes first
 

@@ -1,0 +1,123 @@
+"""The study flow: every arm x every workload of an experiment in one flow run, one parent MLflow run
+with the arms nested under it, the next arm's inputs fetched while one arm runs, and the study's
+report (Markdown, HTML, figures) at the end: on the study's run and as Prefect artifacts.
+
+prefect: python -m flows.study experiments/demo-study.yaml   (or `k3pipe study`, or the deployment)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_link_artifact
+
+from flows.benchmark import (
+    _flow_run_id,
+    _flow_run_is_running,
+    _judge_speculation,
+    _steps,
+    _stop_on_errors,
+)
+from k3pipe.engines.base import Finding
+from k3pipe.errors import BenchmarkError
+from k3pipe.settings import Settings
+from k3pipe.speculation import speculation_setting
+from k3pipe.study import Study, StudySteps, start_study
+from k3pipe.tracking import Tracker
+from tasks.steps import (
+    fetch_model_task,
+    load_experiment_task,
+    preflight_task,
+    prepare_prompts_task,
+    pull_image_task,
+    reap_orphans_task,
+    report_task,
+)
+
+
+class ArmsFailed(RuntimeError):
+    """Some arm did not finish; raised after the report, which ``result`` (the flow's) points to."""
+
+    def __init__(self, message: str, result: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def report_dir(settings: Settings, experiment: str, run_id: str) -> Path:
+    """Where a study's report is written on this machine."""
+    return settings.home_dir / "reports" / f"{experiment}-{run_id[:8]}"
+
+
+@flow(name="study")
+def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | None = None) -> dict[str, Any]:
+    """Every arm (or the named ``arms``) of the experiment on every workload, under one MLflow run;
+    the report at the end. An arm that fails is recorded and the others still run; the flow then
+    fails after the report, naming it."""
+    logger = get_run_logger()
+    settings = Settings()
+    home = settings.home_dir
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    spec = load_experiment_task(experiment)
+    selected = arms or [a.name for a in spec.arms]
+    for name in selected:
+        spec.arm(name)  # unknown arm names fail before anything starts
+    tags = {"prefect.flow_run_id": _flow_run_id()}
+    run_id = start_study(tracker, spec, experiment, tags)
+    logger.info("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(selected))
+    try:
+        _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker, run_id)
+        if any(spec.arm(name).launcher.leaves_orphans for name in selected):
+            reap_orphans_task(_flow_run_is_running)
+        # the first model now (the prompts are drawn with its tokenizer); the others in the background
+        began = time.perf_counter()
+        models = {"model": fetch_model_task("model", spec.model, home)}
+        findings = preflight_task(spec, "model", models["model"].path)
+        _stop_on_errors(findings, spec, selected, tracker, run_id)
+        try:
+            prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
+        except BenchmarkError as exc:
+            dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
+            _stop_on_errors([dataset_error], spec, selected, tracker, run_id)
+            raise
+        before = time.perf_counter() - began
+    except BaseException:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    steps = StudySteps(
+        fetch_model=fetch_model_task,  # called from a background lane: still a task run of this flow
+        pull_image=pull_image_task,
+        arm=_steps(),
+    )
+    outcome = Study(
+        spec, run_id, tracker, settings, models, prompts, findings, experiment, steps,
+        tags=tags, labels={"k3pipe.flow_run_id": _flow_run_id()}, arms=selected, before_s=before,
+        say=logger.info, warn=logger.error,
+    ).execute()  # fmt: skip
+    outcomes = [o.as_dict() for o in outcome.arms]
+    rows = [row for o in outcomes for row in o.get("workloads", [])]
+    if any(speculation_setting(spec.arm(name)) for name in selected):
+        try:
+            _judge_speculation(spec, outcomes, rows, tracker)
+        except Exception as exc:  # an analysis after the fact: the report comes first
+            logger.warning("speculation could not be judged: %s: %s", type(exc).__name__, exc)
+    paths = report_task(tracker, run_id, report_dir(settings, spec.name, run_id))
+    link = tracker.run_link(run_id)
+    if link.startswith("http"):
+        create_link_artifact(link=link, link_text=f"MLflow run of study {spec.name}", key="mlflow-study")
+    logger.info("MLflow run of the study: %s", link)
+    result = {"study_run_id": run_id, "arms": outcomes, "report": paths}
+    if outcome.failed:
+        details = "; ".join(f"{o.arm}: {o.error or o.status}" for o in outcome.failed)
+        raise ArmsFailed(
+            f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}",
+            result,
+        )
+    return result
+
+
+if __name__ == "__main__":
+    study(sys.argv[1] if len(sys.argv) > 1 else "experiments/demo-study.yaml")

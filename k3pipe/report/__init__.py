@@ -1,0 +1,123 @@
+"""The study's report, built from MLflow alone: :func:`build_report` reads a study's parent run and
+its nested arms (:mod:`~k3pipe.report.collect`), works out the answer (:mod:`~k3pipe.report.analysis`),
+draws the figures (:mod:`~k3pipe.report.plots`) and writes Markdown and one self-contained HTML page
+(:mod:`~k3pipe.report.render`); :func:`publish` attaches them to the study's run.
+
+A study run may hold ``claims.json``: figures published for the study (a list of
+``{"kind": "ratio" | "degradation" | "throughput", ...}``), which the report checks against what the
+recorded values give instead of repeating them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from k3pipe.report.analysis import Analysis, analyse
+from k3pipe.report.collect import STUDY_KIND, CellData, StudyData, collect, requests_frame
+from k3pipe.report.render import Document, Table, build_document, to_html, to_markdown
+from k3pipe.report.steady import steady_decode_tps
+from k3pipe.tracking import Tracker
+
+__all__ = ["CLAIMS_FILE", "STUDY_KIND", "Report", "build_report", "publish"]
+
+CLAIMS_FILE = "claims.json"
+
+
+@dataclass
+class Report:
+    data: StudyData
+    analysis: Analysis
+    document: Document
+    figures: dict[str, bytes]
+
+    @property
+    def markdown(self) -> str:
+        return to_markdown(self.document, self.figures)
+
+    @property
+    def html(self) -> str:
+        return to_html(self.document, self.figures)
+
+    def results_table(self) -> Table:
+        return next(
+            b
+            for s in self.document.sections
+            if s.title == "Results"
+            for b in s.blocks
+            if isinstance(b, Table)
+        )
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        """The results table as records (a Prefect table artifact, a JSON file)."""
+        t = self.results_table()
+        return [dict(zip(t.headers, row, strict=True)) for row in t.rows]
+
+    def text(self) -> str:
+        """The results table for a terminal: one line per workload and metric."""
+        t = self.results_table()
+        frame = pd.DataFrame(t.rows, columns=t.headers)
+        frame["metric"] = frame["metric"].str.replace(r" \(.*\)$", "", regex=True)
+        return frame.drop(columns=["input tokens"]).to_string(index=False)
+
+    def write(self, out_dir: Path) -> dict[str, Path]:
+        """report.md (figures beside it under plots/), report.html (self-contained), report.json."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "plots").mkdir(exist_ok=True)
+        paths = {
+            "markdown": out_dir / "report.md",
+            "html": out_dir / "report.html",
+            "json": out_dir / "report.json",
+        }
+        paths["markdown"].write_text(self.markdown)
+        paths["html"].write_text(self.html)
+        paths["json"].write_text(json.dumps(self.table_rows(), indent=1))
+        for name, png in self.figures.items():
+            (out_dir / "plots" / name).write_bytes(png)
+        return paths
+
+
+def _with_steady(tracker: Tracker, cell: CellData) -> dict[tuple[str, str], pd.DataFrame]:
+    """Add the client-side steady decode figure of each repeat (unless recorded); the cell's
+    requests for the distribution plots."""
+    frames = []
+    steady = []
+    for run_id in cell.request_runs:
+        frame = requests_frame(tracker, cell.model_copy(update={"request_runs": [run_id]}))
+        if frame is None:
+            continue
+        frames.append(frame)
+        value = steady_decode_tps(frame)
+        if value is not None:
+            steady.append(value)
+    if steady and "steady_decode_tps" not in cell.values:
+        cell.values["steady_decode_tps"] = steady
+    return {(cell.arm, cell.workload): pd.concat(frames, ignore_index=True)} if frames else {}
+
+
+def build_report(tracker: Tracker, study_ref: str, claims: list[dict[str, Any]] | None = None) -> Report:
+    """The report of study ``study_ref`` from what MLflow holds (plus ``claims`` to check)."""
+    from k3pipe.report.plots import plot_all
+
+    data = collect(tracker, study_ref)
+    recorded = tracker.read_artifact(data.run_id, CLAIMS_FILE)
+    all_claims = [*(json.loads(recorded) if recorded else []), *(claims or [])]
+    frames: dict[tuple[str, str], pd.DataFrame] = {}
+    for cell in data.cells:
+        frames.update(_with_steady(tracker, cell))
+    analysis = analyse(data, all_claims)
+    document = build_document(data, analysis)
+    return Report(data, analysis, document, plot_all(analysis, data, frames))
+
+
+def publish(tracker: Tracker, report: Report, out_dir: Path) -> dict[str, Path]:
+    """Write the report under ``out_dir`` and attach it to the study's run (report/)."""
+    paths = report.write(out_dir)
+    for path in [*paths.values(), *sorted((out_dir / "plots").glob("*.png"))]:
+        sub = "report/plots" if path.parent.name == "plots" else "report"
+        tracker.log_file(report.data.run_id, path, sub)
+    return paths

@@ -1,0 +1,184 @@
+"""A study as MLflow holds it, read back: the study's run, each arm nested under it, each arm's
+workloads with their per-repeat values, and what the arm's own run says (cold start, engine log,
+speculation, findings). Nothing here needs the experiment file or the machine the study ran on."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pandas as pd
+from pydantic import BaseModel, Field
+
+from k3pipe.compare import find_run
+from k3pipe.errors import TrackingError
+from k3pipe.tracking import Tracker
+
+__all__ = ["STUDY_KIND", "ArmData", "CellData", "StudyData", "collect", "requests_frame"]
+
+STUDY_KIND = "study"
+"""The ``k3pipe.kind`` tag of a study's parent run."""
+
+
+class CellData(BaseModel):
+    """One arm on one workload: the per-repeat value of every metric it recorded."""
+
+    arm: str
+    engine: str
+    workload: str
+    input_tokens: int
+    output_tokens: int
+    concurrency: int
+    run_id: str
+    status: str
+    values: dict[str, list[float]] = Field(description="metric -> its value in each repeat.")
+    request_runs: list[str] = Field(
+        default_factory=list, description="The runs holding this cell's requests.parquet (one per repeat)."
+    )
+
+    def mean(self, metric: str) -> float | None:
+        v = self.values.get(metric)
+        return sum(v) / len(v) if v else None
+
+
+class ArmData(BaseModel):
+    """An arm's own run: how it ended, its cold start and what its engine said."""
+
+    name: str
+    engine: str
+    run_id: str
+    status: str
+    error: str | None = None
+    cold_start_s: float | None = None
+    phases: dict[str, float] = Field(default_factory=dict, description="cold-start phase -> seconds.")
+    log_decode_mean_tps: float | None = Field(default=None, description="Engine log: mean decode tok/s.")
+    log_decode_max_tps: float | None = None
+    log_spec_accept_length: float | None = None
+    warnings: list[str] = Field(default_factory=list, description="Warnings the engine log holds.")
+    findings: list[dict[str, Any]] = Field(default_factory=list, description="Preflight findings.")
+    stages: dict[str, float] = Field(default_factory=dict, description="Study stage -> seconds.")
+
+
+class StudyData(BaseModel):
+    """Everything the report is made of."""
+
+    run_id: str
+    name: str
+    status: str
+    arms: list[ArmData]
+    cells: list[CellData]
+    metrics: dict[str, float] = Field(default_factory=dict, description="The study run's own metrics.")
+
+    def cell(self, arm: str, workload: str) -> CellData | None:
+        return next((c for c in self.cells if c.arm == arm and c.workload == workload), None)
+
+    def workloads(self) -> list[str]:
+        """Workload names, shortest input first (the order of the study's table)."""
+        seen: dict[str, int] = {}
+        for c in self.cells:
+            seen.setdefault(c.workload, c.input_tokens)
+        return sorted(seen, key=lambda w: (seen[w], w))
+
+
+def _int(params: dict[str, str], key: str) -> int:
+    try:
+        return int(float(params.get(key, "0")))
+    except ValueError:
+        return 0
+
+
+def _values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
+    text = tracker.read_artifact(run.info.run_id, "repeats.json")
+    if text is None:
+        return {k: [float(v)] for k, v in run.data.metrics.items()}
+    return {k: [float(x) for x in v["values"]] for k, v in json.loads(text).items()}
+
+
+def _arm(tracker: Tracker, run: Any) -> ArmData:
+    tags, metrics = run.data.tags, run.data.metrics
+    findings_text = tracker.read_artifact(run.info.run_id, "preflight.json")
+    warnings = [w.strip() for w in tags.get("k3pipe.engine_warnings", "").split(" | ") if w.strip()]
+    return ArmData(
+        name=tags.get("k3pipe.arm", run.info.run_name),
+        engine=tags.get("k3pipe.engine", "?"),
+        run_id=run.info.run_id,
+        status=run.info.status,
+        error=tags.get("k3pipe.error"),
+        cold_start_s=metrics.get("cold_start_s"),
+        phases={
+            k.removeprefix("cold_start.").removesuffix("_s"): v
+            for k, v in metrics.items()
+            if k.startswith("cold_start.") and k.endswith("_s")
+        },
+        log_decode_mean_tps=metrics.get("engine_log.decode_throughput_mean_tps"),
+        log_decode_max_tps=metrics.get("engine_log.decode_throughput_max_tps"),
+        log_spec_accept_length=metrics.get("engine_log.spec_accept_length_mean"),
+        warnings=warnings,
+        findings=json.loads(findings_text) if findings_text else [],
+    )
+
+
+def collect(tracker: Tracker, study_ref: str) -> StudyData:
+    """The study ``study_ref`` (its run id, or a unique prefix) as recorded in MLflow."""
+    run = find_run(tracker, study_ref)
+    if run.data.tags.get("k3pipe.kind") != STUDY_KIND:
+        raise TrackingError(
+            f"run {run.info.run_id} is not a study's run (tag k3pipe.kind is "
+            f"{run.data.tags.get('k3pipe.kind')!r}); give the id `k3pipe study` printed, or find it with "
+            "`k3pipe runs`"
+        )
+    arms: list[ArmData] = []
+    cells: list[CellData] = []
+    for arm_run in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
+        if not arm_run.data.tags.get("k3pipe.arm"):
+            continue
+        arm = _arm(tracker, arm_run)
+        arm.stages = {
+            k.removeprefix(f"stage.{arm.name}.").removesuffix("_s"): v
+            for k, v in run.data.metrics.items()
+            if k.startswith(f"stage.{arm.name}.")
+        }
+        arms.append(arm)
+        for wl in tracker.children(arm_run.info.run_id):
+            name = wl.data.tags.get("k3pipe.workload")
+            if not name:
+                continue
+            repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get("k3pipe.repeat")]
+            repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
+            params = wl.data.params
+            cells.append(
+                CellData(
+                    arm=arm.name,
+                    engine=arm.engine,
+                    workload=name,
+                    input_tokens=_int(params, "workload.input_tokens"),
+                    output_tokens=_int(params, "workload.output_tokens"),
+                    concurrency=_int(params, "workload.concurrency"),
+                    run_id=wl.info.run_id,
+                    status=wl.info.status,
+                    values=_values(tracker, wl),
+                    request_runs=[r.info.run_id for r in repeats] or [wl.info.run_id],
+                )
+            )
+    return StudyData(
+        run_id=run.info.run_id,
+        name=run.data.tags.get("k3pipe.experiment", run.info.run_name),
+        status=run.info.status,
+        arms=arms,
+        cells=cells,
+        metrics=dict(run.data.metrics),
+    )
+
+
+def requests_frame(tracker: Tracker, cell: CellData) -> pd.DataFrame | None:
+    """The cell's measured, successful requests over all its repeats (None: none recorded)."""
+    frames = []
+    for run_id in cell.request_runs:
+        data = tracker.read_artifact(run_id, "requests.parquet")
+        if data is not None:
+            frames.append(pd.read_parquet(io.BytesIO(data)))
+    if not frames:
+        return None
+    frame = pd.concat(frames, ignore_index=True)
+    return frame[(~frame["warmup"]) & (frame["ok"])]

@@ -1,0 +1,136 @@
+"""The report's figures as PNG bytes (matplotlib, no display): latency and decode throughput against
+input length per arm, TTFT and ITL distributions per cell, and cold-start phases as stacked bars."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+
+from k3pipe.report.analysis import Analysis
+from k3pipe.report.collect import StudyData
+
+__all__ = ["plot_all"]
+
+
+def _png(fig: object) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
+    return buf.getvalue()
+
+
+def _by_length(analysis: Analysis, data: StudyData) -> bytes | None:
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("duration_s", "end-to-end time (s)"),
+        ("steady_decode_tps" if any(r.metric.key == "steady_decode_tps" for r in analysis.rows) else
+         "output_throughput_tps", "decode throughput (tok/s)"),
+        ("ttft_ms_p50", "TTFT p50, first delta (ms)"),
+    ]  # fmt: skip
+    panels = [(k, t) for k, t in panels if any(r.metric.key == k for r in analysis.rows)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels, strict=True):
+        rows = sorted((r for r in analysis.rows if r.metric.key == key), key=lambda r: r.input_tokens)
+        for arm in [a.name for a in data.arms]:
+            pts = [(r.input_tokens, r.cells[arm]) for r in rows if arm in r.cells]
+            if not pts:
+                continue
+            x = [p[0] for p in pts]
+            y = [p[1].mean for p in pts]
+            low = [p[1].mean - (p[1].ci_low if p[1].ci_low is not None else p[1].mean) for p in pts]
+            high = [(p[1].ci_high if p[1].ci_high is not None else p[1].mean) - p[1].mean for p in pts]
+            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=4, label=arm)
+        ax.set_title(title)
+        ax.set_xlabel("input tokens")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _png(fig)
+
+
+def _itl_ms(frame: pd.DataFrame) -> np.ndarray:
+    """Per-token inter-token latency from each request's chunk stamps (a chunk of k tokens after a
+    gap g counts k tokens at g / k)."""
+    out: list[float] = []
+    for times_text, tokens_text in zip(frame["chunk_times_s"], frame["chunk_tokens"], strict=False):
+        times = json.loads(times_text) if isinstance(times_text, str) else []
+        tokens = json.loads(tokens_text) if isinstance(tokens_text, str) else [1] * len(times)
+        for i in range(1, len(times)):
+            k = max(1, int(tokens[i]) if i < len(tokens) and tokens[i] else 1)
+            out.extend([(times[i] - times[i - 1]) * 1000 / k] * k)
+    return np.asarray(out, dtype=float)
+
+
+def _distributions(frames: Mapping[tuple[str, str], pd.DataFrame]) -> bytes | None:
+    import matplotlib.pyplot as plt
+
+    labels, ttft, itl = [], [], []
+    for (arm, workload), frame in frames.items():
+        if frame.empty:
+            continue
+        labels.append(f"{arm}\n{workload}")
+        ttft.append(frame["ttft_ms"].dropna().to_numpy(dtype=float))
+        itl.append(_itl_ms(frame))
+    if not labels:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(labels)), 4.2))
+    a.boxplot(ttft, tick_labels=labels, showfliers=True)
+    a.set_title("TTFT, first delta (ms), per request")
+    b.boxplot([v if v.size else np.asarray([np.nan]) for v in itl], tick_labels=labels, showfliers=False)
+    b.set_title("ITL (ms), per token")
+    for ax in (a, b):
+        ax.grid(alpha=0.3, axis="y")
+        ax.tick_params(axis="x", labelsize=8)
+    return _png(fig)
+
+
+def _cold_start(data: StudyData) -> bytes | None:
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in data.arms if a.phases or a.cold_start_s]
+    if not arms:
+        return None
+    phases = sorted({p for a in arms for p in a.phases})
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(arms) + 3), 4.2))
+    bottom = np.zeros(len(arms))
+    for phase in phases:
+        values = np.asarray([a.phases.get(phase, 0.0) for a in arms])
+        ax.bar([a.name for a in arms], values, bottom=bottom, label=phase)
+        bottom += values
+    rest = np.asarray([max(0.0, (a.cold_start_s or 0.0) - sum(a.phases.values())) for a in arms])
+    if rest.any():
+        ax.bar(
+            [a.name for a in arms],
+            rest,
+            bottom=bottom,
+            label="other (not in the log's phases)",
+            color="#cccccc",
+        )
+    ax.set_ylabel("seconds")
+    ax.set_title("cold start by phase")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)
+
+
+def plot_all(
+    analysis: Analysis, data: StudyData, frames: Mapping[tuple[str, str], pd.DataFrame]
+) -> dict[str, bytes]:
+    """File name -> PNG bytes, for the figures there is data for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    made = {
+        "by_input_length.png": _by_length(analysis, data),
+        "distributions.png": _distributions(frames),
+        "cold_start.png": _cold_start(data),
+    }
+    return {name: png for name, png in made.items() if png is not None}

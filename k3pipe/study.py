@@ -1,0 +1,252 @@
+"""A study: every arm of an experiment on every workload, arms one after another on the node (the
+GPUs are exclusive), under one parent MLflow run (study -> arm -> workload -> repeat), every arm
+sending the same prompts.
+
+While one arm runs, the next arms' inputs are already being fetched: the models only they need (a
+draft) in one background lane, their images in another, in arm order. Each arm waits only for what
+is still missing when its turn comes. The study's run records each stage's time (``stage.<arm>.*``),
+the wall time, what the stages would take one after another, and the difference the overlap saved.
+
+An arm that fails (its inputs, its launch, its workloads) is recorded as failed and the study goes on
+with the others; an interrupt stops the background work, closes the study's run as KILLED and goes
+on up. :func:`start_study` opens the parent run; :class:`Study` runs the arms.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.engines.base import Finding
+from k3pipe.launchers.factory import pull_image
+from k3pipe.plan import ArmPlan, plan_arm
+from k3pipe.record import record_failed_arm
+from k3pipe.report.collect import STUDY_KIND
+from k3pipe.run import ArmOutcome, ArmRun, ArmSteps
+from k3pipe.settings import Settings
+from k3pipe.sources import ModelRecord, fetch_model
+from k3pipe.sources.images import ImageRecord
+from k3pipe.specs import ArmSpec, ExperimentSpec, LocalModel, ModelScopeModel
+from k3pipe.tracking import Tracker
+
+__all__ = ["Study", "StudyOutcome", "StudySteps", "models_of", "start_study"]
+
+log = logging.getLogger("k3pipe.study")
+_PLACEHOLDER = re.compile(r"\{models\.([A-Za-z0-9_-]+)\}")
+
+
+def models_of(arm: ArmSpec) -> list[str]:
+    """The models an arm needs: 'model' and every extra model its arguments name ('{models.NAME}')."""
+    names: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, str):
+            names.extend(_PLACEHOLDER.findall(value))
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+
+    walk(arm.engine.args)
+    walk(arm.engine.env)
+    return ["model", *dict.fromkeys(names)]
+
+
+@dataclass
+class StudySteps:
+    """The study's own steps (the arms' are an :class:`ArmSteps`); the flow passes its tasks."""
+
+    fetch_model: Callable[[str, ModelScopeModel | LocalModel, Path], ModelRecord]
+    pull_image: Callable[[ArmPlan], ImageRecord]
+    arm: ArmSteps
+
+    @classmethod
+    def library(cls, say: Callable[[str], None] | None = None) -> StudySteps:
+        out: Callable[[str], None] = say or log.info
+        return cls(
+            fetch_model=lambda name, spec, home: fetch_model(spec, home, progress=out),
+            pull_image=lambda plan: pull_image(plan, progress=out),
+            arm=ArmSteps.library(out),
+        )
+
+
+def start_study(
+    tracker: Tracker, spec: ExperimentSpec, experiment_file: str, tags: Mapping[str, str] | None = None
+) -> str:
+    """The study's parent run: its experiment, arms and workloads."""
+    run_id = tracker.start_run(
+        f"study/{spec.name}",
+        tags={"k3pipe.kind": STUDY_KIND, "k3pipe.experiment": spec.name, **(tags or {})},
+    )
+    tracker.log_params(
+        run_id,
+        {
+            "experiment_file": experiment_file,
+            "arms": ",".join(a.name for a in spec.arms),
+            "workloads": ",".join(w.name for w in spec.workloads),
+        },
+    )
+    tracker.log_dict(run_id, spec.model_dump(mode="json"), "experiment.json")
+    return run_id
+
+
+class StudyOutcome:
+    """How the study went: each arm's outcome, the stage times, and the study's run."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.arms: list[ArmOutcome] = []
+        self.stages: dict[str, float] = {}
+
+    @property
+    def failed(self) -> list[ArmOutcome]:
+        return [o for o in self.arms if o.status != "FINISHED"]
+
+
+def _in_background(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """``fn(*args)`` on ``pool`` in a copy of this context (a Prefect task then runs in this flow)."""
+    ctx = contextvars.copy_context()
+    return pool.submit(ctx.run, fn, *args)
+
+
+@dataclass
+class Study:
+    """Every arm of ``spec`` in order, each an :class:`ArmRun` nested under the study's run."""
+
+    spec: ExperimentSpec
+    run_id: str
+    tracker: Tracker
+    settings: Settings
+    models: Mapping[str, ModelRecord]
+    """Models already fetched ('model' at least: the prompts were drawn with its tokenizer)."""
+    prompts: Mapping[str, list[PromptSet]]
+    findings: list[Finding] = field(default_factory=list)
+    experiment_file: str = ""
+    steps: StudySteps = field(default_factory=StudySteps.library)
+    tags: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    arms: list[str] | None = None
+    before_s: float = 0.0
+    """Seconds spent before the study began (the first model's fetch), part of its wall time."""
+    say: Callable[[str], None] = log.info
+    warn: Callable[[str], None] = log.error
+
+    def _prefetch(
+        self, arms: Iterable[ArmSpec], models: ThreadPoolExecutor, images: ThreadPoolExecutor
+    ) -> tuple[dict[str, Future[ModelRecord]], dict[str, Future[ImageRecord]]]:
+        home = self.settings.home_dir
+        model_futures: dict[str, Future[ModelRecord]] = {}
+        image_futures: dict[str, Future[ImageRecord]] = {}
+        for arm in arms:
+            for name in models_of(arm):
+                if name in self.models or name in model_futures:
+                    continue
+                if name not in self.spec.extra_models:
+                    continue  # an unknown name: the arm's plan says so when it renders
+                model_futures[name] = _in_background(
+                    models, self.steps.fetch_model, name, self.spec.extra_models[name], home
+                )
+            if arm.launcher.pins_image:
+                plan = plan_arm(self.spec, arm, home)  # the image reference does not need the models
+                image_futures[arm.name] = _in_background(images, self.steps.pull_image, plan)
+        return model_futures, image_futures
+
+    def execute(self) -> StudyOutcome:
+        outcome = StudyOutcome(self.run_id)
+        names = self.arms or [a.name for a in self.spec.arms]
+        arms = [self.spec.arm(n) for n in names]
+        start = time.perf_counter()
+        status = "KILLED"
+        models_pool = ThreadPoolExecutor(1, thread_name_prefix="k3pipe-models")
+        images_pool = ThreadPoolExecutor(1, thread_name_prefix="k3pipe-images")
+        try:
+            model_futures, image_futures = self._prefetch(arms, models_pool, images_pool)
+            for arm in arms:
+                outcome.arms.append(self._arm(arm, model_futures, image_futures, outcome.stages))
+            status = "FINISHED"
+        finally:
+            models_pool.shutdown(wait=False, cancel_futures=True)
+            images_pool.shutdown(wait=False, cancel_futures=True)
+            self._close(outcome, time.perf_counter() - start, status)
+        return outcome
+
+    def _arm(
+        self,
+        arm: ArmSpec,
+        model_futures: Mapping[str, Future[ModelRecord]],
+        image_futures: Mapping[str, Future[ImageRecord]],
+        stages: dict[str, float],
+    ) -> ArmOutcome:
+        prefix = f"stage.{arm.name}"
+        waited = time.perf_counter()
+        models: dict[str, ModelRecord] = {}
+        try:
+            for name in models_of(arm):
+                if name in self.models:
+                    models[name] = self.models[name]
+                elif name in model_futures:
+                    models[name] = model_futures[name].result()
+                    stages[f"{prefix}.models_s"] = (
+                        stages.get(f"{prefix}.models_s", 0.0) + models[name].duration_s
+                    )
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.warn(f"arm {arm.name}: its models could not be had: {error}")
+            run_id = record_failed_arm(
+                self.tracker, self.spec.name, arm.name, arm.engine.kind, error, self.tags, self.run_id
+            )
+            return ArmOutcome(arm=arm.name, mlflow_run_id=run_id, status="FAILED", error=error)
+        waits = [time.perf_counter() - waited]
+
+        def image(plan: ArmPlan) -> ImageRecord:
+            t = time.perf_counter()
+            record = (
+                image_futures[arm.name].result() if arm.name in image_futures else self.steps.pull_image(plan)
+            )
+            waits.append(time.perf_counter() - t)
+            stages[f"{prefix}.image_pull_s"] = record.duration_s
+            return record
+
+        self.say(f"arm {arm.name}: starting ({len(self.spec.workloads)} workload(s))")
+        began = time.perf_counter()
+        run = ArmRun(
+            self.spec, arm.name, models, self.prompts, self.tracker, self.settings, self.findings,
+            self.experiment_file, self.steps.arm, tags=dict(self.tags), labels=dict(self.labels),
+            parent_run_id=self.run_id, image_source=image, say=self.say, warn=self.warn,
+        )  # fmt: skip
+        result = run.execute()
+        waited_s = sum(waits)
+        stages[f"{prefix}.input_wait_s"] = waited_s
+        stages[f"{prefix}.run_s"] = time.perf_counter() - began - (waits[1] if len(waits) > 1 else 0.0)
+        return result
+
+    def _close(self, outcome: StudyOutcome, wall_s: float, status: str) -> None:
+        stages = outcome.stages
+        work = sum(v for k, v in stages.items() if k.endswith(("models_s", "image_pull_s", "run_s")))
+        wall = self.before_s + wall_s
+        sequential = self.before_s + work
+        metrics = {
+            **stages,
+            "study.wall_s": wall,
+            "study.sequential_s": sequential,
+            "study.overlap_saved_s": max(0.0, sequential - wall),
+            "study.arms_failed": float(len(outcome.failed)),
+        }
+        try:
+            self.tracker.log_metrics(self.run_id, metrics)
+            if outcome.failed:
+                self.tracker.set_tags(
+                    self.run_id, {"k3pipe.failed_arms": ",".join(o.arm for o in outcome.failed)}
+                )
+        finally:
+            self.tracker.end_run(self.run_id, status)

@@ -1,0 +1,184 @@
+"""A study: arms nested under one MLflow run, the same prompts for every arm, the next arm's inputs
+fetched while one arm runs, a failed arm recorded while the others go on, and the report built from
+MLflow alone. The arms are `external` endpoints served by the scripted OpenAI server
+(tests/scripted_openai.py: real HTTP and SSE, timing set per arm), the MLflow store a real SQLite
+one; the flow test runs the real Prefect flow on a temporary Prefect server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from k3pipe.bench.prompts import prepare_prompts
+from k3pipe.experiment import parse_experiment
+from k3pipe.report import build_report
+from k3pipe.rerun import read_record
+from k3pipe.settings import Settings
+from k3pipe.sources import fetch_model
+from k3pipe.study import Study, StudySteps, models_of, start_study
+from k3pipe.tracking import Tracker
+from tests.conftest import TINY_MODEL, free_port
+from tests.scripted_openai import Script, ScriptedOpenAI
+
+WORKLOADS = [
+    {"name": "in32", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
+     "warmup_requests": 0, "repeats": 2, "seed": 1},
+    {"name": "in96", "input_tokens": 96, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
+     "warmup_requests": 0, "repeats": 2, "seed": 11},
+]  # fmt: skip
+
+
+def _arm(name: str, base_url: str, **engine: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "engine": {"kind": "vllm", **engine},
+        "launcher": {"kind": "external"},
+        "endpoint": {"base_url": base_url, "model": "m"},
+    }
+
+
+def _experiment(arms: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "name": "study-test",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": arms,
+        "workloads": WORKLOADS,
+        **extra,
+    }
+
+
+@pytest.fixture
+def servers():  # type: ignore[no-untyped-def]
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    with (
+        ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as fast,
+        ScriptedOpenAI(Script(inter_token_s=0.02), model="m") as slow,
+    ):
+        yield fast, slow
+
+
+def test_models_of_an_arm() -> None:
+    arm = parse_experiment(
+        _experiment(
+            [_arm("a", "http://127.0.0.1:9/v1", args={"speculative_config": {"model": "{models.draft}"}})],
+            extra_models={"draft": {"source": "local", "path": str(TINY_MODEL)}},
+        )
+    ).arms[0]
+    assert models_of(arm) == ["model", "draft"]
+
+
+def test_the_next_arms_model_is_fetched_while_an_arm_runs(  # type: ignore[no-untyped-def]
+    servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, slow = servers
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    spec = parse_experiment(
+        _experiment(
+            [
+                _arm("first", fast.base_url),
+                _arm("second", slow.base_url, args={"speculative_config": {"model": "{models.draft}"}}),
+            ],
+            extra_models={"draft": {"source": "local", "path": str(TINY_MODEL)}},
+        )
+    )
+    settings = Settings()
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "study", tmp_path / "artifacts")
+    events: list[tuple[str, float]] = []
+    lock = threading.Lock()
+
+    def note(what: str) -> None:
+        with lock:
+            events.append((what, time.monotonic()))
+
+    library = StudySteps.library()
+
+    def fetch(name: str, model: Any, home: Path) -> Any:
+        note(f"fetch {name} begins")
+        time.sleep(0.5)
+        record = fetch_model(model, home)
+        note(f"fetch {name} ends")
+        return record
+
+    real_bench = library.arm.benchmark
+
+    def bench(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        note(f"{plan.arm} benchmarks")
+        return real_bench(plan, *args, **kwargs)
+
+    library.arm.benchmark = bench
+    steps = StudySteps(fetch_model=fetch, pull_image=library.pull_image, arm=library.arm)
+    models = {"model": fetch_model(spec.model, settings.home_dir)}
+    prompts = prepare_prompts(spec.workloads, TINY_MODEL, settings.home_dir)
+    run_id = start_study(tracker, spec, "study.yaml")
+    outcome = Study(spec, run_id, tracker, settings, models, prompts, steps=steps).execute()
+
+    assert [o.status for o in outcome.arms] == ["FINISHED", "FINISHED"]
+    at = {what: t for what, t in reversed(events)}  # the first time of each
+    # the draft, which only the second arm needs, was fetched while the first arm benchmarked
+    assert at["fetch draft begins"] < at["first benchmarks"] + 0.3
+    first_done = max(t for what, t in events if what == "first benchmarks")
+    assert at["fetch draft begins"] < first_done
+    study_run = tracker.client.get_run(run_id)
+    metrics = study_run.data.metrics
+    assert metrics["stage.second.models_s"] > 0
+    saved = max(0.0, metrics["study.sequential_s"] - metrics["study.wall_s"])
+    assert metrics["study.overlap_saved_s"] == pytest.approx(saved)
+    assert {"stage.first.run_s", "stage.second.run_s", "stage.second.input_wait_s"} <= set(metrics)
+    # the second arm's run holds the draft's files in its record; the first arm's does not
+    records = {o.arm: read_record(tracker, o.mlflow_run_id) for o in outcome.arms}
+    assert set(records["first"].models) == {"model"}
+    assert set(records["second"].models) == {"model", "draft"}
+    # every arm got the same prompts
+    assert [p.sha256 for p in records["first"].prompts] == [p.sha256 for p in records["second"].prompts]
+
+
+@pytest.mark.flow
+def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: ignore[no-untyped-def]
+    prefect_harness: None, servers, tmp_path: Path
+) -> None:
+    from flows.study import ArmsFailed, study
+
+    fast, slow = servers
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: the arm's health gate fails
+    exp = tmp_path / "study.yaml"
+    exp.write_text(
+        yaml.safe_dump(
+            _experiment([_arm("fast", fast.base_url), _arm("broken", dead), _arm("slow", slow.base_url)])
+        )
+    )
+    with pytest.raises(ArmsFailed, match="broken") as failed:
+        study(str(exp))
+    result = failed.value.result
+    assert [o["status"] for o in result["arms"]] == ["FINISHED", "FAILED", "FINISHED"]
+
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    study_run = tracker.client.get_run(result["study_run_id"])
+    assert study_run.data.tags["k3pipe.kind"] == "study"
+    assert study_run.data.tags["k3pipe.failed_arms"] == "broken"
+    arms = {r.data.tags["k3pipe.arm"]: r for r in tracker.children(study_run.info.run_id)}
+    assert set(arms) == {"fast", "broken", "slow"}
+    assert arms["broken"].info.status == "FAILED"
+    # study -> arm -> workload -> repeat
+    workloads = tracker.children(arms["fast"].info.run_id)
+    assert sorted(w.data.tags["k3pipe.workload"] for w in workloads) == ["in32", "in96"]
+    assert len(tracker.children(workloads[0].info.run_id)) == 2
+
+    artifacts = {a.path for a in tracker.client.list_artifacts(study_run.info.run_id, "report")}
+    assert {"report/report.md", "report/report.html", "report/report.json"} <= artifacts
+    assert Path(result["report"]["html"]).is_file()
+
+    # the same report again, from MLflow alone
+    report = build_report(tracker, study_run.info.run_id[:10])
+    tpot = next(r for r in report.analysis.rows if r.workload == "in32" and r.metric.key == "tpot_ms_p50")
+    assert tpot.leader == "fast"
+    assert tpot.ratio > 3  # 20 ms vs 2 ms between tokens
+    assert "Arm broken did not finish (FAILED)" in report.markdown
+    assert report.analysis.tests > 0
+    assert Path(result["report"]["markdown"]).read_text() == report.markdown
