@@ -21,9 +21,10 @@ ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
 
 TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 
-.PHONY: demo test setup venv engine model system lint clean help docker bench-client
+.PHONY: demo demo-arm test setup venv engine model system lint clean help docker bench-client
 help:
-	@echo "make demo   run experiments/demo-cpu.yaml on the real vLLM (sets everything up first)"
+	@echo "make demo   the demo study (experiments/demo-study.yaml) on the real vLLM, then its report"
+	@echo "make demo-arm   one arm alone (experiments/demo-cpu.yaml)"
 	@echo "make test   lint, type-check and run every test (sets everything up first)"
 	@echo "make bench-client   k3pipe's streaming client vs vllm bench serve on an exact server (docs/performance.md)"
 
@@ -58,7 +59,13 @@ model: $(TINY_MODEL)/config.json
 $(TINY_MODEL)/config.json: scripts/make_tiny_model.py | $(ENGINE_VENV)/.installed
 	$(ENGINE_VENV)/bin/python scripts/make_tiny_model.py $(TINY_MODEL)
 
+# the demo study: two vLLM arms (batching 4 vs 1) x two input lengths, then its report's table
 demo: setup
+	$(VENV)/bin/k3pipe study experiments/demo-study.yaml
+	$(VENV)/bin/k3pipe runs --limit 3
+
+# one arm on its own (the benchmark flow)
+demo-arm: setup
 	$(VENV)/bin/k3pipe run experiments/demo-cpu.yaml
 	$(VENV)/bin/k3pipe runs --limit 5
 

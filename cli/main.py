@@ -38,13 +38,17 @@ def render(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
     arm: Annotated[str | None, typer.Option(help="Only this arm.")] = None,
 ) -> None:
-    """Print, per arm, the engine's environment and exact command line."""
+    """Print the study (arms in order, workloads), then per arm the engine's environment and exact
+    command line."""
     from k3pipe.experiment import load_experiment
     from k3pipe.plan import plan_arm
+    from k3pipe.study import describe_study
 
     try:
         spec = load_experiment(experiment)
         home = Settings().home_dir
+        if not arm:
+            print("\n".join(f"# {line}" for line in describe_study(spec)), end="\n\n")
         for a in spec.arms:
             if arm and a.name != arm:
                 continue

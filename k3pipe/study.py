@@ -37,7 +37,7 @@ from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ArmSpec, ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.tracking import Tracker
 
-__all__ = ["Study", "StudyOutcome", "StudySteps", "models_of", "start_study"]
+__all__ = ["Study", "StudyOutcome", "StudySteps", "describe_study", "models_of", "start_study"]
 
 log = logging.getLogger("k3pipe.study")
 _PLACEHOLDER = re.compile(r"\{models\.([A-Za-z0-9_-]+)\}")
@@ -60,6 +60,28 @@ def models_of(arm: ArmSpec) -> list[str]:
     walk(arm.engine.args)
     walk(arm.engine.env)
     return ["model", *dict.fromkeys(names)]
+
+
+def describe_study(spec: ExperimentSpec) -> list[str]:
+    """What a study of ``spec`` runs, in order: the arms one after another, each on every workload,
+    and which models each needs (those beyond the first are fetched while an earlier arm runs)."""
+    lines = [
+        f"study {spec.name}: {len(spec.arms)} arm(s) x {len(spec.workloads)} workload(s), arms one after "
+        "another on the node, every arm sending the same prompts"
+    ]
+    for i, arm in enumerate(spec.arms, 1):
+        needs = models_of(arm)
+        extra = f"; also needs {', '.join(needs[1:])}" if len(needs) > 1 else ""
+        image = f", image {arm.engine.image}" if arm.launcher.pins_image else ""
+        lines.append(f"  {i}. {arm.name}: {arm.engine.kind} on launcher {arm.launcher.kind}{image}{extra}")
+    for w in spec.workloads:
+        load = f"{w.concurrency} streams" if w.load == "concurrency" else f"{w.load} at {w.rate_rps} req/s"
+        lines.append(
+            f"  workload {w.name}: {w.input_tokens:,} in / {w.output_tokens:,} out tokens, {load}, "
+            f"{w.num_requests} requests (+{w.warmup_requests} warm-up), {w.dataset.kind} prompts, "
+            f"{w.repeats} repeat(s)"
+        )
+    return lines
 
 
 @dataclass

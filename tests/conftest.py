@@ -186,3 +186,45 @@ class CliRun:
         if self.proc.poll() is None:
             self.proc.wait()
         self.out.close()
+
+
+# The fast tier, `pytest -m unit` (under a minute, tests/test_public_api.py keeps the list true): the
+# modules whose tests need no engine, Docker, Prefect server, MLflow server or subprocess. A test in
+# one of them marked engine, flow or slow stays out of it; every other module is integration.
+UNIT_MODULES = frozenset(
+    {
+        "tests/bench/test_definitions.py",
+        "tests/bench/test_repeats.py",
+        "tests/bench/test_summary.py",
+        "tests/bench/test_transport.py",
+        "tests/bench/test_datasets.py",
+        "tests/bench/test_session.py",
+        "tests/engines/test_cold_start.py",
+        "tests/engines/test_compile_cache.py",
+        "tests/engines/test_engine_knowledge.py",
+        "tests/engines/test_engine_logs.py",
+        "tests/engines/test_preflight.py",
+        "tests/engines/test_preflight_cli.py",
+        "tests/test_engines.py",
+        "tests/test_golden_study.py",
+        "tests/test_health.py",
+        "tests/test_metrics.py",
+        "tests/test_specs.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        where = item.path.relative_to(REPO).as_posix()
+        if where in UNIT_MODULES and not any(item.get_closest_marker(m) for m in ("engine", "flow", "slow")):
+            item.add_marker(pytest.mark.unit)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m unit`` the other modules are not even imported (their imports cost ~10 s)."""
+    if config.getoption("markexpr") != "unit" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return collection_path.resolve().relative_to(REPO).as_posix() not in UNIT_MODULES

@@ -1,4 +1,4 @@
-"""prefect.yaml's `benchmark` and `rerun` deployments, run for real: a Prefect server, a process work pool, a
+"""prefect.yaml's `benchmark`, `rerun` and `study` deployments, run for real: a Prefect server, a process work pool, a
 worker, `prefect deployment run`; the experiment uses the `external` launcher against the session's
 real vLLM, so the worker starts and stops no engine of its own."""
 
@@ -128,13 +128,32 @@ def test_benchmark_deployment_runs_on_a_worker(
             "deployment", "run", "rerun/rerun", "--param", f"run_id={first}", "--watch", timeout=400
         )  # fmt: skip
         assert "Completed" in out
+        reran = str(tracker.recent_runs(1)["run_id"][0])
+        # the study deployment: the same experiment as a study, its report at the end
+        exp.write_text(yaml.safe_dump({**experiment, "name": "external-study"}))
+        out = prefect(
+            "deployment", "run", "study/study", "--param", f"experiment={exp}", "--watch", timeout=400
+        )  # fmt: skip
+        assert "Completed" in out
     finally:
         _stop(worker, signal.SIGINT)
         worker_log.close()
 
     runs = tracker.recent_runs(5)
-    assert list(runs["name"]) == ["external-demo/gateway", "external-demo/gateway"]
-    again = tracker.client.get_run(str(runs["run_id"][0]))
+    assert list(runs["name"]) == [
+        "study/external-study",
+        "  external-study/gateway",
+        "external-demo/gateway",
+        "external-demo/gateway",
+    ]
+    study = tracker.client.get_run(str(runs["run_id"][0]))
+    assert study.data.tags["k3pipe.kind"] == "study"
+    assert {a.path for a in tracker.client.list_artifacts(study.info.run_id, "report")} >= {
+        "report/report.html",
+        "report/report.md",
+    }
+    assert "study results:" in (tmp_path / "worker.log").read_text()
+    again = tracker.client.get_run(reran)
     assert again.data.tags["k3pipe.rerun_of"] == first
     assert again.info.status == "FINISHED"
     assert "rerun verdict, w:" in (tmp_path / "worker.log").read_text()

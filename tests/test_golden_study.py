@@ -103,6 +103,13 @@ def test_render_cli_prints_the_study(capsys: pytest.CaptureFixture[str]) -> None
 
     result = CliRunner().invoke(app, ["render", str(STUDY)])
     assert result.exit_code == 0, result.output
+    # the whole study first: both arms in order, then the study's two workloads
+    assert result.output.startswith("# study kimi-k3-8xb300: 2 arm(s) x 2 workload(s)")
+    assert "#   2. sglang: sglang on launcher docker, image lmsysorg/sglang:kimi-k3; also needs draft" in result.output
+    assert (
+        "#   workload random-200k: 200,000 in / 3,000 out tokens, 10 streams, 10 requests (+0 warm-up), "
+        "random prompts" in result.output
+    )
     assert "# arm vllm: engine vllm, launcher docker, image vllm/vllm-openai:kimi-k3" in result.output
     assert "--speculative-algorithm DSPARK" in result.output
     assert "VLLM_USE_RUST_FRONTEND=1" in result.output

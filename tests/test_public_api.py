@@ -93,3 +93,10 @@ def test_the_import_scan_sees_a_function_level_import(tmp_path: Path) -> None:
     (package / "ok.py").write_text("import os\nfrom k3pipe import specs\n")
     (package / "bad.py").write_text("def f():\n    from prefect import flow\n    import flows.benchmark\n")
     assert shell_imports(package) == ["lib/bad.py:2: prefect", "lib/bad.py:3: flows.benchmark"]
+
+
+def test_the_fast_tier_names_modules_that_exist() -> None:
+    from tests.conftest import REPO, UNIT_MODULES
+
+    missing = sorted(m for m in UNIT_MODULES if not (REPO / m).is_file())
+    assert missing == [], f"conftest.UNIT_MODULES names files that are gone: {missing}"

@@ -521,6 +521,7 @@ def test_documents_repeats_never_share_a_start(byte_level_tokenizer: Tokenizer, 
     assert whole.prompts == prompts
 
 
+@pytest.mark.slow
 def test_documents_prompts_are_distinct_when_windows_crowd(
     tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,19 @@ def _count(tok: Tokenizer, text: str) -> int:
     return len(tok.encode(text, add_special_tokens=False).ids)
 
 
-@pytest.mark.parametrize("length", [1, 2, 3, 7, 64, 65, 500, 4096])
+@pytest.mark.parametrize(
+    "length",
+    [
+        1,
+        2,
+        3,
+        7,
+        64,
+        65,
+        pytest.param(500, marks=pytest.mark.slow),
+        pytest.param(4096, marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1, 12345])
 def test_prompts_have_the_exact_length(tokenizer: Tokenizer, length: int, seed: int) -> None:
     prompts = random_prompts(tokenizer, 4, length, seed)
@@ -182,6 +194,7 @@ def test_text_is_the_tokenizers_decode(tokenizer: Tokenizer) -> None:
         assert tokenizer.decode(tokenizer.encode(p.text, add_special_tokens=False).ids) == p.text
 
 
+@pytest.mark.slow
 def test_the_real_tiny_model_at_200k() -> None:
     # The study's length with a real model's tokenizer (built by `make`; skipped without it).
     if not (TINY_MODEL / "tokenizer.json").is_file():
@@ -293,6 +306,7 @@ def test_prompts_that_keep_failing_their_checks_are_made_whole(
     assert random_prompts(byte_level_tokenizer, 4, 700, 3) == whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("n", "length"), [(3, 40_000), (2, 150_000)])
 def test_a_prompt_never_repeats_a_stretch_of_words(
     byte_level_tokenizer: Tokenizer, n: int, length: int

@@ -120,6 +120,7 @@ def test_flag_aliases_and_abbreviations() -> None:
     assert vllm.arg({"dcp": 2}, "decode_context_parallel_size") == ("dcp", 2)
 
 
+@pytest.mark.engine
 def test_vllm_flag_table_matches_installed_vllm() -> None:
     """The committed table is what the installed vLLM 0.32.0's `vllm serve` parser defines."""
     if not VLLM_PYTHON.exists():
