@@ -1,6 +1,6 @@
-"""prefect.yaml's `benchmark`, `rerun` and `study` deployments, run for real: a Prefect server, a process work pool, a
-worker, `prefect deployment run`; the experiment uses the `external` launcher against the session's
-real vLLM, so the worker starts and stops no engine of its own."""
+"""prefect.yaml's `benchmark`, `rerun` and `study` deployments, run for real: a Prefect server, a
+process work pool, a worker, `prefect deployment run`; the experiment uses the `external` launcher
+against the session's real vLLM, so the worker starts and stops no engine of its own."""
 
 from __future__ import annotations
 

@@ -107,7 +107,8 @@ def build_report(tracker: Tracker, study_ref: str, claims: list[dict[str, Any]] 
     recorded = tracker.read_artifact(data.run_id, CLAIMS_FILE)
     all_claims = [*(json.loads(recorded) if recorded else []), *(claims or [])]
     frames: dict[tuple[str, str], pd.DataFrame] = {}
-    for cell in data.cells:
+    order = {a.name: i for i, a in enumerate(data.arms)}
+    for cell in sorted(data.cells, key=lambda c: (order.get(c.arm, len(order)), c.input_tokens)):
         frames.update(_with_steady(tracker, cell))
     analysis = analyse(data, all_claims)
     document = build_document(data, analysis)

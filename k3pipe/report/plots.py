@@ -73,7 +73,7 @@ def _distributions(frames: Mapping[tuple[str, str], pd.DataFrame]) -> bytes | No
     import matplotlib.pyplot as plt
 
     labels, ttft, itl = [], [], []
-    for (arm, workload), frame in frames.items():
+    for (arm, workload), frame in frames.items():  # in the study's order: arm by arm, shortest first
         if frame.empty:
             continue
         labels.append(f"{arm}\n{workload}")

@@ -61,6 +61,39 @@ def _direction(higher: bool) -> str:
     return "higher is better" if higher else "lower is better"
 
 
+_HEADLINE = ("duration_s", "steady_decode_tps", "output_throughput_tps", "ttft_ms_p50", "tpot_ms_p50")
+
+
+def _answer(analysis: Analysis) -> list[Block]:
+    """One line per headline metric: who leads at each input length, by how much, and whether the
+    difference stands after the correction (or could not be tested)."""
+    lines: list[Block] = []
+    for key in _HEADLINE:
+        rows = sorted(
+            (r for r in analysis.rows if r.metric.key == key and r.leader), key=lambda r: r.input_tokens
+        )
+        if not rows:
+            continue
+        parts = []
+        for r in rows:
+            pair = next((v for v in r.verdicts if v.leader == r.leader), None)
+            if pair is None or not pair.tested:
+                how = "one repeat: no test"
+            elif pair.different:
+                how = f"significant, p_adj={pair.p_adjusted:.2g}"
+            else:
+                how = "within noise"
+            parts.append(f"{r.leader} leads at {r.input_tokens:,} tokens ({r.ratio:.2f}x, {how})")
+        lines.append(f"**{rows[0].metric.label}**: " + "; ".join(parts) + ".")
+    for f in analysis.flips:
+        if f.metric.key in _HEADLINE:
+            lines.append(
+                f"**{f.metric.label}**: the lead flips from {f.before} to {f.after} at about "
+                f"{f.at_tokens:,.0f} input tokens (interpolated)."
+            )
+    return lines
+
+
 def build_document(data: StudyData, analysis: Analysis) -> Document:
     arms = [a.name for a in data.arms]
     failed = [a for a in data.arms if a.status != "FINISHED"]
@@ -75,6 +108,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             f"(run `{a.run_id}`); its cells below hold what it measured before it stopped, if anything."
         )
     sections = [Section("Study", head)]
+    answer = _answer(analysis)
+    if answer:
+        sections.append(Section("The answer", answer))
 
     results = Table(["workload", "input tokens", "metric", *arms, "leader", "ratio", "verdict"], [])
     for r in analysis.rows:
