@@ -8,6 +8,7 @@ beside it (see k3pipe.bench.repeats), plus ``repeats.json`` and ``repeats.parque
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
@@ -284,6 +285,13 @@ class ArmRecorder:
             "k3pipe.workload": workload.name,
         }
         params = _flat("workload", workload.model_dump(mode="json"))
+        tags["mlflow.note.content"] = (
+            f"Workload **{workload.name}** of arm {self.plan.arm}: {workload.input_tokens:,} in / "
+            f"{workload.output_tokens:,} out tokens, {workload.dataset.kind} prompts, {workload.load} load "
+            f"(concurrency {workload.concurrency}), {workload.num_requests} requests"
+            + (f", {workload.repeats} repeats (nested runs)" if workload.repeats > 1 else "")
+            + "."
+        )
         if workload.repeats == 1:
             run_id = self.tracker.start_run(
                 f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
@@ -307,7 +315,14 @@ class ArmRecorder:
         k = outcome.repeat
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{workload.name}#{k + 1}",
-            tags={**tags, "k3pipe.repeat": str(k + 1)},
+            tags={
+                **tags,
+                "k3pipe.repeat": str(k + 1),
+                "mlflow.note.content": (
+                    f"Repeat {k + 1} of {workload.repeats} of workload **{workload.name}** "
+                    f"(seed {outcome.seed})."
+                ),
+            },
             parent_id=parent,
         )
         repeat_params = {**params, "workload.seed": outcome.seed, "repeat": k + 1}
@@ -524,8 +539,37 @@ class ArmRecorder:
             try:
                 if self.record is not None:
                     self.tracker.log_dict(self.run_id, self.record.model_dump(mode="json"), RECORD_FILE)
+                with contextlib.suppress(
+                    Exception
+                ):  # a description is for people: never lose the run over it
+                    self.tracker.describe(self.run_id, self.description(status, error))
             finally:
                 self.tracker.end_run(self.run_id, status)
+
+    def description(self, status: str, error: BaseException | None = None) -> str:
+        """What the run was, for a person browsing MLflow: the arm, its launch, how it ended, and its
+        workloads' summary table (Markdown)."""
+        plan = self.plan
+        lines = [
+            f"Arm **{plan.arm}** of experiment **{plan.experiment}**: {plan.engine}"
+            + (f" {plan.engine_version}" if plan.engine_version else "")
+            + f" on launcher {plan.launcher}, endpoint {plan.base_url} (model `{plan.model}`). {status}"
+            + (f": {type(error).__name__}: {error}" if error is not None else "."),
+        ]
+        if self.rerun_of:
+            lines.append(
+                f"Rerun of `{self.rerun_of}`"
+                + (f" with drift: {'; '.join(self.drift)}" if self.drift else ".")
+            )
+        rows = [{"workload": name, **self.workload_metrics(name)} for name in self.workload_runs]
+        table = summary_table(rows)
+        if table:
+            headers = ["workload", *[c for c in table[0] if c not in ("arm", "workload")]]
+            lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            for row, raw in zip(table, rows, strict=True):
+                cells = [str(raw["workload"]), *(str(row.get(h, "-")) for h in headers[1:])]
+                lines.append("| " + " | ".join(cells) + " |")
+        return self.tracker.scrub("\n".join(lines))
 
 
 _COUNTS = ("requests", "completed", "failed", "warmup_requests", "slo_met")

@@ -7,6 +7,7 @@ threads, as Prefect tasks do, log to the right run. Every string that reaches ML
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import tempfile
@@ -22,6 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from k3pipe.errors import TrackingError
+from k3pipe.provenance import git_commit
 
 __all__ = ["KEY_METRICS", "DatasetFields", "Tracker", "metric_name"]
 
@@ -58,6 +60,27 @@ class DatasetFields(Protocol):
     def profile(self) -> Mapping[str, Any]: ...
 
 
+# MLflow 3 opens an experiment of no kind on its GenAI overview ("No data available"); k3pipe's runs
+# are model-development runs, so the UI opens on them. The note is the experiment's description.
+EXPERIMENT_TAGS = {
+    "mlflow.experimentKind": "custom_model_development",
+    "mlflow.note.content": (
+        "k3pipe: inference-engine runs. One run per engine arm (nested: its workloads and repeats); a "
+        "study's parent run holds its arms and its report (report/report.html)."
+    ),
+}
+
+
+@functools.cache
+def source_tags() -> dict[str, str]:
+    """MLflow's source tags for every run: k3pipe as the source, its checkout's commit."""
+    commit = git_commit()
+    tags = {"mlflow.source.name": "k3pipe", "mlflow.source.type": "JOB"}
+    if commit != "unknown":
+        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
+    return tags
+
+
 class Tracker:
     """Records runs in MLflow (SQLite in K3PIPE_HOME by default, any tracking URI otherwise)."""
 
@@ -76,12 +99,24 @@ class Tracker:
         try:
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
-                location = artifact_root.resolve().as_uri() if artifact_root else None
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                # a local store keeps artifacts under K3PIPE_HOME; a tracking server decides itself
+                # (its proxied artifact store), so that no worker writes artifacts to its own disk
+                local = not tracking_uri.startswith(("http://", "https://", "databricks"))
+                location = artifact_root.resolve().as_uri() if artifact_root and local else None
+                self.experiment_id = self.client.create_experiment(
+                    experiment, artifact_location=location, tags=EXPERIMENT_TAGS
+                )
             else:
                 self.experiment_id = found.experiment_id
+                missing = {k: v for k, v in EXPERIMENT_TAGS.items() if k not in found.tags}
+                for key, value in missing.items():
+                    self.client.set_experiment_tag(self.experiment_id, key, value)
         except MlflowException as exc:
             raise TrackingError(f"MLflow at {tracking_uri} refused experiment {experiment!r}: {exc}") from exc
+
+    def describe(self, run_id: str, text: str) -> None:
+        """The run's description in the MLflow UI (Markdown), secrets scrubbed."""
+        self.set_tags(run_id, {"mlflow.note.content": text})
 
     def add_secret(self, value: str | None) -> None:
         """Register a secret value that must never be written."""
@@ -96,7 +131,7 @@ class Tracker:
     def start_run(
         self, name: str, tags: Mapping[str, str] | None = None, parent_id: str | None = None
     ) -> str:
-        all_tags = {k: self.scrub(str(v)) for k, v in (tags or {}).items()}
+        all_tags = {**source_tags(), **{k: self.scrub(str(v)) for k, v in (tags or {}).items()}}
         if parent_id:
             all_tags["mlflow.parentRunId"] = parent_id
         try:

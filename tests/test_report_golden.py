@@ -148,3 +148,31 @@ def test_the_report_renders_markdown_html_and_figures(report, tmp_path: Path) ->
     md = paths["markdown"].read_text()
     assert "| random-64k | 64,000 | end-to-end time" in md
     assert "Where the leader flips" in md
+
+
+def test_k3pipe_report_regenerates_it_from_mlflow_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    tracker = Tracker(
+        f"sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}", "k3pipe", tmp_path / "artifacts"
+    )
+    study = record_study(tracker)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["report", study[:8], "--out", str(out), "--attach"])
+    assert result.exit_code == 0, result.output
+    assert "random-200k" in result.output
+    assert "2 figure(s) flagged: see the report's checks" in result.output  # 1111.61 tok/s, and 3.29x
+    assert f"report: {out / 'report.html'}" in result.output
+    assert (out / "report.html").read_text().startswith("<!doctype html>")
+    attached = {a.path for a in tracker.client.list_artifacts(study, "report")}
+    assert "report/report.html" in attached
+    # not a study's run: the error names what to give instead
+    arm = tracker.children(study)[0].info.run_id
+    result = CliRunner().invoke(app, ["report", arm])
+    assert result.exit_code != 0
+    assert "is not a study's run" in result.output

@@ -165,6 +165,11 @@ def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: i
     arms = {r.data.tags["k3pipe.arm"]: r for r in tracker.children(study_run.info.run_id)}
     assert set(arms) == {"fast", "broken", "slow"}
     assert arms["broken"].info.status == "FAILED"
+    # what a person browsing MLflow reads: each run's description
+    note = arms["fast"].data.tags["mlflow.note.content"]
+    assert note.startswith("Arm **fast** of experiment **study-test**: vllm on launcher external")
+    assert "| in32 |" in note
+    assert "FAILED: " in arms["broken"].data.tags["mlflow.note.content"]
     # study -> arm -> workload -> repeat
     workloads = tracker.children(arms["fast"].info.run_id)
     assert sorted(w.data.tags["k3pipe.workload"] for w in workloads) == ["in32", "in96"]
@@ -173,6 +178,9 @@ def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: i
     artifacts = {a.path for a in tracker.client.list_artifacts(study_run.info.run_id, "report")}
     assert {"report/report.md", "report/report.html", "report/report.json"} <= artifacts
     assert Path(result["report"]["html"]).is_file()
+    study_note = tracker.client.get_run(study_run.info.run_id).data.tags["mlflow.note.content"]
+    assert study_note.startswith("Study of experiment **study-test**")
+    assert "- **TPOT p50**: fast leads at 32 tokens" in study_note
 
     # the same report again, from MLflow alone
     report = build_report(tracker, study_run.info.run_id[:10])

@@ -144,3 +144,28 @@ def test_frames_are_scrubbed_of_secrets(tracker: Tracker, tmp_path: Path) -> Non
     assert pd.isna(back["error"][1])
     assert back["n"].tolist() == [1, 2]
     assert frame["error"][0].endswith("sk-topsecret-value")  # the caller's frame is left alone
+
+
+def test_the_experiment_opens_on_its_runs_and_runs_say_where_they_came_from(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # an experiment made before k3pipe tagged its experiments gets the tags too
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=uri).create_experiment("older", artifact_location=(tmp_path / "a").as_uri())
+    for name in ("fresh", "older"):
+        tracker = Tracker(uri, name, tmp_path / "artifacts", secrets=["sk-topsecret-value"])
+        tags = tracker.client.get_experiment(tracker.experiment_id).tags
+        assert tags["mlflow.experimentKind"] == "custom_model_development"
+        assert tags["mlflow.note.content"].startswith("k3pipe: inference-engine runs")
+    fresh = Tracker(uri, "fresh", tmp_path / "artifacts")
+    assert (
+        fresh.client.get_experiment(fresh.experiment_id).artifact_location
+        == (tmp_path / "artifacts").resolve().as_uri()
+    )
+    run_id = fresh.start_run("exp/arm")
+    fresh.add_secret("sk-topsecret-value")
+    fresh.describe(run_id, "arm **a**: key sk-topsecret-value")
+    tags = fresh.client.get_run(run_id).data.tags
+    assert tags["mlflow.source.name"] == "k3pipe"
+    assert len(tags["mlflow.source.git.commit"]) == 40
+    assert tags["mlflow.note.content"] == "arm **a**: key ***"

@@ -43,6 +43,20 @@ class Report:
     def html(self) -> str:
         return to_html(self.document, self.figures)
 
+    def description(self) -> str:
+        """The study's run description in MLflow: its arms, the answer, where the report is."""
+        answer = next((s for s in self.document.sections if s.title == "The answer"), None)
+        lines = [
+            f"Study of experiment **{self.data.name}**: arms "
+            + ", ".join(f"{a.name} ({a.engine}, {a.status})" for a in self.data.arms)
+            + f"; workloads {', '.join(self.data.workloads())}.",
+            "",
+            *(f"- {b}" for b in (answer.blocks if answer else []) if isinstance(b, str)),
+            "",
+            "The whole report: artifacts `report/report.html` (self-contained) and `report/report.md`.",
+        ]
+        return "\n".join(lines)
+
     def results_table(self) -> Table:
         return next(
             b
@@ -121,4 +135,5 @@ def publish(tracker: Tracker, report: Report, out_dir: Path) -> dict[str, Path]:
     for path in [*paths.values(), *sorted((out_dir / "plots").glob("*.png"))]:
         sub = "report/plots" if path.parent.name == "plots" else "report"
         tracker.log_file(report.data.run_id, path, sub)
+    tracker.describe(report.data.run_id, report.description())
     return paths
