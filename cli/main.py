@@ -310,23 +310,65 @@ def preflight(
 
 
 @app.command()
-def runs(limit: Annotated[int, typer.Option(help="How many runs.")] = 20) -> None:
-    """Recent runs in MLflow with their key metrics."""
+def runs(
+    limit: Annotated[int, typer.Option(help="How many runs.")] = 20,
+    engine: Annotated[str | None, typer.Option(help="Only arms of this engine kind (vllm, sglang).")] = None,
+    model: Annotated[str | None, typer.Option(help="Only arms that served this model id.")] = None,
+    workload: Annotated[str | None, typer.Option(help="Only this workload's rows.")] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only runs started on or after this date (2026-12-01).")
+    ] = None,
+) -> None:
+    """Recent runs in MLflow with their key metrics (a study with its arms beneath it)."""
     import pandas as pd
 
     from k3pipe.tracking import Tracker
 
     settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    frame = tracker.recent_runs(limit)
+    try:
+        tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+        frame = tracker.recent_runs(limit, engine=engine, model=model, workload=workload, since=since)
+    except K3pipeError as exc:
+        _fail(exc)
+        return
     if frame.empty:
-        print(f"no runs yet in {settings.tracking_uri()}")
+        filtered = any((engine, model, workload, since))
+        print(f"no {'matching ' if filtered else ''}runs in {settings.tracking_uri()}")
         return
     runs_full_id = str(frame.iloc[0]["run_id"])
     frame["run_id"] = frame["run_id"].str[:12]
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(frame.round(2).to_string(index=False))
     print(f"\nbrowse: {tracker.run_link(runs_full_id)}")
+
+
+@app.command()
+def history(
+    metric: Annotated[
+        str, typer.Argument(help="A workload metric, e.g. ttft_ms_p50, output_throughput_tps.")
+    ],
+    workload: Annotated[str, typer.Option(help="The workload whose runs to follow.")],
+    arm: Annotated[str | None, typer.Option(help="Only this arm.")] = None,
+    engine: Annotated[str | None, typer.Option(help="Only arms of this engine kind.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also write the trend as a PNG here.")] = None,
+) -> None:
+    """A metric's trend across the runs, reruns and studies that measured a workload, oldest first."""
+    import pandas as pd
+
+    from k3pipe.history import metric_history, plot_history
+
+    settings = Settings()
+    try:
+        frame = metric_history(_tracker(settings), metric, workload, arm=arm, engine=engine)
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+    shown = frame.assign(run_id=frame["run_id"].str[:12])
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(shown.round(2).to_string(index=False))
+    if plot is not None:
+        plot.write_bytes(plot_history(frame, metric, workload))
+        print(f"plot: {plot}")
 
 
 @app.command("compare")

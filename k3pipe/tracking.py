@@ -248,19 +248,47 @@ class Tracker:
             return f"{base}/#/experiments/{self.experiment_id}/runs/{run_id}"
         return f"mlflow ui --backend-store-uri {self.tracking_uri}  (then open run {run_id})"
 
-    def recent_runs(self, limit: int = 20) -> pd.DataFrame:
+    def recent_runs(
+        self,
+        limit: int = 20,
+        *,
+        engine: str | None = None,
+        model: str | None = None,
+        workload: str | None = None,
+        since: str | None = None,
+    ) -> pd.DataFrame:
         """Recent engine runs, newest first: one row per (run, workload) with the key metrics.
 
         Columns: run_id, name, status, start, cold_start_s, workload, then the workload's key
         metrics (ttft_ms_p50, tpot_ms_p50, e2e_ms_p50, output_throughput_tps, failed). A run that
         recorded no workload has one row with an empty workload. A study's run has one row
         (workload ``(study)``), followed by its arms' rows (their names indented).
+
+        Filters (all optional, combined): ``engine`` (an arm's engine kind), ``model`` (the model id
+        it served), ``workload`` (rows of that workload only), ``since`` (runs started on or after
+        this date or time, e.g. ``2026-12-01``); with a filter, ``limit`` counts matching runs.
         """
+        filters = []
+        if since:
+            try:
+                start_ms = int(pd.Timestamp(since).timestamp() * 1000)
+            except ValueError as exc:
+                raise TrackingError(f"--since {since!r} is not a date or time (e.g. 2026-12-01)") from exc
+            filters.append(f"attributes.start_time >= {start_ms}")
         runs = self.client.search_runs(
             [self.experiment_id],
+            filter_string=" and ".join(filters),
             order_by=["attributes.start_time DESC"],
-            max_results=limit * 10,
+            max_results=max(limit * 10, 1000) if (engine or model or workload) else limit * 10,
         )
+
+        def wanted(run: Any) -> bool:
+            if engine and run.data.tags.get("k3pipe.engine") != engine:
+                return False
+            return not (
+                model and model not in (run.data.params.get("model_id"), run.data.params.get("model.id"))
+            )
+
         rows: list[dict[str, Any]] = []
         seen = 0
         for run in runs:
@@ -271,12 +299,21 @@ class Tracker:
                 break
             if run.data.tags.get("k3pipe.kind") == "study":
                 # a study: its own row, then its arms (nested runs) each as the runs they are
-                rows.append({**self._run_base(run), "workload": "(study)"})
                 arms = sorted(self.children(run.info.run_id), key=lambda r: r.info.start_time)
-                for arm in arms:
-                    rows.extend(self._run_rows(arm, indent="  "))
+                found = [row for arm in arms if wanted(arm) for row in self._run_rows(arm, indent="  ")]
+                found = [r for r in found if not workload or r["workload"] == workload]
+                if not found and (engine or model or workload):
+                    seen -= 1
+                    continue
+                rows.append({**self._run_base(run), "workload": "(study)"})
+                rows.extend(found)
                 continue
-            rows.extend(self._run_rows(run))
+            found = self._run_rows(run) if wanted(run) else []
+            found = [r for r in found if not workload or r["workload"] == workload]
+            if not found:
+                seen -= 1
+                continue
+            rows.extend(found)
         return pd.DataFrame(rows)
 
     @staticmethod
