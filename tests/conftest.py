@@ -209,6 +209,7 @@ UNIT_MODULES = frozenset(
         "tests/test_golden_study.py",
         "tests/test_health.py",
         "tests/test_metrics.py",
+        "tests/test_report.py",
         "tests/test_specs.py",
     }
 )

@@ -77,6 +77,9 @@ TABLE_METRICS: tuple[Metric, ...] = (
     Metric("itl_ms_p50", "ITL p50", "ms", higher_is_better=False),
 )
 _BY_KEY = {m.key: m for m in TABLE_METRICS}
+_CLIENT_TIMING = ("tpot_ms_p50", "itl_ms_p50")
+"""The client's per-token timing: not about decoding when the stream came in bursts (see
+k3pipe.bench.summary.timing_note), so such a cell is shown as 'bursty' and not ranked."""
 
 
 @dataclass
@@ -120,6 +123,8 @@ class Row:
     ratio: float | None = None
     """The leader's advantage over the runner-up, >= 1."""
     verdicts: list[PairVerdict] = field(default_factory=list)
+    bursty: set[str] = field(default_factory=set)
+    """Arms whose client timing was bursty in this workload (their TPOT/ITL are not ranked)."""
 
 
 @dataclass(frozen=True)
@@ -242,11 +247,21 @@ def _rows(data: StudyData, arms: list[str]) -> list[Row]:
         if not cells:
             continue
         for metric in TABLE_METRICS:
-            have = {c.arm: RepeatStats.of(c.values[metric.key]) for c in cells if c.values.get(metric.key)}
-            if not have:
+            bursty = {
+                c.arm
+                for c in cells
+                if metric.key in _CLIENT_TIMING and (c.mean("client_timing_bursty") or 0) > 0
+            }
+            have = {
+                c.arm: RepeatStats.of(c.values[metric.key])
+                for c in cells
+                if c.values.get(metric.key) and c.arm not in bursty
+            }
+            if not have and not bursty:
                 continue
-            row = Row(workload, cells[0].input_tokens, metric, have)
-            if len(have) >= 2:
+            row = Row(workload, cells[0].input_tokens, metric, have, bursty=bursty)
+            # a zero (a figure that could not be measured) has no ratio: nothing is ranked against it
+            if len(have) >= 2 and all(s.mean > 0 for s in have.values()):
                 ranked = sorted(have, key=lambda a: have[a].mean, reverse=metric.higher_is_better)
                 row.leader = ranked[0]
                 best, second = have[ranked[0]].mean, have[ranked[1]].mean

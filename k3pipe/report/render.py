@@ -120,7 +120,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
                 r.workload,
                 f"{r.input_tokens:,}",
                 f"{r.metric.label} ({r.metric.unit}, {_direction(r.metric.higher_is_better)})",
-                *(_cell(r.cells.get(a)) for a in arms),
+                *("bursty" if a in r.bursty else _cell(r.cells.get(a)) for a in arms),
                 r.leader or "-",
                 f"{r.ratio:.2f}x" if r.ratio is not None else "-",
                 verdicts,
@@ -131,7 +131,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             "Results",
             [
                 "Each cell: the mean over the workload's repeats, with its 95% confidence interval in "
-                "brackets when there are repeats. Ratio: the leader over the runner-up.",
+                "brackets when there are repeats. Ratio: the leader over the runner-up. 'bursty': the "
+                "client's stream came in bursts, so its TPOT and ITL timed delivery, not decoding (the "
+                "engine's own figures are in the arm's MLflow run); such a cell is not ranked.",
                 results,
             ],
         )
