@@ -43,18 +43,32 @@ def render(
     from k3pipe.experiment import load_experiment
     from k3pipe.plan import plan_arm
     from k3pipe.study import describe_study
+    from k3pipe.variants import changes, resolve
 
     try:
         spec = load_experiment(experiment)
         home = Settings().home_dir
         if not arm:
             print("\n".join(f"# {line}" for line in describe_study(spec)), end="\n\n")
-        for a in spec.arms:
+        targets = [(spec, a, "") for a in spec.arms]
+        for variant in spec.variants:
+            varied = resolve(spec, variant.name)
+            targets += [(varied, a, variant.name) for a in varied.arms]
+        shown_variant = None
+        for exp, a, variant_name in targets:
             if arm and a.name != arm:
                 continue
-            plan = plan_arm(spec, a, home)
+            if variant_name and variant_name != shown_variant:
+                shown_variant = variant_name
+                chosen = next(x for x in spec.variants if x.name == variant_name)
+                print(f"# ===== variant {chosen.name}: {chosen.description or '(no description)'}")
+                for line in changes(spec, chosen.name):
+                    print(f"#   {line}")
+                print()
+            plan = plan_arm(exp, a, home)
             print(
-                f"# arm {a.name}: engine {plan.engine}, launcher {plan.launcher}"
+                f"# arm {a.name}{f' (variant {variant_name})' if variant_name else ''}: "
+                f"engine {plan.engine}, launcher {plan.launcher}"
                 + (f", image {plan.image}" if plan.image else "")
             )
             print("# environment")
@@ -272,9 +286,14 @@ def preflight(
             weight_bytes: int | None = int(weights_gib * 2**30)
         else:
             weight_bytes = safetensors_bytes(config_path if config_path.is_dir() else model_dir)
-        findings = run_preflight(
-            spec, {"model": config} if config is not None else None, weight_bytes=weight_bytes
-        )
+        configs = {"model": config} if config is not None else None
+        findings = run_preflight(spec, configs, weight_bytes=weight_bytes)
+        from k3pipe.variants import resolve
+
+        for v in spec.variants:
+            for f in run_preflight(resolve(spec, v.name), configs, weight_bytes=weight_bytes):
+                if f.arm is not None:  # the experiment-wide findings are the baseline's too
+                    findings.append(f.model_copy(update={"arm": f"{f.arm}@{v.name}"}))
     except K3pipeError as exc:
         _fail(exc)
         return
@@ -286,6 +305,11 @@ def preflight(
     )
     groups: list[tuple[str, str | None]] = [("experiment", None)] + [
         (f"arm {a.name} ({a.engine.kind})", a.name) for a in spec.arms
+    ]
+    groups += [
+        (f"arm {a} of variant {v.name} ({spec.arm(a).engine.kind})", f"{a}@{v.name}")
+        for v in spec.variants
+        for a in v.arms
     ]
     for title, arm_name in groups:
         mine = [f for f in findings if f.arm == arm_name]

@@ -19,6 +19,7 @@ from k3pipe.errors import SpecError
 from k3pipe.launchers.kinds import LauncherSpec, ProcessLauncherSpec
 
 __all__ = [
+    "ArmOverride",
     "ArmSpec",
     "DatasetSpec",
     "DocumentsDataset",
@@ -34,6 +35,7 @@ __all__ = [
     "SLOSpec",
     "ShareGPTDataset",
     "SharedPrefixDataset",
+    "VariantSpec",
     "WorkloadSpec",
     "expand_home",
 ]
@@ -353,6 +355,36 @@ class WorkloadSpec(_Spec):
         return self
 
 
+class ArmOverride(_Spec):
+    """What a variant changes in one arm: engine arguments and environment laid over the arm's
+    (a null value removes the key), and optionally its image or declared version."""
+
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Engine arguments over the arm's (null removes one)."
+    )
+    env: dict[str, str | None] = Field(
+        default_factory=dict, description="Engine environment over the arm's (null removes one)."
+    )
+    image: str | None = Field(default=None, description="Another image (docker launcher).")
+    version: str | None = Field(default=None, description="Another declared engine version.")
+
+
+class VariantSpec(_Spec):
+    """A named change against the experiment (its baseline): some arms' engine settings and/or every
+    workload's fields. A variant is run as the experiment restricted to the arms it names, changed
+    so, and compared workload by workload with the baseline's same arms."""
+
+    name: str = Field(description="Variant name, unique among variants and arms.")
+    description: str = Field(default="", description="What the variant tests (the checklist item).")
+    arms: dict[str, ArmOverride] = Field(
+        min_length=1, description="The arms the variant runs, each with its changes ({} for none)."
+    )
+    workloads: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Workload fields laid over every workload's (e.g. dataset, input_tokens).",
+    )
+
+
 class ExperimentSpec(_Spec):
     """A whole study: model, engine arms and workloads."""
 
@@ -368,16 +400,29 @@ class ExperimentSpec(_Spec):
     )
     arms: list[ArmSpec] = Field(min_length=1, description="Engine configurations to run.")
     workloads: list[WorkloadSpec] = Field(min_length=1, description="Workloads each arm runs.")
+    variants: list[VariantSpec] = Field(
+        default_factory=list,
+        description="Named changes against this baseline (k3pipe.variants resolves each to an experiment).",
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> ExperimentSpec:
         for label, names in (
             ("arms", [a.name for a in self.arms]),
             ("workloads", [w.name for w in self.workloads]),
+            ("variants and arms", [v.name for v in self.variants] + [a.name for a in self.arms]),
         ):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{label} names must be unique; repeated: {', '.join(dupes)}")
+        arms = {a.name for a in self.arms}
+        for v in self.variants:
+            unknown = sorted(set(v.arms) - arms)
+            if unknown:
+                raise ValueError(
+                    f"variant {v.name!r} names arm(s) {', '.join(unknown)} that the experiment does not "
+                    f"have; its arms: {', '.join(sorted(arms))}"
+                )
         return self
 
     def arm(self, name: str) -> ArmSpec:

@@ -211,6 +211,7 @@ UNIT_MODULES = frozenset(
         "tests/test_metrics.py",
         "tests/test_report.py",
         "tests/test_specs.py",
+        "tests/test_variants.py",
     }
 )
 

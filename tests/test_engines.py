@@ -103,3 +103,21 @@ def test_redaction() -> None:
     assert "--max-num-batched-tokens 32768" in shell
     assert "VLLM_ENGINE_READY_TIMEOUT_S=3600" in shell
     assert cmd.redacted_env()["HF_TOKEN"] == "***"
+
+
+def test_which_names_carry_secrets() -> None:
+    from k3pipe.engines.base import is_secret_name
+
+    for name in (
+        "VLLM_API_KEY",
+        "--api-key",
+        "HF_TOKEN",
+        "hf-token",
+        "MY_PASSWORD",
+        "db_secret_path",
+        "APIKEY",
+    ):
+        assert is_secret_name(name), name
+    # 'token' or 'key' inside a setting's name is not a secret: the value must show in the launch
+    for name in ("long_prefill_token_threshold", "--max-num-batched-tokens", "key_cache_dtype", "tp_size"):
+        assert not is_secret_name(name), name

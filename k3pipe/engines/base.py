@@ -42,14 +42,18 @@ __all__ = [
     "render_args",
 ]
 
-_SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
+_SECRET_WORDS = {"apikey", "secret", "password", "passwd", "credential", "credentials"}
+# 'key' and 'token' name a secret only as the last word (HF_TOKEN, --api-key, access_token), not
+# inside a setting's name (--long-prefill-token-threshold, key_cache_dtype)
+_SECRET_LAST_WORDS = {"key", "keys", "token"}
 _PLACEHOLDER = re.compile(r"\{(model|models\.[A-Za-z0-9_-]+)\}")
 REDACTED = "***"
 
 
 def is_secret_name(name: str) -> bool:
     """Whether an environment variable or flag name looks like it carries a secret."""
-    return any(word in _SECRET_WORDS for word in re.split(r"[-_.]+", name.lower()))
+    words = [w for w in re.split(r"[-_.]+", name.lower()) if w]
+    return any(word in _SECRET_WORDS for word in words) or bool(words and words[-1] in _SECRET_LAST_WORDS)
 
 
 def _flag(key: str) -> str:
