@@ -1,4 +1,5 @@
-"""The k3pipe command line: render, preflight, run, rerun, runs, compare, bundle."""
+"""The k3pipe command line: render, preflight, run, study, retest, report, rerun, runs, history, compare,
+bundle."""
 
 from __future__ import annotations
 
@@ -148,6 +149,47 @@ def study(
         raise typer.Exit(1)
 
 
+@app.command()
+def retest(
+    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file with `variants:`.")],
+    variant: Annotated[
+        list[str] | None, typer.Option(help="Only these variants (repeatable; default: all of them).")
+    ] = None,
+) -> None:
+    """Run the baseline and each variant as studies under one MLflow run, then judge every variant
+    against the baseline (better, worse, or no difference within noise, with the CI of the change).
+    Exit 1 when a study failed (the report judges the others)."""
+    from k3pipe.experiment import load_experiment
+    from k3pipe.retest import retest_targets
+
+    settings = Settings()
+    try:
+        retest_targets(load_experiment(experiment), variant)  # a bad file or name fails here
+    except K3pipeError as exc:
+        _fail(exc)
+    prepare_prefect_env(settings)
+    from flows.retest import VariantsFailed
+    from flows.retest import retest as retest_flow
+
+    failed = None
+    try:
+        result = _run_flow(
+            lambda: retest_flow(str(experiment), variants=variant or None), keep=VariantsFailed
+        )
+    except VariantsFailed as exc:
+        failed, result = exc, exc.result
+    from k3pipe.report.retest import build_retest_report
+
+    print(build_retest_report(_tracker(settings), result["retest_run_id"]).text())
+    for label, s in result["studies"].items():
+        print(f"{label}: study run id {s['study_run_id']}")
+    print(f"retest: MLflow run id {result['retest_run_id']}")
+    print(f"report: {result['report']['html']} (Markdown: {result['report']['markdown']})")
+    if failed is not None:
+        typer.secho(f"error: {failed}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+
+
 def _tracker(settings: Settings) -> Any:
     from k3pipe.tracking import Tracker
 
@@ -168,7 +210,9 @@ def _print_study(settings: Settings, result: dict) -> None:
 
 @app.command()
 def report(
-    study_run: Annotated[str, typer.Argument(help="A study's MLflow run id (a unique prefix will do).")],
+    study_run: Annotated[
+        str, typer.Argument(help="A study's or a retest's MLflow run id (a unique prefix will do).")
+    ],
     out: Annotated[
         Path | None,
         typer.Option(
@@ -179,13 +223,19 @@ def report(
         bool, typer.Option(help="Also attach the regenerated report to the study's run.")
     ] = False,
 ) -> None:
-    """Regenerate a study's report from MLflow alone: print its table, write Markdown and HTML."""
+    """Regenerate a study's (or a retest's) report from MLflow alone: print its table, write
+    Markdown and HTML."""
     from flows.study import report_dir
+    from k3pipe.compare import find_run
     from k3pipe.report import build_report, publish
+    from k3pipe.report.retest import RETEST_KIND
 
     settings = Settings()
     try:
         tracker = _tracker(settings)
+        if find_run(tracker, study_run).data.tags.get("k3pipe.kind") == RETEST_KIND:
+            _retest_report(settings, tracker, study_run, out, attach)
+            return
         rep = build_report(tracker, study_run)
         target = out or report_dir(settings, rep.data.name, rep.data.run_id)
         paths = publish(tracker, rep, target) if attach else rep.write(target)
@@ -198,6 +248,17 @@ def report(
     ]
     if flagged:
         typer.secho(f"{len(flagged)} figure(s) flagged: see the report's checks", fg=typer.colors.YELLOW)
+    print(f"report: {paths['html']} (Markdown: {paths['markdown']})")
+
+
+def _retest_report(settings: Settings, tracker: Any, ref: str, out: Path | None, attach: bool) -> None:
+    from flows.retest import retest_dir
+    from k3pipe.report.retest import build_retest_report, publish_retest
+
+    rep = build_retest_report(tracker, ref)
+    target = out or retest_dir(settings, rep.data.name, rep.data.run_id)
+    paths = publish_retest(tracker, rep, target) if attach else rep.write(target)
+    print(rep.text())
     print(f"report: {paths['html']} (Markdown: {paths['markdown']})")
 
 

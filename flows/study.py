@@ -22,9 +22,12 @@ from flows.benchmark import (
     _steps,
     _stop_on_errors,
 )
+from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError
 from k3pipe.settings import Settings
+from k3pipe.sources import ModelRecord
+from k3pipe.specs import ExperimentSpec
 from k3pipe.speculation import speculation_setting
 from k3pipe.study import Study, StudySteps, start_study
 from k3pipe.tracking import Tracker
@@ -52,21 +55,25 @@ def report_dir(settings: Settings, experiment: str, run_id: str) -> Path:
     return settings.home_dir / "reports" / f"{experiment}-{run_id[:8]}"
 
 
-@flow(name="study")
-def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | None = None) -> dict[str, Any]:
-    """Every arm (or the named ``arms``) of the experiment on every workload, under one MLflow run;
-    the report at the end. An arm that fails is recorded and the others still run; the flow then
-    fails after the report, naming it."""
+def run_study(
+    spec: ExperimentSpec,
+    experiment: str,
+    selected: list[str],
+    tracker: Tracker,
+    settings: Settings,
+    *,
+    parent_run_id: str | None = None,
+    tags: dict[str, str] | None = None,
+    models: dict[str, ModelRecord] | None = None,
+    prompts: dict[str, list[PromptSet]] | None = None,
+) -> dict[str, Any]:
+    """The study of ``spec``'s ``selected`` arms inside a flow: its run (nested under
+    ``parent_run_id`` when given), preflight, the first model and the prompts (unless given), the
+    arms, the report. Raises :class:`ArmsFailed` after the report when an arm failed."""
     logger = get_run_logger()
-    settings = Settings()
     home = settings.home_dir
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    spec = load_experiment_task(experiment)
-    selected = arms or [a.name for a in spec.arms]
-    for name in selected:
-        spec.arm(name)  # unknown arm names fail before anything starts
-    tags = {"prefect.flow_run_id": _flow_run_id()}
-    run_id = start_study(tracker, spec, experiment, tags)
+    tags = {"prefect.flow_run_id": _flow_run_id(), **(tags or {})}
+    run_id = start_study(tracker, spec, experiment, tags, parent_id=parent_run_id)
     logger.info("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(selected))
     try:
         _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker, run_id)
@@ -74,15 +81,16 @@ def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | Non
             reap_orphans_task(_flow_run_is_running)
         # the first model now (the prompts are drawn with its tokenizer); the others in the background
         began = time.perf_counter()
-        models = {"model": fetch_model_task("model", spec.model, home)}
+        models = dict(models) if models else {"model": fetch_model_task("model", spec.model, home)}
         findings = preflight_task(spec, "model", models["model"].path)
         _stop_on_errors(findings, spec, selected, tracker, run_id)
-        try:
-            prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
-        except BenchmarkError as exc:
-            dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
-            _stop_on_errors([dataset_error], spec, selected, tracker, run_id)
-            raise
+        if prompts is None:
+            try:
+                prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
+            except BenchmarkError as exc:
+                dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
+                _stop_on_errors([dataset_error], spec, selected, tracker, run_id)
+                raise
         before = time.perf_counter() - began
     except BaseException:
         tracker.end_run(run_id, "FAILED")
@@ -117,6 +125,20 @@ def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | Non
             result,
         )
     return result
+
+
+@flow(name="study")
+def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | None = None) -> dict[str, Any]:
+    """Every arm (or the named ``arms``) of the experiment on every workload, under one MLflow run;
+    the report at the end. An arm that fails is recorded and the others still run; the flow then
+    fails after the report, naming it."""
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    spec = load_experiment_task(experiment)
+    selected = arms or [a.name for a in spec.arms]
+    for name in selected:
+        spec.arm(name)  # unknown arm names fail before anything starts
+    return run_study(spec, experiment, selected, tracker, settings)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class _Spec(BaseModel):
@@ -374,7 +375,10 @@ class VariantSpec(_Spec):
     workload's fields. A variant is run as the experiment restricted to the arms it names, changed
     so, and compared workload by workload with the baseline's same arms."""
 
-    name: str = Field(description="Variant name, unique among variants and arms.")
+    name: str = Field(
+        description="Variant name, unique among variants and arms: letters, digits, '-', '_' and '.' "
+        "(it names MLflow runs and metrics); 'baseline' is the retest's name for the experiment itself.",
+    )
     description: str = Field(default="", description="What the variant tests (the checklist item).")
     arms: dict[str, ArmOverride] = Field(
         min_length=1, description="The arms the variant runs, each with its changes ({} for none)."
@@ -383,6 +387,19 @@ class VariantSpec(_Spec):
         default_factory=dict,
         description="Workload fields laid over every workload's (e.g. dataset, input_tokens).",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        if not _VARIANT_NAME.match(value):
+            raise ValueError(
+                f"variant name {value!r} must start with a letter or digit and hold only letters, digits, "
+                "'-', '_' and '.' (it names MLflow runs and metrics)"
+            )
+        if value == "baseline":
+            raise ValueError("'baseline' is the retest's name for the experiment itself: name the variant "
+                             "after what it changes")
+        return value
 
 
 class ExperimentSpec(_Spec):

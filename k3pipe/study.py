@@ -103,12 +103,18 @@ class StudySteps:
 
 
 def start_study(
-    tracker: Tracker, spec: ExperimentSpec, experiment_file: str, tags: Mapping[str, str] | None = None
+    tracker: Tracker,
+    spec: ExperimentSpec,
+    experiment_file: str,
+    tags: Mapping[str, str] | None = None,
+    parent_id: str | None = None,
 ) -> str:
-    """The study's parent run: its experiment, arms and workloads."""
+    """The study's parent run: its experiment, arms and workloads (nested under ``parent_id``, a
+    retest's run, when given)."""
     run_id = tracker.start_run(
         f"study/{spec.name}",
         tags={"k3pipe.kind": STUDY_KIND, "k3pipe.experiment": spec.name, **(tags or {})},
+        parent_id=parent_id,
     )
     tracker.log_params(
         run_id,

@@ -26,6 +26,7 @@ from k3pipe.node import NodeInfo
 from k3pipe.plan import ArmPlan
 from k3pipe.preflight import preflight
 from k3pipe.report import build_report, publish
+from k3pipe.report.retest import build_retest_report, publish_retest
 from k3pipe.rerun import RerunInputs, restore, verdict
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
@@ -273,5 +274,25 @@ def report_task(tracker: Tracker, study_run_id: str, out_dir: Path) -> dict[str,
             "%s %s: %s %.1f tok/s is above its physical ceiling %.1f tok/s",
             flag.arm, flag.workload, flag.figure, flag.claimed_tps, flag.ceiling_tps,
         )  # fmt: skip
+    logger.info("report: %s (HTML: %s)", paths["markdown"], paths["html"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+@task(name="retest-report", cache_policy=NO_CACHE)
+def retest_report_task(tracker: Tracker, retest_run_id: str, out_dir: Path) -> dict[str, str]:
+    """The retest's report (each variant against the baseline) from MLflow, written under
+    ``out_dir``, attached to the retest's run, and published as Prefect artifacts."""
+    logger = get_run_logger()
+    report = build_retest_report(tracker, retest_run_id)
+    paths = publish_retest(tracker, report, out_dir)
+    create_markdown_artifact(
+        markdown=report.markdown, key="retest-report", description=f"{report.data.name}: the retest's report"
+    )
+    rows = report.table_rows()
+    if rows:
+        create_table_artifact(
+            table=rows, key="retest-verdicts", description=f"{report.data.name}: each variant's verdicts"
+        )
+    logger.info("retest verdicts:\n%s", report.text())
     logger.info("report: %s (HTML: %s)", paths["markdown"], paths["html"])
     return {k: str(v) for k, v in paths.items()}

@@ -210,6 +210,7 @@ UNIT_MODULES = frozenset(
         "tests/test_health.py",
         "tests/test_metrics.py",
         "tests/test_report.py",
+        "tests/test_report_retest.py",
         "tests/test_specs.py",
         "tests/test_variants.py",
     }

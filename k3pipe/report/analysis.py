@@ -46,6 +46,8 @@ __all__ = [
     "Row",
     "analyse",
     "holm",
+    "ratio_interval",
+    "welch",
 ]
 
 ALPHA = 0.05
@@ -202,7 +204,7 @@ def holm(p_values: Sequence[float]) -> list[float]:
     return adjusted
 
 
-def _ratio_interval(a: RepeatStats, b: RepeatStats) -> tuple[float, float] | None:
+def ratio_interval(a: RepeatStats, b: RepeatStats) -> tuple[float, float] | None:
     """95% interval of mean_b / mean_a by the delta method on log(mean_b / mean_a)."""
     if a.n < 2 or b.n < 2 or a.std is None or b.std is None or a.mean <= 0 or b.mean <= 0:
         return None
@@ -218,7 +220,7 @@ def _ratio_interval(a: RepeatStats, b: RepeatStats) -> tuple[float, float] | Non
     return (math.exp(centre - half), math.exp(centre + half))
 
 
-def _welch(a: Sequence[float], b: Sequence[float]) -> float | None:
+def welch(a: Sequence[float], b: Sequence[float]) -> float | None:
     if len(a) < 2 or len(b) < 2:
         return None
     if np.std(a) == 0 and np.std(b) == 0:
@@ -233,11 +235,11 @@ def _verdict(
     leader, lead, other, trail = (arm_x, x, arm_y, y) if lead_x else (arm_y, y, arm_x, x)
     if metric.higher_is_better:
         ratio = lead.mean / trail.mean if trail.mean else math.inf
-        ci = _ratio_interval(trail, lead)
+        ci = ratio_interval(trail, lead)
     else:
         ratio = trail.mean / lead.mean if lead.mean else math.inf
-        ci = _ratio_interval(lead, trail)
-    return PairVerdict(workload, metric.key, leader, other, ratio, ci, _welch(lead.values, trail.values))
+        ci = ratio_interval(lead, trail)
+    return PairVerdict(workload, metric.key, leader, other, ratio, ci, welch(lead.values, trail.values))
 
 
 def _rows(data: StudyData, arms: list[str]) -> list[Row]:

@@ -13,7 +13,7 @@ from k3pipe.bench.repeats import RepeatStats
 from k3pipe.report.analysis import ALPHA, Analysis
 from k3pipe.report.collect import StudyData
 
-__all__ = ["Document", "Table", "build_document", "to_html", "to_markdown"]
+__all__ = ["Document", "Section", "Table", "build_document", "cell_text", "num", "to_html", "to_markdown"]
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Document:
     """File name -> caption."""
 
 
-def _num(v: float | None, digits: int = 1) -> str:
+def num(v: float | None, digits: int = 1) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if math.isinf(v):
@@ -49,12 +49,12 @@ def _num(v: float | None, digits: int = 1) -> str:
     return f"{v:,.{digits}f}"
 
 
-def _cell(s: RepeatStats | None) -> str:
+def cell_text(s: RepeatStats | None) -> str:
     if s is None:
         return "-"
     if s.ci_low is None or s.ci_high is None:
-        return _num(s.mean)
-    return f"{_num(s.mean)} [{_num(s.ci_low)}, {_num(s.ci_high)}]"
+        return num(s.mean)
+    return f"{num(s.mean)} [{num(s.ci_low)}, {num(s.ci_high)}]"
 
 
 def _direction(higher: bool) -> str:
@@ -120,7 +120,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
                 r.workload,
                 f"{r.input_tokens:,}",
                 f"{r.metric.label} ({r.metric.unit}, {_direction(r.metric.higher_is_better)})",
-                *("bursty" if a in r.bursty else _cell(r.cells.get(a)) for a in arms),
+                *("bursty" if a in r.bursty else cell_text(r.cells.get(a)) for a in arms),
                 r.leader or "-",
                 f"{r.ratio:.2f}x" if r.ratio is not None else "-",
                 verdicts,
@@ -176,7 +176,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
     for i, b in enumerate(analysis.bounds):
         status = "IMPOSSIBLE: above the ceiling" if b.exceeds else ("ok" if b.ceiling_tps else "-")
         bounds.rows.append(
-            [b.arm, b.workload, b.figure, _num(b.claimed_tps), _num(b.ceiling_tps),
+            [b.arm, b.workload, b.figure, num(b.claimed_tps), num(b.ceiling_tps),
              f"{b.ratio:.2f}" if b.ratio is not None else "-", status, b.basis]
         )  # fmt: skip
         if b.exceeds:
@@ -193,7 +193,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         claims = Table(["published figure", "published", "the inputs give", "check", "how"], [])
         for i, c in enumerate(analysis.claims):
             claims.rows.append(
-                [c.what, f"{c.published:g}", _num(c.computed, 2),
+                [c.what, f"{c.published:g}", num(c.computed, 2),
                  "follows" if c.follows else "DOES NOT FOLLOW from the study's own inputs", c.basis]
             )  # fmt: skip
             if not c.follows:
@@ -203,7 +203,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
     cold = Table(["arm", "cold start (s)", "phases (s)"], [])
     for a in data.arms:
         phases = ", ".join(f"{p} {s:.1f}" for p, s in sorted(a.phases.items(), key=lambda kv: -kv[1])) or "-"
-        cold.rows.append([a.name, _num(a.cold_start_s), phases])
+        cold.rows.append([a.name, num(a.cold_start_s), phases])
     sections.append(Section("Cold start", [cold]))
 
     spec = Table(
@@ -217,7 +217,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             if length is None and rate is None and a.log_spec_accept_length is None:
                 continue
             spec.rows.append(
-                [a.name, cell.workload, _num(length, 2), _num(rate, 3), _num(a.log_spec_accept_length, 2)]
+                [a.name, cell.workload, num(length, 2), num(rate, 3), num(a.log_spec_accept_length, 2)]
             )
     sections.append(
         Section(
@@ -241,14 +241,14 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         stage_names = sorted({s for a in data.arms for s in a.stages})
         stages = Table(["arm", *(f"{s} (s)" for s in stage_names)], [])
         for a in data.arms:
-            stages.rows.append([a.name, *(_num(a.stages.get(s)) for s in stage_names)])
+            stages.rows.append([a.name, *(num(a.stages.get(s)) for s in stage_names)])
         m = data.metrics
         sections.append(
             Section(
                 "Where the study's time went",
-                [stages, f"Wall time {_num(m.get('study.wall_s'))} s; the stages one after another would "
-                 f"take {_num(m.get('study.sequential_s'))} s; overlap (the next arm's inputs fetched "
-                 f"while one arm ran) saved {_num(m.get('study.overlap_saved_s'))} s."],
+                [stages, f"Wall time {num(m.get('study.wall_s'))} s; the stages one after another would "
+                 f"take {num(m.get('study.sequential_s'))} s; overlap (the next arm's inputs fetched "
+                 f"while one arm ran) saved {num(m.get('study.overlap_saved_s'))} s."],
             )
         )  # fmt: skip
 

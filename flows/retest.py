@@ -1,0 +1,111 @@
+"""The retest flow: an experiment's baseline and its variants (the study's checklist as code), each
+run as a study nested under one parent MLflow run, then every variant judged against the baseline
+(better, worse, or no difference within noise, with the 95% interval of the change), the report on
+the retest's run and as Prefect artifacts.
+
+prefect: python -m flows.retest experiments/demo-retest.yaml   (or `k3pipe retest`, or the deployment)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.benchmark import _flow_run_id, _stop_on_errors
+from flows.study import ArmsFailed, run_study
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
+from k3pipe.settings import Settings
+from k3pipe.tracking import Tracker
+from tasks.steps import (
+    fetch_model_task,
+    load_experiment_task,
+    preflight_task,
+    prepare_prompts_task,
+    retest_report_task,
+)
+
+
+class VariantsFailed(RuntimeError):
+    """Some study of the retest did not finish; raised after the report (``result`` is the flow's)."""
+
+    def __init__(self, message: str, result: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def retest_dir(settings: Settings, experiment: str, run_id: str) -> Path:
+    """Where a retest's report is written on this machine."""
+    return settings.home_dir / "reports" / f"{experiment}-retest-{run_id[:8]}"
+
+
+@flow(name="retest")
+def retest(
+    experiment: str = "experiments/demo-retest.yaml", variants: list[str] | None = None
+) -> dict[str, Any]:
+    """The baseline, then each variant (all of the experiment's, or the named ``variants``), each a
+    study under the retest's MLflow run; then the verdicts. A study that fails is recorded and the
+    others still run; the flow then fails after the report, naming it."""
+    logger = get_run_logger()
+    settings = Settings()
+    home = settings.home_dir
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    spec = load_experiment_task(experiment)
+    targets = retest_targets(spec, variants)
+    run_id = start_retest(tracker, spec, experiment, targets, {"prefect.flow_run_id": _flow_run_id()})
+    logger.info("%s\nMLflow run of the retest: %s", "\n".join(describe_retest(spec, variants)), run_id)
+    studies: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    status = "KILLED"
+    try:
+        # every study's own checks before anything is fetched or launched: a variant that cannot run
+        # must not be found out after the baseline's hours
+        for t in targets:
+            arms = [a.name for a in t.spec.arms]
+            _stop_on_errors(preflight_task(t.spec, "spec"), t.spec, arms, tracker, run_id)
+        model = fetch_model_task("model", spec.model, home)
+        prompts: dict[str, dict[str, list[PromptSet]]] = {}
+        for t in targets:
+            key = workloads_key(t.spec)
+            try:
+                if key not in prompts:
+                    prompts[key] = prepare_prompts_task(t.spec, Path(model.path), home)
+                studies[t.label] = run_study(
+                    t.spec, experiment, [a.name for a in t.spec.arms], tracker, settings,
+                    parent_run_id=run_id, tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
+                    models={"model": model}, prompts=prompts[key],
+                )  # fmt: skip
+            except ArmsFailed as exc:
+                studies[t.label] = exc.result
+                failed[t.label] = str(exc)
+            except Exception as exc:  # this study could not run: the others still can
+                failed[t.label] = f"{type(exc).__name__}: {exc}"
+                logger.error("retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
+            if t.label in failed:
+                tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
+        status = "FINISHED"
+    except Exception:
+        status = "FAILED"
+        raise
+    finally:
+        if failed:
+            tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
+        tracker.end_run(run_id, status)
+    paths = retest_report_task(tracker, run_id, retest_dir(settings, spec.name, run_id))
+    logger.info("MLflow run of the retest: %s", tracker.run_link(run_id))
+    result = {"retest_run_id": run_id, "studies": studies, "failed": failed, "report": paths}
+    if failed:
+        details = "; ".join(f"{label}: {why}" for label, why in failed.items())
+        raise VariantsFailed(
+            f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
+            f"the report judges the others: {paths['html']}",
+            result,
+        )
+    return result
+
+
+if __name__ == "__main__":
+    retest(sys.argv[1] if len(sys.argv) > 1 else "experiments/demo-retest.yaml", sys.argv[2:] or None)

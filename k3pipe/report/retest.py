@@ -1,0 +1,375 @@
+"""A retest's answer: each variant of an experiment judged against its baseline, cell by cell.
+
+A retest (:mod:`k3pipe.retest`) records the baseline and every variant as studies nested under one
+parent run. Here each variant's cell (an arm on a workload) meets the baseline's cell of the same arm
+and workload, metric by metric (the study report's table metrics):
+
+- the change is the variant's mean over the baseline's (``x 0.88``: 12% lower), with the 95% interval
+  of that ratio by the delta method on its log (as the study report's ratios);
+- the verdict is Welch's t-test on the two cells' repeats, every test of the retest corrected together
+  with Holm-Bonferroni: **better** or **worse** (in the metric's own direction) when the corrected
+  p-value is below 0.05, otherwise **no difference within noise**; a cell with one repeat gets
+  **one repeat: no test**;
+- the client's TPOT and ITL of a cell whose stream came in bursts are not judged (as in the study
+  report), and a cell the baseline does not have (another workload name) is listed as not comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench.repeats import RepeatStats
+from k3pipe.compare import find_run
+from k3pipe.errors import TrackingError
+from k3pipe.report.analysis import ALPHA, TABLE_METRICS, Metric, holm, ratio_interval, welch
+from k3pipe.report.collect import STUDY_KIND, CellData, StudyData, collect
+from k3pipe.report.render import Document, Section, Table, build_document, cell_text, to_html, to_markdown
+from k3pipe.tracking import Tracker
+
+__all__ = [
+    "BASELINE",
+    "RETEST_KIND",
+    "VARIANTS_FILE",
+    "RetestData",
+    "RetestReport",
+    "VariantVerdict",
+    "build_retest_document",
+    "build_retest_report",
+    "collect_retest",
+    "judge_variants",
+    "publish_retest",
+]
+
+RETEST_KIND = "retest"
+"""The ``k3pipe.kind`` tag of a retest's parent run."""
+BASELINE = "baseline"
+"""The ``k3pipe.variant`` tag of the baseline's study in a retest."""
+VARIANTS_FILE = "variants.json"
+"""On the retest's run: each variant's description and the changes it makes."""
+
+BETTER, WORSE, SAME, NO_TEST = "better", "worse", "no difference within noise", "one repeat: no test"
+
+
+@dataclass
+class RetestData:
+    """A retest as MLflow holds it: its run, the baseline's study and each variant's study."""
+
+    run_id: str
+    name: str
+    status: str
+    baseline: StudyData
+    variants: dict[str, StudyData]
+    """variant name -> its study, in the order they ran."""
+    changes: dict[str, list[str]] = field(default_factory=dict)
+    """variant name -> what it changes, one line each."""
+    descriptions: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    """variant -> why its study has no cells to judge (or never ran)."""
+
+    @property
+    def names(self) -> list[str]:
+        """Every variant the retest was asked for, in order, run or not."""
+        return list(dict.fromkeys([*self.changes, *self.variants, *self.failed]))
+
+
+@dataclass
+class VariantVerdict:
+    variant: str
+    arm: str
+    workload: str
+    input_tokens: int
+    metric: Metric
+    baseline: RepeatStats
+    value: RepeatStats
+    ci: tuple[float, float] | None
+    """95% interval of value.mean / baseline.mean."""
+    p_value: float | None
+    p_adjusted: float | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.value.mean / self.baseline.mean if self.baseline.mean else math.inf
+
+    @property
+    def verdict(self) -> str:
+        if self.p_value is None:
+            return NO_TEST
+        if self.p_adjusted is None or self.p_adjusted >= ALPHA:
+            return SAME
+        return BETTER if self.metric.better(self.value.mean, self.baseline.mean) else WORSE
+
+    def change_text(self) -> str:
+        pct = (self.ratio - 1) * 100
+        ci = f" [{(self.ci[0] - 1) * 100:+.1f}%, {(self.ci[1] - 1) * 100:+.1f}%]" if self.ci else ""
+        return f"{pct:+.1f}%{ci}"
+
+    def text(self) -> str:
+        p = f", p_adj={self.p_adjusted:.2g}" if self.p_adjusted is not None else ""
+        return f"{self.verdict} ({self.change_text()}{p})"
+
+
+def _bursty(cell: CellData, metric: Metric) -> bool:
+    return metric.key in ("tpot_ms_p50", "itl_ms_p50") and (cell.mean("client_timing_bursty") or 0) > 0
+
+
+def judge_variants(data: RetestData) -> list[VariantVerdict]:
+    """Every (variant, arm, workload, metric) both sides measured, judged; Holm over all of them."""
+    verdicts: list[VariantVerdict] = []
+    for name, study in data.variants.items():
+        for cell in sorted(study.cells, key=lambda c: (c.arm, c.input_tokens, c.workload)):
+            base = data.baseline.cell(cell.arm, cell.workload)
+            if base is None:
+                continue
+            for metric in TABLE_METRICS:
+                a, b = base.values.get(metric.key), cell.values.get(metric.key)
+                if not a or not b or _bursty(base, metric) or _bursty(cell, metric):
+                    continue
+                sa, sb = RepeatStats.of(a), RepeatStats.of(b)
+                if sa.mean <= 0 or sb.mean <= 0:
+                    continue  # a figure that could not be measured is judged against nothing
+                verdicts.append(
+                    VariantVerdict(
+                        name, cell.arm, cell.workload, cell.input_tokens, metric, sa, sb,
+                        ratio_interval(sa, sb), welch(sa.values, sb.values),
+                    )
+                )
+    tested = [v for v in verdicts if v.p_value is not None]
+    for v, adjusted in zip(tested, holm([v.p_value for v in tested if v.p_value is not None]), strict=True):
+        v.p_adjusted = adjusted
+    return verdicts
+
+
+def _not_comparable(data: RetestData) -> list[str]:
+    out = []
+    for name, study in data.variants.items():
+        for cell in study.cells:
+            if data.baseline.cell(cell.arm, cell.workload) is None:
+                out.append(f"{name}: {cell.arm} on {cell.workload} (the baseline has no such cell)")
+    return out
+
+
+def _answer(data: RetestData, verdicts: Sequence[VariantVerdict]) -> list[str]:
+    lines = []
+    for name in data.names:
+        mine = [v for v in verdicts if v.variant == name]
+        said = data.descriptions.get(name)
+        head = f"**{name}**" + (f" ({said})" if said else "")
+        if name in data.failed:
+            lines.append(f"{head}: not judged: {data.failed[name]}.")
+            continue
+        if not mine:
+            lines.append(f"{head}: nothing to judge (no cell shared with the baseline).")
+            continue
+        parts = []
+        for label in (BETTER, WORSE):
+            hits = [v for v in mine if v.verdict == label]
+            if hits:
+                shown = ", ".join(
+                    f"{v.metric.label} {v.change_text()} ({v.arm}, {v.workload})" for v in hits[:4]
+                )
+                more = f" and {len(hits) - 4} more" if len(hits) > 4 else ""
+                parts.append(f"{label} on {shown}{more}")
+        same = sum(v.verdict == SAME for v in mine)
+        untested = sum(v.verdict == NO_TEST for v in mine)
+        if same:
+            parts.append(f"{same} figure(s) with no difference within noise")
+        if untested:
+            parts.append(f"{untested} figure(s) not tested (one repeat)")
+        lines.append(f"{head}: " + "; ".join(parts) + ".")
+    return lines
+
+
+def verdict_rows(verdicts: Sequence[VariantVerdict]) -> Table:
+    headers = ["variant", "arm", "workload", "metric", "baseline", "variant value", "change [95% CI]",
+               "verdict"]  # fmt: skip
+    rows, flagged = [], set()
+    for i, v in enumerate(verdicts):
+        rows.append(
+            [
+                v.variant, v.arm, v.workload, f"{v.metric.label} ({v.metric.unit})",
+                cell_text(v.baseline), cell_text(v.value), v.change_text(),
+                v.verdict + (f" (p_adj={v.p_adjusted:.2g})" if v.p_adjusted is not None else ""),
+            ]
+        )
+        if v.verdict == WORSE:
+            flagged.add(i)
+    return Table(headers, rows, flagged)
+
+
+def build_retest_document(
+    data: RetestData, verdicts: Sequence[VariantVerdict], baseline_results: Table | None = None
+) -> Document:
+    """The retest's report: the answer per variant, what each changed, the verdict table, the
+    baseline's own results table and where each study's full report is."""
+    tests = sum(v.p_value is not None for v in verdicts)
+    method = (
+        f"Each variant's cell against the baseline's cell of the same arm and workload: the change is "
+        f"the variant's mean over the baseline's, with its 95% interval; the verdict is Welch's t-test on "
+        f"the repeats, Holm-Bonferroni over all {tests} test(s) of this retest, at {ALPHA:g}. "
+        "'better' and 'worse' follow each metric's direction (lower time, higher throughput)."
+    )
+    sections = [
+        Section("The answer", _answer(data, verdicts)),
+        Section(
+            "What each variant changes",
+            [f"**{name}**: " + "; ".join(lines) for name, lines in data.changes.items()] or ["(none)"],
+        ),
+        Section("Verdicts against the baseline", [method, verdict_rows(verdicts)]),
+    ]
+    skipped = _not_comparable(data)
+    if skipped:
+        sections.append(Section("Not comparable", skipped))
+    if baseline_results is not None:
+        sections.append(Section("The baseline's results", [baseline_results]))
+    runs = [f"baseline: study run `{data.baseline.run_id}`"] + [
+        f"{name}: study run `{s.run_id}` ({s.status})" for name, s in data.variants.items()
+    ]
+    runs.append("Each study's own report (`k3pipe report RUN_ID`) is attached to its run under `report/`.")
+    sections.append(Section("Studies", runs))
+    return Document(title=f"Retest of {data.name}: each variant against the baseline", sections=sections)
+
+
+def summary(verdicts: Sequence[VariantVerdict]) -> Mapping[str, dict[str, int]]:
+    """variant -> how many figures were better, worse, within noise, untested."""
+    out: dict[str, dict[str, int]] = {}
+    for v in verdicts:
+        counts = out.setdefault(v.variant, {BETTER: 0, WORSE: 0, SAME: 0, NO_TEST: 0})
+        counts[v.verdict] += 1
+    return out
+
+
+
+def collect_retest(tracker: Tracker, ref: str) -> RetestData:
+    """The retest ``ref`` (its run id, or a unique prefix) as recorded in MLflow."""
+    run = find_run(tracker, ref)
+    tags = run.data.tags
+    if tags.get("k3pipe.kind") != RETEST_KIND:
+        raise TrackingError(
+            f"run {run.info.run_id} is not a retest's run (tag k3pipe.kind is {tags.get('k3pipe.kind')!r}); "
+            "give the id `k3pipe retest` printed, or find it with `k3pipe runs`"
+        )
+    recorded = tracker.read_artifact(run.info.run_id, VARIANTS_FILE)
+    meta: dict[str, Any] = json.loads(recorded) if recorded else {}
+    studies: dict[str, StudyData] = {}
+    for child in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
+        label = child.data.tags.get("k3pipe.variant")
+        if child.data.tags.get("k3pipe.kind") == STUDY_KIND and label:
+            studies[label] = collect(tracker, child.info.run_id)
+    failed = {
+        label: (tags.get(f"k3pipe.failed.{label}") or f"its study ended {s.status} with no cell recorded")
+        for label, s in studies.items()
+        if not s.cells
+    }
+    for label in meta:
+        if label not in studies:
+            failed[label] = tags.get(f"k3pipe.failed.{label}") or "its study was never started"
+    if BASELINE not in studies:
+        raise TrackingError(
+            f"retest {run.info.run_id} has no baseline study under it (it ended {run.info.status} "
+            "before the baseline began); nothing can be judged"
+        )
+    order = [label for label in meta if label in studies] + [
+        label for label in studies if label not in meta and label != BASELINE
+    ]
+    return RetestData(
+        run_id=run.info.run_id,
+        name=tags.get("k3pipe.experiment", run.info.run_name),
+        status=run.info.status,
+        baseline=studies[BASELINE],
+        variants={label: studies[label] for label in order},
+        changes={label: list(m.get("changes", [])) for label, m in meta.items()},
+        descriptions={label: m["description"] for label, m in meta.items() if m.get("description")},
+        failed={k: v for k, v in failed.items() if k != BASELINE},
+    )
+
+
+@dataclass
+class RetestReport:
+    data: RetestData
+    verdicts: list[VariantVerdict]
+    document: Document
+
+    @property
+    def markdown(self) -> str:
+        return to_markdown(self.document, {})
+
+    @property
+    def html(self) -> str:
+        return to_html(self.document, {})
+
+    def table_rows(self) -> list[dict[str, str]]:
+        """The verdict table as records (a Prefect table artifact, a JSON file)."""
+        t = verdict_rows(self.verdicts)
+        return [dict(zip(t.headers, row, strict=True)) for row in t.rows]
+
+    def text(self) -> str:
+        """For a terminal: the answer per variant, then one line per judged figure."""
+        answer = next(s for s in self.document.sections if s.title == "The answer")
+        lines = [str(b).replace("**", "") for b in answer.blocks]
+        lines.append("")
+        for v in self.verdicts:
+            lines.append(
+                f"{v.variant:<24} {v.arm:<10} {v.workload:<16} {v.metric.label:<34} {v.text()}"
+            )
+        return "\n".join(lines)
+
+    def description(self) -> str:
+        """The retest's run description in MLflow."""
+        answer = next(s for s in self.document.sections if s.title == "The answer")
+        return "\n".join(
+            [
+                f"Retest of **{self.data.name}**: {len(self.data.names)} variant(s) against the baseline.",
+                "",
+                *(f"- {b}" for b in answer.blocks),
+                "",
+                "The whole report: artifacts `report/retest.html` and `report/retest.md`.",
+            ]
+        )
+
+    def write(self, out_dir: Path) -> dict[str, Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = {
+            "markdown": out_dir / "retest.md",
+            "html": out_dir / "retest.html",
+            "json": out_dir / "retest.json",
+        }
+        paths["markdown"].write_text(self.markdown)
+        paths["html"].write_text(self.html)
+        paths["json"].write_text(json.dumps(self.table_rows(), indent=1))
+        return paths
+
+
+def build_retest_report(tracker: Tracker, ref: str) -> RetestReport:
+    """The retest ``ref``'s report from what MLflow holds."""
+    from k3pipe.report.analysis import analyse
+
+    data = collect_retest(tracker, ref)
+    verdicts = judge_variants(data)
+    base = build_document(data.baseline, analyse(data.baseline))
+    results = next(
+        (b for s in base.sections if s.title == "Results" for b in s.blocks if isinstance(b, Table)), None
+    )
+    return RetestReport(data, verdicts, build_retest_document(data, verdicts, results))
+
+
+def publish_retest(tracker: Tracker, report: RetestReport, out_dir: Path) -> dict[str, Path]:
+    """Write the retest's report under ``out_dir``, attach it to the retest's run (report/), set the
+    run's description and one metric per variant and verdict (``verdict.<variant>.better`` ...)."""
+    paths = report.write(out_dir)
+    for path in paths.values():
+        tracker.log_file(report.data.run_id, path, "report")
+    tracker.describe(report.data.run_id, report.description())
+    short = {BETTER: "better", WORSE: "worse", SAME: "within_noise", NO_TEST: "untested"}
+    counts = {
+        f"verdict.{variant}.{short[label]}": float(n)
+        for variant, per in summary(report.verdicts).items()
+        for label, n in per.items()
+    }
+    if counts:
+        tracker.log_metrics(report.data.run_id, counts)
+    return paths
