@@ -403,8 +403,12 @@ def runs(
     since: Annotated[
         str | None, typer.Option(help="Only runs started on or after this date (2026-12-01).")
     ] = None,
+    variant: Annotated[
+        str | None, typer.Option(help="Only a retest's studies of this variant (or 'baseline').")
+    ] = None,
 ) -> None:
-    """Recent runs in MLflow with their key metrics (a study with its arms beneath it)."""
+    """Recent runs in MLflow with their key metrics (a study with its arms beneath it, a retest with
+    its studies)."""
     import pandas as pd
 
     from k3pipe.tracking import Tracker
@@ -412,12 +416,14 @@ def runs(
     settings = Settings()
     try:
         tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-        frame = tracker.recent_runs(limit, engine=engine, model=model, workload=workload, since=since)
+        frame = tracker.recent_runs(
+            limit, engine=engine, model=model, workload=workload, since=since, variant=variant
+        )
     except K3pipeError as exc:
         _fail(exc)
         return
     if frame.empty:
-        filtered = any((engine, model, workload, since))
+        filtered = any((engine, model, workload, since, variant))
         print(f"no {'matching ' if filtered else ''}runs in {settings.tracking_uri()}")
         return
     runs_full_id = str(frame.iloc[0]["run_id"])
@@ -435,6 +441,9 @@ def history(
     workload: Annotated[str, typer.Option(help="The workload whose runs to follow.")],
     arm: Annotated[str | None, typer.Option(help="Only this arm.")] = None,
     engine: Annotated[str | None, typer.Option(help="Only arms of this engine kind.")] = None,
+    variant: Annotated[
+        str | None, typer.Option(help="Only runs of this variant ('baseline': runs of no variant).")
+    ] = None,
     plot: Annotated[Path | None, typer.Option(help="Also write the trend as a PNG here.")] = None,
 ) -> None:
     """A metric's trend across the runs, reruns and studies that measured a workload, oldest first."""
@@ -444,7 +453,7 @@ def history(
 
     settings = Settings()
     try:
-        frame = metric_history(_tracker(settings), metric, workload, arm=arm, engine=engine)
+        frame = metric_history(_tracker(settings), metric, workload, arm=arm, engine=engine, variant=variant)
     except K3pipeError as exc:
         _fail(exc)
         return

@@ -1,5 +1,7 @@
 """A metric's history: one workload's figure across every run that measured it (runs, reruns, the
-arms of studies), oldest first, with the interval across repeats where there were repeats."""
+arms of studies and of retests' studies), oldest first, with the interval across repeats where there
+were repeats. A run of a variant (experiment ``NAME@variant``) says so in the ``variant`` column and
+is drawn as a line of its own."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ def metric_history(
     workload: str,
     arm: str | None = None,
     engine: str | None = None,
+    variant: str | None = None,
 ) -> pd.DataFrame:
-    """Columns: start, arm, engine, value, ci95_low, ci95_high, repeats, rerun_of, commit, run_id
-    (the workload's run). Raises TrackingError when no run of ``workload`` recorded ``metric``."""
+    """Columns: start, arm, variant, engine, value, ci95_low, ci95_high, repeats, rerun_of, commit,
+    run_id (the workload's run). ``variant``: only that variant's runs ('baseline': runs of no
+    variant). Raises TrackingError when no run of ``workload`` recorded ``metric``."""
     safe = workload.replace("'", "\\'")
     runs = tracker.client.search_runs(
         [tracker.experiment_id],
@@ -46,6 +50,10 @@ def metric_history(
         ptags = parent.data.tags if parent is not None else {}
         if engine and ptags.get("k3pipe.engine") != engine:
             continue
+        experiment = ptags.get("k3pipe.experiment", "")
+        of_variant = experiment.partition("@")[2]
+        if variant and of_variant != ("" if variant == "baseline" else variant):
+            continue
         value = run.data.metrics.get(metric)
         if value is None:
             continue
@@ -54,6 +62,7 @@ def metric_history(
             {
                 "start": pd.Timestamp(run.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M:%S"),
                 "arm": tags.get("k3pipe.arm", ""),
+                "variant": of_variant,
                 "engine": ptags.get("k3pipe.engine", ""),
                 "value": value,
                 "ci95_low": run.data.metrics.get(f"{metric}.ci95_low"),
@@ -69,6 +78,7 @@ def metric_history(
             f"workload {workload!r}"
             + (f", arm {arm!r}" if arm else "")
             + (f", engine {engine!r}" if engine else "")
+            + (f", variant {variant!r}" if variant else "")
         )
         raise TrackingError(
             f"no run of {what} in {tracker.tracking_uri} recorded {metric!r}: check the workload name "
@@ -78,14 +88,16 @@ def metric_history(
 
 
 def plot_history(frame: pd.DataFrame, metric: str, workload: str) -> bytes:
-    """The history as a PNG: the metric per run in time order, one line per arm, interval bars."""
+    """The history as a PNG: the metric per run in time order, one line per arm (and variant),
+    interval bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.0, 4.0))
-    for arm, group in frame.groupby("arm", sort=False):
+    lines = frame["arm"].where(frame["variant"] == "", frame["arm"] + "@" + frame["variant"])
+    for arm, group in frame.groupby(lines, sort=False):
         x = pd.to_datetime(group["start"])
         low = (group["value"] - group["ci95_low"].fillna(group["value"])).clip(lower=0)
         high = (group["ci95_high"].fillna(group["value"]) - group["value"]).clip(lower=0)

@@ -256,17 +256,21 @@ class Tracker:
         model: str | None = None,
         workload: str | None = None,
         since: str | None = None,
+        variant: str | None = None,
     ) -> pd.DataFrame:
         """Recent engine runs, newest first: one row per (run, workload) with the key metrics.
 
         Columns: run_id, name, status, start, cold_start_s, workload, then the workload's key
         metrics (ttft_ms_p50, tpot_ms_p50, e2e_ms_p50, output_throughput_tps, failed). A run that
         recorded no workload has one row with an empty workload. A study's run has one row
-        (workload ``(study)``), followed by its arms' rows (their names indented).
+        (workload ``(study)``), followed by its arms' rows (their names indented); a retest's run
+        one row (``(retest)``), followed by its studies, each with its arms.
 
         Filters (all optional, combined): ``engine`` (an arm's engine kind), ``model`` (the model id
         it served), ``workload`` (rows of that workload only), ``since`` (runs started on or after
-        this date or time, e.g. ``2026-12-01``); with a filter, ``limit`` counts matching runs.
+        this date or time, e.g. ``2026-12-01``), ``variant`` (a retest's studies of that variant, or
+        ``baseline``; runs of an experiment ``NAME@variant``); with a filter, ``limit`` counts
+        matching runs.
         """
         filters = []
         if since:
@@ -279,7 +283,7 @@ class Tracker:
             [self.experiment_id],
             filter_string=" and ".join(filters),
             order_by=["attributes.start_time DESC"],
-            max_results=max(limit * 10, 1000) if (engine or model or workload) else limit * 10,
+            max_results=max(limit * 10, 1000) if (engine or model or workload or variant) else limit * 10,
         )
 
         def wanted(run: Any) -> bool:
@@ -289,6 +293,23 @@ class Tracker:
                 model and model not in (run.data.params.get("model_id"), run.data.params.get("model.id"))
             )
 
+        def of_variant(run: Any) -> bool:
+            tags = run.data.tags
+            return not variant or (
+                tags.get("k3pipe.variant") == variant
+                or tags.get("k3pipe.experiment", "").endswith(f"@{variant}")
+            )
+
+        def study_rows(run: Any, indent: str = "") -> list[dict[str, Any]]:
+            """A study's own row, then its arms (nested runs) each as the runs they are; none when
+            the filters leave no arm row."""
+            arms = sorted(self.children(run.info.run_id), key=lambda r: r.info.start_time)
+            found = [row for arm in arms if wanted(arm) for row in self._run_rows(arm, indent=indent + "  ")]
+            found = [r for r in found if not workload or r["workload"] == workload]
+            if not found and (engine or model or workload):
+                return []
+            return [{**self._run_base(run, indent), "workload": "(study)"}, *found]
+
         rows: list[dict[str, Any]] = []
         seen = 0
         for run in runs:
@@ -297,19 +318,19 @@ class Tracker:
             seen += 1
             if seen > limit:
                 break
-            if run.data.tags.get("k3pipe.kind") == "study":
-                # a study: its own row, then its arms (nested runs) each as the runs they are
-                arms = sorted(self.children(run.info.run_id), key=lambda r: r.info.start_time)
-                found = [row for arm in arms if wanted(arm) for row in self._run_rows(arm, indent="  ")]
-                found = [r for r in found if not workload or r["workload"] == workload]
-                if not found and (engine or model or workload):
+            kind = run.data.tags.get("k3pipe.kind")
+            if kind == "retest":
+                studies = sorted(self.children(run.info.run_id), key=lambda r: r.info.start_time)
+                found = [row for st in studies if of_variant(st) for row in study_rows(st, indent="  ")]
+                if not found and (engine or model or workload or variant):
                     seen -= 1
                     continue
-                rows.append({**self._run_base(run), "workload": "(study)"})
+                rows.append({**self._run_base(run), "workload": "(retest)"})
                 rows.extend(found)
                 continue
-            found = self._run_rows(run) if wanted(run) else []
-            found = [r for r in found if not workload or r["workload"] == workload]
+            found = (study_rows(run) if kind == "study" else self._run_rows(run)) if of_variant(run) else []
+            if kind != "study":
+                found = [r for r in found if wanted(run) and (not workload or r["workload"] == workload)]
             if not found:
                 seen -= 1
                 continue

@@ -100,3 +100,20 @@ def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: igno
     # each study has its own report too
     for s in studies.values():
         assert "report/report.md" in {a.path for a in tracker.client.list_artifacts(s.info.run_id, "report")}
+
+    # browsing the history: the retest with its studies, filtered by variant
+    rows = tracker.recent_runs(5)
+    assert list(rows["workload"][:2]) == ["(retest)", "(study)"]
+    assert rows["name"][0] == "retest/retest-test"
+    assert "    retest-test@longer/fast" in set(rows["name"])
+    longer = tracker.recent_runs(5, variant="longer")
+    assert [n.strip() for n in longer["name"]] == [
+        "retest/retest-test", "study/retest-test@longer", "retest-test@longer/fast",
+    ]  # fmt: skip
+    assert tracker.recent_runs(5, variant="nothing-like-it").empty
+    from k3pipe.history import metric_history
+
+    trend = metric_history(tracker, "duration_s", "in32", variant="longer")
+    assert list(trend["variant"]) == ["longer"]
+    assert set(metric_history(tracker, "duration_s", "in32")["variant"]) == {"", "longer", "seqs8"}
+    assert list(metric_history(tracker, "duration_s", "in32", variant="baseline")["variant"]) == [""]
