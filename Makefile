@@ -21,12 +21,13 @@ ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
 
 TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 
-.PHONY: demo demo-arm test setup venv engine model system lint clean help docker bench-client
+.PHONY: demo demo-arm test setup venv engine model system lint clean help docker bench-client stack stack-system
 help:
 	@echo "make demo   the demo study (experiments/demo-study.yaml) on the real vLLM, then its report"
 	@echo "make demo-arm   one arm alone (experiments/demo-cpu.yaml)"
 	@echo "make test   lint, type-check and run every test (sets everything up first)"
 	@echo "make bench-client   k3pipe's streaming client vs vllm bench serve on an exact server (docs/performance.md)"
+	@echo "make stack  the team stack on 127.0.0.1: PostgreSQL, MLflow, Prefect, work pool, worker (k3pipe stack ...)"
 
 setup: system venv engine model
 
@@ -34,6 +35,18 @@ system:
 	@missing=""; for p in git curl ca-certificates; do \
 		[ "$$(dpkg-query -W -f='$${Status}' $$p 2>/dev/null)" = "install ok installed" ] || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "apt-get install:$$missing"; apt-get update -qq && apt-get install -y -qq $$missing; fi
+
+# The team stack's PostgreSQL: Debian's postgresql package (its programs, and the unprivileged
+# 'postgres' user the server runs as when k3pipe runs as root)
+stack-system:
+	@if [ "$$(dpkg-query -W -f='$${Status}' postgresql 2>/dev/null)" != "install ok installed" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "PostgreSQL is missing: as root, apt-get install -y postgresql"; exit 1; fi; \
+		echo "apt-get install: postgresql"; apt-get update -qq && apt-get install -y -qq postgresql; fi
+
+# `k3pipe stack up` starts what is not running (a running service is left as is), then its status
+stack: system stack-system venv
+	$(VENV)/bin/k3pipe stack up
+	$(VENV)/bin/k3pipe stack status
 
 $(UV):
 	$(PYTHON) -m venv $(K3PIPE_HOME)/tools

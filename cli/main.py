@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from cli.stack import stack_app
 from k3pipe.errors import K3pipeError
 from k3pipe.settings import Settings
 
@@ -27,6 +28,7 @@ def prepare_prefect_env(settings: Settings) -> None:
 
 
 app = typer.Typer(help="Repeatable, tracked inference-engine benchmarks.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
 
 
 def _fail(exc: Exception) -> None:

@@ -13,7 +13,8 @@ next. Library code raises these, always ``from`` the underlying exception.
     │   ├── EndpointAuthError       401/403: key, base URL path or one of the three settings
     │   └── ModelNotServedError     the model id is not listed by /v1/models
     ├── BenchmarkError        a workload could not run at all (single requests fail as records)
-    └── TrackingError         MLflow could not record the run
+    ├── TrackingError         MLflow could not record the run
+    └── StackError            the team stack (PostgreSQL, MLflow, Prefect, worker) could not start or stop
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "PreflightError",
     "RerunError",
     "SpecError",
+    "StackError",
     "TrackingError",
 ]
 
@@ -84,3 +86,7 @@ class TrackingError(K3pipeError):
 
 class RerunError(K3pipeError):
     """A run cannot be repeated exactly: an input of its record cannot be had (or verified) again."""
+
+
+class StackError(K3pipeError):
+    """The team stack could not start or stop a service (the message names it, its log and the log's end)."""

@@ -26,6 +26,31 @@ class Settings(BaseSettings):
     )
     mlflow_experiment: str = Field(default="k3pipe", description="MLflow experiment name.")
 
+    # the team stack (`k3pipe stack up`): its servers bind 127.0.0.1 only, on these ports
+    stack_postgres_port: int = Field(
+        default=5433, ge=1, le=65535, description="The stack's PostgreSQL port (MLflow's store)."
+    )
+    stack_mlflow_port: int = Field(
+        default=5050, ge=1, le=65535, description="The stack's MLflow tracking server port."
+    )
+    stack_prefect_port: int = Field(
+        default=4200, ge=1, le=65535, description="The stack's Prefect server port."
+    )
+    stack_postgres_bin: Path | None = Field(
+        default=None,
+        description="PostgreSQL's bin directory (default: the newest /usr/lib/postgresql/*/bin).",
+    )
+    stack_postgres_user: str = Field(
+        default="postgres",
+        description="Unprivileged system user PostgreSQL runs as when k3pipe runs as root.",
+    )
+    stack_start_timeout_s: float = Field(
+        default=180.0, gt=0, description="How long `stack up` waits for each service to be ready."
+    )
+    stack_worker: bool = Field(
+        default=True, description="Whether `stack up` also starts a worker on the stack's work pool."
+    )
+
     @property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()

@@ -1,0 +1,119 @@
+"""`k3pipe stack up|down|status|env`: the team stack (k3pipe.stack) from the command line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from pydantic import ValidationError
+
+from k3pipe.errors import K3pipeError
+from k3pipe.settings import Settings
+
+if TYPE_CHECKING:
+    from k3pipe.stack import StackConfig
+
+stack_app = typer.Typer(
+    help="The team stack on 127.0.0.1: PostgreSQL, MLflow on it, Prefect, the k3pipe work pool, a worker.",
+    no_args_is_help=True,
+)
+
+# the checkout holding prefect.yaml (an editable install); else the directory the command runs in
+_CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _config() -> StackConfig:
+    from k3pipe.stack import StackConfig
+
+    project = _CHECKOUT if (_CHECKOUT / "prefect.yaml").is_file() else Path.cwd()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        bad = "; ".join(
+            f"K3PIPE_{'_'.join(str(p) for p in e['loc']).upper()}={e.get('input')!r}: {e['msg']}"
+            for e in exc.errors()
+        )
+        typer.secho(f"error: {bad}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    return StackConfig.from_settings(settings, project)
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+@stack_app.command("up")
+def up_cmd() -> None:
+    """Start what is not running and wait until each service is ready (a running one is left as is)."""
+    from k3pipe.stack import up
+
+    config = _config()
+    start = time.monotonic()
+    try:
+        up(config, progress=_say)
+    except K3pipeError as exc:
+        _fail(exc)
+    print(f"stack up in {time.monotonic() - start:.1f} s (state: {config.state_file})")
+
+
+@stack_app.command("down")
+def down_cmd() -> None:
+    """Stop exactly what `stack up` started (its recorded process groups), worker first."""
+    from k3pipe.stack import down
+
+    config = _config()
+    try:
+        down(config, progress=_say)
+    except K3pipeError as exc:
+        _fail(exc)
+
+
+@stack_app.command("status")
+def status_cmd() -> None:
+    """Each service (running, pid, URL, log), then the lines that point a shell at the stack.
+    Exit code 1 when a service that should run is not running."""
+    from k3pipe.stack import env_lines, status
+
+    config = _config()
+    try:
+        rows = status(config)
+        lines = env_lines(config)
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+    down = False
+    for row in rows:
+        if row.running:
+            state = "running" if row.answering is not False else "running, NOT answering"
+            pid = f"pid {row.pid}"
+        else:
+            state = row.note or "not running"
+            pid = "-"
+            down = down or not (row.name == "worker" and not config.worker)
+        print(f"{row.name:<9} {state:<24} {pid:<12} {row.url}")
+        print(f"{'':<9} log {row.log}")
+    print('\n# to use it (or `eval "$(k3pipe stack env)"`):')
+    for line in lines:
+        print(line)
+    if down:
+        raise typer.Exit(1)
+
+
+@stack_app.command("env")
+def env_cmd() -> None:
+    """The export lines for MLFLOW_TRACKING_URI and PREFECT_API_URL: eval "$(k3pipe stack env)"."""
+    from k3pipe.stack import env_lines
+
+    config = _config()
+    try:
+        for line in env_lines(config):
+            print(line)
+    except K3pipeError as exc:
+        _fail(exc)
