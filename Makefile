@@ -21,7 +21,8 @@ ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
 
 TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 
-.PHONY: demo demo-arm test setup venv engine model system lint clean help docker bench-client stack stack-system
+.PHONY: demo demo-arm test setup venv engine model system lint clean help docker bench-client stack stack-system \
+	test-system
 help:
 	@echo "make demo   the demo study (experiments/demo-study.yaml) on the real vLLM, then its report"
 	@echo "make demo-arm   one arm alone (experiments/demo-cpu.yaml)"
@@ -42,6 +43,13 @@ stack-system:
 	@if [ "$$(dpkg-query -W -f='$${Status}' postgresql 2>/dev/null)" != "install ok installed" ]; then \
 		if [ "$$(id -u)" != 0 ]; then echo "PostgreSQL is missing: as root, apt-get install -y postgresql"; exit 1; fi; \
 		echo "apt-get install: postgresql"; apt-get update -qq && apt-get install -y -qq postgresql; fi
+
+# What only the tests need beyond the stack's PostgreSQL: a real browser for the UI tests (Debian's
+# Chromium and its WebDriver; nothing is downloaded at run time)
+test-system: stack-system
+	@missing=""; for p in chromium chromium-driver; do \
+		[ "$$(dpkg-query -W -f='$${Status}' $$p 2>/dev/null)" = "install ok installed" ] || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "apt-get install:$$missing"; apt-get update -qq && apt-get install -y -qq $$missing; fi
 
 # `k3pipe stack up` starts what is not running (a running service is left as is), then its status
 stack: system stack-system venv
@@ -106,7 +114,7 @@ docker:
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; [ $$status = 0 ] || scripts/docker-env.sh down; exit $$status' EXIT; \
 	$(DOCKER_UP)
 
-test: setup lint
+test: setup test-system lint
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; scripts/docker-env.sh down; exit $$status' EXIT; \
 	$(DOCKER_UP) && \
 	$(VENV)/bin/python -m pytest
