@@ -62,6 +62,9 @@ class DatasetFields(Protocol):
 
 # MLflow 3 opens an experiment of no kind on its GenAI overview ("No data available"); k3pipe's runs
 # are model-development runs, so the UI opens on them. The note is the experiment's description.
+_ML_VIEW = "?workflowType=machine_learning"
+"""The MLflow UI's model-training view (runs, nesting, parameters) instead of its GenAI default."""
+
 EXPERIMENT_TAGS = {
     "mlflow.experimentKind": "custom_model_development",
     "mlflow.note.content": (
@@ -242,11 +245,22 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     def run_link(self, run_id: str) -> str:
-        """A URL to the run when the tracking server is HTTP, else how to open it."""
+        """A URL to the run when the tracking server is HTTP, else how to open it. The link asks for
+        MLflow 3's model-training view: its UI otherwise opens every experiment in the GenAI view
+        (a per-browser choice, whatever the experiment's kind tag says), where runs are
+        "evaluation runs" and nesting is not shown."""
         if self.tracking_uri.startswith(("http://", "https://")):
-            base = self.tracking_uri.rstrip("/")
-            return f"{base}/#/experiments/{self.experiment_id}/runs/{run_id}"
+            return f"{self._runs_url()}/{run_id}{_ML_VIEW}"
         return f"mlflow ui --backend-store-uri {self.tracking_uri}  (then open run {run_id})"
+
+    def experiment_link(self) -> str:
+        """The experiment's runs in the MLflow UI (an HTTP tracking server; '' otherwise)."""
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            return ""
+        return f"{self._runs_url()}{_ML_VIEW}"
+
+    def _runs_url(self) -> str:
+        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs"
 
     def recent_runs(
         self,

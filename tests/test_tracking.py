@@ -89,10 +89,15 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert Settings().tracking_uri() == "sqlite:////tmp/other.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
     assert Settings().tracking_uri() == "http://127.0.0.1:5999"
-    link = Tracker.run_link.__get__(
-        type("T", (), {"tracking_uri": "http://127.0.0.1:5999", "experiment_id": "3"})()
+    fields = {"tracking_uri": "http://127.0.0.1:5999", "experiment_id": "3", "_runs_url": Tracker._runs_url}
+    server = type("T", (), fields)()
+    # MLflow 3's UI opens in its GenAI view unless the link asks for the model-training one
+    assert Tracker.run_link(server, "abc") == (  # type: ignore[arg-type]
+        "http://127.0.0.1:5999/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
-    assert link("abc") == "http://127.0.0.1:5999/#/experiments/3/runs/abc"
+    assert Tracker.experiment_link(server) == (  # type: ignore[arg-type]
+        "http://127.0.0.1:5999/#/experiments/3/runs?workflowType=machine_learning"
+    )
 
 
 def test_dataset_inputs(tracker: Tracker) -> None:
