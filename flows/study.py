@@ -24,6 +24,7 @@ from flows.benchmark import (
 )
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError
+from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.settings import Settings
 from k3pipe.speculation import speculation_setting
 from k3pipe.study import Study, StudySteps, start_study
@@ -53,20 +54,38 @@ def report_dir(settings: Settings, experiment: str, run_id: str) -> Path:
 
 
 @flow(name="study")
-def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | None = None) -> dict[str, Any]:
-    """Every arm (or the named ``arms``) of the experiment on every workload, under one MLflow run;
-    the report at the end. An arm that fails is recorded and the others still run; the flow then
-    fails after the report, naming it."""
+def study(
+    experiment: str = "experiments/demo-study.yaml",
+    experiment_yaml: str | None = None,
+    arms: list[str] | None = None,
+    overrides: Overrides = NO_OVERRIDES,
+) -> dict[str, Any]:
+    """Every arm (or the named arms) of the experiment on every workload, under one MLflow run; the
+    report at the end. An arm that fails is recorded and the others still run; the flow then fails
+    after the report, naming it.
+
+    Args:
+        experiment: Experiment YAML file on the worker, relative to the checkout the deployment runs
+            from (e.g. experiments/demo-study.yaml). Not read when experiment_yaml is set.
+        experiment_yaml: The experiment itself: YAML text pasted here, the same fields as a file.
+            When set, it is the experiment and the experiment file is not read. Checked like a
+            file: an error names the field.
+        arms: Only these arms, in this order (their names in the experiment). Empty: every arm.
+        overrides: Workload fields laid over every workload of the experiment; a field left empty
+            keeps the experiment's value. Recorded on the MLflow runs as override.* params.
+    """
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    spec = load_experiment_task(experiment)
-    selected = arms or [a.name for a in spec.arms]
-    for name in selected:
-        spec.arm(name)  # unknown arm names fail before anything starts
+    request = RunRequest(
+        experiment=experiment, experiment_yaml=experiment_yaml, arms=arms, overrides=overrides
+    )
+    spec, experiment = load_experiment_task(request), request.source
+    selected = request.arm_names(spec)  # unknown arm names fail before anything starts
+    params = overrides.params()
     tags = {"prefect.flow_run_id": _flow_run_id()}
-    run_id = start_study(tracker, spec, experiment, tags)
+    run_id = start_study(tracker, spec, experiment, tags, params)
     logger.info("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(selected))
     try:
         _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker, run_id)
@@ -94,8 +113,8 @@ def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | Non
     )
     outcome = Study(
         spec, run_id, tracker, settings, models, prompts, findings, experiment, steps,
-        tags=tags, labels={"k3pipe.flow_run_id": _flow_run_id()}, arms=selected, before_s=before,
-        say=logger.info, warn=logger.error,
+        tags=tags, labels={"k3pipe.flow_run_id": _flow_run_id()}, params=params, arms=selected,
+        before_s=before, say=logger.info, warn=logger.error,
     ).execute()  # fmt: skip
     outcomes = [o.as_dict() for o in outcome.arms]
     rows = [row for o in outcomes for row in o.get("workloads", [])]
