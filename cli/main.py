@@ -103,46 +103,104 @@ def _groups(argv: list[str]) -> list[str]:
     return [shlex.join(group) for group in lines if group]
 
 
+# The overrides of `run` and `study`: laid over every workload of the experiment (k3pipe.params).
+RepeatsOpt = Annotated[
+    int | None, typer.Option(min=1, help="Repeats of every workload (default: as in the file).")
+]
+RequestsOpt = Annotated[
+    int | None, typer.Option(min=1, help="Measured requests of every workload (num_requests).")
+]
+ConcurrencyOpt = Annotated[
+    int | None, typer.Option(min=1, help="Requests in flight at once in every workload.")
+]
+InputTokensOpt = Annotated[int | None, typer.Option(min=1, help="Prompt length in tokens of every workload.")]
+OutputTokensOpt = Annotated[
+    int | None, typer.Option(min=1, help="Tokens every request generates, in every workload.")
+]
+
+
+def _request(experiment: Path, arms: list[str] | None, overrides: dict[str, int | None]) -> Any:
+    """The run request of `run` and `study`, its experiment loaded with the overrides and its arms
+    checked here, so that a bad file, override or arm name fails before Prefect starts."""
+    from pydantic import ValidationError
+
+    from k3pipe.params import Overrides, RunRequest
+
+    try:
+        request = RunRequest(experiment=str(experiment), arms=arms or None, overrides=Overrides(**overrides))
+        request.arm_names(request.load())
+    except (K3pipeError, ValidationError) as exc:
+        _fail(exc)
+    return request
+
+
 @app.command()
 def run(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
     arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
+    repeats: RepeatsOpt = None,
+    requests: RequestsOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    input_tokens: InputTokensOpt = None,
+    output_tokens: OutputTokensOpt = None,
 ) -> None:
-    """Run the experiment through the Prefect benchmark flow and record it in MLflow."""
-    from k3pipe.experiment import load_experiment
-
+    """Run the experiment through the Prefect benchmark flow and record it in MLflow; the options
+    after --arm override that field in every workload (recorded as override.* params)."""
     settings = Settings()
-    try:
-        load_experiment(experiment)  # a bad file fails here, before Prefect starts
-    except K3pipeError as exc:
-        _fail(exc)
+    request = _request(
+        experiment,
+        arm,
+        {
+            "repeats": repeats,
+            "num_requests": requests,
+            "concurrency": concurrency,
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+        },
+    )
     prepare_prefect_env(settings)
     from flows.benchmark import benchmark
 
-    _print_outcomes(_run_flow(lambda: benchmark(str(experiment), arms=arm or None)))
+    _print_outcomes(
+        _run_flow(lambda: benchmark(request.experiment, arms=request.arms, overrides=request.overrides))
+    )
 
 
 @app.command()
 def study(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
     arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
+    repeats: RepeatsOpt = None,
+    requests: RequestsOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    input_tokens: InputTokensOpt = None,
+    output_tokens: OutputTokensOpt = None,
 ) -> None:
     """Run every arm on every workload as one study (one parent MLflow run), then print its report's
-    table and where the HTML report is. Exit 1 when an arm failed (the report covers the others)."""
-    from k3pipe.experiment import load_experiment
-
+    table and where the HTML report is. Exit 1 when an arm failed (the report covers the others).
+    The options after --arm override that field in every workload (recorded as override.* params)."""
     settings = Settings()
-    try:
-        load_experiment(experiment)  # a bad file fails here, before Prefect starts
-    except K3pipeError as exc:
-        _fail(exc)
+    request = _request(
+        experiment,
+        arm,
+        {
+            "repeats": repeats,
+            "num_requests": requests,
+            "concurrency": concurrency,
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+        },
+    )
     prepare_prefect_env(settings)
     from flows.study import ArmsFailed
     from flows.study import study as study_flow
 
     failed = None
     try:
-        result = _run_flow(lambda: study_flow(str(experiment), arms=arm or None), keep=ArmsFailed)
+        result = _run_flow(
+            lambda: study_flow(request.experiment, arms=request.arms, overrides=request.overrides),
+            keep=ArmsFailed,
+        )
     except ArmsFailed as exc:
         failed, result = exc, exc.result
     _print_study(settings, result)
@@ -157,17 +215,31 @@ def retest(
     variant: Annotated[
         list[str] | None, typer.Option(help="Only these variants (repeatable; default: all of them).")
     ] = None,
+    repeats: RepeatsOpt = None,
+    requests: RequestsOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    input_tokens: InputTokensOpt = None,
+    output_tokens: OutputTokensOpt = None,
 ) -> None:
     """Run the baseline and each variant as studies under one MLflow run, then judge every variant
     against the baseline (better, worse, or no difference within noise, with the CI of the change).
-    Exit 1 when a study failed (the report judges the others)."""
-    from k3pipe.experiment import load_experiment
+    Exit 1 when a study failed (the report judges the others). The options after --variant override
+    that field in every workload, the baseline's and the variants' (recorded as override.* params)."""
+    from pydantic import ValidationError
+
+    from k3pipe.params import Overrides, RunRequest
     from k3pipe.retest import retest_targets
 
     settings = Settings()
+    changed = {"repeats": repeats, "num_requests": requests, "concurrency": concurrency,
+               "input_tokens": input_tokens, "output_tokens": output_tokens}  # fmt: skip
     try:
-        retest_targets(load_experiment(experiment), variant)  # a bad file or name fails here
-    except K3pipeError as exc:
+        request = RunRequest(
+            experiment=str(experiment), variants=variant or None, overrides=Overrides(**changed)
+        )
+        spec = request.load()
+        retest_targets(spec, request.variant_names(spec))  # a bad file, override or name fails here
+    except (K3pipeError, ValidationError) as exc:
         _fail(exc)
     prepare_prefect_env(settings)
     from flows.retest import VariantsFailed
@@ -176,7 +248,10 @@ def retest(
     failed = None
     try:
         result = _run_flow(
-            lambda: retest_flow(str(experiment), variants=variant or None), keep=VariantsFailed
+            lambda: retest_flow(
+                str(experiment), variants=request.variants, overrides=request.overrides
+            ),
+            keep=VariantsFailed,
         )
     except VariantsFailed as exc:
         failed, result = exc, exc.result

@@ -16,7 +16,8 @@ from prefect.context import get_run_context
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError, PreflightError
+from k3pipe.errors import BenchmarkError, PreflightError, SpecError
+from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.record import record_preflight_stop, record_speculation, summary_table
 from k3pipe.rerun import RerunInputs
 from k3pipe.run import ArmRun, ArmSteps
@@ -90,12 +91,13 @@ def _run_arm(
     findings: list[Finding],
     prompts: dict[str, list[PromptSet]],
     rerun: RerunInputs | None = None,
+    params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     logger = get_run_logger()
     run = ArmRun(
         spec, arm, models, prompts, tracker, settings, findings, experiment, _steps(),
         tags={"prefect.flow_run_id": _flow_run_id()}, labels={"k3pipe.flow_run_id": _flow_run_id()},
-        rerun=rerun, say=logger.info, warn=logger.error,
+        rerun=rerun, params=dict(params or {}), say=logger.info, warn=logger.error,
     )  # fmt: skip
     return run.execute().as_dict()
 
@@ -140,24 +142,52 @@ def _judge_speculation(
 @flow(name="benchmark")
 def benchmark(
     experiment: str = "experiments/demo-cpu.yaml",
+    experiment_yaml: str | None = None,
     arms: list[str] | None = None,
+    overrides: Overrides = NO_OVERRIDES,
     rerun_of: str | None = None,
     allow_drift: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every arm (or the named ``arms``) of the experiment file and record it in MLflow; with
-    ``rerun_of`` (an arm's MLflow run id), run that arm again from its record alone (``experiment``
-    and ``arms`` are then not used): the same verified model files, image digest, prompts and seeds."""
+    """Run every arm (or the named arms) of the experiment and record it in MLflow; with rerun_of
+    (an arm's MLflow run id), run that arm again from its record alone: the same verified model
+    files, image digest, prompts and seeds.
+
+    Args:
+        experiment: Experiment YAML file on the worker, relative to the checkout the deployment runs
+            from (e.g. experiments/demo-study.yaml). Not read when experiment_yaml is set.
+        experiment_yaml: The experiment itself: YAML text pasted here, the same fields as a file.
+            When set, it is the experiment and the experiment file is not read. Checked like a
+            file: an error names the field.
+        arms: Only these arms, in this order (their names in the experiment). Empty: every arm.
+        overrides: Workload fields laid over every workload of the experiment; a field left empty
+            keeps the experiment's value. Recorded on the MLflow runs as override.* params.
+        rerun_of: An arm's MLflow run id: run that arm again from its record alone (the experiment,
+            arms and overrides are then not used).
+        allow_drift: With rerun_of: rerun even though a model file differs from the record (the
+            difference is recorded).
+    """
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    rerun = restore_run_task(tracker, rerun_of, home, allow_drift) if rerun_of else None
-    spec = rerun.spec if rerun is not None else load_experiment_task(experiment)
-    if rerun is not None:
-        experiment = rerun.record.experiment_file
-    selected = arms if rerun is None and arms else [a.name for a in spec.arms]
-    for name in selected:
-        spec.arm(name)  # unknown arm names fail before anything starts
+    if rerun_of:
+        if overrides.changes() or experiment_yaml or arms:
+            raise SpecError(
+                "rerun_of runs an arm again exactly as recorded: leave experiment_yaml, arms and "
+                f"overrides empty (got overrides {overrides.describe()}, arms {arms or 'none'})"
+            )
+        rerun = restore_run_task(tracker, rerun_of, home, allow_drift)
+        spec, experiment = rerun.spec, rerun.record.experiment_file
+        selected = [a.name for a in spec.arms]
+        params: dict[str, Any] = {}
+    else:
+        rerun = None
+        request = RunRequest(
+            experiment=experiment, experiment_yaml=experiment_yaml, arms=arms, overrides=overrides
+        )
+        spec, experiment = load_experiment_task(request), request.source
+        selected = request.arm_names(spec)  # unknown arm names fail before anything starts
+        params = overrides.params()
     # preflight before the (possibly hours-long) download, and again with the model's config.json
     _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker)
     if any(spec.arm(name).launcher.leaves_orphans for name in selected):
@@ -182,7 +212,9 @@ def benchmark(
             raise
     outcomes = []
     for name in selected:
-        outcomes.append(_run_arm(spec, experiment, name, models, tracker, settings, findings, prompts, rerun))
+        outcomes.append(
+            _run_arm(spec, experiment, name, models, tracker, settings, findings, prompts, rerun, params)
+        )
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if any(speculation_setting(spec.arm(name)) for name in selected):
         try:
@@ -212,7 +244,14 @@ def benchmark(
 
 @flow(name="rerun")
 def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
-    """Run an arm's MLflow run again from its record alone, and compare the new run with it."""
+    """Run an arm's MLflow run again from its record alone, and compare the new run with it.
+
+    Args:
+        run_id: The MLflow run id of an arm (or of a workload or repeat under it; a unique prefix
+            will do).
+        allow_drift: Rerun even though a model file differs from the record (the difference is
+            recorded).
+    """
     return benchmark(rerun_of=run_id, allow_drift=allow_drift)
 
 

@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from flows.benchmark import _flow_run_id, _stop_on_errors
 from flows.study import ArmsFailed, run_study
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
@@ -44,19 +45,43 @@ def retest_dir(settings: Settings, experiment: str, run_id: str) -> Path:
 
 @flow(name="retest")
 def retest(
-    experiment: str = "experiments/demo-retest.yaml", variants: list[str] | None = None
+    experiment: str = "experiments/demo-retest.yaml",
+    experiment_yaml: str | None = None,
+    variants: list[str] | None = None,
+    overrides: Overrides = NO_OVERRIDES,
 ) -> dict[str, Any]:
-    """The baseline, then each variant (all of the experiment's, or the named ``variants``), each a
-    study under the retest's MLflow run; then the verdicts. A study that fails is recorded and the
-    others still run; the flow then fails after the report, naming it."""
+    """The baseline, then each variant (all of the experiment's, or the named variants), each a study
+    under the retest's MLflow run; then every variant judged against the baseline. A study that fails
+    is recorded and the others still run; the flow then fails after the report, naming it.
+
+    Args:
+        experiment: Experiment YAML file on the worker, relative to the checkout the deployment runs
+            from (e.g. experiments/demo-retest.yaml); it must declare variants. Not read when
+            experiment_yaml is set.
+        experiment_yaml: The experiment itself: YAML text pasted here, the same fields as a file.
+            When set, it is the experiment and the experiment file is not read. Checked like a
+            file: an error names the field.
+        variants: Only these variants of the experiment (its variants: list), in this order.
+            Empty: every variant.
+        overrides: Workload fields laid over every workload of the experiment (the baseline and
+            each variant; a variant's own workload changes still apply); a field left empty keeps
+            the experiment's value. Recorded on the MLflow runs as override.* params.
+    """
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    spec = load_experiment_task(experiment)
-    targets = retest_targets(spec, variants)
-    run_id = start_retest(tracker, spec, experiment, targets, {"prefect.flow_run_id": _flow_run_id()})
-    logger.info("%s\nMLflow run of the retest: %s", "\n".join(describe_retest(spec, variants)), run_id)
+    request = RunRequest(
+        experiment=experiment, experiment_yaml=experiment_yaml, variants=variants, overrides=overrides
+    )
+    spec, experiment = load_experiment_task(request), request.source
+    names = request.variant_names(spec)
+    targets = retest_targets(spec, names)
+    params = overrides.params()
+    run_id = start_retest(
+        tracker, spec, experiment, targets, {"prefect.flow_run_id": _flow_run_id()}, params
+    )
+    logger.info("%s\nMLflow run of the retest: %s", "\n".join(describe_retest(spec, names)), run_id)
     studies: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     status = "KILLED"
@@ -76,7 +101,7 @@ def retest(
                 studies[t.label] = run_study(
                     t.spec, experiment, [a.name for a in t.spec.arms], tracker, settings,
                     parent_run_id=run_id, tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
-                    models={"model": model}, prompts=prompts[key],
+                    models={"model": model}, prompts=prompts[key], params=params,
                 )  # fmt: skip
             except ArmsFailed as exc:
                 studies[t.label] = exc.result
@@ -108,4 +133,6 @@ def retest(
 
 
 if __name__ == "__main__":
-    retest(sys.argv[1] if len(sys.argv) > 1 else "experiments/demo-retest.yaml", sys.argv[2:] or None)
+    retest(
+        sys.argv[1] if len(sys.argv) > 1 else "experiments/demo-retest.yaml", variants=sys.argv[2:] or None
+    )

@@ -25,6 +25,7 @@ from flows.benchmark import (
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError
+from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -66,14 +67,17 @@ def run_study(
     tags: dict[str, str] | None = None,
     models: dict[str, ModelRecord] | None = None,
     prompts: dict[str, list[PromptSet]] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The study of ``spec``'s ``selected`` arms inside a flow: its run (nested under
-    ``parent_run_id`` when given), preflight, the first model and the prompts (unless given), the
-    arms, the report. Raises :class:`ArmsFailed` after the report when an arm failed."""
+    ``parent_run_id`` when given, ``params`` on it and its arms: the overrides), preflight, the
+    first model and the prompts (unless given), the arms, the report. Raises :class:`ArmsFailed`
+    after the report when an arm failed."""
     logger = get_run_logger()
     home = settings.home_dir
+    params = dict(params or {})
     tags = {"prefect.flow_run_id": _flow_run_id(), **(tags or {})}
-    run_id = start_study(tracker, spec, experiment, tags, parent_id=parent_run_id)
+    run_id = start_study(tracker, spec, experiment, tags, params, parent_id=parent_run_id)
     logger.info("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(selected))
     try:
         _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker, run_id)
@@ -102,8 +106,8 @@ def run_study(
     )
     outcome = Study(
         spec, run_id, tracker, settings, models, prompts, findings, experiment, steps,
-        tags=tags, labels={"k3pipe.flow_run_id": _flow_run_id()}, arms=selected, before_s=before,
-        say=logger.info, warn=logger.error,
+        tags=tags, labels={"k3pipe.flow_run_id": _flow_run_id()}, params=params, arms=selected,
+        before_s=before, say=logger.info, warn=logger.error,
     ).execute()  # fmt: skip
     outcomes = [o.as_dict() for o in outcome.arms]
     rows = [row for o in outcomes for row in o.get("workloads", [])]
@@ -128,17 +132,34 @@ def run_study(
 
 
 @flow(name="study")
-def study(experiment: str = "experiments/demo-study.yaml", arms: list[str] | None = None) -> dict[str, Any]:
-    """Every arm (or the named ``arms``) of the experiment on every workload, under one MLflow run;
-    the report at the end. An arm that fails is recorded and the others still run; the flow then
-    fails after the report, naming it."""
+def study(
+    experiment: str = "experiments/demo-study.yaml",
+    experiment_yaml: str | None = None,
+    arms: list[str] | None = None,
+    overrides: Overrides = NO_OVERRIDES,
+) -> dict[str, Any]:
+    """Every arm (or the named arms) of the experiment on every workload, under one MLflow run; the
+    report at the end. An arm that fails is recorded and the others still run; the flow then fails
+    after the report, naming it.
+
+    Args:
+        experiment: Experiment YAML file on the worker, relative to the checkout the deployment runs
+            from (e.g. experiments/demo-study.yaml). Not read when experiment_yaml is set.
+        experiment_yaml: The experiment itself: YAML text pasted here, the same fields as a file.
+            When set, it is the experiment and the experiment file is not read. Checked like a
+            file: an error names the field.
+        arms: Only these arms, in this order (their names in the experiment). Empty: every arm.
+        overrides: Workload fields laid over every workload of the experiment; a field left empty
+            keeps the experiment's value. Recorded on the MLflow runs as override.* params.
+    """
     settings = Settings()
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    spec = load_experiment_task(experiment)
-    selected = arms or [a.name for a in spec.arms]
-    for name in selected:
-        spec.arm(name)  # unknown arm names fail before anything starts
-    return run_study(spec, experiment, selected, tracker, settings)
+    request = RunRequest(
+        experiment=experiment, experiment_yaml=experiment_yaml, arms=arms, overrides=overrides
+    )
+    spec, source = load_experiment_task(request), request.source
+    selected = request.arm_names(spec)  # unknown arm names fail before anything starts
+    return run_study(spec, source, selected, tracker, settings, params=overrides.params())
 
 
 if __name__ == "__main__":

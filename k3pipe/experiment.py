@@ -25,7 +25,7 @@ from k3pipe.specs import (
     ShareGPTDataset,
 )
 
-__all__ = ["load_experiment", "parse_experiment"]
+__all__ = ["load_experiment", "load_experiment_text", "parse_experiment"]
 
 
 # The tag of each discriminated-union member, as pydantic puts it in an error's location.
@@ -161,15 +161,21 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
     return spec
 
 
+def load_experiment_text(text: str, source: str = "<experiment>") -> ExperimentSpec:
+    """Load an experiment from YAML text (pasted into a form, say); errors name ``source``."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{source}: not valid YAML: {exc}") from exc
+    return parse_experiment(data, source)
+
+
 def load_experiment(path: str | Path) -> ExperimentSpec:
     """Load an experiment YAML file."""
     p = Path(path)
     try:
         text = p.read_text()
-    except FileNotFoundError as exc:
-        raise SpecError(f"{p}: experiment file not found") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML: {exc}") from exc
-    return parse_experiment(data, str(p))
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        where = "" if p.is_absolute() else f" (relative to {Path.cwd()})"
+        raise SpecError(f"{p}: experiment file not found{where}") from exc
+    return load_experiment_text(text, str(p))

@@ -146,7 +146,15 @@ class ArmRecorder:
         self.rerun_of: str | None = None
         self.drift: list[str] = []
 
-    def log_plan(self, exp: ExperimentSpec, experiment_file: str, models: Mapping[str, ModelRecord]) -> None:
+    def log_plan(
+        self,
+        exp: ExperimentSpec,
+        experiment_file: str,
+        models: Mapping[str, ModelRecord],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The plan, models and experiment as params and artifacts; ``extra`` params besides (the
+        overrides the run was started with, ``override.*``)."""
         plan = self.plan
         cmd = plan.command
         params: dict[str, Any] = {
@@ -165,6 +173,7 @@ class ArmRecorder:
             **_flat("env", cmd.redacted_env()),
             **_flat("arg", exp.arm(plan.arm).engine.args),
             **_compile_cache_params(plan),
+            **(extra or {}),
         }
         for name, rec in models.items():
             params.update(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from k3pipe.errors import SpecError
 from k3pipe.report.retest import BASELINE, RETEST_KIND, VARIANTS_FILE
@@ -87,8 +88,10 @@ def start_retest(
     experiment_file: str,
     targets: Sequence[RetestTarget],
     tags: Mapping[str, str] | None = None,
+    params: Mapping[str, Any] | None = None,
 ) -> str:
-    """The retest's parent run: the experiment, the variants it runs and what each changes."""
+    """The retest's parent run: the experiment, the variants it runs and what each changes, and
+    ``params`` besides (the overrides it was started with, ``override.*``)."""
     run_id = tracker.start_run(
         f"retest/{spec.name}",
         tags={"k3pipe.kind": RETEST_KIND, "k3pipe.experiment": spec.name, **(tags or {})},
@@ -101,6 +104,7 @@ def start_retest(
             "variants": ",".join(t.label for t in variants),
             "arms": ",".join(a.name for a in spec.arms),
             "workloads": ",".join(w.name for w in spec.workloads),
+            **(params or {}),
         },
     )
     tracker.log_dict(run_id, spec.model_dump(mode="json"), "experiment.json")

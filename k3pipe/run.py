@@ -198,6 +198,8 @@ class ArmRun:
     rerun: RerunInputs | None = None
     parent_run_id: str | None = None
     """The MLflow run the arm's run is nested under (a study's), if any."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Params for the arm's run besides the plan's (the overrides it was started with)."""
     image_source: Callable[[ArmPlan], ImageRecord] | None = None
     """Where the pinned image comes from (a study's prefetch); default ``steps.pull_image``."""
     say: Callable[[str], None] = log.info
@@ -252,7 +254,7 @@ class ArmRun:
         """The inputs into the record (plan, prompts, preflight), then the image (docker), the node's
         facts, the engine's start, its health, the endpoint's proof and the cold-start phases."""
         plan, recorder = self._ready()
-        recorder.log_plan(self.spec, self.experiment_file, self.models)
+        recorder.log_plan(self.spec, self.experiment_file, self.models, self.params)
         recorder.log_prompts(self.spec.workloads, self.prompts)
         recorder.log_preflight(self.findings)
         image = None

@@ -107,10 +107,12 @@ def start_study(
     spec: ExperimentSpec,
     experiment_file: str,
     tags: Mapping[str, str] | None = None,
+    params: Mapping[str, Any] | None = None,
     parent_id: str | None = None,
 ) -> str:
-    """The study's parent run: its experiment, arms and workloads (nested under ``parent_id``, a
-    retest's run, when given)."""
+    """The study's parent run: its experiment, arms and workloads, and ``params`` besides (the
+    overrides it was started with, ``override.*``); nested under ``parent_id`` (a retest's run)
+    when given."""
     run_id = tracker.start_run(
         f"study/{spec.name}",
         tags={"k3pipe.kind": STUDY_KIND, "k3pipe.experiment": spec.name, **(tags or {})},
@@ -122,6 +124,7 @@ def start_study(
             "experiment_file": experiment_file,
             "arms": ",".join(a.name for a in spec.arms),
             "workloads": ",".join(w.name for w in spec.workloads),
+            **(params or {}),
         },
     )
     tracker.log_dict(run_id, spec.model_dump(mode="json"), "experiment.json")
@@ -163,6 +166,8 @@ class Study:
     steps: StudySteps = field(default_factory=StudySteps.library)
     tags: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    """Params for every arm's run besides its plan's (the overrides the study was started with)."""
     arms: list[str] | None = None
     before_s: float = 0.0
     """Seconds spent before the study began (the first model's fetch), part of its wall time."""
@@ -250,7 +255,8 @@ class Study:
         run = ArmRun(
             self.spec, arm.name, models, self.prompts, self.tracker, self.settings, self.findings,
             self.experiment_file, self.steps.arm, tags=dict(self.tags), labels=dict(self.labels),
-            parent_run_id=self.run_id, image_source=image, say=self.say, warn=self.warn,
+            params=dict(self.params), parent_run_id=self.run_id, image_source=image, say=self.say,
+            warn=self.warn,
         )  # fmt: skip
         result = run.execute()
         waited_s = sum(waits)

@@ -23,6 +23,7 @@ from k3pipe.health import EndpointCheck, engine_version, wait_ready
 from k3pipe.launchers import Launcher, connect, reap_orphans
 from k3pipe.launchers.factory import pull_image
 from k3pipe.node import NodeInfo
+from k3pipe.params import RunRequest
 from k3pipe.plan import ArmPlan
 from k3pipe.preflight import preflight
 from k3pipe.report import build_report, publish
@@ -37,10 +38,16 @@ from k3pipe.tracking import Tracker
 
 
 @task(name="load-experiment", cache_policy=NO_CACHE)
-def load_experiment_task(path: str) -> ExperimentSpec:
-    spec = load_experiment(path)
+def load_experiment_task(source: str | RunRequest) -> ExperimentSpec:
+    """The experiment of a file, or of a run request (its file or inline YAML, its overrides laid
+    over every workload); a bad file or override fails here, naming the field."""
+    spec = source.load() if isinstance(source, RunRequest) else load_experiment(source)
     get_run_logger().info(
-        "experiment %s: %d arm(s), %d workload(s)", spec.name, len(spec.arms), len(spec.workloads)
+        "experiment %s: %d arm(s), %d workload(s)%s",
+        spec.name,
+        len(spec.arms),
+        len(spec.workloads),
+        f"; overrides {source.overrides.describe()}" if isinstance(source, RunRequest) else "",
     )
     return spec
 

@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -125,6 +127,71 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEng
         launcher.stop()
 
 
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def stop_group(proc: subprocess.Popen[bytes], first: signal.Signals) -> None:
+    """End a process started with ``start_new_session=True`` and its group: ``first`` twice (10 s
+    each), then SIGKILL. Prefect's worker ignores SIGTERM for minutes: give it SIGINT."""
+    if proc.poll() is not None:
+        return
+    for _ in range(2):
+        os.killpg(proc.pid, first)
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextmanager
+def running_prefect_server(directory: Path, **settings: str) -> Iterator[dict[str, str]]:
+    """A real ``prefect server start`` on 127.0.0.1 (its home, database and log under
+    ``directory``), ready; yields the PREFECT_* settings that point a client, the CLI or a worker at
+    it (``settings`` are more of them, for the server too). Stopped, with its group, on the way out."""
+    port = free_port()
+    prefect = {
+        "PREFECT_HOME": str(directory / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        **settings,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_ISOLATED_PREFIXES)}
+    log_path = directory / "server.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env={**env, **prefect},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert server.poll() is None, log_path.read_text()[-2000:]
+                try:
+                    url = f"http://127.0.0.1:{port}/api/health"
+                    if httpx.get(url, timeout=2, trust_env=False).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "Prefect server did not start"
+                time.sleep(0.5)
+            yield prefect
+        finally:
+            stop_group(server, signal.SIGTERM)
+
+
+@pytest.fixture
+def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A real Prefect server of the test's own; yields the environment (this one's, pointed at it)."""
+    with running_prefect_server(tmp_path) as prefect:
+        yield {**os.environ, **prefect}
+
+
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
     """One temporary Prefect server for the in-process flow tests of the session."""
@@ -209,6 +276,7 @@ UNIT_MODULES = frozenset(
         "tests/test_golden_study.py",
         "tests/test_health.py",
         "tests/test_metrics.py",
+        "tests/test_params.py",
         "tests/test_report.py",
         "tests/test_report_retest.py",
         "tests/test_specs.py",

@@ -4,77 +4,18 @@ against the session's real vLLM, so the worker starts and stops no engine of its
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
-from tests.conftest import REPO, RunningEngine, external_experiment, free_port
+from tests.conftest import PREFECT, REPO, RunningEngine, external_experiment, stop_group
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
-
-PREFECT = str(Path(sys.executable).with_name("prefect"))
-
-
-def _stop(proc: subprocess.Popen[bytes], first: signal.Signals) -> None:
-    """Prefect's worker ignores SIGTERM for minutes: SIGINT twice, then SIGKILL of its group."""
-    if proc.poll() is not None:
-        return
-    for _ in range(2):
-        os.killpg(proc.pid, first)
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-@pytest.fixture
-def prefect_server(tmp_path: Path) -> Iterator[dict[str, str]]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-    }
-    log = (tmp_path / "server.log").open("wb")
-    server = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                if (
-                    httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2, trust_env=False).status_code
-                    == 200
-                ):
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "Prefect server did not start"
-            time.sleep(0.5)
-        yield env
-    finally:
-        _stop(server, signal.SIGTERM)
-        log.close()
 
 
 def test_benchmark_deployment_runs_on_a_worker(
@@ -136,7 +77,7 @@ def test_benchmark_deployment_runs_on_a_worker(
         )  # fmt: skip
         assert "Completed" in out
     finally:
-        _stop(worker, signal.SIGINT)
+        stop_group(worker, signal.SIGINT)
         worker_log.close()
 
     runs = tracker.recent_runs(5)

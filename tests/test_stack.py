@@ -202,8 +202,9 @@ def test_up_starts_every_service_on_localhost(stack: Stack) -> None:
     pool = httpx.get(f"{stack.prefect_api}/work_pools/k3pipe", trust_env=False).json()
     assert (pool["type"], pool["concurrency_limit"]) == ("process", 1)
     deployments = httpx.post(f"{stack.prefect_api}/deployments/filter", json={}, trust_env=False).json()
-    assert sorted(d["name"] for d in deployments) == ["benchmark", "rerun", "study"]
-    assert {d["work_pool_name"] for d in deployments} == {"k3pipe"}
+    pools = {d["name"]: d["work_pool_name"] for d in deployments}
+    assert pools == {"benchmark": "k3pipe", "rerun": "k3pipe", "study": "k3pipe", "retest": "k3pipe",
+                     "gpu": "gpu-node"}  # fmt: skip
     workers = httpx.post(f"{stack.prefect_api}/work_pools/k3pipe/workers/filter", json={}, trust_env=False)
     assert [w["status"] for w in workers.json()] == ["ONLINE"]
     # the worker's runs log to the stack's MLflow through the stack's Prefect

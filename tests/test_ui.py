@@ -56,8 +56,14 @@ def browser() -> Iterator[Any]:
     if missing:
         pytest.fail(f"{', '.join(missing)} missing: `make test` installs chromium and chromium-driver")
     options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1500,1000",
-                "--disable-gpu", "--no-first-run"):  # fmt: skip
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1500,1000",
+        "--disable-gpu",
+        "--no-first-run",
+    ):
         options.add_argument(arg)
     options.binary_location = str(CHROMIUM)
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
@@ -138,10 +144,26 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
                     "name": "ui-study",
                     "description": "started from the Prefect UI's form in a browser",
                     "model": {"source": "local", "path": str(TINY_MODEL)},
-                    "arms": [{"name": "scripted", "engine": {"kind": "vllm"}, "launcher": {"kind": "external"},
-                              "endpoint": {"base_url": server.base_url, "model": "m"}}],  # fmt: skip
-                    "workloads": [{"name": "in64", "input_tokens": 64, "output_tokens": 16, "concurrency": 2,
-                                   "num_requests": 4, "warmup_requests": 0, "repeats": 1, "seed": 3}],  # fmt: skip
+                    "arms": [
+                        {
+                            "name": "scripted",
+                            "engine": {"kind": "vllm"},
+                            "launcher": {"kind": "external"},
+                            "endpoint": {"base_url": server.base_url, "model": "m"},
+                        }
+                    ],
+                    "workloads": [
+                        {
+                            "name": "in64",
+                            "input_tokens": 64,
+                            "output_tokens": 16,
+                            "concurrency": 2,
+                            "num_requests": 4,
+                            "warmup_requests": 0,
+                            "repeats": 1,
+                            "seed": 3,
+                        }
+                    ],
                 }
             )
         )
@@ -162,7 +184,9 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
         path.send_keys(str(experiment))
         repeats = _property(browser, "Repeats (Optional)")
         repeats.find_element(By.XPATH, ".//button[normalize-space(.)='int']").click()
-        field = _wait("the repeats input", lambda: next(iter(repeats.find_elements(By.TAG_NAME, "input")), None))
+        field = _wait(
+            "the repeats input", lambda: next(iter(repeats.find_elements(By.TAG_NAME, "input")), None)
+        )
         field.send_keys("2")
         browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", repeats)
         shots(browser, "prefect-run-form")
@@ -175,7 +199,9 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
                 json={"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}},
                 timeout=10,
             ).json()
-            done = [r for r in runs if r["state"] and r["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED")]
+            done = [
+                r for r in runs if r["state"] and r["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED")
+            ]
             return done[0] if done else None
 
         run = _wait("the flow run to finish on the worker", finished, timeout=420, every=2)
@@ -194,7 +220,9 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
     (study,) = client.search_runs([exp.experiment_id], "tags.`k3pipe.kind` = 'study'")
     (arm,) = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{study.info.run_id}'")
     (workload,) = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{arm.info.run_id}'")
-    repeats_run = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{workload.info.run_id}'")
+    repeats_run = client.search_runs(
+        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{workload.info.run_id}'"
+    )
     assert len(repeats_run) == 2  # the form's change reached the run
     assert study.data.params.get("override.repeats") == "2"
     served = stack.home / "stack" / "mlflow-artifacts"
@@ -210,8 +238,10 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
         _wait("the nested arm", lambda: "ui-study/scripted" in _text(browser), 30)
     shots(browser, "mlflow-runs")
 
-    browser.get(f"{stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{study.info.run_id}"
-                "?workflowType=machine_learning")  # fmt: skip
+    browser.get(
+        f"{stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{study.info.run_id}"
+        "?workflowType=machine_learning"
+    )
     _wait("the study's run page", lambda: "Child runs" in _text(browser), 90)
     _close_assistant(browser)
     page = _text(browser)
@@ -219,8 +249,10 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
     assert "Study of experiment" in page or "Description" in page
     shots(browser, "mlflow-study-run")
 
-    browser.get(f"{stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{study.info.run_id}"
-                "/artifacts/report/report.html?workflowType=machine_learning")  # fmt: skip
+    browser.get(
+        f"{stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{study.info.run_id}"
+        "/artifacts/report/report.html?workflowType=machine_learning"
+    )
     _wait("the report among the artifacts", lambda: "report.html" in _text(browser), 90)
     _close_assistant(browser)
     shots(browser, "mlflow-report")
@@ -228,9 +260,7 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
     _click_text(browser, "by_input_length.png")
     image = _wait(
         "the plot shown",
-        lambda: next(
-            (i for i in browser.find_elements(By.TAG_NAME, "img") if i.size["height"] > 100), None
-        ),
+        lambda: next((i for i in browser.find_elements(By.TAG_NAME, "img") if i.size["height"] > 100), None),
         60,
     )
     assert image.is_displayed()
