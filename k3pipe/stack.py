@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+import yaml
 
 from k3pipe.errors import StackError
 from k3pipe.settings import Settings
@@ -702,31 +703,49 @@ def _run_prefect(config: StackConfig, api_port: int, args: list[str], what: str,
     return output
 
 
-def _ensure_pool_and_deployments(config: StackConfig, api_port: int, progress: Progress) -> None:
-    """The process work pool (concurrency limit 1) and prefect.yaml's deployments."""
-    if not (config.project_dir / "prefect.yaml").is_file():
-        raise StackError(
-            f"prefect: no prefect.yaml in {config.project_dir} to deploy; run `k3pipe stack up` from the "
-            "k3pipe checkout"
-        )
+def _pools_named(project_dir: Path) -> list[str]:
+    """The work pools prefect.yaml's deployments name, ``k3pipe`` first (a deploy fails for a pool
+    that does not exist, although it deploys)."""
+    config = yaml.safe_load((project_dir / "prefect.yaml").read_text()) or {}
+    named = [
+        str((d.get("work_pool") or {}).get("name"))
+        for d in config.get("deployments") or []
+        if (d.get("work_pool") or {}).get("name")
+    ]
+    return list(dict.fromkeys([WORK_POOL, *named]))
+
+
+def _ensure_pool(config: StackConfig, api_port: int, name: str) -> None:
     api = f"http://{HOST}:{api_port}/api"
-    pool = httpx.get(f"{api}/work_pools/{WORK_POOL}", timeout=10, trust_env=False)
+    pool = httpx.get(f"{api}/work_pools/{name}", timeout=10, trust_env=False)
     if pool.status_code == 404:
-        _run_prefect(
-            config, api_port, ["work-pool", "create", WORK_POOL, "--type", "process"], "work pool", 120
-        )
+        _run_prefect(config, api_port, ["work-pool", "create", name, "--type", "process"], "work pool", 120)
         limit = None
     elif pool.status_code == 200:
         limit = pool.json().get("concurrency_limit")
     else:
         raise StackError(
-            f"prefect: GET {api}/work_pools/{WORK_POOL} answered {pool.status_code}: {pool.text[:300]}"
+            f"prefect: GET {api}/work_pools/{name} answered {pool.status_code}: {pool.text[:300]}"
         )
     if limit != 1:
         _run_prefect(
-            config, api_port, ["work-pool", "set-concurrency-limit", WORK_POOL, "1"], "concurrency limit", 120
+            config, api_port, ["work-pool", "set-concurrency-limit", name, "1"], "concurrency limit", 120
         )
-    progress(f"prefect: work pool {WORK_POOL!r} (process, concurrency limit 1)")
+
+
+def _ensure_pool_and_deployments(config: StackConfig, api_port: int, progress: Progress) -> None:
+    """Every work pool prefect.yaml names (process, concurrency limit 1: one run at a time on a
+    node), and prefect.yaml's deployments. The stack's worker serves the ``k3pipe`` pool; another
+    pool (a GPU node's, ``gpu-node``) waits for that node's worker."""
+    if not (config.project_dir / "prefect.yaml").is_file():
+        raise StackError(
+            f"prefect: no prefect.yaml in {config.project_dir} to deploy; run `k3pipe stack up` from the "
+            "k3pipe checkout"
+        )
+    pools = _pools_named(config.project_dir)
+    for name in pools:
+        _ensure_pool(config, api_port, name)
+    progress(f"prefect: work pool(s) {', '.join(map(repr, pools))} (process, concurrency limit 1)")
     _run_prefect(config, api_port, ["--no-prompt", "deploy", "--all"], "deploy --all", 300)
     progress(f"prefect: deployed prefect.yaml's deployments from {config.project_dir}")
 

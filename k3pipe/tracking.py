@@ -177,11 +177,19 @@ class Tracker:
         self.log_text(run_id, json.dumps(data, indent=2, default=str), artifact_file)
 
     def log_file(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
-        """Log a text file (an engine log), scrubbed of secrets on the way."""
+        """Log a file: text (an engine log, a report) scrubbed of secrets on the way; a file that is
+        not UTF-8 text (a PNG figure) byte for byte."""
         if not path.exists():
             return
         name = f"{artifact_path}/{path.name}" if artifact_path else path.name
-        self.log_text(run_id, path.read_text(errors="replace"), name)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            # binary: decoding it with replacement characters would corrupt it (the report's PNGs
+            # were stored with their first byte replaced, and the MLflow UI showed broken images)
+            self.client.log_artifact(run_id, str(path), artifact_path)
+            return
+        self.log_text(run_id, text, name)
 
     def read_artifact(self, run_id: str, artifact_file: str) -> bytes | None:
         """The bytes of one of the run's artifacts; None when the run has no such artifact."""

@@ -35,6 +35,7 @@ def test_benchmark_deployment_runs_on_a_worker(
         return out.stdout
 
     prefect("work-pool", "create", "k3pipe", "--type", "process")
+    prefect("work-pool", "create", "gpu-node", "--type", "process")  # retest/gpu's (a deploy needs it)
     prefect("--no-prompt", "deploy", "--all")
     worker_log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen(

@@ -103,6 +103,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         }
         _prefect(env, "work-pool", "create", "k3pipe", "--type", "process")
         _prefect(env, "work-pool", "set-concurrency-limit", "k3pipe", "1")
+        _prefect(env, "work-pool", "create", "gpu-node", "--type", "process")  # retest/gpu's pool
         _prefect(env, "--no-prompt", "deploy", "--all")
         yield {"prefect": prefect, "env": env, "api": Api(prefect["PREFECT_API_URL"]), "dir": directory}
 

@@ -174,3 +174,15 @@ def test_the_experiment_opens_on_its_runs_and_runs_say_where_they_came_from(tmp_
     assert tags["mlflow.source.name"] == "k3pipe"
     assert len(tags["mlflow.source.git.commit"]) == 40
     assert tags["mlflow.note.content"] == "arm **a**: key ***"
+
+
+def test_log_file_keeps_a_binary_file_byte_for_byte_and_scrubs_text(tmp_path: Path) -> None:
+    tracker = Tracker(f"sqlite:///{tmp_path / 'm.db'}", "t", tmp_path / "art", secrets=["sk-planted-1"])
+    run = tracker.start_run("r")
+    png = bytes([0x89]) + b"PNG\r\n\x1a\n" + bytes(range(256))
+    (tmp_path / "figure.png").write_bytes(png)
+    (tmp_path / "engine.log").write_text("key sk-planted-1 in a log line\n")
+    tracker.log_file(run, tmp_path / "figure.png", "report/plots")
+    tracker.log_file(run, tmp_path / "engine.log", "logs")
+    assert tracker.read_artifact(run, "report/plots/figure.png") == png
+    assert tracker.read_artifact(run, "logs/engine.log") == b"key *** in a log line\n"

@@ -32,6 +32,8 @@ from tests.test_stack import Stack, _down_and_remove, _free_ports, _stack_home
 
 pytestmark = pytest.mark.flow
 
+# read at import: the autouse fixture clears K3PIPE_* variables before each test
+SHOTS_DIR = os.environ.get("K3PIPE_UI_SHOTS")
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
@@ -75,7 +77,7 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def shots(tmp_path: Path) -> Callable[[Any, str], Path]:
-    out = Path(os.environ.get("K3PIPE_UI_SHOTS") or tmp_path / "ui")
+    out = Path(SHOTS_DIR or tmp_path / "ui")
     out.mkdir(parents=True, exist_ok=True)
 
     def shoot(driver: Any, name: str) -> Path:
@@ -182,13 +184,18 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
         path = _property(browser, "experiment (Optional)").find_element(By.TAG_NAME, "textarea")
         path.clear()
         path.send_keys(str(experiment))
-        repeats = _property(browser, "Repeats (Optional)")
-        repeats.find_element(By.XPATH, ".//button[normalize-space(.)='int']").click()
+        _property(browser, "Repeats (Optional)").find_element(
+            By.XPATH, ".//button[normalize-space(.)='int']"
+        ).click()
+        # the field is drawn anew as an integer input
         field = _wait(
-            "the repeats input", lambda: next(iter(repeats.find_elements(By.TAG_NAME, "input")), None)
+            "the repeats input",
+            lambda: next(
+                iter(_property(browser, "Repeats (Optional)").find_elements(By.TAG_NAME, "input")), None
+            ),
         )
         field.send_keys("2")
-        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", repeats)
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", field)
         shots(browser, "prefect-run-form")
         _click_text(browser, "Submit", "button")
 
@@ -232,10 +239,10 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
     browser.get(runs_page)
     _wait("the study in MLflow's runs list", lambda: "study/ui-study" in _text(browser), 90)
     _close_assistant(browser)
-    expanders = browser.find_elements(By.XPATH, "//button[contains(@aria-label, 'xpand') or @title='Expand']")
-    if expanders:
-        expanders[0].click()
-        _wait("the nested arm", lambda: "ui-study/scripted" in _text(browser), 30)
+    # the study's row opens on its nested arm (the "+" before the run's name)
+    name = browser.find_element(By.XPATH, "//a[normalize-space(.)='study/ui-study']")
+    name.find_element(By.XPATH, "./ancestor::div[@role='gridcell'][1]//button").click()
+    _wait("the nested arm", lambda: "ui-study/scripted" in _text(browser), 30)
     shots(browser, "mlflow-runs")
 
     browser.get(
@@ -256,11 +263,26 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
     _wait("the report among the artifacts", lambda: "report.html" in _text(browser), 90)
     _close_assistant(browser)
     shots(browser, "mlflow-report")
-    _click_text(browser, "plots")
-    _click_text(browser, "by_input_length.png")
+    browser.get(f"{stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{study.info.run_id}"
+                "/artifacts/report/plots/distributions.png?workflowType=machine_learning")  # fmt: skip
+    browser.refresh()  # the same page with another file chosen: the app reads the link on load
+    try:
+        _wait("the plot among the artifacts", lambda: "distributions.png" in _text(browser), 90)
+    except AssertionError:
+        shots(browser, "failed-plot")
+        raise AssertionError(_text(browser)[:3000]) from None
+    _close_assistant(browser)
+    # the figure is shown, decoded (a broken image has no natural size)
     image = _wait(
-        "the plot shown",
-        lambda: next((i for i in browser.find_elements(By.TAG_NAME, "img") if i.size["height"] > 100), None),
+        "the plot drawn",
+        lambda: next(
+            (
+                i
+                for i in browser.find_elements(By.TAG_NAME, "img")
+                if browser.execute_script("return arguments[0].naturalWidth", i) > 200
+            ),
+            None,
+        ),
         60,
     )
     assert image.is_displayed()
