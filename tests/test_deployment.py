@@ -77,11 +77,23 @@ def test_benchmark_deployment_runs_on_a_worker(
             "deployment", "run", "study/study", "--param", f"experiment={exp}", "--watch", timeout=400
         )  # fmt: skip
         assert "Completed" in out
+        # the retest deployment: the experiment as a baseline and one variant (twice the output)
+        retest = {**experiment, "name": "external-retest"}
+        retest["variants"] = [{"name": "longer", "arms": {"gateway": {}}, "workloads": {"output_tokens": 16}}]
+        exp.write_text(yaml.safe_dump(retest))
+        out = prefect(
+            "deployment", "run", "retest/retest", "--param", f"experiment={exp}", "--watch", timeout=400
+        )  # fmt: skip
+        assert "Completed" in out
     finally:
         stop_group(worker, signal.SIGINT)
         worker_log.close()
 
-    runs = tracker.recent_runs(5)
+    (retest_row, *studies) = [n for n in tracker.recent_runs(1)["name"] if not n.startswith("    ")]
+    assert retest_row == "retest/external-retest"
+    assert [s.strip() for s in studies] == ["study/external-retest", "study/external-retest@longer"]
+    assert "retest verdicts:" in (tmp_path / "worker.log").read_text()
+    runs = tracker.recent_runs(5)[lambda f: ~f["name"].str.contains("retest")].reset_index(drop=True)
     assert list(runs["name"]) == [
         "study/external-study",
         "  external-study/gateway",
