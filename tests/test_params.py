@@ -127,7 +127,9 @@ def test_prefect_yaml_enforces_the_schema_and_its_smoke_schedule_is_a_valid_requ
     assert [v.name for v in spec.variants] == ["batch1", "long-prefill-threshold"]
     (weekly,) = deployments["gpu"]["schedules"]
     assert (weekly["slug"], weekly["active"]) == ("weekly-gpu-retest", False)
-    assert RunRequest.model_validate(weekly["parameters"]).load().variants
+    weekly_spec = RunRequest.model_validate(weekly["parameters"]).load()
+    assert weekly_spec.variants
+    assert {w.repeats for w in weekly_spec.workloads} == {3}  # verdicts need repeats
 
 
 def test_the_cli_refuses_a_bad_override_before_prefect_starts(tmp_path: Path) -> None:
