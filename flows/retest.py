@@ -61,8 +61,8 @@ def retest(
         experiment_yaml: The experiment itself: YAML text pasted here, the same fields as a file.
             When set, it is the experiment and the experiment file is not read. Checked like a
             file: an error names the field.
-        variants: Only these variants of the experiment (its variants: list), in this order.
-            Empty: every variant.
+        variants: Only these of the experiment's variants, in this order (their names). Empty:
+            every variant.
         overrides: Workload fields laid over every workload of the experiment (the baseline and
             each variant; a variant's own workload changes still apply); a field left empty keeps
             the experiment's value. Recorded on the MLflow runs as override.* params.

@@ -168,8 +168,10 @@ def test_end_to_end_against_the_scripted_server(tokenizer_dir: Path, tmp_path: P
     assert 15 <= mine["figures"]["itl_p50"] < 60
     assert mine["cpu_phase_s"] is not None
     assert mine["cpu_total_s"] >= mine["cpu_phase_s"]
-    # the stand-in burns 0.2 s of CPU between vLLM's two lines
-    assert theirs["cpu_phase_s"] == pytest.approx(0.2, abs=0.06)
+    # the stand-in burns 0.2 s of CPU between vLLM's two lines (less a clock tick); /proc is read
+    # when the line arrives, so on a loaded machine the stand-in's next steps (a copy, its exit) can
+    # add to it (0.33 s once, in a fresh clone's make test), but never its start-up before the first
+    assert 0.14 <= theirs["cpu_phase_s"] < theirs["cpu_total_s"]
     assert theirs["output_tokens"] == 256
     # 2 warm-up + 4 measured requests reached the server, with the key and k3pipe's request shape
     assert len(received) == 6
