@@ -119,6 +119,23 @@ OutputTokensOpt = Annotated[
 ]
 
 
+def _overrides(
+    repeats: int | None,
+    requests: int | None,
+    concurrency: int | None,
+    input_tokens: int | None,
+    output_tokens: int | None,
+) -> dict[str, int | None]:
+    """The override options of `run`, `study` and `retest` as the fields of k3pipe.params.Overrides."""
+    return {
+        "repeats": repeats,
+        "num_requests": requests,
+        "concurrency": concurrency,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
 def _request(experiment: Path, arms: list[str] | None, overrides: dict[str, int | None]) -> Any:
     """The run request of `run` and `study`, its experiment loaded with the overrides and its arms
     checked here, so that a bad file, override or arm name fails before Prefect starts."""
@@ -150,13 +167,7 @@ def run(
     request = _request(
         experiment,
         arm,
-        {
-            "repeats": repeats,
-            "num_requests": requests,
-            "concurrency": concurrency,
-            "input_tokens": input_tokens,
-            "output_tokens": output_tokens,
-        },
+        _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
     )
     prepare_prefect_env(settings)
     from flows.benchmark import benchmark
@@ -183,13 +194,7 @@ def study(
     request = _request(
         experiment,
         arm,
-        {
-            "repeats": repeats,
-            "num_requests": requests,
-            "concurrency": concurrency,
-            "input_tokens": input_tokens,
-            "output_tokens": output_tokens,
-        },
+        _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
     )
     prepare_prefect_env(settings)
     from flows.study import ArmsFailed
@@ -231,8 +236,7 @@ def retest(
     from k3pipe.retest import retest_targets
 
     settings = Settings()
-    changed = {"repeats": repeats, "num_requests": requests, "concurrency": concurrency,
-               "input_tokens": input_tokens, "output_tokens": output_tokens}  # fmt: skip
+    changed = _overrides(repeats, requests, concurrency, input_tokens, output_tokens)
     try:
         request = RunRequest(
             experiment=str(experiment), variants=variant or None, overrides=Overrides(**changed)
