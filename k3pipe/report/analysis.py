@@ -46,6 +46,7 @@ __all__ = [
     "Row",
     "analyse",
     "holm",
+    "is_bursty",
     "ratio_interval",
     "welch",
 ]
@@ -82,6 +83,12 @@ _BY_KEY = {m.key: m for m in TABLE_METRICS}
 _CLIENT_TIMING = ("tpot_ms_p50", "itl_ms_p50")
 """The client's per-token timing: not about decoding when the stream came in bursts (see
 k3pipe.bench.summary.timing_note), so such a cell is shown as 'bursty' and not ranked."""
+
+
+def is_bursty(cell: CellData, metric: Metric) -> bool:
+    """Whether ``metric`` of ``cell`` is the client's per-token timing of a stream that came in
+    bursts (shown as 'bursty', never ranked or judged)."""
+    return metric.key in _CLIENT_TIMING and (cell.mean("client_timing_bursty") or 0) > 0
 
 
 @dataclass
@@ -249,11 +256,7 @@ def _rows(data: StudyData, arms: list[str]) -> list[Row]:
         if not cells:
             continue
         for metric in TABLE_METRICS:
-            bursty = {
-                c.arm
-                for c in cells
-                if metric.key in _CLIENT_TIMING and (c.mean("client_timing_bursty") or 0) > 0
-            }
+            bursty = {c.arm for c in cells if is_bursty(c, metric)}
             have = {
                 c.arm: RepeatStats.of(c.values[metric.key])
                 for c in cells

@@ -26,8 +26,8 @@ from typing import Any
 from k3pipe.bench.repeats import RepeatStats
 from k3pipe.compare import find_run
 from k3pipe.errors import TrackingError
-from k3pipe.report.analysis import ALPHA, TABLE_METRICS, Metric, holm, ratio_interval, welch
-from k3pipe.report.collect import STUDY_KIND, CellData, StudyData, collect
+from k3pipe.report.analysis import ALPHA, TABLE_METRICS, Metric, holm, is_bursty, ratio_interval, welch
+from k3pipe.report.collect import STUDY_KIND, StudyData, collect
 from k3pipe.report.render import Document, Section, Table, build_document, cell_text, to_html, to_markdown
 from k3pipe.tracking import Tracker
 
@@ -113,10 +113,6 @@ class VariantVerdict:
         return f"{self.verdict} ({self.change_text()}{p})"
 
 
-def _bursty(cell: CellData, metric: Metric) -> bool:
-    return metric.key in ("tpot_ms_p50", "itl_ms_p50") and (cell.mean("client_timing_bursty") or 0) > 0
-
-
 def judge_variants(data: RetestData) -> list[VariantVerdict]:
     """Every (variant, arm, workload, metric) both sides measured, judged; Holm over all of them."""
     verdicts: list[VariantVerdict] = []
@@ -127,7 +123,7 @@ def judge_variants(data: RetestData) -> list[VariantVerdict]:
                 continue
             for metric in TABLE_METRICS:
                 a, b = base.values.get(metric.key), cell.values.get(metric.key)
-                if not a or not b or _bursty(base, metric) or _bursty(cell, metric):
+                if not a or not b or is_bursty(base, metric) or is_bursty(cell, metric):
                     continue
                 sa, sb = RepeatStats.of(a), RepeatStats.of(b)
                 if sa.mean <= 0 or sb.mean <= 0:
