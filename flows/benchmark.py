@@ -55,15 +55,16 @@ def _flow_run_id() -> str:
 
 
 def _flow_run_is_running(flow_run_id: str) -> bool:
-    """Whether a flow run (from a container's label) is still going; unknown ids are not."""
+    """Whether a flow run (from a container's label) may still be going: True unless this Prefect
+    API shows it in a final state (a run it cannot read may be another server's, going on)."""
     if flow_run_id == _flow_run_id():
         return True
     try:
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(UUID(flow_run_id)).state
     except Exception:
-        return False
-    return state is not None and not state.is_final()
+        return True
+    return state is None or not state.is_final()
 
 
 def _steps() -> ArmSteps:
@@ -190,8 +191,8 @@ def benchmark(
         params = overrides.params()
     # preflight before the (possibly hours-long) download, and again with the model's config.json
     _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker)
-    if any(spec.arm(name).launcher.leaves_orphans for name in selected):
-        reap_orphans_task(_flow_run_is_running)
+    containers = any(spec.arm(name).launcher.leaves_orphans for name in selected)
+    reap_orphans_task(_flow_run_is_running, home, containers)
     if rerun is not None:
         models = rerun.models
     else:

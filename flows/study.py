@@ -81,8 +81,8 @@ def run_study(
     logger.info("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(selected))
     try:
         _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker, run_id)
-        if any(spec.arm(name).launcher.leaves_orphans for name in selected):
-            reap_orphans_task(_flow_run_is_running)
+        containers = any(spec.arm(name).launcher.leaves_orphans for name in selected)
+        reap_orphans_task(_flow_run_is_running, home, containers)
         # the first model now (the prompts are drawn with its tokenizer); the others in the background
         began = time.perf_counter()
         models = dict(models) if models else {"model": fetch_model_task("model", spec.model, home)}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import json
 import os
 import pwd
@@ -38,6 +37,7 @@ import httpx
 import yaml
 
 from k3pipe.errors import StackError
+from k3pipe.procs import alive, file_lock, proc_stat, reap, stop_group
 from k3pipe.settings import Settings
 
 __all__ = [
@@ -232,77 +232,22 @@ def _save_state(config: StackConfig, state: Mapping[str, ServiceRecord]) -> None
 @contextlib.contextmanager
 def _locked(config: StackConfig) -> Iterator[None]:
     """One ``up``/``down`` at a time per stack."""
-    config.stack_dir.mkdir(parents=True, exist_ok=True)
-    with (config.stack_dir / ".lock").open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    with file_lock(config.stack_dir / ".lock"):
         yield
-
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, process group, start time) of a process from /proc; None when there is none."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state), [2] field 5 (pgrp), [19] field 22 (starttime)
-    return fields[0], int(fields[2]), int(fields[19])
-
-
-def _alive(pid: int, proc_start: int | None) -> bool:
-    """Whether ``pid`` is still the process that was recorded (a zombie counts as gone)."""
-    stat = _proc_stat(pid)
-    if stat is None or stat[0] in ("Z", "X"):
-        return False
-    return proc_start is None or stat[2] == proc_start
-
-
-def _group_members(pgid: int) -> list[int]:
-    """The live (non-zombie) processes of a process group."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _proc_stat(int(entry.name))
-            if stat is not None and stat[1] == pgid and stat[0] not in ("Z", "X"):
-                members.append(int(entry.name))
-    return members
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status of a child of this process (a no-op for anyone else's)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
 
 
 def _stop_group(record: ServiceRecord) -> str:
     """End the service's process group: its polite signal(s), then SIGKILL. Returns what happened."""
-    pgid = record.pgid
-    leader = _proc_stat(pgid)
-    if leader is not None and leader[0] not in ("Z", "X") and record.proc_start not in (None, leader[2]):
-        # the pid (and so the group id) now belongs to another program: not ours to signal
-        return f"was not running (pid {record.pid} now belongs to another process, left alone)"
-    _reap(record.pid)
-    if not _group_members(pgid):
-        return f"was not running (pid {record.pid} gone)"
-    for sig, grace in (*_STOP_SIGNALS.get(record.name, ((signal.SIGTERM, 15.0),)), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            _reap(record.pid)
-            if not _group_members(pgid):
-                how = "killed" if sig == signal.SIGKILL else f"stopped ({sig.name})"
-                return f"{how} (pid {record.pid})"
-            time.sleep(0.1)
-    left = _group_members(pgid)
+    reap(record.pid)
+    what, left = stop_group(
+        record.pgid, record.proc_start, _STOP_SIGNALS.get(record.name, ((signal.SIGTERM, 15.0),))
+    )
     if left:
         raise StackError(
-            f"{record.name}: process group {pgid} still has processes {left} after SIGKILL; "
-            f"end them by hand (kill -9 -- -{pgid})"
+            f"{record.name}: process group {record.pgid} still has processes {left} after SIGKILL; "
+            f"end them by hand (kill -9 -- -{record.pgid})"
         )
-    return f"stopped (pid {record.pid})"
+    return what
 
 
 def _port_free(port: int) -> bool:
@@ -366,7 +311,7 @@ def _launch(
             )
         except OSError as exc:
             raise StackError(f"{name} could not be started ({argv[0]}): {exc}") from exc
-    stat = _proc_stat(proc.pid)
+    stat = proc_stat(proc.pid)
     record = ServiceRecord(
         name=name,
         pid=proc.pid,
@@ -396,7 +341,7 @@ def _wait_ready(
         if ready():
             return time.monotonic() - start
         code = proc.poll() if proc is not None else None
-        if code is not None or (proc is None and not _alive(record.pid, record.proc_start)):
+        if code is not None or (proc is None and not alive(record.pid, record.proc_start)):
             how = (
                 f"exited with code {code}" if code is not None else f"(pid {record.pid}) is no longer running"
             )
@@ -786,7 +731,7 @@ def _worker_env(config: StackConfig, api_port: int, mlflow_port: int) -> dict[st
 
 def _running(state: Mapping[str, ServiceRecord], name: str) -> ServiceRecord | None:
     record = state.get(name)
-    if record is not None and _alive(record.pid, record.proc_start):
+    if record is not None and alive(record.pid, record.proc_start):
         return record
     return None
 
@@ -971,7 +916,7 @@ def status(config: StackConfig) -> list[ServiceStatus]:
             note = "not started (K3PIPE_STACK_WORKER=false)" if name == "worker" and not config.worker else ""
             rows.append(ServiceStatus(name, False, None, config.url(name), log, note=note or "not started"))
             continue
-        running = _alive(record.pid, record.proc_start)
+        running = alive(record.pid, record.proc_start)
         answering: bool | None = None
         if running and name == "mlflow":
             answering = _http_ok(f"{record.url}/health")

@@ -26,6 +26,7 @@ from k3pipe.node import NodeInfo
 from k3pipe.params import RunRequest
 from k3pipe.plan import ArmPlan
 from k3pipe.preflight import preflight
+from k3pipe.procs import GroupRegistry
 from k3pipe.report import build_report, publish
 from k3pipe.report.retest import build_retest_report, publish_retest
 from k3pipe.rerun import RerunInputs, restore, verdict
@@ -114,12 +115,18 @@ def cold_start_task(
 
 
 @task(name="reap-orphans", cache_policy=NO_CACHE)
-def reap_orphans_task(is_running: Callable[[str], bool]) -> list[str]:
+def reap_orphans_task(is_running: Callable[[str], bool], home: Path, containers: bool) -> list[str]:
+    """End what earlier runs killed before their teardown left behind: the engine process groups
+    recorded in ``home`` whose k3pipe process is gone, and (``containers``) k3pipe's containers whose
+    run provably ended."""
     logger = get_run_logger()
-    removed = reap_orphans(connect(), is_running, progress=logger.warning)
-    if removed:
-        logger.warning("removed %d orphan container(s) of earlier runs", len(removed))
-    return removed
+    ended = [f"process group {r.pgid}" for r in GroupRegistry(home).reap_orphans(progress=logger.warning)]
+    if containers:
+        removed = reap_orphans(connect(), is_running, progress=logger.warning)
+        if removed:
+            logger.warning("removed %d orphan container(s) of earlier runs", len(removed))
+        ended += [f"container {c[:12]}" for c in removed]
+    return ended
 
 
 @task(name="pull-image", cache_policy=NO_CACHE)

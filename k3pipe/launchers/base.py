@@ -40,8 +40,10 @@ class Launcher(Protocol):
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the engine's log."""
 
-    def stop(self) -> None:
-        """Stop what ``start`` started; bounded in time, safe to call on every path and repeatedly."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop what ``start`` started; bounded in time, safe to call on every path and repeatedly.
+        ``grace_s``: the most time the engine gets to exit after the polite signal (an interrupted
+        run gives less than ``launcher.stop_timeout_s``)."""
 
 
 def tail_file(path: Path | None, lines: int = 40) -> str:
@@ -119,6 +121,7 @@ class LauncherSpecBase(BaseModel):
         base_env: Mapping[str, str],
         image: str | None,
         labels: Mapping[str, str],
+        home: Path | None = None,
     ) -> Launcher:
         """The launcher for ``plan`` (not started). ``env``: the engine's own variables; ``base_env``:
         this machine's environment for a local process; ``image``: the pinned image (pins_image)."""

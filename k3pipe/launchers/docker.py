@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import shlex
 import threading
 import weakref
@@ -23,6 +24,7 @@ from pydantic import Field
 
 from k3pipe.errors import LaunchError, SpecError
 from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
+from k3pipe.procs import alive, proc_stat
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FLOW_RUN_LABEL",
     "MANAGED_LABEL",
+    "OWNER_LABEL",
     "DockerLauncher",
     "DockerLauncherSpec",
     "connect",
@@ -39,6 +42,33 @@ __all__ = [
 
 MANAGED_LABEL = "k3pipe.managed"
 FLOW_RUN_LABEL = "k3pipe.flow_run_id"
+OWNER_LABEL = "k3pipe.owner"
+"""The k3pipe process that started the container: 'BOOT_ID:PID:START_TICKS' of this host."""
+
+
+def owner_label() -> str:
+    """This process as an owner label (the boot, its pid and start time: never mistaken for another)."""
+    stat = proc_stat(os.getpid())
+    return f"{_boot_id()}:{os.getpid()}:{stat[2] if stat else ''}"
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _owner_gone(label: str | None) -> bool | None:
+    """Whether the owner a container's label names is gone (None: the label says nothing usable)."""
+    if not label or label.count(":") != 2:
+        return None
+    boot, pid, start = label.split(":")
+    if boot != _boot_id():
+        return True  # the machine has rebooted since: that process is gone
+    if not pid.isdigit():
+        return None
+    return not alive(int(pid), int(start) if start.isdigit() else None)
 
 _LIVE: weakref.WeakSet[DockerLauncher] = weakref.WeakSet()
 
@@ -99,7 +129,7 @@ class DockerLauncher:
         self.command = list(command)
         self.env = dict(env)
         self.log_path: Path | None = log_path
-        self.labels = {MANAGED_LABEL: "true", **labels}
+        self.labels = {MANAGED_LABEL: "true", OWNER_LABEL: owner_label(), **labels}
         self.mounts = dict(mounts)
         self.writable_mounts = dict(writable_mounts or {})  # host dir -> path, read-write (caches)
         self.gpus = gpus
@@ -195,13 +225,14 @@ class DockerLauncher:
                 text = self.container.logs(tail=lines).decode(errors="replace")
         return text
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM, SIGKILL after the grace period (docker stop), then remove; idempotent."""
         container = self.container
         if container is None:
             return
         with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
-            container.stop(timeout=max(1, int(self.stop_timeout_s)))
+            grace = self.stop_timeout_s if grace_s is None else min(grace_s, self.stop_timeout_s)
+            container.stop(timeout=max(1, int(grace)))
         with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
             container.reload()
             self._exit_code = container.attrs.get("State", {}).get("ExitCode", self._exit_code)
@@ -217,12 +248,21 @@ def reap_orphans(
     is_running: Callable[[str], bool],
     progress: Callable[[str], None] | None = None,
 ) -> list[str]:
-    """Remove k3pipe containers whose flow run is no longer running; returns their ids."""
+    """Remove the k3pipe containers whose run has provably ended; returns their ids.
+
+    A container's run has ended when the k3pipe process that started it (its owner label) is gone,
+    or, for a container without that label, when ``is_running`` says its flow run is over (it must
+    answer True for a flow run it cannot read). Any other container is left alone: it may belong to
+    a run that is going on elsewhere.
+    """
     removed = []
     for container in client.containers.list(all=True, filters={"label": f"{MANAGED_LABEL}=true"}):
         run_id = container.labels.get(FLOW_RUN_LABEL, "")
-        if run_id and is_running(run_id):
-            continue
+        gone = _owner_gone(container.labels.get(OWNER_LABEL))
+        if gone is False:
+            continue  # its k3pipe process is alive
+        if gone is None and (not run_id or run_id == "none" or is_running(run_id)):
+            continue  # nothing proves that its run has ended
         if progress:
             progress(
                 f"removing orphan container {container.short_id} ({container.labels.get('k3pipe.arm', '?')} "
@@ -323,6 +363,7 @@ class DockerLauncherSpec(LauncherSpecBase):
         base_env: Mapping[str, str],
         image: str | None,
         labels: Mapping[str, str],
+        home: Path | None = None,
     ) -> Launcher:
         if image is None:
             raise SpecError(f"arm {plan.arm!r}: the docker launcher needs the resolved image (pull step)")

@@ -35,7 +35,7 @@ class ExternalLauncher:
     def log_tail(self, lines: int = 40) -> str:
         return ""
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         return None
 
 
@@ -63,5 +63,6 @@ class ExternalLauncherSpec(LauncherSpecBase):
         base_env: Mapping[str, str],
         image: str | None,
         labels: Mapping[str, str],
+        home: Path | None = None,
     ) -> Launcher:
         return ExternalLauncher()

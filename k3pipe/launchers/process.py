@@ -17,6 +17,7 @@ from pydantic import Field
 
 from k3pipe.errors import LaunchError
 from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
+from k3pipe.procs import GroupRegistry
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
@@ -47,6 +48,9 @@ class ProcessLauncher:
         log_path: Path,
         stop_timeout_s: float = 30.0,
         cwd: Path | None = None,
+        registry: GroupRegistry | None = None,
+        name: str = "engine",
+        port: int | None = None,
     ) -> None:
         self.argv = list(argv)
         self.env = dict(env)
@@ -55,6 +59,11 @@ class ProcessLauncher:
         self.cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
+        # where the group is recorded while it runs, so that the next start ends it if this process
+        # is killed before its teardown (k3pipe.procs)
+        self.registry = registry
+        self.name = name
+        self.port = port
 
     @property
     def pid(self) -> int | None:
@@ -85,6 +94,8 @@ class ProcessLauncher:
             log.close()
         self.started_at = time.perf_counter()
         _LIVE.add(self)
+        if self.registry is not None:
+            self.registry.add("engine", self.name, self._proc.pid, self.port, self.log_path)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -104,14 +115,15 @@ class ProcessLauncher:
             return True
         return True
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         proc = self._proc
         if proc is None:
             return
         pgid = proc.pid  # the leader of a new session: its pid is the group id
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout_s
+        grace = self.stop_timeout_s if grace_s is None else min(grace_s, self.stop_timeout_s)
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             proc.poll()  # reap the leader, else its zombie keeps the group "alive"
             if not self._group_alive(pgid):
@@ -123,6 +135,8 @@ class ProcessLauncher:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         _LIVE.discard(self)
+        if self.registry is not None and not self._group_alive(pgid):
+            self.registry.remove(pgid)
 
 
 class ProcessLauncherSpec(LauncherSpecBase):
@@ -148,7 +162,23 @@ class ProcessLauncherSpec(LauncherSpecBase):
         base_env: Mapping[str, str],
         image: str | None,
         labels: Mapping[str, str],
+        home: Path | None = None,
     ) -> Launcher:
         return ProcessLauncher(
-            plan.command.argv, {**base_env, **env}, log_path, stop_timeout_s=self.stop_timeout_s
+            plan.command.argv,
+            {**base_env, **env},
+            log_path,
+            stop_timeout_s=self.stop_timeout_s,
+            registry=GroupRegistry(home) if home is not None else None,
+            name=f"{plan.experiment}/{plan.arm}",
+            port=_port_of(plan.base_url),
         )
+
+
+def _port_of(url: str) -> int | None:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None

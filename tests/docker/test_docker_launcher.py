@@ -3,6 +3,7 @@ a stand-in, since no GPU engine can run here)."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import pytest
 
 from k3pipe.errors import LaunchError
 from k3pipe.health import check_endpoint, wait_until_healthy
-from k3pipe.launchers.docker import MANAGED_LABEL, DockerLauncher, reap_orphans
+from k3pipe.launchers.docker import MANAGED_LABEL, OWNER_LABEL, DockerLauncher, owner_label, reap_orphans
 from k3pipe.sources.images import resolve_image
 from tests.conftest import TINY_MODEL, free_port
 
@@ -105,23 +106,40 @@ def test_crash_during_start_fails_fast_with_log_tail(
 def test_orphans_are_reaped_and_live_runs_kept(
     docker_client: docker.DockerClient, pinned: str, tmp_path: Path, launchers: list[DockerLauncher]
 ) -> None:
+    """Only a container whose run provably ended goes: its owner process is gone, or (a container of
+    no owner label) its flow run is over. A live owner or an unknown flow run keeps it."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     live_run, dead_run = str(uuid.uuid4()), str(uuid.uuid4())
+    cases = {
+        # name: (flow run label, owner label or None to drop it)
+        "owner-gone": (live_run, f"{boot}:{dead.pid}:1"),
+        "owner-alive": (dead_run, owner_label()),
+        "no-owner-run-over": (dead_run, None),
+        "no-owner-run-live": (live_run, None),
+    }
     ids = {}
-    for run_id in (live_run, dead_run):
+    for name, (run_id, owner) in cases.items():
         launcher = _launcher(
-            docker_client, pinned, tmp_path / run_id, free_port(), "--startup-delay-s", "600"
+            docker_client, pinned, tmp_path / name, free_port(), "--startup-delay-s", "600"
         )
         launcher.labels["k3pipe.flow_run_id"] = run_id
+        if owner is None:
+            launcher.labels.pop(OWNER_LABEL)
+        else:
+            launcher.labels[OWNER_LABEL] = owner
         launchers.append(launcher)
         launcher.start()
-        ids[run_id] = launcher.container_id
+        ids[name] = launcher.container_id
     messages: list[str] = []
     removed = reap_orphans(docker_client, lambda run_id: run_id == live_run, progress=messages.append)
-    assert ids[dead_run] in removed
-    assert ids[live_run] not in removed
-    assert docker_client.containers.get(ids[live_run]).status == "running"
-    with pytest.raises(docker.errors.NotFound):
-        docker_client.containers.get(ids[dead_run])
+    assert sorted(n for n, cid in ids.items() if cid in removed) == ["no-owner-run-over", "owner-gone"]
+    for name in ("owner-alive", "no-owner-run-live"):
+        assert docker_client.containers.get(ids[name]).status == "running"
+    for name in ("owner-gone", "no-owner-run-over"):
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(ids[name])
     assert any(dead_run in m for m in messages)
 
 
