@@ -4,35 +4,71 @@ bundle."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 
 from cli.stack import stack_app
+from cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
 from k3pipe.errors import K3pipeError
 from k3pipe.settings import Settings
 
 
 def prepare_prefect_env(settings: Settings) -> None:
-    """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect)."""
-    os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
+    """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect),
+    end what commands killed before their teardown left running (engines, Prefect servers), and,
+    without PREFECT_API_URL, start this command's own temporary Prefect server
+    (:mod:`cli.local_prefect`: out of the terminal's signals, one start at a time per home)."""
+    from cli.local_prefect import LocalPrefect
+    from k3pipe.procs import GroupRegistry
+
+    home = settings.home_dir
+    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    # Prefect's temporary server (no PREFECT_API_URL) gets 20 s to answer by default; on a loaded
-    # machine (an engine compiling beside it, 2 cores) it took longer and `k3pipe run` failed with
-    # "Timed out while attempting to connect to ephemeral Prefect API server"
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    try:
+        GroupRegistry(home).reap_orphans(
+            progress=lambda line: typer.secho(line, fg=typer.colors.YELLOW, err=True)
+        )
+        if not os.environ.get("PREFECT_API_URL"):
+            server = LocalPrefect(home, Path(os.environ["PREFECT_HOME"]))
+            os.environ["PREFECT_API_URL"] = server.start()
+    except OSError as exc:
+        _fail(K3pipeError(f"K3PIPE_HOME {home} cannot be used: {exc}"))
 
 
-app = typer.Typer(help="Repeatable, tracked inference-engine benchmarks.", no_args_is_help=True)
+app = typer.Typer(
+    help="Repeatable, tracked inference-engine benchmarks.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,  # main() prints one message; the traceback goes to the log
+)
 app.add_typer(stack_app, name="stack")
 
 
-def _fail(exc: Exception) -> None:
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+@app.callback()
+def _options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks on the terminal (they always go to the log).")
+    ] = False,
+) -> None:
+    """Repeatable, tracked inference-engine benchmarks. Errors print one message; the traceback goes
+    to K3PIPE_HOME/logs/k3pipe.log (and here with --debug or K3PIPE_DEBUG=1)."""
+
+
+def _fail(exc: BaseException) -> None:
+    log_error(exc)
+    message = str(exc) or type(exc).__name__
+    hint = ""
+    if not isinstance(exc, K3pipeError | ValidationError):  # not one of k3pipe's own clear errors
+        message = f"{type(exc).__name__}: {message}"
+        where = log_path()
+        hint = f"\n(the traceback is in {where}; --debug shows it here)" if where else ""
+    typer.secho(f"error: {message}{hint}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
 
@@ -344,17 +380,56 @@ def _retest_report(settings: Settings, tracker: Any, ref: str, out: Path | None,
 
 
 def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) -> Any:
-    """A flow's outcomes; Ctrl-C exits 130 (the flow stopped the engine), an error exits 2, said."""
+    """A flow's outcomes. Ctrl-C exits 130 and SIGTERM 143, once the flow has stopped the engine and
+    recorded what was measured (its flow runs are marked Cancelled); an error exits 2, said in one
+    message (the traceback in the log)."""
+    from k3pipe.procs import GroupRegistry, stop_group
+
+    home = Settings().home_dir
+
+    def end_mine() -> None:
+        for record in GroupRegistry(home).mine():
+            stop_group(record.pgid, record.proc_start, ((signal.SIGTERM, 2.0),), kill_wait_s=2.0)
+
+    hide_tracebacks()
+    interrupts = Interrupts(on_deadline=end_mine)
+    from flows.benchmark import started_flow_runs
+
     try:
-        return call()
+        with interrupts.installed():
+            return call()
     except KeyboardInterrupt:
-        typer.secho("interrupted: the engine was stopped", fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(130) from None
+        sig = interrupts.received or signal.SIGINT
+        _mark_cancelled(started_flow_runs, f"interrupted by {sig.name}")
+        typer.secho(
+            f"interrupted ({sig.name}): the engine was stopped; what was measured is recorded (MLflow "
+            "runs ended KILLED)",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
+        raise typer.Exit(interrupts.exit_code) from None
     except Exception as exc:
         if keep is not None and isinstance(exc, keep):
             raise
         _fail(exc)
         raise  # not reached: _fail exits
+
+
+def _mark_cancelled(flow_run_ids: list[str], why: str) -> None:
+    """The command's flow runs that an interrupt ended (Prefect marks them Crashed): Cancelled, why."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.states import Cancelled
+
+    try:
+        with get_client(sync_client=True) as client:
+            for run_id in flow_run_ids:
+                state = client.read_flow_run(UUID(run_id)).state
+                if state is None or not state.is_final() or state.is_crashed():
+                    client.set_flow_run_state(UUID(run_id), Cancelled(message=why), force=True)
+    except Exception as exc:  # the exit code and the engine's stop matter more than the label
+        log_error(exc)
 
 
 @app.command()
@@ -653,11 +728,22 @@ def bundle(
 def main() -> None:
     # MLflow's per-download progress bars would interleave with the tables (rerun reads artifacts)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # the log file before typer parses anything (--debug is looked for here; typer lists it in --help)
+    configure_logging(Settings().home_dir, "--debug" in sys.argv[1:] or _env_debug())
     try:
-        app()
-    except K3pipeError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        sys.exit(2)
+        app()  # exits: usage errors 2, typer.Exit(code) its code
+    except KeyboardInterrupt:
+        typer.secho("interrupted", fg=typer.colors.YELLOW, err=True)
+        sys.exit(130)
+    except Exception as exc:  # one message; the traceback in the log (and here with --debug)
+        try:
+            _fail(exc)
+        except typer.Exit as done:
+            sys.exit(done.exit_code)
+
+
+def _env_debug() -> bool:
+    return os.environ.get("K3PIPE_DEBUG", "") not in ("", "0")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,17 @@ from tasks.steps import (
     wait_ready_task,
 )
 
+started_flow_runs: list[str] = []
+"""The ids of the flow runs this process started (each flow notes its own first), so that the
+command that ran them can mark them Cancelled when it is interrupted (cli.main)."""
+
+
+def note_flow_run() -> None:
+    """Add the current flow run to :data:`started_flow_runs`."""
+    run_id = _flow_run_id()
+    if run_id != "none" and run_id not in started_flow_runs:
+        started_flow_runs.append(run_id)
+
 
 def _flow_run_id() -> str:
     try:
@@ -167,6 +178,7 @@ def benchmark(
         allow_drift: With rerun_of: rerun even though a model file differs from the record (the
             difference is recorded).
     """
+    note_flow_run()
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
@@ -253,6 +265,7 @@ def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
         allow_drift: Rerun even though a model file differs from the record (the difference is
             recorded).
     """
+    note_flow_run()
     return benchmark(rerun_of=run_id, allow_drift=allow_drift)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.benchmark import _flow_run_id, _stop_on_errors
+from flows.benchmark import _flow_run_id, _stop_on_errors, note_flow_run
 from flows.study import ArmsFailed, run_study
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
@@ -67,6 +67,7 @@ def retest(
             each variant; a variant's own workload changes still apply); a field left empty keeps
             the experiment's value. Recorded on the MLflow runs as override.* params.
     """
+    note_flow_run()
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir

@@ -21,6 +21,7 @@ from flows.benchmark import (
     _judge_speculation,
     _steps,
     _stop_on_errors,
+    note_flow_run,
 )
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
@@ -152,6 +153,7 @@ def study(
         overrides: Workload fields laid over every workload of the experiment; a field left empty
             keeps the experiment's value. Recorded on the MLflow runs as override.* params.
     """
+    note_flow_run()
     settings = Settings()
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
     request = RunRequest(

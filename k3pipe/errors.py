@@ -9,6 +9,7 @@ next. Library code raises these, always ``from`` the underlying exception.
     ├── ModelSourceError      weights could not be fetched or verified
     ├── ImageError            a container image could not be pulled or resolved to a digest
     ├── LaunchError           the engine could not be started or died before it was healthy
+    │   └── EngineLostError         the engine died or froze during a workload
     ├── HealthError           the endpoint does not answer correctly
     │   ├── EndpointAuthError       401/403: key, base URL path or one of the three settings
     │   └── ModelNotServedError     the model id is not listed by /v1/models
@@ -22,6 +23,7 @@ from __future__ import annotations
 __all__ = [
     "BenchmarkError",
     "EndpointAuthError",
+    "EngineLostError",
     "HealthError",
     "ImageError",
     "K3pipeError",
@@ -58,6 +60,11 @@ class ImageError(K3pipeError):
 
 class LaunchError(K3pipeError):
     """The engine did not start, or exited before it became healthy (the message holds the log tail)."""
+
+
+class EngineLostError(LaunchError):
+    """The engine died or stopped answering during a workload (the message holds why and the log tail);
+    what was measured until then is recorded."""
 
 
 class HealthError(K3pipeError):

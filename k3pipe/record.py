@@ -387,8 +387,15 @@ class ArmRecorder:
                 self.tracker.set_tags(
                     self.run_id, {"k3pipe.bursty_workloads": ",".join(sorted(self._bursty))}
                 )
-            failed = bool(metrics.get("failed"))
-            self.tracker.end_run(run_id, "FAILED" if failed and not metrics.get("completed") else "FINISHED")
+            if result.aborted:
+                # ended early (the engine lost, an interrupt): what it measured is here, marked so
+                self.tracker.set_tags(run_id, {"k3pipe.aborted": result.aborted})
+                self.tracker.end_run(run_id, "KILLED" if outcome.interrupted else "FAILED")
+            else:
+                failed = bool(metrics.get("failed"))
+                self.tracker.end_run(
+                    run_id, "FAILED" if failed and not metrics.get("completed") else "FINISHED"
+                )
         except BaseException:
             self.tracker.end_run(run_id, "FAILED")
             raise

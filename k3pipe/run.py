@@ -28,9 +28,10 @@ from typing import Any
 from pydantic import BaseModel, Field, SecretStr
 
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.bench.session import WorkloadOutcome, benchmark_workload
+from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
+from k3pipe.errors import EngineLostError
 from k3pipe.health import EndpointCheck, check_endpoint, engine_version, wait_ready
 from k3pipe.launchers import Launcher
 from k3pipe.launchers.factory import launch_engine, pull_image
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("k3pipe.run")
+
+INTERRUPT_GRACE_S = 4.0
+"""How long an interrupted run's engine gets to exit after SIGTERM before its group is killed."""
 
 
 @dataclass
@@ -86,8 +90,11 @@ class ArmSteps:
             repeat: int = 0,
             home: Path | None = None,
             prompts: PromptSet | None = None,
+            launcher: Launcher | None = None,
         ) -> WorkloadOutcome:
-            return benchmark(plan, workload, model_dir, api_key, repeat, home, prompts, progress=out)
+            return benchmark(
+                plan, workload, model_dir, api_key, repeat, home, prompts, progress=out, launcher=launcher
+            )
 
         return cls(
             plan=plan_for,
@@ -153,9 +160,10 @@ def benchmark(
     home: Path | None = None,
     prompts: PromptSet | None = None,
     progress: Callable[[str], None] | None = None,
+    launcher: Launcher | None = None,
 ) -> WorkloadOutcome:
-    """One repeat of a workload against the arm's endpoint."""
-    return benchmark_workload(plan, workload, model_dir, api_key, progress, repeat, home, prompts)
+    """One repeat of a workload against the arm's endpoint (its engine watched through ``launcher``)."""
+    return benchmark_workload(plan, workload, model_dir, api_key, progress, repeat, home, prompts, launcher)
 
 
 def arm_key(plan: ArmPlan) -> SecretStr | None:
@@ -288,8 +296,13 @@ class ArmRun:
                     repeat,
                     self.settings.home_dir,
                     self.prompts[workload.name][repeat],
+                    launcher=self.launcher if plan.launch.starts_engine else None,
                 )
                 recorder.log_workload(workload, measured)
+                if measured.interrupted is not None:
+                    deliver(measured.interrupted)  # recorded: now the interrupt goes on
+                if measured.engine_lost:
+                    raise EngineLostError(self._lost(workload.name, measured.engine_lost))
             self.outcome.workloads.append(
                 {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
             )
@@ -316,7 +329,8 @@ class ArmRun:
         try:
             if self.launcher is not None:
                 self.say(f"stopping engine ({plan.launcher})")
-                self.launcher.stop()
+                # an interrupted run must end within seconds (the CLI's deadline): a short grace
+                self.launcher.stop(grace_s=INTERRUPT_GRACE_S if interrupted else None)
                 if plan.launch.starts_engine:
                     recorder.log_nvidia_smi_after(nvidia_smi_report())
         finally:
@@ -328,6 +342,15 @@ class ArmRun:
             self.say(f"arm {self.arm}: {outcome.status}; MLflow run {recorder.run_id}")
         # an ordinary error is recorded and kept in the outcome; an interrupt goes on up
         return exc is not None and not interrupted
+
+    def _lost(self, workload: str, why: str) -> str:
+        """The error of a workload the engine's loss ended: why, what was kept, the log's end."""
+        tail = self.launcher.log_tail(20).rstrip() if self.launcher is not None else ""
+        log = f"; last log lines ({self.log_path}):\n{tail}" if tail else ""
+        return (
+            f"workload {workload!r} ended early: {why}; the requests measured until then are recorded "
+            f"(requests.parquet), the later workloads did not run{log}"
+        )
 
     def _ready(self) -> tuple[ArmPlan, ArmRecorder]:
         if self.plan is None or self.recorder is None:

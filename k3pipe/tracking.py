@@ -7,6 +7,7 @@ threads, as Prefect tasks do, log to the right run. Every string that reaches ML
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -23,6 +24,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from k3pipe.errors import TrackingError
+from k3pipe.procs import file_lock
 from k3pipe.provenance import git_commit
 
 __all__ = ["KEY_METRICS", "DatasetFields", "Tracker", "metric_name"]
@@ -95,10 +97,19 @@ class Tracker:
         secrets: Iterable[str] = (),
     ) -> None:
         self.tracking_uri = tracking_uri
-        if tracking_uri.startswith("sqlite:///"):
-            Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=tracking_uri)
         self._secrets = [s for s in secrets if s]
+        # the first use of a new SQLite store creates its tables: several first runs at once on one
+        # K3PIPE_HOME raced on that and broke the store for good; one process at a time does it
+        lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if tracking_uri.startswith("sqlite:///"):
+            db = Path(tracking_uri.removeprefix("sqlite:///"))
+            db.parent.mkdir(parents=True, exist_ok=True)
+            lock = file_lock(db.with_name(db.name + ".lock"))
+        with lock:
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            self._open_experiment(tracking_uri, experiment, artifact_root)
+
+    def _open_experiment(self, tracking_uri: str, experiment: str, artifact_root: Path | None) -> None:
         try:
             found = self.client.get_experiment_by_name(experiment)
             if found is None:

@@ -196,6 +196,7 @@ def benchmark_task(
     repeat: int = 0,
     home: Path | None = None,
     prompts: PromptSet | None = None,
+    launcher: Launcher | None = None,
 ) -> WorkloadOutcome:
     logger = get_run_logger()
     logger.info(
@@ -212,7 +213,11 @@ def benchmark_task(
         workload.concurrency,
         workload.seed + repeat,
     )
-    outcome = run.benchmark(plan, workload, model_dir, api_key, repeat, home, prompts, progress=logger.info)
+    outcome = run.benchmark(
+        plan, workload, model_dir, api_key, repeat, home, prompts, progress=logger.info, launcher=launcher
+    )
+    if outcome.engine_lost:
+        logger.error("%s: ended early: %s", workload.name, outcome.engine_lost)
     m = outcome.metrics()
     logger.info(summary_line(workload.name, m, outcome.summary.itl_basis))
     note = timing_note(m)

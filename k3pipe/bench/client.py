@@ -46,7 +46,7 @@ from k3pipe.bench.transport import HttpxSSE, SSEPool, SSESender, TransportError
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["RequestRecord", "WorkloadResult", "run_workload", "schedule_offsets"]
+__all__ = ["Abort", "RequestRecord", "WorkloadResult", "run_workload", "schedule_offsets"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,58 @@ class RequestRecord(BaseModel):
         return self.error is None
 
 
+class Abort:
+    """Ends a workload early, from inside its event loop (a watchdog that finds the engine dead, a
+    signal): no request is sent after :meth:`set`, and the requests in flight end at once as failed
+    records (``error`` ``"aborted: REASON"``) with what they had received, so that nothing measured
+    until then is lost."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sleepers: set[asyncio.Future[None]] = set()
+
+    def is_set(self) -> bool:
+        return self.reason is not None
+
+    def set(self, reason: str) -> None:
+        """Stop the workload (the first reason is kept)."""
+        if self.reason is not None:
+            return
+        self.reason = reason
+        for sleeper in list(self._sleepers):
+            _wake(sleeper)
+        for task in list(self._tasks):
+            task.cancel()
+
+    def track(self) -> None:
+        """The calling task sends requests: cancel it when the workload is aborted."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep as ``asyncio.sleep`` does (a timer on the loop: the same precision), or less when
+        the workload is aborted meanwhile."""
+        if self.reason is not None:
+            return
+        loop = asyncio.get_running_loop()
+        wake: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(seconds, _wake, wake)
+        self._sleepers.add(wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._sleepers.discard(wake)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class WorkloadResult(BaseModel):
     """All records of one workload run, warm-up included (flagged), and the measured window."""
 
@@ -139,6 +191,13 @@ class WorkloadResult(BaseModel):
     stopped_by_duration: bool = Field(
         default=False,
         description="duration_s ran out before every planned measured request was sent.",
+    )
+    aborted: str | None = Field(
+        default=None,
+        description=(
+            "Why the workload ended before its planned requests (the engine died or froze, an "
+            "interrupt); the records hold what was measured until then."
+        ),
     )
 
     @property
@@ -158,6 +217,7 @@ async def run_workload(
     *,
     continuous_usage: bool = True,
     on_measured_start: Callable[[], Awaitable[object]] | None = None,
+    abort: Abort | None = None,
 ) -> WorkloadResult:
     """Send a workload's requests, streaming, under the workload's load pattern.
 
@@ -187,6 +247,8 @@ async def run_workload(
     ``on_measured_start()`` is awaited once, after the warm-up requests have all ended and before the
     first measured one is sent, with nothing in flight (e.g. to scrape the engine's metrics at the
     exact start of the measured window).
+    ``abort`` (an :class:`Abort`) ends the workload early when set: the result then holds the
+    records so far (those in flight ended as failed) and ``aborted`` says why.
 
     Raises:
         BenchmarkError: fewer prompts than warm-up plus measured requests, or an invalid base URL.
@@ -234,6 +296,7 @@ async def run_workload(
             on_progress,
             continuous_usage,
             on_measured_start,
+            abort or Abort(),
         )
 
 
@@ -248,6 +311,7 @@ async def _run(
     on_progress: Callable[[int, int], None] | None,
     continuous_usage: bool,
     on_measured_start: Callable[[], Awaitable[object]] | None,
+    abort: Abort,
 ) -> WorkloadResult:
     warmup_n, measured_n = workload.warmup_requests, workload.num_requests
     total = warmup_n + measured_n
@@ -269,6 +333,7 @@ async def _run(
             warmup,
             secret,
             t_scheduled,
+            abort,
         )
         progress.step()
         return record
@@ -278,15 +343,21 @@ async def _run(
     # alive now (prompts, bodies, the process's own) are frozen out of collection for the workload.
     gc.collect()
     gc.freeze()
+    measured: list[RequestRecord] = []
+    wall0, perf0 = time.time(), time.perf_counter()
     try:
-        warm = await _pool(range(warmup_n), workload.concurrency, lambda i: one(i, True))
-        if on_measured_start is not None:
+        warm = await _pool(range(warmup_n), workload.concurrency, lambda i: one(i, True), abort=abort)
+        if on_measured_start is not None and not abort.is_set():
             await on_measured_start()
         wall0, perf0 = time.time(), time.perf_counter()
         deadline = None if workload.duration_s is None else perf0 + workload.duration_s
         indices = range(warmup_n, total)
-        if workload.load == "concurrency":
-            measured = await _pool(indices, workload.concurrency, lambda i: one(i, False), deadline)
+        if abort.is_set():
+            pass
+        elif workload.load == "concurrency":
+            measured = await _pool(
+                indices, workload.concurrency, lambda i: one(i, False), deadline, abort=abort
+            )
         else:
             offsets = schedule_offsets(workload)
             measured = await _scheduled(
@@ -295,10 +366,30 @@ async def _run(
                 workload.concurrency,
                 lambda i, due: one(i, False, due),
                 deadline,
+                abort=abort,
             )
     finally:
         gc.unfreeze()
-    stopped = len(measured) < measured_n
+    if abort.is_set():
+        log.warning(
+            "workload %s aborted (%s) after %d of %d measured requests",
+            workload.name,
+            abort.reason,
+            len(measured),
+            measured_n,
+        )
+        if not measured:  # nothing measured: an empty window at the moment it ended
+            now = time.perf_counter()
+            return WorkloadResult(
+                workload=workload.name,
+                records=warm,
+                t_start=now,
+                t_end=now,
+                started_at_unix_s=wall0 + (now - perf0),
+                requests_planned=measured_n,
+                aborted=abort.reason,
+            )
+    stopped = len(measured) < measured_n and not abort.is_set()
     if stopped:
         log.info(
             "workload %s: duration_s %s ran out after %d of %d measured requests were sent",
@@ -325,7 +416,15 @@ async def _run(
         started_at_unix_s=wall0 + (t_start - perf0),
         requests_planned=measured_n,
         stopped_by_duration=stopped,
+        aborted=abort.reason,
     )
+
+
+def _uncancel() -> None:
+    """The current task goes on after a cancellation it handled (an abort), un-cancelled."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 def schedule_offsets(workload: WorkloadSpec) -> np.ndarray:
@@ -352,10 +451,12 @@ async def _pool(
     concurrency: int,
     send: Callable[[int], Awaitable[RequestRecord]],
     deadline: float | None = None,
+    abort: Abort | None = None,
 ) -> list[RequestRecord]:
     """Run ``send`` over ``indices`` with at most ``concurrency`` in flight; records by index.
 
-    After ``deadline`` (perf_counter) no new request starts, except the first, which always does.
+    After ``deadline`` (perf_counter) no new request starts, except the first, which always does;
+    after ``abort`` is set, none does.
     """
     results: dict[int, RequestRecord] = {}
     todo: Iterator[int] = iter(indices)
@@ -363,8 +464,12 @@ async def _pool(
     async def worker() -> None:
         # One worker per slot: a slot takes the next request as soon as its previous one ends, so
         # exactly `concurrency` are in flight while work remains. next() cannot interleave in asyncio.
+        if abort is not None:
+            abort.track()
         for index in todo:
             if deadline is not None and results and time.perf_counter() >= deadline:
+                return
+            if abort is not None and abort.is_set():
                 return
             results[index] = await send(index)
 
@@ -380,16 +485,20 @@ async def _scheduled(
     concurrency: int,
     send: Callable[[int, float], Awaitable[RequestRecord]],
     deadline: float | None = None,
+    abort: Abort | None = None,
 ) -> list[RequestRecord]:
     """Start ``send(index, due)`` at each ``due`` perf_counter time, at most ``concurrency`` in flight.
 
     A request due while ``concurrency`` are in flight waits for a slot (its send lags its schedule).
-    No request due at or after ``deadline``, or reaching its slot after it, is sent (the first always is).
+    No request due at or after ``deadline``, or reaching its slot after it, is sent (the first always is);
+    none after ``abort`` is set.
     """
     results: dict[int, RequestRecord] = {}
     slots = asyncio.Semaphore(concurrency)
+    abort = abort or Abort()
 
     async def fire(index: int, t_due: float) -> None:
+        abort.track()
         try:
             results[index] = await send(index, t_due)
         finally:
@@ -401,9 +510,10 @@ async def _scheduled(
                 break
             wait = t_due - time.perf_counter()
             if wait > 0:
-                await asyncio.sleep(wait)
+                await abort.sleep(wait)  # ends early when the workload is aborted
+            # an abort ends the requests in flight at once, so a slot frees at once too
             await slots.acquire()
-            if n and deadline is not None and time.perf_counter() >= deadline:
+            if abort.is_set() or (n and deadline is not None and time.perf_counter() >= deadline):
                 slots.release()
                 break
             group.create_task(fire(index, t_due))
@@ -474,6 +584,7 @@ async def _send(
     warmup: bool,
     secret: str | None,
     t_scheduled: float | None = None,
+    abort: Abort | None = None,
 ) -> RequestRecord:
     # The body is serialized before the call: JSON-encoding a 200K-token prompt is client work, not
     # TTFT. The transport stamps t_send after the request's write, so waiting for a connection and
@@ -506,6 +617,11 @@ async def _send(
     except Exception as exc:  # one request's surprise must not lose the other records
         log.debug("request %d to %s raised", index, url, exc_info=True)
         state.error = f"unexpected {type(exc).__name__}: {_short(str(exc), secret) or 'no detail'}"
+    except asyncio.CancelledError:
+        if abort is None or not abort.is_set():
+            raise
+        _uncancel()  # the workload was aborted: this request ends as a record of what it received
+        state.error = f"aborted: {abort.reason}"
     if t_send is None:
         t_send = t_call  # nothing was sent
     if t_end is None:

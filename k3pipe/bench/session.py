@@ -15,11 +15,12 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import SecretStr
 
-from k3pipe.bench.client import WorkloadResult, run_workload
+from k3pipe.bench.client import Abort, WorkloadResult, run_workload
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.datasets import load_tokenizer
 from k3pipe.bench.prompts import workload_prompts
 from k3pipe.bench.summary import WorkloadSummary, retokenize, summarize
+from k3pipe.bench.watch import EngineWatch, Liveness
 from k3pipe.engines import get_engine
 from k3pipe.metrics import (
     Discrepancy,
@@ -33,7 +34,7 @@ from k3pipe.node import GpuMemorySample, GpuMemorySampler
 from k3pipe.plan import ArmPlan
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["WorkloadOutcome", "benchmark_workload"]
+__all__ = ["WorkloadOutcome", "benchmark_workload", "deliver"]
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
@@ -54,6 +55,11 @@ class WorkloadOutcome:
     seed: int = 0
     gpu_memory: list[GpuMemorySample] = field(default_factory=list)
     """GPU memory in use, sampled every metrics_interval_s during the run (none without nvidia-smi)."""
+    engine_lost: str | None = None
+    """Why the watch ended the workload early (the engine died or froze); None if it did not."""
+    interrupted: int | None = None
+    """The signal (SIGINT, SIGTERM) that ended the workload early: the caller records what was
+    measured, then lets the signal go on (:func:`deliver`)."""
 
     def metrics(self) -> dict[str, float]:
         """The client summary's metrics and the engine-side ones, flat."""
@@ -69,11 +75,17 @@ def benchmark_workload(
     repeat: int = 0,
     home: Path | None = None,
     prompts: PromptSet | None = None,
+    launcher: Liveness | None = None,
 ) -> WorkloadOutcome:
     """Run repeat ``repeat`` of a workload (seed ``workload.seed + repeat``) with ``prompts`` (built here
     from its dataset with the model's tokenizer when not given), scraping the engine's /metrics beside
     it (when the engine is ours) to reconcile client and server figures. ``home`` resolves '{home}'
-    in dataset paths."""
+    in dataset paths.
+
+    The engine is watched meanwhile (:class:`~k3pipe.bench.watch.EngineWatch`: ``launcher``'s
+    liveness and the health URL): when it dies or freezes the workload ends at once, and the outcome
+    holds what was measured with ``engine_lost`` saying why. A SIGINT or SIGTERM ends it the same
+    way, with ``interrupted`` set: the caller records the outcome, then calls :func:`deliver`."""
     seed = workload.seed + repeat
     run_spec = workload.model_copy(update={"seed": seed})
     tokenizer = load_tokenizer(model_dir)
@@ -89,8 +101,13 @@ def benchmark_workload(
 
     engine = get_engine(plan.engine)
     scraper = MetricsScraper(engine)
+    watch = EngineWatch(
+        plan.health_url or f"{plan.base_url}/models",
+        launcher,
+        None if plan.health_url else api_key,
+    )
 
-    async def go() -> WorkloadResult:
+    async def go(abort: Abort) -> WorkloadResult:
         # the workload sends through its own transport (run_workload(None, ...)); the scraper has
         # an httpx client of its own
         async with httpx.AsyncClient(trust_env=False) as metrics_client:
@@ -101,6 +118,7 @@ def benchmark_workload(
                 task = asyncio.create_task(
                     scraper.run(metrics_client, url, workload.metrics_interval_s, stop)
                 )
+            watching = asyncio.create_task(watch.run(abort, stop))
 
             async def window_start() -> None:
                 # warm-up has ended and nothing is in flight: this scrape opens the engine window
@@ -118,15 +136,17 @@ def benchmark_workload(
                     on_progress=on_progress,
                     continuous_usage=plan.continuous_usage,
                     on_measured_start=window_start,
+                    abort=abort,
                 )
             finally:
                 stop.set()
                 if task is not None:
                     await task
+                await watching
 
     # the node's GPUs only matter when the engine is ours (not for an external endpoint)
     with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launch.starts_engine) as gpu:
-        result = _run_interruptibly(go)
+        result, interrupted = _run_interruptibly(go)
     result = retokenize(result, lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids))
     summary = summarize(result, workload.slo)
     window = bracketing_scrapes(scraper.scrapes, result.t_start, result.t_end)
@@ -142,51 +162,57 @@ def benchmark_workload(
         repeat=repeat,
         seed=seed,
         gpu_memory=gpu.samples,
+        engine_lost=watch.lost,
+        interrupted=interrupted,
     )
 
 
-def _run_interruptibly(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """``asyncio.run`` that honours SIGINT and SIGTERM promptly.
+def _run_interruptibly(make: Callable[[Abort], Coroutine[Any, Any, T]]) -> tuple[T, int | None]:
+    """``asyncio.run`` of ``make(abort)`` that honours SIGINT and SIGTERM promptly, keeping what the
+    workload measured: returns its result and the signal that ended it early (None: none did).
 
     A Python signal handler that raises (KeyboardInterrupt, Prefect's TerminationSignal) can fire
     inside the event loop's own socket code, where asyncio logs and swallows it, and the benchmark
-    would run on. Here the loop catches the signal, cancels the workload, and once the loop is closed
-    re-delivers the signal to the handler that was installed before, outside the loop.
+    would run on. Here the loop catches the signal and aborts the workload (its requests in flight
+    end as failed records); the caller records the result, then hands the signal on with
+    :func:`deliver`, outside the loop.
     """
+    abort = Abort()
     if threading.current_thread() is not threading.main_thread():
-        return asyncio.run(make())
+        return asyncio.run(make(abort)), None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signals = [sig for sig, handler in previous.items() if handler is not signal.SIG_IGN]
     received: list[signal.Signals] = []
 
     async def main() -> T:
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
 
         def on_signal(sig: signal.Signals) -> None:
             received.append(sig)
-            task.cancel()
+            abort.set(f"interrupted by {sig.name}")
 
         for sig in signals:
             loop.add_signal_handler(sig, on_signal, sig)
         try:
-            return await make()
+            return await make(abort)
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
 
     try:
-        return asyncio.run(main())
-    except asyncio.CancelledError:
-        if not received:
-            raise
+        result = asyncio.run(main())
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    # Interrupted: hand the signal to the handler that was installed before (Prefect's raises
-    # TerminationSignal, Python's SIGINT handler KeyboardInterrupt). With no Python-level handler the
-    # default action would end the process at once, skipping teardown: raise KeyboardInterrupt.
-    if callable(previous[received[0]]):
-        signal.raise_signal(received[0])
-    raise KeyboardInterrupt(f"interrupted by signal {signal.Signals(received[0]).name}")
+    return result, (int(received[0]) if received else None)
+
+
+def deliver(signum: int) -> None:
+    """Hand a signal that ended a workload to the handler installed now (Prefect's raises
+    TerminationSignal, Python's SIGINT handler and k3pipe's CLI KeyboardInterrupt). With no
+    Python-level handler the default action would end the process at once, skipping the teardown:
+    raise KeyboardInterrupt instead."""
+    sig = signal.Signals(signum)
+    if callable(signal.getsignal(sig)):
+        signal.raise_signal(sig)
+    raise KeyboardInterrupt(f"interrupted by signal {sig.name}")

@@ -1,4 +1,4 @@
-"""Library steps outside Prefect: signals stop a running benchmark loop promptly."""
+"""Library steps outside Prefect: signals end a running benchmark loop promptly, keeping its result."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from k3pipe.bench.session import _run_interruptibly
+from k3pipe.bench.client import Abort
+from k3pipe.bench.session import _run_interruptibly, deliver
 
 
 def _send_soon(sig: signal.Signals, delay_s: float = 0.3) -> threading.Timer:
@@ -19,34 +20,29 @@ def _send_soon(sig: signal.Signals, delay_s: float = 0.3) -> threading.Timer:
     return timer
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_cancels_the_loop_and_restores_handlers(sig: signal.Signals) -> None:
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    cancelled = []
-
-    async def work() -> None:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-
-    t0 = time.monotonic()
-    if sig == signal.SIGTERM:
-        # with no Python-level SIGTERM handler the step raises KeyboardInterrupt (teardown still runs)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+async def _work(abort: Abort) -> str:
+    """A workload's sender: it ends as a partial result when the workload is aborted."""
+    abort.track()
     try:
-        _send_soon(sig)
-        with pytest.raises(KeyboardInterrupt):
-            _run_interruptibly(work)
-    finally:
-        signal.signal(signal.SIGTERM, before[signal.SIGTERM])
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        return f"partial ({abort.reason})"
+    return "whole"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_aborts_the_loop_keeps_the_result_and_restores_handlers(sig: signal.Signals) -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    t0 = time.monotonic()
+    _send_soon(sig)
+    result, received = _run_interruptibly(_work)
     assert time.monotonic() - t0 < 10
-    assert cancelled == [True]
-    assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
+    assert result == f"partial (interrupted by {sig.name})"
+    assert received == sig
+    assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
 
 
-def test_custom_handler_receives_the_signal() -> None:
+def test_deliver_hands_the_signal_to_the_installed_handler() -> None:
     seen: list[int] = []
 
     class Stop(BaseException):
@@ -59,16 +55,29 @@ def test_custom_handler_receives_the_signal() -> None:
     old = signal.signal(signal.SIGTERM, handler)
     try:
         _send_soon(signal.SIGTERM)
+        result, received = _run_interruptibly(_work)
+        assert received == signal.SIGTERM
+        assert result.startswith("partial")
+        assert seen == []  # the loop caught it: nothing raised before the result was handed back
         with pytest.raises(Stop):
-            _run_interruptibly(lambda: asyncio.sleep(30))
+            deliver(received)
     finally:
         signal.signal(signal.SIGTERM, old)
     assert seen == [signal.SIGTERM]
 
 
+def test_deliver_without_a_python_handler_raises_keyboard_interrupt() -> None:
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            deliver(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_result_passes_through() -> None:
-    async def work() -> int:
+    async def work(abort: Abort) -> int:
         await asyncio.sleep(0)
         return 7
 
-    assert _run_interruptibly(work) == 7
+    assert _run_interruptibly(work) == (7, None)

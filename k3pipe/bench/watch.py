@@ -1,0 +1,90 @@
+"""The engine watched while a workload runs: a dead or frozen engine ends the workload in seconds.
+
+Without it, a workload against an engine that died waited out every request's timeout (124 s for a
+frozen endpoint, measured), and one that died between requests sent the rest into refused
+connections. :class:`EngineWatch` runs beside the workload in its event loop: every ``interval_s``
+it asks the launcher whether the engine still runs, and the engine's health URL (an external
+endpoint: its ``/models``) whether it answers. The engine is lost when the launcher says it has
+exited, or when it has not answered for ``frozen_after_s`` (at least two probes in a row failed);
+the watch then sets the workload's :class:`~k3pipe.bench.client.Abort` with the reason, and the
+workload ends with what it has measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+from pydantic import SecretStr
+
+from k3pipe.bench.client import Abort
+
+__all__ = ["EngineWatch", "Liveness"]
+
+
+
+class Liveness(Protocol):
+    """What the watch asks the launcher (a :class:`k3pipe.launchers.Launcher` is one)."""
+
+    def alive(self) -> bool: ...
+    def exit_code(self) -> int | None: ...
+
+
+@dataclass
+class EngineWatch:
+    """Polls an engine during a workload (see the module's docstring)."""
+
+    url: str
+    """The health URL (an engine k3pipe started), or the endpoint's ``/models`` (external)."""
+    launcher: Liveness | None = None
+    api_key: SecretStr | None = None
+    interval_s: float = 1.0
+    probe_timeout_s: float = 3.0
+    frozen_after_s: float = 6.0
+    lost: str | None = None
+    """Why the engine was declared lost (None: it was not)."""
+    probes: int = 0
+
+    async def run(self, abort: Abort, stop: asyncio.Event) -> None:
+        """Watch until ``stop`` is set or the workload is aborted; sets ``abort`` when the engine is lost."""
+        headers = {"Authorization": f"Bearer {self.api_key.get_secret_value()}"} if self.api_key else {}
+        last_ok = time.monotonic()
+        failures = 0
+        last_error = ""
+        client = httpx.AsyncClient(timeout=self.probe_timeout_s, trust_env=False, headers=headers)
+        async with client:
+            while not stop.is_set() and not abort.is_set():
+                if self.launcher is not None and not self.launcher.alive():
+                    code = self.launcher.exit_code()
+                    how = f" with code {code}" if code is not None else ""
+                    self._lose(abort, f"the engine exited{how} during the workload")
+                    return
+                self.probes += 1
+                try:
+                    resp = await client.get(self.url)
+                    ok = resp.status_code < 500
+                    last_error = f"HTTP {resp.status_code}"
+                except httpx.HTTPError as exc:
+                    ok, last_error = False, type(exc).__name__
+                now = time.monotonic()
+                if ok:
+                    last_ok, failures = now, 0
+                else:
+                    failures += 1
+                    if failures >= 2 and now - last_ok >= self.frozen_after_s:
+                        self._lose(
+                            abort,
+                            f"the engine stopped answering {self.url} for {now - last_ok:.0f} s "
+                            f"(last: {last_error})",
+                        )
+                        return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+
+    def _lose(self, abort: Abort, reason: str) -> None:
+        self.lost = reason
+        abort.set(reason)
