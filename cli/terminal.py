@@ -55,6 +55,10 @@ def configure_logging(home: Path, debug: bool) -> Path:
     for name in ("k3pipe", "cli"):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
+    # the command's own records (errors with tracebacks) go to the file only: the terminal gets
+    # one message from main()
+    _log.addHandler(handler)
+    _log.propagate = False
     _state["log"], _state["handler"] = path, handler
     _log.info("k3pipe %s (pid %d)", " ".join(sys.argv[1:]), os.getpid())
     return path

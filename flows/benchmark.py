@@ -16,7 +16,7 @@ from prefect.context import get_run_context
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError, PreflightError, SpecError
+from k3pipe.errors import BenchmarkError, PreflightError, RunFailedError, SpecError, first_line
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.record import record_preflight_stop, record_speculation, summary_table
 from k3pipe.rerun import RerunInputs
@@ -250,8 +250,10 @@ def benchmark(
             o["verdicts"] = rerun_verdict_task(tracker, rerun.run_id, o["mlflow_run_id"])
     bad = [o["arm"] for o in outcomes if o["status"] != "FINISHED"]
     if bad:
-        details = "; ".join(f"{o['arm']}: {o.get('error', o['status'])}" for o in outcomes if o["arm"] in bad)
-        raise RuntimeError(f"arm(s) did not finish cleanly ({details}); see their MLflow runs")
+        details = "; ".join(
+            f"{o['arm']}: {first_line(o.get('error') or o['status'])}" for o in outcomes if o["arm"] in bad
+        )
+        raise RunFailedError(f"arm(s) did not finish cleanly ({details}); see their MLflow runs")
     return outcomes
 
 

@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from flows.benchmark import _flow_run_id, _stop_on_errors, note_flow_run
 from flows.study import ArmsFailed, run_study
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.errors import RunFailedError
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
 from k3pipe.settings import Settings
@@ -30,7 +31,7 @@ from tasks.steps import (
 )
 
 
-class VariantsFailed(RuntimeError):
+class VariantsFailed(RunFailedError):
     """Some study of the retest did not finish; raised after the report (``result`` is the flow's)."""
 
     def __init__(self, message: str, result: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from flows.benchmark import (
 )
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError
+from k3pipe.errors import BenchmarkError, RunFailedError, first_line
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
@@ -44,7 +44,7 @@ from tasks.steps import (
 )
 
 
-class ArmsFailed(RuntimeError):
+class ArmsFailed(RunFailedError):
     """Some arm did not finish; raised after the report, which ``result`` (the flow's) points to."""
 
     def __init__(self, message: str, result: dict[str, Any]) -> None:
@@ -124,7 +124,7 @@ def run_study(
     logger.info("MLflow run of the study: %s", link)
     result = {"study_run_id": run_id, "arms": outcomes, "report": paths}
     if outcome.failed:
-        details = "; ".join(f"{o.arm}: {o.error or o.status}" for o in outcome.failed)
+        details = "; ".join(f"{o.arm}: {first_line(o.error or o.status)}" for o in outcome.failed)
         raise ArmsFailed(
             f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}",
             result,

@@ -15,6 +15,7 @@ next. Library code raises these, always ``from`` the underlying exception.
     │   └── ModelNotServedError     the model id is not listed by /v1/models
     ├── BenchmarkError        a workload could not run at all (single requests fail as records)
     ├── TrackingError         MLflow could not record the run
+    ├── RunFailedError        an arm (or a study of a retest) did not finish; each is recorded
     └── StackError            the team stack (PostgreSQL, MLflow, Prefect, worker) could not start or stop
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "ModelSourceError",
     "PreflightError",
     "RerunError",
+    "RunFailedError",
     "SpecError",
     "StackError",
     "TrackingError",
@@ -89,6 +91,17 @@ class BenchmarkError(K3pipeError):
 
 class TrackingError(K3pipeError):
     """The run could not be recorded."""
+
+
+class RunFailedError(K3pipeError, RuntimeError):
+    """An arm, or a study of a retest, did not finish cleanly: why (each arm's error, first line),
+    and where its record is. Raised after everything that could run has run and been recorded."""
+
+
+def first_line(exc: BaseException | str) -> str:
+    """An error's first line (its log tail and details stay in the record)."""
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return text.strip().splitlines()[0] if text.strip() else text
 
 
 class RerunError(K3pipeError):

@@ -60,7 +60,8 @@ __all__ = [
 log = logging.getLogger("k3pipe.run")
 
 INTERRUPT_GRACE_S = 4.0
-"""How long an interrupted run's engine gets to exit after SIGTERM before its group is killed."""
+"""How long the engine of an interrupted run (or a lost engine) gets to exit after SIGTERM before
+its group is killed."""
 
 
 @dataclass
@@ -330,7 +331,9 @@ class ArmRun:
             if self.launcher is not None:
                 self.say(f"stopping engine ({plan.launcher})")
                 # an interrupted run must end within seconds (the CLI's deadline): a short grace
-                self.launcher.stop(grace_s=INTERRUPT_GRACE_S if interrupted else None)
+                # a lost engine (dead or frozen) will not exit gracefully either
+                short = interrupted or isinstance(exc, EngineLostError)
+                self.launcher.stop(grace_s=INTERRUPT_GRACE_S if short else None)
                 if plan.launch.starts_engine:
                     recorder.log_nvidia_smi_after(nvidia_smi_report())
         finally:

@@ -5,6 +5,7 @@ and SIGTERM at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 from collections.abc import Callable, Coroutine
@@ -140,13 +141,21 @@ def benchmark_workload(
                 )
             finally:
                 stop.set()
-                if task is not None:
-                    await task
-                await watching
+                # an aborted workload ends now: a scrape or probe of a frozen engine is not waited for
+                for helper in (task, watching) if abort.is_set() else (watching,):
+                    if helper is not None:
+                        helper.cancel()
+                for helper in (task, watching):
+                    if helper is not None:
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await helper
 
     # the node's GPUs only matter when the engine is ours (not for an external endpoint)
     with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launch.starts_engine) as gpu:
         result, interrupted = _run_interruptibly(go)
+    if watch.lost is None and launcher is not None and not launcher.alive():
+        # it died between two polls and the requests left failed at once (connections refused)
+        watch.lost = f"the engine exited with code {launcher.exit_code()} during the workload"
     result = retokenize(result, lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids))
     summary = summarize(result, workload.slo)
     window = bracketing_scrapes(scraper.scrapes, result.t_start, result.t_end)

@@ -122,6 +122,7 @@ class ProcessLauncher:
         pgid = proc.pid  # the leader of a new session: its pid is the group id
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
+            os.killpg(pgid, signal.SIGCONT)  # a stopped (frozen) engine handles its SIGTERM too
         grace = self.stop_timeout_s if grace_s is None else min(grace_s, self.stop_timeout_s)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
