@@ -387,9 +387,10 @@ class ArmRecorder:
                 self.tracker.set_tags(
                     self.run_id, {"k3pipe.bursty_workloads": ",".join(sorted(self._bursty))}
                 )
-            if result.aborted:
+            aborted = result.aborted or outcome.engine_lost
+            if aborted:
                 # ended early (the engine lost, an interrupt): what it measured is here, marked so
-                self.tracker.set_tags(run_id, {"k3pipe.aborted": result.aborted})
+                self.tracker.set_tags(run_id, {"k3pipe.aborted": aborted})
                 self.tracker.end_run(run_id, "KILLED" if outcome.interrupted else "FAILED")
             else:
                 failed = bool(metrics.get("failed"))

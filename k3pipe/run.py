@@ -307,9 +307,11 @@ class ArmRun:
             self.outcome.workloads.append(
                 {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
             )
-        failed = sum(float(r.get("failed") or 0) for r in self.outcome.workloads)
+        failed = {r["workload"]: int(r.get("failed") or 0) for r in self.outcome.workloads if r.get("failed")}
         if failed:
-            self._error = RuntimeError("some requests failed; see requests.parquet of each workload")
+            where = ", ".join(f"{n} in {w}" for w, n in failed.items())
+            self._error = RuntimeError(f"requests failed ({where}); see requests.parquet of each workload")
+            self.outcome.error = str(self._error)
         else:
             self.outcome.status = "FINISHED"
 

@@ -153,9 +153,8 @@ def benchmark_workload(
     # the node's GPUs only matter when the engine is ours (not for an external endpoint)
     with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launch.starts_engine) as gpu:
         result, interrupted = _run_interruptibly(go)
-    if watch.lost is None and launcher is not None and not launcher.alive():
-        # it died between two polls and the requests left failed at once (connections refused)
-        watch.lost = f"the engine exited with code {launcher.exit_code()} during the workload"
+    if interrupted is None:
+        watch.check_now()  # lost between two polls, its last requests failing at once
     result = retokenize(result, lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids))
     summary = summarize(result, workload.slo)
     window = bracketing_scrapes(scraper.scrapes, result.t_start, result.t_end)

@@ -51,9 +51,9 @@ class EngineWatch:
 
     async def run(self, abort: Abort, stop: asyncio.Event) -> None:
         """Watch until ``stop`` is set or the workload is aborted; sets ``abort`` when the engine is lost."""
-        headers = {"Authorization": f"Bearer {self.api_key.get_secret_value()}"} if self.api_key else {}
+        headers = self._headers()
         last_ok = time.monotonic()
-        failures = 0
+        failures = refused = 0
         last_error = ""
         client = httpx.AsyncClient(timeout=self.probe_timeout_s, trust_env=False, headers=headers)
         async with client:
@@ -64,26 +64,56 @@ class EngineWatch:
                     self._lose(abort, f"the engine exited{how} during the workload")
                     return
                 self.probes += 1
-                try:
-                    resp = await client.get(self.url)
-                    ok = resp.status_code < 500
-                    last_error = f"HTTP {resp.status_code}"
-                except httpx.HTTPError as exc:
-                    ok, last_error = False, type(exc).__name__
+                ok, last_error = await self._probe(client)
                 now = time.monotonic()
                 if ok:
-                    last_ok, failures = now, 0
+                    last_ok, failures, refused = now, 0, 0
                 else:
                     failures += 1
+                    refused = refused + 1 if last_error == "ConnectError" else 0
+                    if refused >= 2:  # nothing listens any more: it is down, not busy
+                        self._lose(abort, f"{self._what} at {self.url} refuses connections (it is down)")
+                        return
                     if failures >= 2 and now - last_ok >= self.frozen_after_s:
                         self._lose(
                             abort,
-                            f"the engine stopped answering {self.url} for {now - last_ok:.0f} s "
+                            f"{self._what} stopped answering {self.url} for {now - last_ok:.0f} s "
                             f"(last: {last_error})",
                         )
                         return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval_s)
+
+    @property
+    def _what(self) -> str:
+        return "the engine" if self.launcher is not None else "the endpoint"
+
+    async def _probe(self, client: httpx.AsyncClient) -> tuple[bool, str]:
+        """(answered, what happened): any answer below 500 counts (a 401 is an answer)."""
+        try:
+            resp = await client.get(self.url)
+        except httpx.HTTPError as exc:
+            return False, type(exc).__name__
+        return resp.status_code < 500, f"HTTP {resp.status_code}"
+
+    def check_now(self) -> None:
+        """After the workload: an engine that died, or an endpoint that refuses connections, between
+        two polls (its last requests then failed at once) is lost too."""
+        if self.lost is not None:
+            return
+        if self.launcher is not None:
+            if not self.launcher.alive():
+                self.lost = f"the engine exited with code {self.launcher.exit_code()} during the workload"
+            return
+        try:
+            httpx.get(self.url, timeout=self.probe_timeout_s, trust_env=False, headers=self._headers())
+        except httpx.ConnectError:
+            self.lost = f"the endpoint at {self.url} refuses connections (it went down during the workload)"
+        except httpx.HTTPError:
+            pass
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"} if self.api_key else {}
 
     def _lose(self, abort: Abort, reason: str) -> None:
         self.lost = reason
