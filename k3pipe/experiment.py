@@ -114,8 +114,9 @@ def _read(p: Path) -> str:
     where = "" if p.is_absolute() else f" (relative to {Path.cwd()})"
     try:
         if p.is_dir():
-            found = sorted(f.name for f in p.glob("*.yaml"))[:5]
-            inside = f"; YAML files in it: {', '.join(found)}" if found else ""
+            found = sorted(f.name for f in p.glob("*.yaml"))
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            inside = f"; YAML files in it: {', '.join(found[:3])}{more}" if found else ""
             raise SpecError(f"{p}: is a directory, not an experiment file{where}: give a YAML file{inside}")
         with p.open("rb") as fh:
             data = fh.read(MAX_FILE_BYTES + 1)
@@ -203,7 +204,6 @@ def _parse_yaml(text: str, source: str) -> Any:
             f"{source}: values nested too deeply for the YAML parser; an experiment nests fewer than 10 "
             f"levels (at most {MAX_DEPTH} are taken)"
         ) from exc
-    _check_shape(data, source)
     return data
 
 
@@ -591,6 +591,7 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
             f"{source}: an experiment must be a mapping of fields (name, model, arms, workloads), got "
             f"{what} at the top level (see {_EXAMPLE})"
         )
+    _check_shape(data, source)
     kinds = _engine_kind_problems(data)
     try:
         spec = ExperimentSpec.model_validate(data)
