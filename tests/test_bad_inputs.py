@@ -260,3 +260,19 @@ def test_render_prints_the_error_without_a_traceback(name: str, says: str, tmp_p
     assert "Traceback" not in result.stderr
     assert "error:" in result.stderr
     assert says in result.stderr
+
+
+@pytest.mark.unit
+def test_safe_names_are_their_own_mlflow_keys() -> None:
+    """'w:1' and 'w_1' once collided on one metric key (MLflow's mapping turned ':' into '_'). A safe
+    name maps to itself, and the key metrics have no '.', so WORKLOAD.METRIC keys of two workloads
+    cannot collide."""
+    from k3pipe.specs import safe_name
+    from k3pipe.tracking import KEY_METRICS, metric_name
+
+    for name in ("in256-out64", "a.b_c-D9", "x" * 100):
+        assert metric_name(safe_name(name, "workload")) == name
+    assert all("." not in k for k in KEY_METRICS)
+    for bad in ("w:1", "w 1", "w/1", "", ".w", "-w", "w..1", "x" * 101):
+        with pytest.raises(ValueError, match="workload name"):
+            safe_name(bad, "workload")
