@@ -276,3 +276,34 @@ def test_safe_names_are_their_own_mlflow_keys() -> None:
     for bad in ("w:1", "w 1", "w/1", "", ".w", "-w", "w..1", "x" * 101):
         with pytest.raises(ValueError, match="workload name"):
             safe_name(bad, "workload")
+
+
+@pytest.mark.unit
+def test_a_missing_local_model_is_not_worth_retrying(tmp_path: Path) -> None:
+    import pickle
+
+    from k3pipe.errors import ModelSourceError
+    from k3pipe.sources import fetch_model
+    from k3pipe.specs import LocalModel
+
+    with pytest.raises(ModelSourceError, match="does not exist") as info:
+        fetch_model(LocalModel(source="local", path=str(tmp_path / "gone")), tmp_path)
+    assert info.value.retryable is False
+    assert pickle.loads(pickle.dumps(info.value)).retryable is False  # as Prefect keeps it
+    assert ModelSourceError("the hub did not answer").retryable is True
+
+
+@pytest.mark.slow
+def test_the_fetch_task_retries_a_download_not_a_missing_directory() -> None:
+    """It retried a missing local directory twice, 10 s apart, before the same error."""
+    from prefect.states import Failed
+
+    from k3pipe.errors import ModelSourceError
+    from tasks.steps import _worth_retrying, fetch_model_task
+
+    assert fetch_model_task.retries == 2
+    assert fetch_model_task.retry_condition_fn is _worth_retrying
+    gone = ModelSourceError("model.path: directory /x does not exist", retryable=False)
+    assert _worth_retrying(fetch_model_task, None, Failed(data=gone)) is False
+    assert _worth_retrying(fetch_model_task, None, Failed(data=ModelSourceError("timed out"))) is True
+    assert _worth_retrying(fetch_model_task, None, Failed(data=OSError("reset"))) is True
