@@ -307,3 +307,28 @@ def test_the_fetch_task_retries_a_download_not_a_missing_directory() -> None:
     assert _worth_retrying(fetch_model_task, None, Failed(data=gone)) is False
     assert _worth_retrying(fetch_model_task, None, Failed(data=ModelSourceError("timed out"))) is True
     assert _worth_retrying(fetch_model_task, None, Failed(data=OSError("reset"))) is True
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("loc", "path"),
+    [
+        (("arms", 0, "launcher", "docker", "gpus", "int"), "arms[0].launcher.gpus"),
+        (("arms", 0, "launcher", "docker", "gpus", "list[str]", 0), "arms[0].launcher.gpus[0]"),
+        (("extra_models", "draft", "local", "paht"), "extra_models.draft.paht"),
+        (("model", "function-after[_owner_name(), ModelScopeModel]", "id"), "model.id"),
+        (("workloads", 3, "dataset", "sharegpt", "path"), "workloads[3].dataset.path"),
+        (
+            ("arms", 0, "engine", "args", "speculative_config", "model"),
+            "arms[0].engine.args.speculative_config.model",
+        ),
+        (("variants", 0, "arms", "gw", "env", "X"), "variants[0].arms.gw.env.X"),
+        ((), "(top level)"),
+    ],
+)
+def test_field_paths_drop_every_kind_of_union_member_tag(loc: tuple[Any, ...], path: str) -> None:
+    """pydantic puts a union member's tag in an error's location: a discriminator value ('local'), a
+    type ('int', 'list[str]') or a validator ('function-after[...]'); none is a field of the file."""
+    from k3pipe.experiment import _loc
+
+    assert _loc(loc) == path
