@@ -12,6 +12,7 @@ refuse. Field paths are the file's (``arms[0].launcher.gpus``), without pydantic
 
 from __future__ import annotations
 
+import datetime
 import math
 import types
 from collections.abc import Iterator
@@ -413,6 +414,8 @@ def _shown(value: Any) -> str:
         return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
     if isinstance(value, float) and abs(value) >= 1e6:
         return f"{value:g}"
+    if isinstance(value, datetime.date):
+        return value.isoformat()
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -449,8 +452,8 @@ def _problem(err: Any, field: str, ann: Any, key_error: bool) -> tuple[str, bool
         return f"the key {_shown(value)} must be a string (quote it)", False
     if kind in _TYPE_WORDS:
         words = _TYPE_WORDS[kind]
-        if kind == "string_type" and isinstance(value, int | float | bool):
-            words += f" (quote it: '{_shown(value)}')"
+        if kind == "string_type" and value is not None and not isinstance(value, dict | list):
+            words += f" (quote it: '{_shown(value)}')"  # YAML read it as a number, boolean or date
         elif kind in ("int_type", "float_type", "bool_type") and isinstance(value, bool):
             words += " (true/false is not a number)" if kind != "bool_type" else ""
         elif kind in ("int_type", "float_type") and isinstance(value, str) and _looks_numeric(value):

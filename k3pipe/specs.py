@@ -149,7 +149,10 @@ def _check_arg_value(key: str, value: Any) -> None:
             if isinstance(item, float) and not math.isfinite(item):
                 raise ValueError(f"{key} holds {item!r}; give finite numbers")
     elif value is not None and not isinstance(value, str | int | float | dict):
-        raise ValueError(f"{key}: {type(value).__name__} values cannot be rendered")
+        raise ValueError(
+            f"{key}: {value} is a {type(value).__name__}, which cannot be rendered as a flag; quote it to "
+            "pass it as text"
+        )
 
 
 def _check_args(args: dict[str, Any]) -> dict[str, Any]:
@@ -317,7 +320,7 @@ class HardwareSpec(_Spec):
     )
 
 
-def check_base_url(value: str) -> str:
+def _check_base_url(value: str) -> str:
     """``value`` without a trailing '/', if it is an http(s) URL with a host (and a valid port), else a
     ValueError that says what is wrong."""
     if any(c.isspace() for c in value):
@@ -386,7 +389,7 @@ class EndpointSpec(_Spec):
     @field_validator("base_url")
     @classmethod
     def _http(cls, value: str | None) -> str | None:
-        return None if value is None else check_base_url(value)
+        return None if value is None else _check_base_url(value)
 
 
 class ArmSpec(_Spec):
