@@ -21,6 +21,8 @@ next. Library code raises these, always ``from`` the underlying exception.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BenchmarkError",
     "EndpointAuthError",
@@ -53,7 +55,15 @@ class PreflightError(SpecError):
 
 
 class ModelSourceError(K3pipeError):
-    """Model weights could not be downloaded, found or verified."""
+    """Model weights could not be downloaded, found or verified. ``retryable``: whether trying again
+    can help (a hub that did not answer may; a local directory that is not there will not appear)."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.retryable)
 
 
 class ImageError(K3pipeError):

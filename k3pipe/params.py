@@ -59,7 +59,9 @@ OVERRIDES_HELP = (
 
 
 def _count(what: str) -> Any:
-    return Field(default=None, ge=1, description=what)
+    # strict: true or "4" is not a count (the experiment's own fields are strict too); the upper
+    # bounds are the experiment's, checked when the overrides are laid over it
+    return Field(default=None, ge=1, strict=True, description=what)
 
 
 class Overrides(BaseModel):

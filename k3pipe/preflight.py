@@ -14,11 +14,21 @@ Generic rules:
 - ``kv-capacity`` (warning) / ``kv-capacity-skipped`` (info): the estimated KV pool
   (:func:`~k3pipe.kvpool.estimate_kv_pool`) below the context length, or below what a workload
   holds at once (an error when the weights leave no memory for it at all).
+- ``executable`` (error): a process arm's program (``engine.executable[0]``, '{home}' expanded)
+  is not on this machine, or not executable.
+
+Experiment-wide rules: ``shared-prompts`` (warning: two workloads would send the same prompts),
+``model-path`` (error: a local model's directory, or its config.json, is missing) and
+``dataset`` (error: a sharegpt file or documents folder is missing, or no file matches its
+glob): each local path the run needs is checked before the download, not after a cold start.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,7 +45,15 @@ from k3pipe.kvpool import (
     kv_dtype_bytes,
     kv_layout,
 )
-from k3pipe.specs import ExperimentSpec
+from k3pipe.specs import (
+    DocumentsDataset,
+    ExperimentSpec,
+    LocalModel,
+    ModelScopeModel,
+    ShareGPTDataset,
+    WorkloadSpec,
+    expand_home,
+)
 
 __all__ = [
     "Finding",
@@ -275,6 +293,47 @@ def rule_unpinned_models(ctx: ArmContext) -> Iterator[Finding]:
         )
 
 
+def _local(value: str, home: Path) -> Path:
+    """A path of the spec on this machine: '{home}' and '~' expanded, relative to the working directory."""
+    return Path(os.path.abspath(Path(expand_home(value, home)).expanduser()))
+
+
+def _shown_path(value: str, path: Path) -> str:
+    return repr(value) if value == str(path) else f"{value!r} ({path})"
+
+
+def _executable_rule(home: Path) -> Rule:
+    def rule_executable(ctx: ArmContext) -> Iterator[Finding]:
+        if not ctx.arm.launcher.probes_interpreter or not ctx.arm.engine.executable:
+            return  # the program runs in a container, or on another node
+        value = ctx.arm.engine.executable[0]
+        program = expand_home(value, home)
+        fix = "build the engine's venv (`make engine` builds the demo's) or fix engine.executable"
+        if "/" not in program:
+            if shutil.which(program) is None:
+                yield ctx.finding(
+                    "error",
+                    "executable",
+                    f"engine.executable[0] {value!r} is not a program on PATH; {fix} (give its full path)",
+                )
+            return
+        path = _local(value, home)
+        if not path.exists():
+            yield ctx.finding(
+                "error",
+                "executable",
+                f"engine.executable[0] {_shown_path(value, path)} does not exist; {fix}",
+            )
+        elif path.is_dir() or not os.access(path, os.X_OK):
+            yield ctx.finding(
+                "error",
+                "executable",
+                f"engine.executable[0] {_shown_path(value, path)} is not an executable file; {fix}",
+            )
+
+    return rule_executable
+
+
 _GENERIC_RULES: tuple[Rule, ...] = (
     rule_managed_flags,
     rule_bad_values,
@@ -286,37 +345,151 @@ _GENERIC_RULES: tuple[Rule, ...] = (
 _ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
+_MAX_SHARED_PROMPT_PAIRS = 20
+
+
+def _seed_overlaps(group: list[WorkloadSpec]) -> list[tuple[WorkloadSpec, WorkloadSpec]]:
+    """Pairs of the group whose seed ranges (``seed`` .. ``seed + repeats - 1``) overlap, in file
+    order, found by a sweep over the ranges sorted by start (no pass over all pairs); at most
+    ``_MAX_SHARED_PROMPT_PAIRS + 1`` of them."""
+    order = sorted(range(len(group)), key=lambda i: group[i].seed)
+    active: list[int] = []
+    pairs: list[tuple[int, int]] = []
+    for i in order:
+        start = group[i].seed
+        active = [j for j in active if group[j].seed + group[j].repeats > start]
+        pairs += [(min(i, j), max(i, j)) for j in active]
+        active.append(i)
+        if len(pairs) > _MAX_SHARED_PROMPT_PAIRS:
+            break
+    return [(group[i], group[j]) for i, j in sorted(pairs)]
+
+
 def _shared_prompts(spec: ExperimentSpec) -> list[Finding]:
     """Workloads of one arm that would send the same prompts: the same dataset and length, and seed
     ranges (``seed`` .. ``seed + repeats - 1``) that overlap. The engine's prefix cache then serves
-    the later one from the earlier one's KV, and its TTFT is not a cold prefill."""
-    findings: list[Finding] = []
-    workloads = spec.workloads
-    for i, a in enumerate(workloads):
-        for b in workloads[i + 1 :]:
-            if a.dataset != b.dataset or a.input_tokens != b.input_tokens:
-                continue
-            if a.dataset.kind in ("sharegpt", "documents"):
-                # samples of one pool: any two draws overlap, whatever their seeds
-                message = (
-                    f"workloads {a.name} and {b.name} sample prompts from the same "
-                    f"{a.dataset.kind} data ({a.dataset.path}) with the same input_tokens: some "
-                    f"prompts will repeat, and the prefix cache would answer {b.name}'s repeats "
-                    f"from {a.name}'s. Merge them into one workload with repeats (repeats "
-                    "never resend a prompt), or give them different data."
-                )
-            else:
-                seeds = set(range(a.seed, a.seed + a.repeats)) & set(range(b.seed, b.seed + b.repeats))
-                if not seeds:
-                    continue
-                message = (
-                    f"workloads {a.name} and {b.name} draw the same {a.dataset.kind} prompts of "
-                    f"{a.input_tokens:,} tokens with seed(s) {', '.join(map(str, sorted(seeds)))}: the "
-                    f"prefix cache would answer {b.name}'s prompts from {a.name}'s. Give them seeds "
-                    f"at least `repeats` apart (e.g. {b.name}.seed: {a.seed + a.repeats + 100})."
-                )
-            findings.append(Finding(severity="warning", rule="shared-prompts", arm=None, message=message))
+    the later one from the earlier one's KV, and its TTFT is not a cold prefill. Workloads are
+    grouped by dataset and length first, so the check stays linear in their number (it once compared
+    every pair: minutes for a large file); at most ``_MAX_SHARED_PROMPT_PAIRS`` pairs are listed."""
+    groups: dict[tuple[Any, int], list[WorkloadSpec]] = defaultdict(list)
+    for w in spec.workloads:
+        groups[(w.dataset, w.input_tokens)].append(w)
+    pairs: list[tuple[WorkloadSpec, WorkloadSpec]] = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        if group[0].dataset.kind in ("sharegpt", "documents"):
+            # samples of one pool: any two draws overlap, whatever their seeds
+            pairs += [(a, b) for i, a in enumerate(group[:8]) for b in group[i + 1 : 8]]
+        else:
+            pairs += _seed_overlaps(group)
+        if len(pairs) > _MAX_SHARED_PROMPT_PAIRS:
+            break
+    findings = [
+        Finding(severity="warning", rule="shared-prompts", arm=None, message=_shared(a, b))
+        for a, b in pairs[:_MAX_SHARED_PROMPT_PAIRS]
+    ]
+    if len(pairs) > _MAX_SHARED_PROMPT_PAIRS:
+        findings.append(
+            Finding(
+                severity="warning",
+                rule="shared-prompts",
+                arm=None,
+                message=f"more workloads share prompts than the {_MAX_SHARED_PROMPT_PAIRS} pairs listed; "
+                "give each workload seeds of its own (at least `repeats` apart) or data of its own",
+            )
+        )
     return findings
+
+
+def _shared(a: WorkloadSpec, b: WorkloadSpec) -> str:
+    if isinstance(a.dataset, ShareGPTDataset | DocumentsDataset):
+        return (
+            f"workloads {a.name} and {b.name} sample prompts from the same "
+            f"{a.dataset.kind} data ({a.dataset.path}) with the same input_tokens: some "
+            f"prompts will repeat, and the prefix cache would answer {b.name}'s repeats "
+            f"from {a.name}'s. Merge them into one workload with repeats (repeats "
+            "never resend a prompt), or give them different data."
+        )
+    seeds = range(max(a.seed, b.seed), min(a.seed + a.repeats, b.seed + b.repeats))
+    return (
+        f"workloads {a.name} and {b.name} draw the same {a.dataset.kind} prompts of "
+        f"{a.input_tokens:,} tokens with seed(s) {', '.join(map(str, seeds))}: the "
+        f"prefix cache would answer {b.name}'s prompts from {a.name}'s. Give them seeds "
+        f"at least `repeats` apart (e.g. {b.name}.seed: {a.seed + a.repeats + 100})."
+    )
+
+
+def _model_paths(spec: ExperimentSpec, home: Path) -> Iterator[Finding]:
+    """A local model's directory (and its config.json) must be there before anything starts; a
+    ModelScope model is downloaded, so it is not checked here."""
+    models: list[tuple[str, ModelScopeModel | LocalModel]] = [("model", spec.model)]
+    models += [(f"extra_models.{name}", m) for name, m in spec.extra_models.items()]
+    for field, model in models:
+        if not isinstance(model, LocalModel):
+            continue
+        path = _local(model.path, home)
+        where = f"{field}.path {_shown_path(model.path, path)}"
+        if not path.is_dir():
+            problem = "is a file, not a model directory" if path.exists() else "does not exist"
+            yield Finding(
+                severity="error",
+                rule="model-path",
+                arm=None,
+                message=f"{where} {problem}: make the model there (`make model` makes the demo's tiny "
+                f"model under K3PIPE_HOME) or set {field}.path to a model directory ('{{home}}' expands "
+                f"to K3PIPE_HOME, {home})",
+            )
+        elif not (path / "config.json").is_file():
+            yield Finding(
+                severity="error",
+                rule="model-path",
+                arm=None,
+                message=f"{where} has no config.json, so it is not a model directory (save_pretrained "
+                f"writes one): point {field}.path at the directory that holds it",
+            )
+
+
+def _datasets(spec: ExperimentSpec) -> dict[Any, list[str]]:
+    """Each file-backed dataset of the experiment -> the workloads that read it (a variant's are
+    checked when the variant, resolved to an experiment, is preflighted)."""
+    users: dict[Any, list[str]] = defaultdict(list)
+    for w in spec.workloads:
+        if isinstance(w.dataset, ShareGPTDataset | DocumentsDataset):
+            users[w.dataset].append(f"workload {w.name!r}")
+    return users
+
+
+def _dataset_paths(spec: ExperimentSpec, home: Path) -> Iterator[Finding]:
+    """A sharegpt file or documents folder must be there (with a file its glob matches) before the
+    model is downloaded and the engine started."""
+    for dataset, users in _datasets(spec).items():
+        path = _local(dataset.path, home)
+        who = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
+        relative = (
+            f"('{{home}}' expands to K3PIPE_HOME, {home}; relative paths are taken from the working "
+            f"directory, {Path.cwd()})"
+        )
+        problem = None
+        if isinstance(dataset, ShareGPTDataset):
+            if path.is_dir():
+                problem = "is a folder: a sharegpt dataset is one JSON file (kind 'documents' reads a folder)"
+            elif not path.is_file():
+                problem = f"does not exist: give the path of a ShareGPT-format JSON file {relative}"
+        elif not path.is_dir():
+            if path.exists():
+                problem = "is a file: a documents dataset is a folder of text files (sharegpt reads a file)"
+            else:
+                problem = f"does not exist: give a folder of text files {relative}"
+        elif not any(p.is_file() for p in path.glob(dataset.glob)):
+            problem = f"holds no file matching dataset.glob {dataset.glob!r}: set glob to match the documents"
+        if problem:
+            yield Finding(
+                severity="error",
+                rule="dataset",
+                arm=None,
+                message=f"{who}: dataset.path {_shown_path(dataset.path, path)} {problem}",
+            )
 
 
 def _skipped_kv(
@@ -352,27 +525,33 @@ def preflight(
     weight_bytes: int | None = None,
     reserve_gib_per_gpu: float = 0.0,
     extra_rules: Iterable[Rule] = (),
+    home: Path | None = None,
 ) -> list[Finding]:
     """Check ``spec`` before anything is launched.
 
     ``model_configs["model"]`` is the model's config.json as a dict; without it, ``model_dir`` (if
     given) supplies config.json. ``weight_bytes`` is the total size of the weights; without it, the
     ``*.safetensors`` under ``model_dir``. ``reserve_gib_per_gpu`` is memory per GPU the KV estimate
-    keeps back for activations and CUDA graphs (default 0: an upper bound). Findings come arm by arm
+    keeps back for activations and CUDA graphs (default 0: an upper bound). ``home`` is K3PIPE_HOME,
+    which '{home}' in the spec's paths expands to (default: the settings'). Findings come arm by arm
     (experiment-wide ones first), errors before warnings before infos.
     """
+    if home is None:
+        from k3pipe.settings import Settings
+
+        home = Settings().home_dir
     config = dict((model_configs or {}).get("model") or {}) or None
     if config is None and model_dir is not None:
         config = read_model_config(model_dir)
     if weight_bytes is None and model_dir is not None:
         weight_bytes = safetensors_bytes(model_dir)
 
-    findings: list[Finding] = []
+    findings: list[Finding] = [*_model_paths(spec, home), *_dataset_paths(spec, home)]
     skipped = _skipped_kv(spec, config, weight_bytes)
     if skipped is not None:
         findings.append(skipped)
     findings.extend(_shared_prompts(spec))
-    rules = (*_GENERIC_RULES, _kv_rule(reserve_gib_per_gpu * GiB), *extra_rules)
+    rules = (*_GENERIC_RULES, _executable_rule(home), _kv_rule(reserve_gib_per_gpu * GiB), *extra_rules)
     for arm in spec.arms:
         engine = get_engine(arm.engine.kind)
         ctx = ArmContext(

@@ -31,7 +31,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
-from k3pipe.errors import EngineLostError
+from k3pipe.errors import EngineLostError, SpecError
 from k3pipe.health import EndpointCheck, check_endpoint, engine_version, wait_ready
 from k3pipe.launchers import Launcher
 from k3pipe.launchers.factory import launch_engine, pull_image
@@ -62,6 +62,18 @@ log = logging.getLogger("k3pipe.run")
 INTERRUPT_GRACE_S = 4.0
 """How long the engine of an interrupted run (or a lost engine) gets to exit after SIGTERM before
 its group is killed."""
+
+
+def _log_file(home: Path, name: str) -> Path:
+    """``home/logs/name``, refused when ``name`` would leave the log directory (names are checked
+    when the spec is loaded; this guards a spec built some other way)."""
+    logs = home / "logs"
+    path = logs / name
+    if "/" in name or "\\" in name or name.startswith(".") or path.resolve().parent != logs.resolve():
+        raise SpecError(
+            f"log file name {name!r} would leave {logs}: experiment and arm names must be safe names"
+        )
+    return path
 
 
 @dataclass
@@ -246,7 +258,7 @@ class ArmRun:
         if self.rerun is not None:
             recorder.rerun_of, recorder.drift = self.rerun.run_id, list(self.rerun.drift)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.log_path = home / "logs" / f"{self.spec.name}-{self.arm}-{stamp}-{recorder.run_id[:8]}.log"
+        self.log_path = _log_file(home, f"{self.spec.name}-{self.arm}-{stamp}-{recorder.run_id[:8]}.log")
         self.outcome = ArmOutcome(arm=self.arm, mlflow_run_id=recorder.run_id, status="FAILED")
         return self
 

@@ -9,9 +9,12 @@ engine).
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -38,14 +41,148 @@ __all__ = [
     "VariantSpec",
     "WorkloadSpec",
     "expand_home",
+    "safe_name",
 ]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_MODEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # what '{models.NAME}' matches (k3pipe.engines.base)
+_MODEL_REF = re.compile(r"\{models\.([^{}]*)\}")
+_MODEL_TYPO = re.compile(r"\{model\.([^{}]*)\}")
+
+# -- limits -----------------------------------------------------------------------------------------
+# Values past these are typing mistakes, and each would trip the run later (after a cold start) or
+# exhaust the machine; the message of a value past one gives the limit and the reason (LIMIT_REASONS).
+NAME_MAX_CHARS = 100
+MAX_ARMS = 100
+MAX_WORKLOADS = 1_000
+MAX_VARIANTS = 100
+MAX_EXTRA_MODELS = 16
+MAX_TOKENS = 10_000_000
+MAX_REQUESTS = 1_000_000
+MAX_REPEATS = 1_000
+MAX_WORKLOAD_PROMPTS = 1_000_000
+MAX_PROMPT_TOKENS = 1_000_000_000
+MAX_CONCURRENCY = 100_000
+MAX_RATE_RPS = 100_000.0
+MAX_DURATION_S = 7 * 86_400.0
+MAX_REQUEST_TIMEOUT_S = 86_400.0
+MIN_METRICS_INTERVAL_S = 0.05
+MAX_METRICS_INTERVAL_S = 3_600.0
+MAX_SEED = 2**63 - 1
+MAX_SLO_MS = 86_400_000.0
+MAX_GPU_COUNT = 1_024
+MAX_GPU_MEMORY_GIB = 100_000.0
+MAX_GROUPS = 1_000_000
+
+LIMIT_REASONS: dict[str, str] = {
+    "arms": "each arm is a cold start of the engine; split the study into several experiments",
+    "workloads": "every workload's prompts are built before the first launch; split the experiment",
+    "variants": "each variant is an experiment of its own; split them over several files",
+    "extra_models": "each extra model is downloaded and hashed before the run",
+    "input_tokens": "no model has a longer context",
+    "output_tokens": "no model has a longer context",
+    "prefix_tokens": "no model has a longer context",
+    "min_input_tokens": "no model has a longer context",
+    "num_requests": (
+        "all prompts of every workload are built in memory before the engine starts; run it as "
+        "repeats or several workloads"
+    ),
+    "warmup_requests": "all prompts of every workload are built in memory before the engine starts",
+    "repeats": "each repeat builds prompts of its own in memory before the engine starts",
+    "concurrency": "each request in flight holds a connection of the one client process",
+    "rate_rps": "one client process cannot send faster",
+    "duration_s": "a bound of more than a week is no bound; leave duration_s out for none",
+    "request_timeout_s": "a request that takes longer has hung; the timeout must end it",
+    "startup_timeout_s": "an engine that is not healthy after a day has hung; the timeout must end it",
+    "stop_timeout_s": "the engine is killed after this grace period; longer would hang the run",
+    "metrics_interval_s": "scraping /metrics faster would load the engine it measures",
+    "seed": "seeds are 64-bit: numpy's default_rng, MLflow params",
+    "ttft_ms": "a threshold over a day is no threshold",
+    "tpot_ms": "a threshold over a day is no threshold",
+    "e2e_ms": "a threshold over a day is no threshold",
+    "gpu_count": "no node has more",
+    "gpu_memory_gib": "no accelerator has more",
+    "groups": "each group is a random prefix built in memory",
+}
+"""Why a field has its limit, by field name: the error of a value past the limit says it."""
+
+
+def safe_name(value: str, what: str) -> str:
+    """``value`` if it is a safe name for ``what`` (an experiment, arm, workload or variant name), else
+    a ValueError saying the rule: it names MLflow runs, metric keys and log files, so it holds only
+    letters, digits, '-', '_' and '.', starts with a letter or digit, has no '..' and at most
+    :data:`NAME_MAX_CHARS` characters (MLflow's metric key mapping is then the identity, so two names
+    cannot collide on one key, and a name cannot leave the log directory)."""
+    if not value:
+        raise ValueError(f"{what} name is empty: give it a name of letters, digits, '-', '_' and '.'")
+    if len(value) > NAME_MAX_CHARS:
+        raise ValueError(
+            f"{what} name is {len(value)} characters long; at most {NAME_MAX_CHARS} "
+            "(it names MLflow runs, metrics and log files)"
+        )
+    if not _SAFE_NAME.fullmatch(value) or ".." in value:
+        words = (w.strip(".-") for w in re.findall(r"[A-Za-z0-9_.-]+", value))
+        suggestion = "-".join(w for w in words if w)[:NAME_MAX_CHARS]
+        hint = f", e.g. {suggestion!r}" if suggestion and suggestion != value else ""
+        raise ValueError(
+            f"{what} name {value!r} must start with a letter or digit and hold only letters, digits, "
+            f"'-', '_' and '.', without '..' (it names MLflow runs, metrics and log files){hint}"
+        )
+    return value
+
+
+def _check_arg_value(key: str, value: Any) -> None:
+    """An engine argument's value as :func:`k3pipe.engines.base.render_args` can render it: a scalar,
+    a list of scalars (repeated values) or a mapping (passed as JSON); finite numbers."""
+    scalar = (str, int, float)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key} is {value!r}; give a finite number")
+    if isinstance(value, list):
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, scalar):
+                raise ValueError(
+                    f"{key}: a list renders as the flag followed by each item, so its items "
+                    f"must be strings or numbers (got {type(item).__name__} {item!r}); give a mapping "
+                    "for a JSON value"
+                )
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"{key} holds {item!r}; give finite numbers")
+    elif value is not None and not isinstance(value, str | int | float | dict):
+        raise ValueError(
+            f"{key}: {value} is a {type(value).__name__}, which cannot be rendered as a flag; quote it to "
+            "pass it as text"
+        )
+
+
+def _check_args(args: dict[str, Any]) -> dict[str, Any]:
+    for key, value in args.items():
+        if not key.strip("-_"):
+            raise ValueError(f"{key!r} is an empty argument name; give the flag's name (e.g. max_model_len)")
+        if any(c.isspace() for c in key):
+            raise ValueError(f"{key!r}: an argument name cannot hold spaces; write one flag per key")
+        _check_arg_value(key, value)
+    return args
+
+
+def _finite(**kw: Any) -> Any:
+    """A float field: strictly a number (an int is taken; true/false or a string is not), finite."""
+    return Field(strict=True, allow_inf_nan=False, **kw)
+
+
+def _count(**kw: Any) -> Any:
+    """An int field: strictly a whole number (true/false, 1.0 or '1' are not taken)."""
+    return Field(strict=True, **kw)
 
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _served(value: str | None) -> str | None:
+    if value is not None and (not value or any(c.isspace() for c in value)):
+        raise ValueError(f"served_name {value!r} must be a non-empty name without spaces")
+    return value
 
 
 class ModelScopeModel(_Spec):
@@ -55,7 +192,7 @@ class ModelScopeModel(_Spec):
     id: str = Field(description="ModelScope model id, 'owner/name', e.g. 'moonshotai/Kimi-K3'.")
     revision: str = Field(default="master", description="Branch, tag or commit to download.")
     allow_patterns: list[str] | None = Field(
-        default=None, description="Only download files matching these glob patterns."
+        default=None, min_length=1, description="Only download files matching these glob patterns."
     )
     served_name: str | None = Field(
         default=None, description="Name the engine serves the model under (--served-model-name)."
@@ -64,19 +201,58 @@ class ModelScopeModel(_Spec):
     @field_validator("id")
     @classmethod
     def _owner_name(cls, value: str) -> str:
-        if value.count("/") != 1 or value.startswith("/") or value.endswith("/"):
-            raise ValueError(f"model id {value!r} must look like 'owner/name'")
+        parts = value.split("/")
+        # both parts name directories under K3PIPE_HOME/models: no '..', no spaces
+        if len(parts) != 2 or not all(_SAFE_NAME.fullmatch(p) and ".." not in p for p in parts):
+            raise ValueError(
+                f"model id {value!r} must look like 'owner/name' (letters, digits, '-', '_', '.'), "
+                "e.g. 'Qwen/Qwen2.5-0.5B-Instruct'"
+            )
         return value
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, value: str) -> str:
+        # it names a directory under K3PIPE_HOME/models/OWNER/NAME: no '..' part, no absolute path
+        parts = value.split("/")
+        if (
+            not value
+            or value.startswith("/")
+            or any(p in ("", ".", "..") for p in parts)
+            or any(c.isspace() for c in value)
+        ):
+            raise ValueError(
+                f"revision {value!r} must be a branch, tag or commit (e.g. 'master' or 'v1.0'), "
+                "without spaces or '..'"
+            )
+        return value
+
+    @field_validator("allow_patterns")
+    @classmethod
+    def _patterns(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not p.strip() for p in value):
+            raise ValueError("allow_patterns holds an empty pattern; give glob patterns such as '*.json'")
+        return value
+
+    @field_validator("served_name")
+    @classmethod
+    def _served_name(cls, value: str | None) -> str | None:
+        return _served(value)
 
 
 class LocalModel(_Spec):
     """Weights already on disk (or made locally, like the tiny demo model)."""
 
     source: Literal["local"] = Field(description="Use a directory on this machine.")
-    path: str = Field(description="Model directory; '{home}' expands to K3PIPE_HOME.")
+    path: str = Field(min_length=1, description="Model directory; '{home}' expands to K3PIPE_HOME.")
     served_name: str | None = Field(
         default=None, description="Name the engine serves the model under (--served-model-name)."
     )
+
+    @field_validator("served_name")
+    @classmethod
+    def _served_name(cls, value: str | None) -> str | None:
+        return _served(value)
 
 
 ModelSpec = Annotated[ModelScopeModel | LocalModel, Field(discriminator="source")]
@@ -106,16 +282,75 @@ class EngineSpec(_Spec):
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         for key in value:
             if not _ENV_NAME.match(key):
-                raise ValueError(f"environment variable name {key!r} is not valid")
+                raise ValueError(
+                    f"environment variable name {key!r} is not valid: letters, digits and '_', "
+                    "not starting with a digit"
+                )
         return value
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise ValueError(
+                f"image {value!r} must be an image reference without spaces, e.g. 'vllm/vllm-openai:v0.9.0'"
+            )
+        return value
+
+    @field_validator("executable")
+    @classmethod
+    def _program(cls, value: list[str] | None) -> list[str] | None:
+        if value and not value[0].strip():
+            raise ValueError("executable[0] is empty: it must name the program that starts the engine")
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_args(value)
 
 
 class HardwareSpec(_Spec):
     """The accelerators the experiment is planned for (preflight's capacity estimates use them)."""
 
-    gpu_name: str = Field(description="Accelerator model, e.g. 'NVIDIA B300'.")
-    gpu_count: int = Field(ge=1, description="Accelerators on the node.")
-    gpu_memory_gib: float = Field(gt=0, description="Memory visible per accelerator, in GiB.")
+    gpu_name: str = Field(min_length=1, description="Accelerator model, e.g. 'NVIDIA B300'.")
+    gpu_count: int = _count(ge=1, le=MAX_GPU_COUNT, description="Accelerators on the node.")
+    gpu_memory_gib: float = _finite(
+        gt=0, le=MAX_GPU_MEMORY_GIB, description="Memory visible per accelerator, in GiB."
+    )
+
+
+def _check_base_url(value: str) -> str:
+    """``value`` without a trailing '/', if it is an http(s) URL with a host (and a valid port), else a
+    ValueError that says what is wrong."""
+    if any(c.isspace() for c in value):
+        raise ValueError(f"base URL {value!r} holds a space; a URL has none (percent-encode it as %20)")
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"base URL {value!r} must start with http:// or https://")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(
+            f"base URL {value!r} has an invalid port ({exc}); a port is a number from 1 to 65535"
+        ) from exc
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"base URL {value!r} holds credentials: put the key in an environment variable and name it "
+            "in endpoint.api_key_env"
+        )
+    if not parts.hostname:
+        raise ValueError(
+            f"base URL {value!r} has no host; write e.g. 'http://127.0.0.1:8000/v1' "
+            "(scheme, host, port, path)"
+        )
+    if port == 0:
+        raise ValueError(f"base URL {value!r} has port 0; a port is a number from 1 to 65535")
+    if parts.query or parts.fragment:
+        raise ValueError(
+            f"base URL {value!r} has a query or fragment; give the base only (e.g. 'http://host:8000/v1')"
+        )
+    return value.rstrip("/")
 
 
 class EndpointSpec(_Spec):
@@ -129,10 +364,11 @@ class EndpointSpec(_Spec):
         default=None, description="NAME of the environment variable that holds the API key."
     )
     model: str | None = Field(
-        default=None, description="Model id sent in requests (default: the served name)."
+        default=None, min_length=1, description="Model id sent in requests (default: the served name)."
     )
     continuous_usage_stats: bool = Field(
         default=True,
+        strict=True,
         description=(
             "Ask for stream_options.continuous_usage_stats (vLLM, SGLang: running token counts in "
             "every chunk, for per-token ITL and TPOT's k1). Turn off for an endpoint that refuses it; "
@@ -153,20 +389,23 @@ class EndpointSpec(_Spec):
     @field_validator("base_url")
     @classmethod
     def _http(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"base URL {value!r} must start with http:// or https://")
-        return value.rstrip("/") if value else value
+        return None if value is None else _check_base_url(value)
 
 
 class ArmSpec(_Spec):
     """One engine configuration under test."""
 
-    name: str = Field(description="Arm name, unique within the experiment.")
+    name: str = Field(description="Arm name, unique within the experiment (letters, digits, '-', '_', '.').")
     engine: EngineSpec = Field(description="The engine and its arguments.")
     launcher: LauncherSpec = Field(
         default_factory=ProcessLauncherSpec, description="Where the engine runs (launcher.kind)."
     )
     endpoint: EndpointSpec = Field(default_factory=EndpointSpec, description="How clients reach it.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        return safe_name(value, "arm")
 
     @model_validator(mode="after")
     def _launcher_fits(self) -> ArmSpec:
@@ -198,9 +437,14 @@ class ShareGPTDataset(_Spec):
 
     kind: Literal["sharegpt"] = Field(description="ShareGPT-format JSON file on this machine.")
     path: str = Field(
-        description="The JSON file; '{home}' expands to K3PIPE_HOME, relative paths to the working directory."
+        min_length=1,
+        description=(
+            "The JSON file; '{home}' expands to K3PIPE_HOME, relative paths to the working directory."
+        ),
     )
-    min_input_tokens: int = Field(default=4, ge=1, description="Leave out first turns shorter than this.")
+    min_input_tokens: int = _count(
+        default=4, ge=1, le=MAX_TOKENS, description="Leave out first turns shorter than this."
+    )
 
 
 class DocumentsDataset(_Spec):
@@ -217,9 +461,19 @@ class DocumentsDataset(_Spec):
 
     kind: Literal["documents"] = Field(description="A folder of text files cut to input_tokens.")
     path: str = Field(
-        description="The folder; '{home}' expands to K3PIPE_HOME, relative paths to the working directory."
+        min_length=1,
+        description="The folder; '{home}' expands to K3PIPE_HOME, relative paths to the working directory.",
     )
     glob: str = Field(default="*.txt", description="Which files of the folder are documents.")
+
+    @field_validator("glob")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        if not value.strip() or value.startswith("/") or ".." in value.split("/"):
+            raise ValueError(
+                f"glob {value!r} must be a pattern relative to the folder, without '..' (e.g. '*.txt')"
+            )
+        return value
 
 
 class SharedPrefixDataset(_Spec):
@@ -228,8 +482,10 @@ class SharedPrefixDataset(_Spec):
     Repeat ``k`` of the workload draws prefixes and suffixes with ``seed + k``."""
 
     kind: Literal["shared_prefix"] = Field(description="N prompts sharing P prefix tokens.")
-    prefix_tokens: int = Field(gt=0, description="Tokens every prompt of a group shares (P).")
-    groups: int = Field(default=1, ge=1, description="Distinct prefixes; prompts are dealt round-robin.")
+    prefix_tokens: int = _count(gt=0, le=MAX_TOKENS, description="Tokens every prompt of a group shares (P).")
+    groups: int = _count(
+        default=1, ge=1, le=MAX_GROUPS, description="Distinct prefixes; prompts are dealt round-robin."
+    )
 
 
 DatasetSpec = Annotated[
@@ -244,9 +500,15 @@ class SLOSpec(_Spec):
     (failed requests count as missed).
     """
 
-    ttft_ms: float | None = Field(default=None, gt=0, description="Most time to first token, ms.")
-    tpot_ms: float | None = Field(default=None, gt=0, description="Most time per output token, ms.")
-    e2e_ms: float | None = Field(default=None, gt=0, description="Most end-to-end latency, ms.")
+    ttft_ms: float | None = _finite(
+        default=None, gt=0, le=MAX_SLO_MS, description="Most time to first token, ms."
+    )
+    tpot_ms: float | None = _finite(
+        default=None, gt=0, le=MAX_SLO_MS, description="Most time per output token, ms."
+    )
+    e2e_ms: float | None = _finite(
+        default=None, gt=0, le=MAX_SLO_MS, description="Most end-to-end latency, ms."
+    )
 
     @model_validator(mode="after")
     def _some_threshold(self) -> SLOSpec:
@@ -264,11 +526,17 @@ class WorkloadSpec(_Spec):
     arrivals of rate ``rate_rps`` (exponential gaps drawn from ``numpy.random.default_rng(seed)``).
     Under ``constant`` and ``poisson``, ``concurrency`` caps the requests in flight: a request due
     while the cap is reached waits for a slot, and that wait shows as send lag in the summary.
+
+    Every workload's prompts are built in memory before the first launch, so a workload holds at
+    most ``MAX_WORKLOAD_PROMPTS`` prompts (``(warmup_requests + num_requests) x repeats``).
     """
 
-    name: str = Field(description="Workload name, unique within the experiment.")
-    input_tokens: int = Field(
+    name: str = Field(
+        description="Workload name, unique within the experiment (letters, digits, '-', '_', '.')."
+    )
+    input_tokens: int = _count(
         gt=0,
+        le=MAX_TOKENS,
         description=(
             "Prompt length in tokens (the model's tokenizer): exact for random, documents and "
             "shared_prefix datasets, the upper bound for sharegpt."
@@ -278,10 +546,13 @@ class WorkloadSpec(_Spec):
         default_factory=RandomDataset,
         description="Where prompts come from: random (default), sharegpt, documents or shared_prefix.",
     )
-    output_tokens: int = Field(gt=0, description="Tokens to generate (max_tokens, with ignore_eos).")
-    concurrency: int = Field(
+    output_tokens: int = _count(
+        gt=0, le=MAX_TOKENS, description="Tokens to generate (max_tokens, with ignore_eos)."
+    )
+    concurrency: int = _count(
         default=1,
         ge=1,
+        le=MAX_CONCURRENCY,
         description=(
             "Requests in flight at once (load 'concurrency'); the cap on requests in flight for "
             "'constant' and 'poisson'. Warm-up requests always run at this concurrency."
@@ -294,29 +565,43 @@ class WorkloadSpec(_Spec):
             "1/rate_rps s) or 'poisson' (Poisson arrivals of rate rate_rps, seeded by seed)."
         ),
     )
-    rate_rps: float | None = Field(
+    rate_rps: float | None = _finite(
         default=None,
         gt=0,
+        le=MAX_RATE_RPS,
         description="Requests per second of load 'constant' or 'poisson' (required there, else refused).",
     )
-    duration_s: float | None = Field(
+    duration_s: float | None = _finite(
         default=None,
         gt=0,
+        le=MAX_DURATION_S,
         description=(
             "Stop sending new measured requests this many seconds after the first measured send "
             "(requests in flight still finish); num_requests stays the upper bound. None: no bound."
         ),
     )
-    num_requests: int = Field(
-        default=16, ge=1, description="Measured requests (the most sent when duration_s bounds the run)."
+    num_requests: int = _count(
+        default=16,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Measured requests (the most sent when duration_s bounds the run).",
     )
-    warmup_requests: int = Field(default=0, ge=0, description="Requests sent first and not measured.")
-    seed: int = Field(
-        default=0, description="Seed of the prompts (generation or sampling) and of the Poisson arrivals."
+    warmup_requests: int = _count(
+        default=0, ge=0, le=MAX_REQUESTS, description="Requests sent first and not measured."
     )
-    repeats: int = Field(
+    seed: int = _count(
+        default=0,
+        ge=0,
+        le=MAX_SEED,
+        description=(
+            "Seed of the prompts (generation or sampling) and of the Poisson arrivals; non-negative "
+            "(numpy's default_rng refuses a negative seed)."
+        ),
+    )
+    repeats: int = _count(
         default=1,
         ge=1,
+        le=MAX_REPEATS,
         description=(
             "Run the workload this many times, each repeat with prompts of its own (random kinds drawn "
             "with seed + k; sharegpt and documents: disjoint slices of one draw) and arrivals seeded "
@@ -326,18 +611,33 @@ class WorkloadSpec(_Spec):
     slo: SLOSpec | None = Field(
         default=None, description="Latency objectives; with them the summary gives goodput and attainment."
     )
-    metrics_interval_s: float = Field(
+    metrics_interval_s: float = _finite(
         default=1.0,
-        gt=0,
+        ge=MIN_METRICS_INTERVAL_S,
+        le=MAX_METRICS_INTERVAL_S,
         description="How often the engine's /metrics is scraped during the workload, in seconds.",
     )
     api: Literal["chat", "completions"] = Field(
         default="chat", description="chat: /chat/completions; completions: /completions."
     )
     ignore_eos: bool = Field(
-        default=True, description="Send ignore_eos so every request generates exactly output_tokens."
+        default=True,
+        strict=True,
+        description="Send ignore_eos so every request generates exactly output_tokens.",
     )
-    request_timeout_s: float = Field(default=600.0, gt=0, description="Per-request timeout.")
+    request_timeout_s: float = _finite(
+        default=600.0, gt=0, le=MAX_REQUEST_TIMEOUT_S, description="Per-request timeout."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        return safe_name(value, "workload")
+
+    @property
+    def prompt_count(self) -> int:
+        """Prompts the workload builds before the first launch: ``(warmup + num_requests) x repeats``."""
+        return (self.warmup_requests + self.num_requests) * self.repeats
 
     @model_validator(mode="after")
     def _rate_fits_load(self) -> WorkloadSpec:
@@ -352,6 +652,13 @@ class WorkloadSpec(_Spec):
             raise ValueError(
                 f"dataset.prefix_tokens ({self.dataset.prefix_tokens}) must be below input_tokens "
                 f"({self.input_tokens}): each prompt is the shared prefix plus a suffix of its own"
+            )
+        if self.prompt_count > MAX_WORKLOAD_PROMPTS:
+            raise ValueError(
+                f"(warmup_requests {self.warmup_requests:,} + num_requests {self.num_requests:,}) x "
+                f"repeats {self.repeats:,} = {self.prompt_count:,} prompts, more than the "
+                f"{MAX_WORKLOAD_PROMPTS:,} a workload may build: all its prompts are built in memory "
+                "before the engine starts; send fewer requests, or split it into workloads"
             )
         return self
 
@@ -368,6 +675,25 @@ class ArmOverride(_Spec):
     )
     image: str | None = Field(default=None, description="Another image (docker launcher).")
     version: str | None = Field(default=None, description="Another declared engine version.")
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_args(value)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str | None]) -> dict[str, str | None]:
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(
+                    f"environment variable name {key!r} is not valid: letters, digits and '_', "
+                    "not starting with a digit"
+                )
+        return value
+
+
+_VARIANT_WORKLOAD_FIELDS = sorted(set(WorkloadSpec.model_fields) - {"name"})
 
 
 class VariantSpec(_Spec):
@@ -391,36 +717,88 @@ class VariantSpec(_Spec):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, value: str) -> str:
-        if not _VARIANT_NAME.match(value):
-            raise ValueError(
-                f"variant name {value!r} must start with a letter or digit and hold only letters, digits, "
-                "'-', '_' and '.' (it names MLflow runs and metrics)"
-            )
+        safe_name(value, "variant")
         if value == "baseline":
-            raise ValueError("'baseline' is the retest's name for the experiment itself: name the variant "
-                             "after what it changes")
+            raise ValueError(
+                "'baseline' is the retest's name for the experiment itself: name the variant "
+                "after what it changes"
+            )
+        return value
+
+    @field_validator("workloads")
+    @classmethod
+    def _workload_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(_VARIANT_WORKLOAD_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"{', '.join(map(repr, unknown))} is not a workload field a variant can change; "
+                f"allowed: {', '.join(_VARIANT_WORKLOAD_FIELDS)}"
+            )
         return value
 
 
-class ExperimentSpec(_Spec):
-    """A whole study: model, engine arms and workloads."""
+def _repeated(names: list[str]) -> list[str]:
+    return sorted(n for n, k in Counter(names).items() if k > 1)
 
-    name: str = Field(description="Experiment name (the MLflow experiment's runs are tagged with it).")
+
+class ExperimentSpec(_Spec):
+    """A whole study: model, engine arms and workloads.
+
+    Its name, and its arms', workloads' and variants' names, name MLflow runs, metric keys and log
+    files: each is a :func:`safe_name` (an experiment a variant resolves to is named
+    ``EXPERIMENT@VARIANT``). Sizes are bounded (:data:`MAX_ARMS`, :data:`MAX_WORKLOADS`,
+    :data:`MAX_VARIANTS`, :data:`MAX_PROMPT_TOKENS` of prompts over all workloads).
+    """
+
+    name: str = Field(
+        description="Experiment name (the MLflow experiment's runs are tagged with it): letters, digits, "
+        "'-', '_' and '.'."
+    )
     description: str = Field(default="", description="What this experiment is for.")
     model: ModelSpec = Field(description="The model under test.")
     extra_models: dict[str, ModelSpec] = Field(
         default_factory=dict,
+        max_length=MAX_EXTRA_MODELS,
         description="Further models (e.g. a speculative draft), referenced in args as '{models.NAME}'.",
     )
     hardware: HardwareSpec | None = Field(
         default=None, description="The node the experiment is planned for (for preflight estimates)."
     )
-    arms: list[ArmSpec] = Field(min_length=1, description="Engine configurations to run.")
-    workloads: list[WorkloadSpec] = Field(min_length=1, description="Workloads each arm runs.")
+    arms: list[ArmSpec] = Field(
+        min_length=1, max_length=MAX_ARMS, description="Engine configurations to run."
+    )
+    workloads: list[WorkloadSpec] = Field(
+        min_length=1, max_length=MAX_WORKLOADS, description="Workloads each arm runs."
+    )
     variants: list[VariantSpec] = Field(
         default_factory=list,
+        max_length=MAX_VARIANTS,
         description="Named changes against this baseline (k3pipe.variants resolves each to an experiment).",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        # 'EXPERIMENT@VARIANT' is the name k3pipe.variants gives a resolved variant
+        base, at, variant = value.partition("@")
+        try:
+            safe_name(base, "experiment")
+            if at:
+                safe_name(variant, "variant")
+        except ValueError:
+            safe_name(value, "experiment")  # the rule, said of the whole name
+        return value
+
+    @field_validator("extra_models")
+    @classmethod
+    def _model_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if not _MODEL_KEY.fullmatch(key) or len(key) > NAME_MAX_CHARS:
+                raise ValueError(
+                    f"extra model name {key!r} must start with a letter or digit and hold only letters, "
+                    "digits, '-' and '_' (args refer to it as '{models.NAME}')"
+                )
+        return value
 
     @model_validator(mode="after")
     def _unique_names(self) -> ExperimentSpec:
@@ -429,7 +807,7 @@ class ExperimentSpec(_Spec):
             ("workloads", [w.name for w in self.workloads]),
             ("variants and arms", [v.name for v in self.variants] + [a.name for a in self.arms]),
         ):
-            dupes = sorted({n for n in names if names.count(n) > 1})
+            dupes = _repeated(names)
             if dupes:
                 raise ValueError(f"{label} names must be unique; repeated: {', '.join(dupes)}")
         arms = {a.name for a in self.arms}
@@ -442,6 +820,47 @@ class ExperimentSpec(_Spec):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _declared_models(self) -> ExperimentSpec:
+        declared = sorted(self.extra_models)
+        shown = ", ".join("{models." + n + "}" for n in declared) or "none"
+        sources = [
+            (f"arms[{i}].engine.args", f"arm {a.name!r}", a.engine.args) for i, a in enumerate(self.arms)
+        ]
+        sources += [
+            (f"variants[{i}].arms.{arm}.args", f"variant {v.name!r}", o.args)
+            for i, v in enumerate(self.variants)
+            for arm, o in v.arms.items()
+        ]
+        for where, who, args in sources:
+            for key, value in args.items():
+                for text in _strings(value):
+                    typo = _MODEL_TYPO.search(text)
+                    if typo:
+                        raise ValueError(
+                            f"{where}.{key}: {who} writes {typo.group(0)!r}; extra models are referred to "
+                            f"as '{{models.{typo.group(1)}}}' (and the model under test as '{{model}}')"
+                        )
+                    for name in _MODEL_REF.findall(text):
+                        if name not in self.extra_models:
+                            raise ValueError(
+                                f"{where}.{key}: {who} refers to '{{models.{name}}}', but extra_models "
+                                f"declares {shown}: declare it under extra_models (source and id or path), "
+                                "or fix the name"
+                            )
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_memory(self) -> ExperimentSpec:
+        total = sum(w.prompt_count * w.input_tokens for w in self.workloads)
+        if total > MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"the workloads' prompts hold {total:,} tokens in all ((warmup_requests + num_requests) x "
+                f"repeats x input_tokens, summed), more than {MAX_PROMPT_TOKENS:,}: every prompt is built "
+                "in memory before the first launch; send fewer or shorter requests, or split the experiment"
+            )
+        return self
+
     def arm(self, name: str) -> ArmSpec:
         for arm in self.arms:
             if arm.name == name:
@@ -449,6 +868,17 @@ class ExperimentSpec(_Spec):
         raise SpecError(
             f"experiment {self.name!r} has no arm {name!r}; arms: {', '.join(a.name for a in self.arms)}"
         )
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string of an argument value (render_args expands placeholders in all of them)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def expand_home(value: str, home: Path) -> str:

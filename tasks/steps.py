@@ -18,6 +18,7 @@ from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import summary_line, timing_note
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
+from k3pipe.errors import ModelSourceError
 from k3pipe.experiment import load_experiment
 from k3pipe.health import EndpointCheck, engine_version, wait_ready
 from k3pipe.launchers import Launcher, connect, reap_orphans
@@ -64,7 +65,19 @@ def preflight_task(spec: ExperimentSpec, stage: str, model_dir: str | None = Non
     return findings
 
 
-@task(name="fetch-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
+def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry a download, not a model that cannot be had by waiting (a missing local directory)."""
+    exc = state.data
+    return not (isinstance(exc, ModelSourceError) and not exc.retryable)
+
+
+@task(
+    name="fetch-model",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=10,
+    retry_condition_fn=_worth_retrying,
+)
 def fetch_model_task(name: str, spec: ModelScopeModel | LocalModel, home: Path) -> ModelRecord:
     logger = get_run_logger()
     record = fetch_model(spec, home, progress=lambda msg: logger.info("%s: %s", name, msg))

@@ -272,6 +272,7 @@ UNIT_MODULES = frozenset(
         "tests/engines/test_engine_logs.py",
         "tests/engines/test_preflight.py",
         "tests/engines/test_preflight_cli.py",
+        "tests/test_bad_inputs.py",
         "tests/test_engines.py",
         "tests/test_golden_study.py",
         "tests/test_health.py",

@@ -74,12 +74,24 @@ def _expand(value: str, models: Mapping[str, str]) -> str:
     return _PLACEHOLDER.sub(sub, value)
 
 
+def _expand_all(value: Any, models: Mapping[str, str]) -> Any:
+    """``value`` (a JSON-able argument) with the placeholders of every string in it replaced (a
+    draft's '{models.NAME}' sits inside speculative_config)."""
+    if isinstance(value, str):
+        return _expand(value, models)
+    if isinstance(value, Mapping):
+        return {k: _expand_all(v, models) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_expand_all(v, models) for v in value]
+    return value
+
+
 def render_args(args: Mapping[str, Any], models: Mapping[str, str] | None = None) -> list[str]:
     """Render an argument mapping to command-line flags.
 
     ``tensor_parallel_size: 8`` -> ``--tensor-parallel-size 8``; ``True`` -> bare flag; ``False`` and
-    ``None`` -> omitted; dicts -> compact JSON; lists -> the flag followed by each item. String values
-    may hold ``{model}`` / ``{models.NAME}``, replaced from ``models``.
+    ``None`` -> omitted; dicts -> compact JSON; lists -> the flag followed by each item. Strings (also
+    inside a dict) may hold ``{model}`` / ``{models.NAME}``, replaced from ``models``.
     """
     models = models or {}
     out: list[str] = []
@@ -90,7 +102,7 @@ def render_args(args: Mapping[str, Any], models: Mapping[str, str] | None = None
         if value is True:
             out.append(flag)
         elif isinstance(value, Mapping):
-            out += [flag, json.dumps(value, separators=(",", ":"))]
+            out += [flag, json.dumps(_expand_all(value, models), separators=(",", ":"))]
         elif isinstance(value, list | tuple):
             out += [flag, *(_expand(str(v), models) for v in value)]
         else:

@@ -8,18 +8,25 @@ image, where does the engine see its models) and never branches on the kind.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import re
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
     from k3pipe.specs import EndpointSpec, EngineSpec
 
 __all__ = ["Launcher", "LauncherSpecBase", "tail_file"]
+
+_HOST_NAME = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
 
 
 class Launcher(Protocol):
@@ -63,14 +70,41 @@ class LauncherSpecBase(BaseModel):
     kind: str
     host: str = Field(default="127.0.0.1", description="Address the engine binds to.")
     port: int | None = Field(
-        default=None, ge=1, le=65535, description="Port the engine listens on (default: the engine's)."
+        default=None,
+        strict=True,
+        ge=1,
+        le=65535,
+        description="Port the engine listens on (default: the engine's).",
     )
     startup_timeout_s: float = Field(
-        default=900.0, gt=0, description="Longest wait for the engine to become healthy."
+        default=900.0,
+        strict=True,
+        allow_inf_nan=False,
+        gt=0,
+        le=86_400.0,
+        description="Longest wait for the engine to become healthy (at most a day).",
     )
     stop_timeout_s: float = Field(
-        default=30.0, gt=0, description="Grace period after SIGTERM before SIGKILL of the group."
+        default=30.0,
+        strict=True,
+        allow_inf_nan=False,
+        gt=0,
+        le=3_600.0,
+        description="Grace period after SIGTERM before SIGKILL of the group (at most an hour).",
     )
+
+    @field_validator("host")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        with contextlib.suppress(ValueError):
+            ipaddress.ip_address(value)
+            return value
+        if not _HOST_NAME.fullmatch(value) or len(value) > 253:
+            raise ValueError(
+                f"host {value!r} must be an IP address or a host name (letters, digits, '-' and '.'), "
+                "e.g. '127.0.0.1' or '0.0.0.0'"
+            )
+        return value
 
     starts_engine: ClassVar[bool] = True
     """k3pipe starts (and stops) the engine on this node: it has a log, a node, a cold start."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import shlex
 import threading
 import weakref
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import docker
 import docker.errors
 from docker.types import DeviceRequest, Mount
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from k3pipe.errors import LaunchError, SpecError
 from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 MANAGED_LABEL = "k3pipe.managed"
+_SIZE = re.compile(r"[0-9]+[bkmgBKMG]?")  # what docker's --shm-size takes
 FLOW_RUN_LABEL = "k3pipe.flow_run_id"
 OWNER_LABEL = "k3pipe.owner"
 """The k3pipe process that started the container: 'BOOT_ID:PID:START_TICKS' of this host."""
@@ -284,6 +286,29 @@ class DockerLauncherSpec(LauncherSpecBase):
         default=None,
         description="GPUs to request, a count (e.g. 8) or device ids (['0','1']); none if unset.",
     )
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, value: Any) -> Any:
+        """One message for every wrong shape (a count, or a list of ids; ids may be written as numbers)."""
+        if value is None:
+            return None
+        shape = (
+            "gpus must be a count of GPUs (a whole number, e.g. 8) or a list of device ids "
+            "(e.g. ['0', '1']), or left out for none"
+        )
+        if isinstance(value, bool) or not isinstance(value, int | list):
+            raise ValueError(shape)
+        if isinstance(value, int):
+            if not 1 <= value <= 1024:
+                raise ValueError(f"{shape}; a count is from 1 to 1024")
+            return value
+        if not value or any(
+            isinstance(g, bool) or not isinstance(g, int | str) or str(g).strip() == "" for g in value
+        ):
+            raise ValueError(f"{shape}; the list holds {len(value)} item(s), each must be an id such as '0'")
+        return [str(g) for g in value]
+
     ipc: str | None = Field(default="host", description="IPC namespace ('host' for NCCL).")
     shm_size: str | None = Field(default=None, description="/dev/shm size, e.g. '32g'.")
     network: str = Field(
@@ -292,6 +317,29 @@ class DockerLauncherSpec(LauncherSpecBase):
     model_mount: str = Field(
         default="/models", description="Where model directories are mounted (read-only)."
     )
+
+    @field_validator("model_mount")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if (
+            not value.startswith("/")
+            or ".." in value.split("/")
+            or ":" in value
+            or any(c.isspace() for c in value)
+        ):
+            raise ValueError(
+                f"model_mount {value!r} must be an absolute path in the container without ':', spaces "
+                "or '..', e.g. '/models'"
+            )
+        return value
+
+    @field_validator("shm_size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None and not _SIZE.fullmatch(value):
+            raise ValueError(f"shm_size {value!r} must be a size such as '32g', '512m' or '1073741824'")
+        return value
+
     init: bool = Field(default=True, description="Run an init process as PID 1 (reaps zombies).")
     pull: Literal["if-missing", "always", "never"] = Field(
         default="if-missing",

@@ -95,15 +95,19 @@ def fetch_model(
 def _scan_local(spec: LocalModel, home: Path, say: Progress) -> ModelRecord:
     start = time.perf_counter()
     root = model_dir(spec, home)
+    # retryable=False: a directory that is not there does not appear by waiting (the flow's fetch
+    # task retries a download, not this)
     if not root.is_dir():
         raise ModelSourceError(
             f"model.path {spec.path!r}: directory {root} does not exist; set model.path to a model "
-            "directory ('{home}' expands to K3PIPE_HOME) or make the model there first"
+            "directory ('{home}' expands to K3PIPE_HOME) or make the model there first",
+            retryable=False,
         )
     if not (root / "config.json").is_file():
         raise ModelSourceError(
             f"model.path {spec.path!r}: {root} has no config.json, so it is not a model directory "
-            "(save_pretrained writes one); point model.path at the directory that holds it"
+            "(save_pretrained writes one); point model.path at the directory that holds it",
+            retryable=False,
         )
     files: dict[str, str] = {}
     total = 0
