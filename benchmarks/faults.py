@@ -102,9 +102,16 @@ class Figures:
     ended_s: float | None = None
     """From the fault to the end of `k3pipe run` (all torn down and recorded)."""
     measured_kept: int | None = None
-    """Measured requests of the first workload in MLflow (requests.parquet)."""
+    """Measured requests of the first workload in MLflow (requests.parquet), whatever their end."""
+    completed_kept: int | None = None
+    """Of those, the requests that completed (the others ended with an error: aborted, refused)."""
     mlflow_statuses: dict[str, str] = field(default_factory=dict)
+    """Status by run name (ARM, WORKLOAD) of the last run of each name."""
+    arm_statuses: list[str] = field(default_factory=list)
+    """The status of every arm's run in the store."""
     prefect_state: str | None = None
+    still_running_records: int = 0
+    """MLflow runs left RUNNING and Prefect flow runs left Running after the run (and the next)."""
     left_running: list[int] = field(default_factory=list)
     """Processes of what the run started that are still running after it ended."""
     note: str = ""
@@ -120,7 +127,7 @@ class Figures:
             str(self.exit_code),
             fmt(self.noticed_s),
             fmt(self.ended_s),
-            "-" if self.measured_kept is None else str(self.measured_kept),
+            "-" if self.measured_kept is None else f"{self.completed_kept} of {self.measured_kept}",
             statuses or "-",
             self.prefect_state or "-",
             "none" if not self.left_running else ",".join(map(str, self.left_running)),
@@ -211,19 +218,26 @@ def read_back(fig: Figures, home: Path, pgids: list[int]) -> Figures:
         exp = client.get_experiment_by_name("k3pipe")
         if exp is not None:
             for run in client.search_runs([exp.experiment_id]):
+                fig.still_running_records += run.info.status == "RUNNING"
                 fig.mlflow_statuses[str(run.info.run_name).split("/")[-1]] = run.info.status
+                if "k3pipe.workload" not in run.data.tags:
+                    fig.arm_statuses.append(run.info.status)
                 if str(run.info.run_name).endswith("/w1"):
                     with tempfile.TemporaryDirectory() as tmp:
                         import pandas as pd
 
                         path = client.download_artifacts(run.info.run_id, "requests.parquet", tmp)
                         frame = pd.read_parquet(path)
-                        fig.measured_kept = int((~frame["warmup"]).sum())
+                        measured = frame[~frame["warmup"]]
+                        fig.measured_kept = len(measured)
+                        fig.completed_kept = int(measured["error"].isna().sum())
     prefect = home / "prefect" / "prefect.db"
     if prefect.exists():
         with sqlite3.connect(prefect) as conn:
             row = conn.execute("select state_name from flow_run order by created desc limit 1").fetchone()
             fig.prefect_state = row[0] if row else None
+            (running,) = conn.execute("select count(*) from flow_run where state_type = 'RUNNING'").fetchone()
+            fig.still_running_records += running
     fig.left_running = [p for g in pgids for p in members(g)]
     return fig
 
@@ -364,7 +378,7 @@ def concurrent_first_runs(work: Path, engine: str, n: int = 4) -> Figures:
             r.kill()
     read_back(fig, home, [])
     fig.measured_kept = None
-    fig.mlflow_statuses = {"arms finished": str(sum(v == "FINISHED" for v in fig.mlflow_statuses.values()))}
+    fig.mlflow_statuses = {"arms finished": str(fig.arm_statuses.count("FINISHED"))}
     return fig
 
 
@@ -382,7 +396,8 @@ FAULTS: dict[str, Callable[[Path, str], Figures]] = {
 }
 
 HEADER = [
-    "fault", "exit", "noticed s", "ended s", "w1 kept", "MLflow runs", "Prefect", "left running", "note"
+    "fault", "exit", "noticed s", "ended s", "w1 completed of recorded", "MLflow runs", "Prefect",
+    "left running", "note",
 ]  # fmt: skip
 
 

@@ -32,8 +32,11 @@ def prepare_prefect_env(settings: Settings) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     try:
+        # the Prefect servers of killed commands; their engines are the flow's to end (it also
+        # closes their MLflow runs and flow runs)
         GroupRegistry(home).reap_orphans(
-            progress=lambda line: typer.secho(line, fg=typer.colors.YELLOW, err=True)
+            progress=lambda line: typer.secho(line, fg=typer.colors.YELLOW, err=True),
+            kinds=("prefect-server",),
         )
         if not os.environ.get("PREFECT_API_URL"):
             server = LocalPrefect(home, Path(os.environ["PREFECT_HOME"]))

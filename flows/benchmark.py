@@ -5,7 +5,9 @@ prefect: python -m flows.benchmark experiments/demo-cpu.yaml   (or `k3pipe run`,
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -13,12 +15,13 @@ from uuid import UUID
 from prefect import flow, get_client, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
+from prefect.states import Crashed
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError, PreflightError, RunFailedError, SpecError, first_line
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
-from k3pipe.record import record_preflight_stop, record_speculation, summary_table
+from k3pipe.record import close_abandoned, record_preflight_stop, record_speculation, summary_table
 from k3pipe.rerun import RerunInputs
 from k3pipe.run import ArmRun, ArmSteps
 from k3pipe.settings import Settings
@@ -76,6 +79,24 @@ def _flow_run_is_running(flow_run_id: str) -> bool:
     except Exception:
         return True
     return state is None or not state.is_final()
+
+
+def _closer(tracker: Tracker) -> Callable[[Mapping[str, str]], None]:
+    """What ends the records of a run whose process was killed (its engine's labels name them)."""
+    why = "its k3pipe process was killed before its teardown; a later run ended its engine"
+
+    def close(labels: Mapping[str, str]) -> None:
+        run_id = labels.get("k3pipe.mlflow_run_id")
+        if run_id:
+            close_abandoned(tracker, run_id, why)
+        flow_run = labels.get("k3pipe.flow_run_id", "none")
+        if flow_run != "none":
+            with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+                state = client.read_flow_run(UUID(flow_run)).state
+                if state is None or not state.is_final():
+                    client.set_flow_run_state(UUID(flow_run), Crashed(message=why), force=True)
+
+    return close
 
 
 def _steps() -> ArmSteps:
@@ -204,7 +225,7 @@ def benchmark(
     # preflight before the (possibly hours-long) download, and again with the model's config.json
     _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker)
     containers = any(spec.arm(name).launcher.leaves_orphans for name in selected)
-    reap_orphans_task(_flow_run_is_running, home, containers)
+    reap_orphans_task(_flow_run_is_running, home, containers, _closer(tracker))
     if rerun is not None:
         models = rerun.models
     else:

@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.benchmark import (
+    _closer,
     _flow_run_id,
     _flow_run_is_running,
     _judge_speculation,
@@ -83,7 +84,7 @@ def run_study(
     try:
         _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker, run_id)
         containers = any(spec.arm(name).launcher.leaves_orphans for name in selected)
-        reap_orphans_task(_flow_run_is_running, home, containers)
+        reap_orphans_task(_flow_run_is_running, home, containers, _closer(tracker))
         # the first model now (the prompts are drawn with its tokenizer); the others in the background
         began = time.perf_counter()
         models = dict(models) if models else {"model": fetch_model_task("model", spec.model, home)}

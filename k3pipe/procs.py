@@ -19,8 +19,8 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = [
@@ -137,6 +137,8 @@ class GroupRecord:
     started_at: str
     port: int | None = None
     log: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    """What it belongs to (an engine: its MLflow run and flow run ids), for whoever ends it."""
 
     def describe(self) -> str:
         port = f", port {self.port}" if self.port else ""
@@ -150,7 +152,13 @@ class GroupRegistry:
         self.dir = home / "run" / "groups"
 
     def add(
-        self, kind: str, name: str, pgid: int, port: int | None = None, log: Path | None = None
+        self,
+        kind: str,
+        name: str,
+        pgid: int,
+        port: int | None = None,
+        log: Path | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> GroupRecord:
         """Record a group this process just started (its leader ``pgid``)."""
         me = proc_stat(os.getpid())
@@ -165,6 +173,7 @@ class GroupRegistry:
             started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             port=port,
             log=str(log) if log else None,
+            labels=dict(labels or {}),
         )
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self._path(pgid)
@@ -189,13 +198,17 @@ class GroupRegistry:
         """The groups this process started and has not removed."""
         return [r for r in self.records() if r.owner_pid == os.getpid()]
 
-    def reap_orphans(self, progress: Callable[[str], None] | None = None) -> list[GroupRecord]:
-        """End every recorded group whose owner is gone (and forget the records of groups already
-        gone); returns the groups that were ended. Groups of a live owner are left alone."""
+    def reap_orphans(
+        self, progress: Callable[[str], None] | None = None, kinds: Collection[str] | None = None
+    ) -> list[GroupRecord]:
+        """End every recorded group (of ``kinds``, default all) whose owner is gone, and forget the
+        records of groups already gone; returns the records of owners that are gone (whether their
+        group still ran or not: what they belonged to did not end cleanly). Groups of a live owner
+        are left alone."""
         ended = []
         with file_lock(self.dir.parent / "groups.lock"):
             for record in self.records():
-                if alive(record.owner_pid, record.owner_start):
+                if alive(record.owner_pid, record.owner_start) or (kinds and record.kind not in kinds):
                     continue
                 # the group lives on while any member does, even with its leader gone (an engine's
                 # workers); stop_group leaves alone a leader pid that now belongs to another program

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from mlflow.exceptions import MlflowException
 
 from k3pipe.bench import records_frame
 from k3pipe.bench.corpora import PromptSet
@@ -41,6 +42,7 @@ from k3pipe.tracking import KEY_METRICS, Tracker
 __all__ = [
     "SUMMARY_COLUMNS",
     "ArmRecorder",
+    "close_abandoned",
     "record_failed_arm",
     "record_preflight_stop",
     "record_speculation",
@@ -639,6 +641,41 @@ def record_failed_arm(
     )
     tracker.end_run(run_id, "FAILED")
     return run_id
+
+
+def close_abandoned(tracker: Tracker, run_id: str, why: str) -> list[str]:
+    """End as KILLED a run whose process died without ending it (SIGKILL, the OOM killer), with its
+    nested runs and the runs above it that are still RUNNING, ``why`` on each; returns their ids.
+    A run that has ended already is left as it is."""
+    closed = []
+    todo = [run_id]
+    seen = set()
+    while todo:  # the run, then its descendants
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            run = tracker.client.get_run(current)
+        except MlflowException:
+            continue
+        todo += [child.info.run_id for child in tracker.children(current)]
+        if run.info.status == "RUNNING":
+            tracker.set_tags(current, {"k3pipe.error": why})
+            tracker.end_run(current, "KILLED")
+            closed.append(current)
+        parent = run.data.tags.get("mlflow.parentRunId") if current == run_id else None
+        while parent:  # a study or retest the same process ran
+            try:
+                above = tracker.client.get_run(parent)
+            except MlflowException:
+                break
+            if above.info.status == "RUNNING":
+                tracker.set_tags(parent, {"k3pipe.error": why})
+                tracker.end_run(parent, "KILLED")
+                closed.append(parent)
+            parent = above.data.tags.get("mlflow.parentRunId")
+    return closed
 
 
 def record_preflight_stop(

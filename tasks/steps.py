@@ -128,12 +128,21 @@ def cold_start_task(
 
 
 @task(name="reap-orphans", cache_policy=NO_CACHE)
-def reap_orphans_task(is_running: Callable[[str], bool], home: Path, containers: bool) -> list[str]:
+def reap_orphans_task(
+    is_running: Callable[[str], bool],
+    home: Path,
+    containers: bool,
+    close: Callable[[Mapping[str, str]], None] | None = None,
+) -> list[str]:
     """End what earlier runs killed before their teardown left behind: the engine process groups
-    recorded in ``home`` whose k3pipe process is gone, and (``containers``) k3pipe's containers whose
-    run provably ended."""
+    recorded in ``home`` whose k3pipe process is gone (``close`` then gets each one's labels, to end
+    its MLflow run and flow run), and (``containers``) k3pipe's containers whose run provably ended."""
     logger = get_run_logger()
-    ended = [f"process group {r.pgid}" for r in GroupRegistry(home).reap_orphans(progress=logger.warning)]
+    reaped = GroupRegistry(home).reap_orphans(progress=logger.warning)
+    for record in reaped:
+        if close is not None and record.labels:
+            close(record.labels)
+    ended = [f"process group {r.pgid}" for r in reaped]
     if containers:
         removed = reap_orphans(connect(), is_running, progress=logger.warning)
         if removed:

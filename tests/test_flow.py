@@ -303,12 +303,22 @@ def test_interrupt_during_benchmark_leaves_no_engine(tmp_path: Path, sig: signal
             pgid = int(match.group(1))
             assert _processes_in_group(pgid), "engine not running during the benchmark"
             time.sleep(3)
-            assert run.interrupt(sig) != 0
+            t0 = time.monotonic()
+            assert run.interrupt(sig) == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], run.text()[-3000:]
+            assert time.monotonic() - t0 < 10, run.text()[-3000:]
             assert _processes_in_group(pgid) == [], run.text()[-3000:]
             assert _processes_with_port(port) == []
         tracker = Tracker(Settings().tracking_uri(), Settings().mlflow_experiment)
-        statuses = [r.info.status for r in tracker.client.search_runs([tracker.experiment_id])]
-        assert "KILLED" in statuses, statuses
+        runs = {r.info.run_name: r for r in tracker.client.search_runs([tracker.experiment_id])}
+        assert {name: r.info.status for name, r in runs.items()} == {
+            "demo-cpu/vllm-cpu": "KILLED",
+            "vllm-cpu/long": "KILLED",
+        }
+        # the requests measured before the signal are recorded, those in flight as aborted
+        long_id = runs["vllm-cpu/long"].info.run_id
+        frame = pd.read_parquet(tracker.client.download_artifacts(long_id, "requests.parquet", str(tmp_path)))
+        assert 0 < len(frame) < 400
+        assert frame["error"].fillna("").str.startswith("aborted: interrupted by").any()
     finally:
         if pgid and _processes_in_group(pgid):
             os.killpg(pgid, signal.SIGKILL)

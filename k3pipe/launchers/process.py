@@ -51,6 +51,7 @@ class ProcessLauncher:
         registry: GroupRegistry | None = None,
         name: str = "engine",
         port: int | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.argv = list(argv)
         self.env = dict(env)
@@ -64,6 +65,7 @@ class ProcessLauncher:
         self.registry = registry
         self.name = name
         self.port = port
+        self.labels = dict(labels or {})
 
     @property
     def pid(self) -> int | None:
@@ -95,7 +97,7 @@ class ProcessLauncher:
         self.started_at = time.perf_counter()
         _LIVE.add(self)
         if self.registry is not None:
-            self.registry.add("engine", self.name, self._proc.pid, self.port, self.log_path)
+            self.registry.add("engine", self.name, self._proc.pid, self.port, self.log_path, self.labels)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -173,6 +175,7 @@ class ProcessLauncherSpec(LauncherSpecBase):
             registry=GroupRegistry(home) if home is not None else None,
             name=f"{plan.experiment}/{plan.arm}",
             port=_port_of(plan.base_url),
+            labels=labels,
         )
 
 
