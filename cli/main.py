@@ -32,7 +32,9 @@ app.add_typer(stack_app, name="stack")
 
 
 def _fail(exc: Exception) -> None:
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    from k3pipe.secrets import scrub
+
+    typer.secho(f"error: {scrub(str(exc))}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
 
@@ -651,8 +653,14 @@ def bundle(
 
 
 def main() -> None:
+    from k3pipe.secrets import ScrubbedStream, install_log_filter
+
     # MLflow's per-download progress bars would interleave with the tables (rerun reads artifacts)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # whatever reaches the terminal (tables, errors, Prefect's log lines, a traceback) is scrubbed of
+    # the run's secrets; before Prefect is imported, so that its console handler writes through it
+    sys.stdout, sys.stderr = ScrubbedStream(sys.stdout), ScrubbedStream(sys.stderr)
+    install_log_filter()
     try:
         app()
     except K3pipeError as exc:

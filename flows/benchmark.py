@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from prefect import flow, get_client, get_run_logger
+from prefect import get_client, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 
+from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError, PreflightError, SpecError
@@ -21,6 +22,7 @@ from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.record import record_preflight_stop, record_speculation, summary_table
 from k3pipe.rerun import RerunInputs
 from k3pipe.run import ArmRun, ArmSteps
+from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -139,7 +141,7 @@ def _judge_speculation(
             o["speculation"] = f"{judged.summary} (baseline: {judged.baseline.baseline or 'none'})"
 
 
-@flow(name="benchmark")
+@scrubbed_flow("benchmark")
 def benchmark(
     experiment: str = "experiments/demo-cpu.yaml",
     experiment_yaml: str | None = None,
@@ -166,6 +168,7 @@ def benchmark(
         allow_drift: With rerun_of: rerun even though a model file differs from the record (the
             difference is recorded).
     """
+    guard()
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
@@ -238,11 +241,11 @@ def benchmark(
     bad = [o["arm"] for o in outcomes if o["status"] != "FINISHED"]
     if bad:
         details = "; ".join(f"{o['arm']}: {o.get('error', o['status'])}" for o in outcomes if o["arm"] in bad)
-        raise RuntimeError(f"arm(s) did not finish cleanly ({details}); see their MLflow runs")
+        raise RuntimeError(scrub(f"arm(s) did not finish cleanly ({details}); see their MLflow runs"))
     return outcomes
 
 
-@flow(name="rerun")
+@scrubbed_flow("rerun")
 def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
     """Run an arm's MLflow run again from its record alone, and compare the new run with it.
 
@@ -252,6 +255,7 @@ def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
         allow_drift: Rerun even though a model file differs from the record (the difference is
             recorded).
     """
+    guard()
     return benchmark(rerun_of=run_id, allow_drift=allow_drift)
 
 

@@ -12,13 +12,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from flows.benchmark import _flow_run_id, _stop_on_errors
+from flows.secrecy import guard, scrubbed_flow
 from flows.study import ArmsFailed, run_study
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
+from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
 from tasks.steps import (
@@ -43,7 +45,7 @@ def retest_dir(settings: Settings, experiment: str, run_id: str) -> Path:
     return settings.home_dir / "reports" / f"{experiment}-retest-{run_id[:8]}"
 
 
-@flow(name="retest")
+@scrubbed_flow("retest")
 def retest(
     experiment: str = "experiments/demo-retest.yaml",
     experiment_yaml: str | None = None,
@@ -67,6 +69,7 @@ def retest(
             each variant; a variant's own workload changes still apply); a field left empty keeps
             the experiment's value. Recorded on the MLflow runs as override.* params.
     """
+    guard()
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
@@ -107,7 +110,7 @@ def retest(
                 studies[t.label] = exc.result
                 failed[t.label] = str(exc)
             except Exception as exc:  # this study could not run: the others still can
-                failed[t.label] = f"{type(exc).__name__}: {exc}"
+                failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")
                 logger.error("retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
             if t.label in failed:
                 tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
@@ -125,8 +128,10 @@ def retest(
     if failed:
         details = "; ".join(f"{label}: {why}" for label, why in failed.items())
         raise VariantsFailed(
-            f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
-            f"the report judges the others: {paths['html']}",
+            scrub(
+                f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
+                f"the report judges the others: {paths['html']}"
+            ),
             result,
         )
     return result

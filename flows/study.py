@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.benchmark import (
@@ -22,10 +22,12 @@ from flows.benchmark import (
     _steps,
     _stop_on_errors,
 )
+from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
+from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -124,14 +126,12 @@ def run_study(
     result = {"study_run_id": run_id, "arms": outcomes, "report": paths}
     if outcome.failed:
         details = "; ".join(f"{o.arm}: {o.error or o.status}" for o in outcome.failed)
-        raise ArmsFailed(
-            f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}",
-            result,
-        )
+        why = f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}"
+        raise ArmsFailed(scrub(why), result)
     return result
 
 
-@flow(name="study")
+@scrubbed_flow("study")
 def study(
     experiment: str = "experiments/demo-study.yaml",
     experiment_yaml: str | None = None,
@@ -152,6 +152,7 @@ def study(
         overrides: Workload fields laid over every workload of the experiment; a field left empty
             keeps the experiment's value. Recorded on the MLflow runs as override.* params.
     """
+    guard()
     settings = Settings()
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
     request = RunRequest(

@@ -12,9 +12,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from k3pipe import secrets
 from k3pipe.engines import engine_kinds
 from k3pipe.errors import SpecError
 from k3pipe.launchers.kinds import LAUNCHER_SPECS
+from k3pipe.settings import env_value
 from k3pipe.specs import (
     DocumentsDataset,
     ExperimentSpec,
@@ -25,7 +27,7 @@ from k3pipe.specs import (
     ShareGPTDataset,
 )
 
-__all__ = ["load_experiment", "load_experiment_text", "parse_experiment"]
+__all__ = ["load_experiment", "load_experiment_text", "parse_experiment", "register_experiment_secrets"]
 
 
 # The tag of each discriminated-union member, as pydantic puts it in an error's location.
@@ -141,16 +143,38 @@ def _format_errors(source: str, exc: ValidationError | None, extra: list[str] | 
             lines.append(f"  {loc}.{field}: unknown {field} {ctx.get('tag')!r}; expected {choices}")
             continue
         msg = err["msg"].removeprefix("Value error, ")
-        shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
-        lines.append(f"  {loc}: {msg} (got {shown})")
+        lines.append(f"  {loc}: {msg} (got {_shown(err['loc'], value)})")
     lines += extra
     return "\n".join(lines)
 
 
+def _shown(loc: Any, value: Any) -> str:
+    """A value as an error shows it: a secret (by its field's name or its shape) masked, a URL
+    without its credentials."""
+    if isinstance(value, dict | list):
+        return type(value).__name__
+    names = [str(p) for p in loc if isinstance(p, str)]
+    if isinstance(value, str) and (
+        (names and secrets.is_secret_name(names[-1]) and not secrets.is_env_reference(value))
+        or secrets.looks_like_key(value)
+    ):
+        return secrets.mask(value)
+    return secrets.scrub(repr(value))
+
+
+def register_experiment_secrets(data: Any) -> None:
+    """Register with the scrubber every secret the experiment data holds (see
+    :func:`k3pipe.secrets.collect_secrets`), the values of its ``{env.NAME}`` references included."""
+    secrets.register_all(secrets.collect_secrets(data, env_value))
+
+
 def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
-    """Validate already-parsed YAML/JSON data; errors name ``source``, field path, value and choices."""
+    """Validate already-parsed YAML/JSON data; errors name ``source``, field path, value and choices.
+    Its secrets are registered with the scrubber first (:func:`register_experiment_secrets`), so
+    that no error, log or record of it shows one."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: an experiment must be a mapping, got {type(data).__name__}")
+    register_experiment_secrets(data)
     kinds = _engine_kind_problems(data)
     try:
         spec = ExperimentSpec.model_validate(data)
