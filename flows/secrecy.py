@@ -6,7 +6,8 @@ written in it) when it creates the run, before the flow's body runs; it stores l
 
 - :meth:`ScrubbedFlow.serialize_parameters`, which makes the parameters Prefect stores, first
   registers the secrets of an ``experiment_yaml`` with k3pipe's scrubber (:mod:`k3pipe.secrets`),
-  then scrubs every parameter: the stored experiment holds ``***`` where a key was;
+  then scrubs every parameter: the stored experiment holds ``'***'`` where a key was (such an
+  experiment is written again as YAML, without its comments);
 - a run created elsewhere (a deployment run from the UI or the API) stored its parameters as given:
   :func:`guard`, the first line of every flow, registers them and writes them back scrubbed;
 - :func:`guard` and the parameter hook put :class:`k3pipe.secrets.SecretFilter` on every logging
@@ -22,7 +23,6 @@ persists its result (``cache_policy=NO_CACHE``, no ``persist_result``); tasks ta
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -31,7 +31,7 @@ from prefect import Flow, get_client
 from prefect.context import get_run_context
 
 from k3pipe.experiment import register_experiment_secrets
-from k3pipe.secrets import install_log_filter, scrub_data
+from k3pipe.secrets import install_log_filter, redact_data, scrub_data
 
 __all__ = ["ScrubbedFlow", "guard", "scrubbed_flow"]
 
@@ -39,13 +39,32 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _register(parameters: dict[str, Any]) -> None:
-    """The secrets of an experiment given as text, registered (a text that is no YAML holds none
-    we can find: it fails in the flow, with its error scrubbed)."""
+def _experiment_data(parameters: dict[str, Any]) -> dict[str, Any] | None:
+    """The experiment given as text, parsed (None: none given, or a text that is no YAML mapping;
+    that fails in the flow, with its error scrubbed)."""
     text = parameters.get("experiment_yaml")
-    if isinstance(text, str) and text.strip():
-        with contextlib.suppress(yaml.YAMLError):
-            register_experiment_secrets(yaml.safe_load(text))
+    if not isinstance(text, str) or not text.strip():
+        return None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _scrubbed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The parameters as Prefect may store them: the experiment's secrets registered, every value
+    scrubbed, and an experiment text written again as YAML with its secret-named values ``'***'``
+    (replacing them inside the text would leave ``***``, which YAML reads as an alias)."""
+    data = _experiment_data(parameters)
+    if data is not None:
+        register_experiment_secrets(data)
+    clean = dict(scrub_data(parameters))
+    if data is not None:
+        redacted = scrub_data(redact_data(data))
+        if redacted != data:  # else the text is kept as written, comments and all
+            clean["experiment_yaml"] = yaml.safe_dump(redacted, sort_keys=False, allow_unicode=True)
+    return clean
 
 
 class ScrubbedFlow(Flow[P, R]):
@@ -53,8 +72,7 @@ class ScrubbedFlow(Flow[P, R]):
 
     def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
         install_log_filter()
-        _register(parameters)
-        return dict(scrub_data(super().serialize_parameters(parameters)))
+        return _scrubbed(super().serialize_parameters(parameters))
 
 
 def scrubbed_flow(name: str) -> Callable[[Callable[P, R]], ScrubbedFlow[P, R]]:
@@ -77,8 +95,7 @@ def guard() -> None:
     if flow_run is None:
         return
     stored = dict(flow_run.parameters or {})
-    _register(stored)
-    clean = scrub_data(stored)
+    clean = _scrubbed(stored)
     if clean != stored:
         with get_client(sync_client=True) as client:
             client.update_flow_run(flow_run.id, parameters=clean)
