@@ -271,3 +271,33 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
     stored_spec = yaml.safe_load(texts[0])
     assert stored_spec["arms"][0]["engine"]["env"]["HF_TOKEN"] == "***"
     assert stored_spec["arms"][0]["engine"]["env"]["SCRIPTED_REF"] == "{env.K3PIPE_TEST_REF}"
+
+
+def test_a_run_created_with_a_secret_in_its_parameters_stores_them_scrubbed(prefect_harness: None) -> None:
+    """A deployment run's parameters are stored as the UI or the API sent them, before any k3pipe code
+    runs: the flow's first step (flows.secrecy.guard) writes them back scrubbed."""
+    from prefect import get_client
+    from prefect.flow_engine import run_flow
+
+    from flows.secrecy import guard, scrubbed_flow
+
+    literal = _secret("uihf")
+
+    @scrubbed_flow("secrecy-probe")
+    def probe(experiment_yaml: str | None = None) -> str:
+        guard()
+        return "ran"
+
+    text = yaml.safe_dump(
+        _experiment("ui", 8000, "http://127.0.0.1:9/v1", literal, "{env.SOME_KEY}"), sort_keys=False
+    )
+    with get_client(sync_client=True) as client:
+        # as the UI does: the parameters as typed, stored when the run is created
+        created = client.create_flow_run(probe, parameters={"experiment_yaml": text})
+        assert literal in created.parameters["experiment_yaml"]
+        assert run_flow(probe, flow_run=created, parameters={"experiment_yaml": text}) == "ran"
+        stored = client.read_flow_run(created.id).parameters["experiment_yaml"]
+    assert literal not in stored
+    engine = yaml.safe_load(stored)["arms"][0]["engine"]
+    assert engine["env"]["HF_TOKEN"] == "***"
+    assert engine["args"]["api_key"] == "{env.SOME_KEY}"
