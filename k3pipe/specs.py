@@ -182,8 +182,11 @@ class EndpointSpec(_Spec):
         if value is None:
             return value
         # a key pasted here would be recorded as a param: refuse it, and never echo it whole
+        # (a long run of mixed-case letters and digits, hardly a word among them: a key, not a name)
         keyish = secrets.looks_like_key(value) or (
-            len(value) >= 24 and any(c.islower() for c in value) and any(c.isdigit() for c in value)
+            len(value) >= 20
+            and value.count("_") <= 1
+            and all(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
         )
         if keyish or not _ENV_NAME.match(value):
             secrets.register(value)

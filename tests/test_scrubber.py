@@ -328,3 +328,28 @@ def test_the_terminal_stream_scrubs_what_is_written() -> None:
     stream.writelines([secret, "\n"])
     assert out.getvalue() == "a *** b\n***\n"
     assert stream.getvalue() == out.getvalue()  # the rest is the wrapped stream's
+
+
+def test_a_containers_log_is_written_scrubbed_even_when_a_chunk_cuts_a_key(tmp_path: Path) -> None:
+    from k3pipe.launchers.docker import DockerLauncher
+
+    secret = _planted("dock")
+    sec.register(secret)
+    text = f"starting\nargs: api-token {secret} ok\nno newline at the end {secret}"
+    cut = text.index(secret) + 5  # a chunk ends inside the key
+
+    class Container:
+        def logs(self, **kwargs: Any) -> list[bytes]:
+            return [text[:cut].encode(), text[cut:].encode()]
+
+    launcher = DockerLauncher(None, "img", [], {}, tmp_path / "c.log", {}, {})  # type: ignore[arg-type]
+    launcher.container = Container()
+    launcher._stream_logs()
+    assert (tmp_path / "c.log").read_text() == text.replace(secret, "***")
+
+
+@pytest.mark.parametrize("name", ["MY_GATEWAY_KEY_2026", "my_service_api_key_2024_v2", "K3PIPE_DEMO_API_KEY"])
+def test_a_long_variable_name_is_still_a_name(name: str) -> None:
+    data = _experiment()
+    data["arms"][0]["endpoint"] = {"api_key_env": name}
+    assert parse_experiment(data).arms[0].endpoint.api_key_env == name
