@@ -70,6 +70,14 @@ def _scrubbed(parameters: dict[str, Any]) -> dict[str, Any]:
 class ScrubbedFlow(Flow[P, R]):
     """A Prefect flow whose stored parameters never hold a secret (see the module's docstring)."""
 
+    def validate_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        # a refusal logs the parameters as given: their secrets registered, the filter in place first
+        install_log_filter()
+        data = _experiment_data(parameters)
+        if data is not None:
+            register_experiment_secrets(data)
+        return super().validate_parameters(parameters)
+
     def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
         install_log_filter()
         return _scrubbed(super().serialize_parameters(parameters))
