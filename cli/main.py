@@ -65,7 +65,9 @@ def _options(
 
 def _fail(exc: BaseException) -> None:
     log_error(exc)
-    message = str(exc) or type(exc).__name__
+    from k3pipe.secrets import scrub
+
+    message = scrub(str(exc)) or type(exc).__name__
     hint = ""
     if not isinstance(exc, K3pipeError | ValidationError):  # not one of k3pipe's own clear errors
         message = f"{type(exc).__name__}: {message}"
@@ -729,8 +731,14 @@ def bundle(
 
 
 def main() -> None:
+    from k3pipe.secrets import ScrubbedStream, install_log_filter
+
     # MLflow's per-download progress bars would interleave with the tables (rerun reads artifacts)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # whatever reaches the terminal (tables, errors, Prefect's log lines, a traceback) is scrubbed of
+    # the run's secrets; before Prefect is imported, so that its console handler writes through it
+    sys.stdout, sys.stderr = ScrubbedStream(sys.stdout), ScrubbedStream(sys.stderr)
+    install_log_filter()
     # the log file before typer parses anything (--debug is looked for here; typer lists it in --help)
     configure_logging(Settings().home_dir, "--debug" in sys.argv[1:] or _env_debug())
     try:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from prefect import flow, get_client, get_run_logger
+from prefect import get_client, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from prefect.states import Crashed
 
+from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError, PreflightError, RunFailedError, SpecError, first_line
@@ -24,6 +25,7 @@ from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.record import close_abandoned, record_preflight_stop, record_speculation, summary_table
 from k3pipe.rerun import RerunInputs
 from k3pipe.run import ArmRun, ArmSteps
+from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -172,7 +174,7 @@ def _judge_speculation(
             o["speculation"] = f"{judged.summary} (baseline: {judged.baseline.baseline or 'none'})"
 
 
-@flow(name="benchmark")
+@scrubbed_flow("benchmark")
 def benchmark(
     experiment: str = "experiments/demo-cpu.yaml",
     experiment_yaml: str | None = None,
@@ -200,6 +202,7 @@ def benchmark(
             difference is recorded).
     """
     note_flow_run()
+    guard()
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
@@ -274,11 +277,11 @@ def benchmark(
         details = "; ".join(
             f"{o['arm']}: {first_line(o.get('error') or o['status'])}" for o in outcomes if o["arm"] in bad
         )
-        raise RunFailedError(f"arm(s) did not finish cleanly ({details}); see their MLflow runs")
+        raise RunFailedError(scrub(f"arm(s) did not finish cleanly ({details}); see their MLflow runs"))
     return outcomes
 
 
-@flow(name="rerun")
+@scrubbed_flow("rerun")
 def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
     """Run an arm's MLflow run again from its record alone, and compare the new run with it.
 
@@ -289,6 +292,7 @@ def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
             recorded).
     """
     note_flow_run()
+    guard()
     return benchmark(rerun_of=run_id, allow_drift=allow_drift)
 
 

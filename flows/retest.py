@@ -12,14 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from flows.benchmark import _flow_run_id, _stop_on_errors, note_flow_run
+from flows.secrecy import guard, scrubbed_flow
 from flows.study import ArmsFailed, run_study
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import RunFailedError
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
+from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
 from tasks.steps import (
@@ -44,7 +46,7 @@ def retest_dir(settings: Settings, experiment: str, run_id: str) -> Path:
     return settings.home_dir / "reports" / f"{experiment}-retest-{run_id[:8]}"
 
 
-@flow(name="retest")
+@scrubbed_flow("retest")
 def retest(
     experiment: str = "experiments/demo-retest.yaml",
     experiment_yaml: str | None = None,
@@ -69,6 +71,7 @@ def retest(
             the experiment's value. Recorded on the MLflow runs as override.* params.
     """
     note_flow_run()
+    guard()
     logger = get_run_logger()
     settings = Settings()
     home = settings.home_dir
@@ -109,7 +112,7 @@ def retest(
                 studies[t.label] = exc.result
                 failed[t.label] = str(exc)
             except Exception as exc:  # this study could not run: the others still can
-                failed[t.label] = f"{type(exc).__name__}: {exc}"
+                failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")
                 logger.error("retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
             if t.label in failed:
                 tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
@@ -127,8 +130,10 @@ def retest(
     if failed:
         details = "; ".join(f"{label}: {why}" for label, why in failed.items())
         raise VariantsFailed(
-            f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
-            f"the report judges the others: {paths['html']}",
+            scrub(
+                f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
+                f"the report judges the others: {paths['html']}"
+            ),
             result,
         )
     return result

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.benchmark import (
@@ -24,10 +24,12 @@ from flows.benchmark import (
     _stop_on_errors,
     note_flow_run,
 )
+from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.errors import BenchmarkError, RunFailedError, first_line
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
+from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -126,14 +128,12 @@ def run_study(
     result = {"study_run_id": run_id, "arms": outcomes, "report": paths}
     if outcome.failed:
         details = "; ".join(f"{o.arm}: {first_line(o.error or o.status)}" for o in outcome.failed)
-        raise ArmsFailed(
-            f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}",
-            result,
-        )
+        why = f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}"
+        raise ArmsFailed(scrub(why), result)
     return result
 
 
-@flow(name="study")
+@scrubbed_flow("study")
 def study(
     experiment: str = "experiments/demo-study.yaml",
     experiment_yaml: str | None = None,
@@ -155,6 +155,7 @@ def study(
             keeps the experiment's value. Recorded on the MLflow runs as override.* params.
     """
     note_flow_run()
+    guard()
     settings = Settings()
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
     request = RunRequest(

@@ -1,7 +1,10 @@
 """The one error tree of k3pipe.
 
 Every error says what failed, with its context (file, field, URL, engine, log tail), and what to do
-next. Library code raises these, always ``from`` the underlying exception.
+next. Library code raises these, always ``from`` the underlying exception. A message is scrubbed of
+secrets when the error is made (:func:`k3pipe.secrets.scrub`): an endpoint that echoes the key in its
+error body, or an engine log tail that holds one, never carries it into a log, a Prefect state or
+MLflow.
 
     K3pipeError
     ├── SpecError             an experiment file or field is invalid
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from k3pipe.secrets import scrub
+
 __all__ = [
     "BenchmarkError",
     "EndpointAuthError",
@@ -43,7 +48,10 @@ __all__ = [
 
 
 class K3pipeError(Exception):
-    """Base class of every error k3pipe raises on purpose."""
+    """Base class of every error k3pipe raises on purpose; its message is scrubbed of secrets."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(scrub(a) if isinstance(a, str) else a for a in args))
 
 
 class SpecError(K3pipeError):

@@ -22,9 +22,11 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from k3pipe import secrets
 from k3pipe.engines import engine_kinds
 from k3pipe.errors import SpecError
 from k3pipe.launchers.kinds import LAUNCHER_SPECS
+from k3pipe.settings import env_value
 from k3pipe.specs import (
     LIMIT_REASONS,
     DocumentsDataset,
@@ -43,6 +45,7 @@ __all__ = [
     "load_experiment",
     "load_experiment_text",
     "parse_experiment",
+    "register_experiment_secrets",
 ]
 
 MAX_FILE_BYTES = 10 * 2**20
@@ -416,7 +419,7 @@ def _shown(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, datetime.date):
         return value.isoformat()
-    text = repr(value)
+    text = secrets.scrub(repr(value))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -540,7 +543,8 @@ def _lines(exc: ValidationError) -> Iterator[str]:
             continue
         field = path.rsplit(".", 1)[-1].split("[", 1)[0]
         problem, show = _problem(err, field, ann, key_error)
-        shown = _shown(err.get("input")) if show else None
+        value = err.get("input")
+        shown = (_masked(err["loc"], value) or _shown(value)) if show else None
         if merged and merged[-1][0] == path and merged[-1][2] == shown and problem not in merged[-1][1]:
             merged[-1][1].append(problem.removeprefix("expected "))  # members of one union: either
             continue
@@ -582,8 +586,28 @@ def _format_errors(source: str, exc: ValidationError | None, extra: list[str] | 
 # -- loading ----------------------------------------------------------------------------------------
 
 
+def _masked(loc: Any, value: Any) -> str | None:
+    """A secret value (by its field's name or its shape) as an error shows it, masked; None when the
+    value is not one."""
+    names = [str(p) for p in loc if isinstance(p, str)]
+    if isinstance(value, str) and (
+        (names and secrets.is_secret_name(names[-1]) and not secrets.is_env_reference(value))
+        or secrets.looks_like_key(value)
+    ):
+        return secrets.mask(value)
+    return None
+
+
+def register_experiment_secrets(data: Any) -> None:
+    """Register with the scrubber every secret the experiment data holds (see
+    :func:`k3pipe.secrets.collect_secrets`), the values of its ``{env.NAME}`` references included."""
+    secrets.register_all(secrets.collect_secrets(data, env_value))
+
+
 def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
-    """Validate already-parsed YAML/JSON data; errors name ``source``, field path, value and choices."""
+    """Validate already-parsed YAML/JSON data; errors name ``source``, field path, value and choices.
+    Its secrets are registered with the scrubber first (:func:`register_experiment_secrets`), so
+    that no error, log or record of it shows one."""
     if data is None:
         raise SpecError(
             f"{source}: the experiment is empty; it needs name, model, arms and workloads (see {_EXAMPLE})"
@@ -594,6 +618,7 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
             f"{source}: an experiment must be a mapping of fields (name, model, arms, workloads), got "
             f"{what} at the top level (see {_EXAMPLE})"
         )
+    register_experiment_secrets(data)
     _check_shape(data, source)
     kinds = _engine_kind_problems(data)
     try:

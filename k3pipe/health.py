@@ -16,6 +16,7 @@ from k3pipe.engines import get_engine
 from k3pipe.errors import EndpointAuthError, HealthError, LaunchError, ModelNotServedError
 from k3pipe.launchers.base import Launcher
 from k3pipe.plan import ArmPlan
+from k3pipe.secrets import scrub
 
 __all__ = ["EndpointCheck", "check_endpoint", "server_root", "wait_until_healthy"]
 
@@ -89,7 +90,18 @@ def _headers(api_key: SecretStr | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
 
 
-def _raise_for_status(resp: httpx.Response, what: str, base_url: str) -> None:
+def _body(resp: httpx.Response, api_key: SecretStr | None) -> str:
+    """The start of an error body for a message, without the key (a gateway may echo the request's
+    Authorization header): scrubbed before the cut, so that a key across the cut goes whole."""
+    text = resp.text
+    if api_key is not None and api_key.get_secret_value():
+        text = text.replace(api_key.get_secret_value(), "***")
+    return scrub(text)[:300]
+
+
+def _raise_for_status(
+    resp: httpx.Response, what: str, base_url: str, api_key: SecretStr | None = None
+) -> None:
     if resp.status_code in (401, 403):
         raise EndpointAuthError(f"{what} at {base_url} answered {resp.status_code}: {_AUTH_HINT}")
     if resp.status_code == 404:
@@ -99,7 +111,8 @@ def _raise_for_status(resp: httpx.Response, what: str, base_url: str) -> None:
         )
     if resp.status_code >= 400:
         raise HealthError(
-            f"{what} at {base_url} answered {resp.status_code}: {resp.text[:300]}", status=resp.status_code
+            f"{what} at {base_url} answered {resp.status_code}: {_body(resp, api_key)}",
+            status=resp.status_code,
         )
 
 
@@ -129,12 +142,12 @@ def check_endpoint(
             ) from exc
         except httpx.TransportError as exc:
             raise HealthError(f"could not reach {base_url}/models: {exc!r}") from exc
-        _raise_for_status(resp, "GET /models", base_url)
+        _raise_for_status(resp, "GET /models", base_url, api_key)
         try:
             ids = [str(m["id"]) for m in resp.json().get("data", [])]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise HealthError(
-                f"GET {base_url}/models did not return an OpenAI model list: {resp.text[:300]}"
+                f"GET {base_url}/models did not return an OpenAI model list: {_body(resp, api_key)}"
             ) from exc
         if model not in ids:
             raise ModelNotServedError(
@@ -182,7 +195,7 @@ def _probe(
         ) as resp:
             if resp.status_code >= 400:
                 resp.read()
-                _raise_for_status(resp, "POST /chat/completions", base_url)
+                _raise_for_status(resp, "POST /chat/completions", base_url, api_key)
             for line in resp.iter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -192,9 +205,11 @@ def _probe(
                 try:
                     chunk = json.loads(data)
                 except ValueError as exc:
-                    raise HealthError(f"the stream sent a line that is not JSON: {data[:200]}") from exc
+                    shown = scrub(data)[:200]
+                    raise HealthError(f"the stream sent a line that is not JSON: {shown}") from exc
                 if "error" in chunk:
-                    raise HealthError(f"the stream reported an error: {json.dumps(chunk['error'])[:300]}")
+                    shown = scrub(json.dumps(chunk["error"]))[:300]
+                    raise HealthError(f"the stream reported an error: {shown}")
                 for choice in chunk.get("choices") or []:
                     saw_choices = True
                     delta = choice.get("delta") or {}

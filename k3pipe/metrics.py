@@ -31,6 +31,7 @@ import httpx
 import pandas as pd
 
 from k3pipe.engines.base import Engine
+from k3pipe.secrets import scrub
 
 __all__ = [
     "Discrepancy",
@@ -183,7 +184,7 @@ class MetricsScraper:
         try:
             response = await client.get(url, timeout=self.timeout_s)
             if response.status_code != 200:
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
+                error = f"HTTP {response.status_code}: {scrub(response.text)[:200]}"
             else:
                 samples = parse_exposition(response.text, self.keep)
         except ValueError as exc:  # parse_exposition

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.engines import RenderedCommand, get_engine, render_args
 from k3pipe.engines.base import Engine
+from k3pipe.secrets import is_secret_name
 from k3pipe.sources import model_dir
 from k3pipe.specs import ArmSpec, ExperimentSpec, LauncherSpec, expand_home
 
@@ -71,7 +72,11 @@ def _compile_cache(
         "version": arm.engine.version,
         **launcher.cache_factors(arm.engine),
         "models": models,
-        **engine.compiles_with(arm.engine.args, {k: v for k, v in env.items() if k != var}),
+        # a secret changes nothing the engine compiles (and must not go into compile_cache.json)
+        **engine.compiles_with(
+            {k: v for k, v in arm.engine.args.items() if not is_secret_name(str(k))},
+            {k: v for k, v in env.items() if k != var and not is_secret_name(k)},
+        ),
     }
     key = compile_cache_key(factors)
     if var in env:

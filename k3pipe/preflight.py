@@ -7,6 +7,8 @@ will run and mislead or fail under load) and ``info``.
 
 Generic rules:
 
+- ``env-unset`` (error): an ``{env.NAME}`` in an engine's env, arguments or executable whose
+  variable is not set (it is read at launch).
 - ``managed-flag`` (error): an argument k3pipe sets itself (model, served name, host, port).
 - ``bad-value`` (error): an integer argument the engine's own parser would refuse.
 - ``unknown-flag`` (warning): not a flag of the stock engine version the module was written for.
@@ -45,6 +47,8 @@ from k3pipe.kvpool import (
     kv_dtype_bytes,
     kv_layout,
 )
+from k3pipe.secrets import env_references
+from k3pipe.settings import env_value
 from k3pipe.specs import (
     DocumentsDataset,
     ExperimentSpec,
@@ -333,8 +337,42 @@ def _executable_rule(home: Path) -> Rule:
 
     return rule_executable
 
+def rule_env_references(ctx: ArmContext) -> Iterator[Finding]:
+    """Every ``{env.NAME}`` of an engine k3pipe starts names a variable that is set here (it is read
+    at launch: unset, the launch would fail after the download and the image pull)."""
+    if not ctx.arm.launcher.starts_engine:
+        return  # an external endpoint's engine settings are recorded, never used
+
+    def refs(where: str, value: Any) -> Iterator[tuple[str, str]]:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                yield from refs(f"{where}.{k}", v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from refs(f"{where}[{i}]", v)
+        elif isinstance(value, str):
+            yield from ((where, name) for name in env_references(value))
+
+    engine = ctx.arm.engine
+    found = [*refs("engine.env", engine.env), *refs("engine.args", engine.args)]
+    found += [
+        (f"engine.executable[{i}]", name)
+        for i, part in enumerate(engine.executable or [])
+        for name in env_references(part)
+    ]
+    for where, name in found:
+        if not env_value(name):
+            yield ctx.finding(
+                "error",
+                "env-unset",
+                f"{where} refers to {{env.{name}}}, but {name} is not set in the environment k3pipe "
+                f"runs in (it is read at launch, and never recorded): export {name}=... before the run "
+                "(on the worker, for a deployment)",
+            )
+
 
 _GENERIC_RULES: tuple[Rule, ...] = (
+    rule_env_references,
     rule_managed_flags,
     rule_bad_values,
     rule_unknown_flags,

@@ -33,6 +33,7 @@ from k3pipe.observe import EngineLogFacts, phase_table
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
 from k3pipe.runrecord import RECORD_FILE, PromptsRef, RunRecord, prompts_artifact, prompts_digest
+from k3pipe.secrets import redact_data, scrub
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ExperimentSpec, WorkloadSpec
@@ -173,7 +174,7 @@ class ArmRecorder:
             "api_key_env": plan.api_key_env,
             "k3pipe_commit": git_commit(),
             **_flat("env", cmd.redacted_env()),
-            **_flat("arg", exp.arm(plan.arm).engine.args),
+            **_flat("arg", redact_data(exp.arm(plan.arm).engine.args)),
             **_compile_cache_params(plan),
             **(extra or {}),
         }
@@ -192,11 +193,13 @@ class ArmRecorder:
             )
             self.tracker.log_dict(self.run_id, rec.model_dump(), f"provenance/{name}.json")
         self.tracker.log_params(self.run_id, {k: v for k, v in params.items() if v is not None})
-        self.tracker.log_dict(self.run_id, exp.model_dump(mode="json"), "experiment.json")
+        # a secret written in the experiment is '***' in its records ({env.NAME} references stay)
+        recorded = redact_data(exp.model_dump(mode="json"))
+        self.tracker.log_dict(self.run_id, recorded, "experiment.json")
         self.record = RunRecord(
             experiment_name=exp.name,
             experiment_file=experiment_file,
-            experiment=exp.model_dump(mode="json"),
+            experiment=recorded,
             arm=plan.arm,
             models=dict(models),
             command=self.tracker.scrub(cmd.shell()),
@@ -458,7 +461,8 @@ class ArmRecorder:
             | {"engine_log.warnings": len(facts.warnings), "engine_log.ready": int(facts.ready)},
         )
         if facts.warnings:
-            self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": " | ".join(facts.warnings)[:4000]})
+            warnings = scrub(" | ".join(facts.warnings))[:4000]
+            self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": warnings})
         self._log_phases(facts)
         return facts
 
@@ -547,7 +551,7 @@ class ArmRecorder:
                     self.tracker.set_tags(self.run_id, {"k3pipe.engine_findings_error": repr(exc)[:500]})
             if error is not None:
                 self.tracker.set_tags(
-                    self.run_id, {"k3pipe.error": f"{type(error).__name__}: {error}"[:4000]}
+                    self.run_id, {"k3pipe.error": scrub(f"{type(error).__name__}: {error}")[:4000]}
                 )
                 self.tracker.log_text(
                     self.run_id,
@@ -634,7 +638,7 @@ def record_failed_arm(
             "k3pipe.experiment": experiment,
             "k3pipe.arm": arm,
             "k3pipe.engine": engine,
-            "k3pipe.error": error[:4000],
+            "k3pipe.error": scrub(error)[:4000],
             **(tags or {}),
         },
         parent_id=parent_id,

@@ -24,6 +24,7 @@ from k3pipe.compare import DEFAULT_METRICS, compare_workloads, find_run, request
 from k3pipe.errors import K3pipeError, RerunError
 from k3pipe.experiment import parse_experiment
 from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
+from k3pipe.secrets import REDACTED
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.tracking import Tracker
@@ -80,6 +81,16 @@ def _model_spec(spec: ExperimentSpec, name: str) -> ModelScopeModel | LocalModel
     if name not in spec.extra_models:
         raise RerunError(f"the record names model {name!r}, which its experiment does not declare")
     return spec.extra_models[name]
+
+
+def _redacted_fields(data: Any, where: str) -> list[str]:
+    """The fields under ``where`` whose recorded value is the scrubber's ``***`` (a secret that was
+    written in the experiment)."""
+    if isinstance(data, dict):
+        return [f for k, v in data.items() for f in _redacted_fields(v, f"{where}.{k}")]
+    if isinstance(data, list):
+        return [f for i, v in enumerate(data) for f in _redacted_fields(v, f"{where}[{i}]")]
+    return [where] if isinstance(data, str) and REDACTED in data else []
 
 
 def _files_differ(recorded: ModelRecord, found: ModelRecord) -> list[str]:
@@ -139,6 +150,15 @@ def restore(
     record = read_record(tracker, run_id)
     spec = parse_experiment(record.experiment, f"{RECORD_FILE} of run {run_id}")
     arm = spec.arm(record.arm)
+    engine = arm.engine
+    redacted = _redacted_fields(engine.env, "engine.env") + _redacted_fields(engine.args, "engine.args")
+    if redacted:
+        raise RerunError(
+            f"arm {record.arm!r} of run {run_id} was started with a secret written in its experiment "
+            f"({', '.join(redacted)}), which its record holds as '{REDACTED}', so it cannot be started "
+            "again from the record; write such a value as '{env.NAME}' (k3pipe reads NAME from its "
+            "environment at launch) and run the experiment again with `k3pipe run`"
+        )
     drift: list[str] = []
 
     models: dict[str, ModelRecord] = {}

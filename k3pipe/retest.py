@@ -22,6 +22,7 @@ from typing import Any
 
 from k3pipe.errors import SpecError
 from k3pipe.report.retest import BASELINE, RETEST_KIND, VARIANTS_FILE
+from k3pipe.secrets import redact_data
 from k3pipe.specs import ExperimentSpec
 from k3pipe.tracking import Tracker
 from k3pipe.variants import changes, resolve
@@ -107,7 +108,7 @@ def start_retest(
             **(params or {}),
         },
     )
-    tracker.log_dict(run_id, spec.model_dump(mode="json"), "experiment.json")
+    tracker.log_dict(run_id, redact_data(spec.model_dump(mode="json")), "experiment.json")
     tracker.log_dict(
         run_id, {t.label: {"description": t.description, "changes": list(t.changes)} for t in variants},
         VARIANTS_FILE,

@@ -39,6 +39,7 @@ from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import ArmRecorder
 from k3pipe.rerun import RERUN_TAG, RerunInputs
+from k3pipe.secrets import register, scrub
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
@@ -181,8 +182,12 @@ def benchmark(
 
 def arm_key(plan: ArmPlan) -> SecretStr | None:
     """The arm's API key, read once from the variable ``endpoint.api_key_env`` names (None: unset,
-    or the arm names none). The one place an arm's key is read; it travels as a SecretStr."""
-    return read_secret(plan.api_key_env)
+    or the arm names none). The one place an arm's key is read; it travels as a SecretStr, and is
+    registered with the scrubber (:mod:`k3pipe.secrets`) so that no record, log or error shows it."""
+    key = read_secret(plan.api_key_env)
+    if key is not None:
+        register(key.get_secret_value())
+    return key
 
 
 class ArmOutcome(BaseModel):
@@ -339,7 +344,7 @@ class ArmRun:
             outcome.status = "KILLED" if interrupted else "FAILED"
             self._error = exc
             if not interrupted:
-                outcome.error = f"{type(exc).__name__}: {exc}"
+                outcome.error = scrub(f"{type(exc).__name__}: {exc}")
                 self.warn(f"arm {self.arm} failed: {outcome.error}")
         try:
             if self.launcher is not None:

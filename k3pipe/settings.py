@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "read_secret"]
+__all__ = ["Settings", "env_value", "read_secret"]
 
 
 class Settings(BaseSettings):
@@ -73,8 +73,16 @@ class Settings(BaseSettings):
 
 
 def read_secret(env_name: str | None) -> SecretStr | None:
-    """The value of the environment variable a spec names for a key (None when unnamed or unset)."""
+    """The value of the environment variable a spec names for a key, or that an ``{env.NAME}``
+    reference names (None when unnamed or unset)."""
     if not env_name:
         return None
     value = os.environ.get(env_name)
     return SecretStr(value) if value else None
+
+
+def env_value(name: str) -> str | None:
+    """The value of variable ``name`` for an ``{env.NAME}`` reference (None when unset or empty):
+    :func:`read_secret`, unwrapped where the value must be handed on (an engine's environment)."""
+    secret = read_secret(name)
+    return secret.get_secret_value() if secret is not None else None

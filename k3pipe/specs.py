@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from k3pipe import secrets
 from k3pipe.errors import SpecError
 from k3pipe.launchers.kinds import LauncherSpec, ProcessLauncherSpec
 
@@ -268,24 +269,32 @@ class EngineSpec(_Spec):
         default=None,
         description="Command prefix that starts the engine (process launcher); '{home}' expands.",
     )
-    env: dict[str, str] = Field(default_factory=dict, description="Environment for the engine.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Environment for the engine. '{env.NAME}' in a value is NAME of k3pipe's own environment, "
+            "read at launch and never recorded (records hold the reference): keep keys out of the file."
+        ),
+    )
     args: dict[str, Any] = Field(
         default_factory=dict,
         description=(
             "Engine arguments: keys with '_' or '-', booleans as bare flags (false omits), "
-            "dicts as JSON, lists as repeated values; '{model}' and '{models.NAME}' expand to model dirs."
+            "dicts as JSON, lists as repeated values; '{model}' and '{models.NAME}' expand to model dirs; "
+            "'{env.NAME}' is NAME of k3pipe's environment at launch (recorded as the reference)."
         ),
     )
 
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
+        for key, item in value.items():
             if not _ENV_NAME.match(key):
                 raise ValueError(
                     f"environment variable name {key!r} is not valid: letters, digits and '_', "
                     "not starting with a digit"
                 )
+            _check_references(f"env.{key}", item)
         return value
 
     @field_validator("image")
@@ -307,7 +316,29 @@ class EngineSpec(_Spec):
     @field_validator("args")
     @classmethod
     def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        def visit(where: str, item: Any) -> None:
+            if isinstance(item, dict):
+                for k, v in item.items():
+                    visit(f"{where}.{k}", v)
+            elif isinstance(item, list):
+                for i, v in enumerate(item):
+                    visit(f"{where}[{i}]", v)
+            elif isinstance(item, str):
+                _check_references(where, item)
+
+        for key, item in value.items():
+            visit(f"args.{key}", item)
         return _check_args(value)
+
+
+def _check_references(where: str, value: str) -> None:
+    """Every '{env.X}' of ``value`` names a variable (the rule of ``_ENV_NAME``)."""
+    bad = secrets.bad_env_references(value)
+    if bad:
+        raise ValueError(
+            f"{where}: {{env.{bad[0]}}} does not name an environment variable; write '{{env.NAME}}' "
+            "with NAME of letters, digits and '_', not starting with a digit (e.g. '{env.HF_TOKEN}')"
+        )
 
 
 class HardwareSpec(_Spec):
@@ -379,17 +410,40 @@ class EndpointSpec(_Spec):
     @field_validator("api_key_env")
     @classmethod
     def _env_name(cls, value: str | None) -> str | None:
-        if value is not None and not _ENV_NAME.match(value):
+        if value is None:
+            return value
+        # a key pasted here would be recorded as a param: refuse it, and never echo it whole
+        # (a long run of mixed-case letters and digits, hardly a word among them: a key, not a name)
+        keyish = secrets.looks_like_key(value) or (
+            len(value) >= 20
+            and value.count("_") <= 1
+            and all(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
+        )
+        if keyish or not _ENV_NAME.match(value):
+            secrets.register(value)
+            shown = secrets.mask(value) if keyish or len(value) >= 12 else repr(value)
             raise ValueError(
-                f"{value!r} is not an environment variable name: put the key in an environment "
-                "variable and name it here"
+                f"{shown} is not an environment variable name{' (it looks like a key)' if keyish else ''}: "
+                "put the key in an environment variable and name that variable here, e.g. "
+                "api_key_env: MY_GATEWAY_KEY"
             )
         return value
 
     @field_validator("base_url")
     @classmethod
     def _http(cls, value: str | None) -> str | None:
-        return None if value is None else _check_base_url(value)
+        if value is None:
+            return value
+        credentials = secrets.url_credentials(value)
+        if credentials:
+            secrets.register_all(v for _, v in credentials)
+            where = " and ".join(dict.fromkeys(w for w, _ in credentials))
+            raise ValueError(
+                f"base URL {secrets.scrub_url(value)!r} carries credentials ({where}); k3pipe refuses "
+                "them there (a URL is logged and recorded): put the key in an environment variable and "
+                "name it in endpoint.api_key_env (it is sent as the Authorization header)"
+            )
+        return _check_base_url(value)
 
 
 class ArmSpec(_Spec):

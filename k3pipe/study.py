@@ -31,6 +31,7 @@ from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import record_failed_arm
 from k3pipe.report.collect import STUDY_KIND
 from k3pipe.run import ArmOutcome, ArmRun, ArmSteps
+from k3pipe.secrets import redact_data, scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
@@ -127,7 +128,7 @@ def start_study(
             **(params or {}),
         },
     )
-    tracker.log_dict(run_id, spec.model_dump(mode="json"), "experiment.json")
+    tracker.log_dict(run_id, redact_data(spec.model_dump(mode="json")), "experiment.json")
     return run_id
 
 
@@ -233,7 +234,7 @@ class Study:
                         stages.get(f"{prefix}.models_s", 0.0) + models[name].duration_s
                     )
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = scrub(f"{type(exc).__name__}: {exc}")
             self.warn(f"arm {arm.name}: its models could not be had: {error}")
             run_id = record_failed_arm(
                 self.tracker, self.spec.name, arm.name, arm.engine.kind, error, self.tags, self.run_id

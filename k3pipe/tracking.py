@@ -2,7 +2,9 @@
 
 Uses ``MlflowClient`` with explicit run ids (no fluent active-run state), so steps running in other
 threads, as Prefect tasks do, log to the right run. Every string that reaches MLflow passes through
-``scrub``, which replaces the values of secrets registered with the tracker.
+``scrub``: k3pipe's one scrubber (:mod:`k3pipe.secrets`), which replaces every registered secret (the
+endpoint's key, an experiment's secrets, the values of its ``{env.NAME}`` references, those given to
+the tracker) and masks credential-shaped text.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunT
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
+from k3pipe import secrets as _secrets
 from k3pipe.errors import TrackingError
 from k3pipe.procs import file_lock
 from k3pipe.provenance import git_commit
@@ -97,7 +100,7 @@ class Tracker:
         secrets: Iterable[str] = (),
     ) -> None:
         self.tracking_uri = tracking_uri
-        self._secrets = [s for s in secrets if s]
+        _secrets.register_all(secrets)
         # the first use of a new SQLite store creates its tables: several first runs at once on one
         # K3PIPE_HOME raced on that and broke the store for good; one process at a time does it
         lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -133,14 +136,12 @@ class Tracker:
         self.set_tags(run_id, {"mlflow.note.content": text})
 
     def add_secret(self, value: str | None) -> None:
-        """Register a secret value that must never be written."""
-        if value:
-            self._secrets.append(value)
+        """Register a secret value that must never be written (anywhere: the scrubber is k3pipe's)."""
+        _secrets.register(value)
 
     def scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        """``text`` as MLflow may hold it: see :func:`k3pipe.secrets.scrub`."""
+        return _secrets.scrub(text)
 
     def start_run(
         self, name: str, tags: Mapping[str, str] | None = None, parent_id: str | None = None
@@ -213,11 +214,10 @@ class Tracker:
 
     def log_frame(self, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
         """Log a table as parquet; text columns are scrubbed of secrets first."""
-        if self._secrets:
-            frame = frame.copy()
-            for column in frame.columns:
-                if frame[column].dtype == object or pd.api.types.is_string_dtype(frame[column]):
-                    frame[column] = frame[column].map(lambda v: self.scrub(v) if isinstance(v, str) else v)
+        frame = frame.copy()
+        for column in frame.columns:
+            if frame[column].dtype == object or pd.api.types.is_string_dtype(frame[column]):
+                frame[column] = frame[column].map(lambda v: self.scrub(v) if isinstance(v, str) else v)
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / Path(artifact_file).name
             frame.to_parquet(local, index=False)

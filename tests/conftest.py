@@ -280,6 +280,7 @@ UNIT_MODULES = frozenset(
         "tests/test_params.py",
         "tests/test_report.py",
         "tests/test_report_retest.py",
+        "tests/test_scrubber.py",
         "tests/test_specs.py",
         "tests/test_variants.py",
     }

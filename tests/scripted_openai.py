@@ -118,7 +118,12 @@ class ScriptedOpenAI:
     """
 
     def __init__(
-        self, script: ScriptSource | None = None, *, api_key: str | None = None, model: str = "scripted"
+        self,
+        script: ScriptSource | None = None,
+        *,
+        api_key: str | None = None,
+        model: str = "scripted",
+        port: int = 0,
     ) -> None:
         self.script: ScriptSource = script if script is not None else Script()
         self.api_key = api_key
@@ -131,7 +136,7 @@ class ScriptedOpenAI:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
-        self.port = 0
+        self.port = port  # 0: a free port, chosen when the server starts
 
     @property
     def base_url(self) -> str:
@@ -147,11 +152,13 @@ class ScriptedOpenAI:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/reset_prefix_cache", self._reset_prefix_cache, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/version", self._version, methods=["GET"]),
             ]
         )
         sock = self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, access_log=False
@@ -193,6 +200,13 @@ class ScriptedOpenAI:
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _health(self, request: Request) -> Response:
+        """vLLM's health route (unauthenticated, as vLLM's is): 200 while the server runs."""
+        return Response(status_code=200)
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse({"version": "scripted"})
 
     async def _reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's dev-mode route (it caches nothing here): counted in ``prefix_cache_resets``."""

@@ -165,3 +165,14 @@ def test_a_draft_model_k3pipe_fetched_is_pinned(tmp_path: Path) -> None:
     )
     assert read_record(tracker, run_id).unpinned_models == []
     assert restore(tracker, run_id, home).drift == []
+
+
+def test_a_secret_written_in_the_experiment_refuses_a_rerun_and_a_reference_does_not(tmp_path: Path) -> None:
+    # the record holds '***' for a literal secret: a rerun would start the engine with it
+    tracker, run_id, home, _ = _record(tmp_path / "literal", args={"api_key": "literal-key-0123456789"})
+    with pytest.raises(RerunError, match=r"engine\.args\.api_key.*\{env\.NAME\}"):
+        restore(tracker, run_id, home)
+    assert "literal-key-0123456789" not in (read_record(tracker, run_id).model_dump_json())
+    tracker, run_id, home, _ = _record(tmp_path / "reference", args={"api_key": "{env.RERUN_TEST_KEY}"})
+    inputs = restore(tracker, run_id, home)
+    assert inputs.spec.arms[0].engine.args == {"api_key": "{env.RERUN_TEST_KEY}"}

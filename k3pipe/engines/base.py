@@ -23,6 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.errors import SpecError
 from k3pipe.observe import EngineLogFacts, LogLine, LogPatterns, parse_engine_log
+from k3pipe.secrets import (
+    REDACTED,
+    env_references,
+    is_env_reference,
+    is_secret_name,
+    looks_like_key,
+    resolve_env_references,
+    scrub,
+)
 
 if TYPE_CHECKING:
     from k3pipe.specs import ArmSpec, ExperimentSpec
@@ -42,18 +51,7 @@ __all__ = [
     "render_args",
 ]
 
-_SECRET_WORDS = {"apikey", "secret", "password", "passwd", "credential", "credentials"}
-# 'key' and 'token' name a secret only as the last word (HF_TOKEN, --api-key, access_token), not
-# inside a setting's name (--long-prefill-token-threshold, key_cache_dtype)
-_SECRET_LAST_WORDS = {"key", "keys", "token"}
 _PLACEHOLDER = re.compile(r"\{(model|models\.[A-Za-z0-9_-]+)\}")
-REDACTED = "***"
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether an environment variable or flag name looks like it carries a secret."""
-    words = [w for w in re.split(r"[-_.]+", name.lower()) if w]
-    return any(word in _SECRET_WORDS for word in words) or bool(words and words[-1] in _SECRET_LAST_WORDS)
 
 
 def _flag(key: str) -> str:
@@ -110,8 +108,19 @@ def render_args(args: Mapping[str, Any], models: Mapping[str, str] | None = None
     return out
 
 
+def _shown(name: str, value: str) -> str:
+    """A value as records show it: a secret-named one redacted (an ``{env.NAME}`` reference is kept:
+    it is no secret), anything else scrubbed of registered secrets and key shapes."""
+    if is_env_reference(value):
+        return value
+    if is_secret_name(name) or looks_like_key(value):
+        return REDACTED
+    return scrub(value)
+
+
 class RenderedCommand(BaseModel):
-    """The exact command line and environment an arm runs with."""
+    """The exact command line and environment an arm runs with, as recorded: an ``{env.NAME}``
+    reference stays a reference here (:meth:`resolved` is the launch's own copy)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -119,15 +128,43 @@ class RenderedCommand(BaseModel):
     env: dict[str, str] = Field(description="Environment variables set for the engine (from the spec).")
 
     def redacted_env(self) -> dict[str, str]:
-        return {k: (REDACTED if is_secret_name(k) else v) for k, v in self.env.items()}
+        return {k: _shown(k, v) for k, v in self.env.items()}
 
     def redacted_argv(self) -> list[str]:
         out: list[str] = []
-        hide = False
+        flag = ""
         for token in self.argv:
-            out.append(REDACTED if hide else token)
-            hide = token.startswith("--") and is_secret_name(token)
+            if token.startswith("--") and "=" in token:  # --api-key=VALUE
+                name, value = token.split("=", 1)
+                out.append(f"{name}={_shown(name, value)}")
+                flag = ""
+                continue
+            if token.startswith("--"):
+                out.append(scrub(token))
+                flag = token
+            else:
+                out.append(_shown(flag, token))
+                flag = ""
         return out
+
+    def references(self) -> list[tuple[str, str]]:
+        """Every ``{env.NAME}`` of the command as ``(field, NAME)``: ``engine.env.KEY`` for the
+        environment, ``engine.args (--flag)`` for an argument."""
+        found = [(f"engine.env.{k}", name) for k, v in self.env.items() for name in env_references(v)]
+        flag = ""
+        for token in self.argv:
+            where = f"engine.args ({flag})" if flag else "engine.executable"
+            found += [(where, name) for name in env_references(token)]
+            flag = token.split("=", 1)[0] if token.startswith("--") else ""
+        return found
+
+    def resolved(self, lookup: Callable[[str], str | None]) -> RenderedCommand:
+        """The command the engine is started with: every ``{env.NAME}`` replaced by ``lookup(NAME)``
+        (:class:`k3pipe.secrets.UnsetVariable` when one is unset). Never record this copy."""
+        return RenderedCommand(
+            argv=[resolve_env_references(t, lookup) for t in self.argv],
+            env={k: resolve_env_references(v, lookup) for k, v in self.env.items()},
+        )
 
     def shell(self) -> str:
         """A copy-pasteable shell line (secrets redacted)."""

@@ -26,6 +26,7 @@ from pydantic import Field, field_validator
 from k3pipe.errors import LaunchError, SpecError
 from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
 from k3pipe.procs import alive, proc_stat
+from k3pipe.secrets import scrub
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
@@ -189,11 +190,25 @@ class DockerLauncher:
         self._log_thread.start()
 
     def _stream_logs(self) -> None:
+        """The container's output into the log file, whole lines at a time, each scrubbed of secrets
+        (a chunk may end inside a line, and so inside a key)."""
         assert self.log_path is not None
+
+        def write(fh: Any, data: bytes) -> None:
+            fh.write(scrub(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape"))
+            fh.flush()
+
+        pending = b""
         with contextlib.suppress(Exception), self.log_path.open("ab") as fh:
-            for chunk in self.container.logs(stream=True, follow=True, stdout=True, stderr=True):
-                fh.write(chunk)
-                fh.flush()
+            try:
+                for chunk in self.container.logs(stream=True, follow=True, stdout=True, stderr=True):
+                    pending += chunk
+                    if b"\n" in pending:
+                        lines, pending = pending.rsplit(b"\n", 1)
+                        write(fh, lines + b"\n")
+            finally:
+                if pending:
+                    write(fh, pending)
 
     def _state(self) -> dict[str, Any]:
         try:
@@ -224,7 +239,7 @@ class DockerLauncher:
         text = tail_file(self.log_path, lines)
         if not text and self.container is not None:
             with contextlib.suppress(docker.errors.DockerException):
-                text = self.container.logs(tail=lines).decode(errors="replace")
+                text = scrub(self.container.logs(tail=lines).decode(errors="replace"))
         return text
 
     def stop(self, grace_s: float | None = None) -> None:
@@ -399,7 +414,8 @@ class DockerLauncherSpec(LauncherSpecBase):
         if writable and plan.compile_cache is not None:
             parts += ["-e", f"{plan.compile_cache.var}={plan.compile_cache.dir}"]
         for key, value in plan.command.redacted_env().items():
-            parts += ["-e", f"{key}={value}"]
+            # '-e NAME' takes NAME from the caller's environment: {env.NAME} exactly, never its value
+            parts += ["-e", key if value == f"{{env.{key}}}" else f"{key}={value}"]
         parts.append(image or plan.image or "IMAGE")
         return shlex.join(parts) + " " + shlex.join(plan.command.redacted_argv())
 

@@ -11,15 +11,46 @@ from pydantic import SecretStr
 
 from k3pipe.coldstart import ensure_compile_cache
 from k3pipe.engines import get_engine
+from k3pipe.engines.base import RenderedCommand
 from k3pipe.errors import LaunchError, SpecError
 from k3pipe.launchers.base import Launcher
 from k3pipe.launchers.docker import DockerLauncherSpec, connect
 from k3pipe.plan import ArmPlan
 from k3pipe.procs import listening
-from k3pipe.settings import Settings
+from k3pipe.secrets import UnsetVariable, register
+from k3pipe.settings import Settings, env_value
 from k3pipe.sources.images import ImageRecord, resolve_image
 
-__all__ = ["launch_engine", "pull_image"]
+__all__ = ["launch_engine", "pull_image", "unset_references"]
+
+
+def unset_references(plan: ArmPlan) -> list[tuple[str, str]]:
+    """The ``{env.NAME}`` references of the arm's command whose variable is unset, as ``(field, NAME)``."""
+    return [(where, name) for where, name in plan.command.references() if not env_value(name)]
+
+
+def _resolved(plan: ArmPlan, env: dict[str, str]) -> tuple[RenderedCommand, dict[str, str]]:
+    """The arm's command and environment with every ``{env.NAME}`` replaced by NAME's value (each
+    value registered as a secret); a clear error, before anything starts, when a variable is unset."""
+    missing = unset_references(plan)
+    if missing:
+        listed = "; ".join(f"{where} refers to {{env.{name}}}" for where, name in missing)
+        names = ", ".join(dict.fromkeys(name for _, name in missing))
+        raise SpecError(
+            f"arm {plan.arm!r}: {listed}, but {names} is not set in k3pipe's environment; set it "
+            "(export NAME=..., on the worker for a deployment) and start the run again"
+        )
+
+    def lookup(name: str) -> str | None:
+        value = env_value(name)
+        register(value)
+        return value
+
+    try:
+        command = plan.command.resolved(lookup)
+        return command, {k: command.env.get(k, v) for k, v in env.items()}
+    except UnsetVariable as exc:  # set while we looked: the same error as above
+        raise SpecError(f"arm {plan.arm!r}: {{env.{exc.name}}} is not set in k3pipe's environment") from exc
 
 Progress = Callable[[str], None]
 
@@ -37,13 +68,17 @@ def launch_engine(
     docker: the container is created from ``image`` (the pinned ``repository@digest`` that
     :func:`pull_image` resolved), labelled with ``labels``.
     """
-    env = plan.engine_env()  # the spec's env + the compile cache's variable
+    # the spec's env + the compile cache's variable, each {env.NAME} resolved for the launch alone:
+    # the plan (what is recorded) keeps the references
+    command, env = _resolved(plan, plan.engine_env())
     ensure_compile_cache(plan)
     key_var = get_engine(plan.engine).api_key_env_var
     if api_key is not None and key_var:
         env[key_var] = api_key.get_secret_value()
+    launch_plan = plan.model_copy(update={"command": command})
+    base_env = settings.process_env()
     launcher = plan.launch.build(
-        plan, log_path, env, settings.process_env(), image, dict(labels or {}), home=settings.home_dir
+        launch_plan, log_path, env, base_env, image, dict(labels or {}), home=settings.home_dir
     )
     _port_is_free(plan)
     launcher.start()

@@ -1,4 +1,9 @@
-"""Run the engine as a local process in its own process group, its output streamed to a log file."""
+"""Run the engine as a local process in its own process group, its output streamed to a log file.
+
+The output goes through a pipe and a thread that writes it to the log file line by line, scrubbed of
+secrets (:func:`k3pipe.secrets.scrub`): an engine that prints its own arguments (vLLM's "non-default
+args", with ``api_key``) or environment never puts a key on disk.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,19 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
 from k3pipe.errors import LaunchError
 from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
 from k3pipe.procs import GroupRegistry
+from k3pipe.secrets import scrub
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
@@ -59,6 +66,7 @@ class ProcessLauncher:
         self.stop_timeout_s = stop_timeout_s
         self.cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
+        self._pump: threading.Thread | None = None
         self.started_at: float | None = None
         # where the group is recorded while it runs, so that the next start ends it if this process
         # is killed before its teardown (k3pipe.procs)
@@ -83,19 +91,23 @@ class ProcessLauncher:
                 env=self.env,
                 cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         except OSError as exc:
+            log.close()
             raise LaunchError(
                 f"could not start the engine {self.argv[0]!r}: {exc}; check engine.executable "
                 "(run 'make engine' to build the engine's venv)"
             ) from exc
-        finally:
-            log.close()
         self.started_at = time.perf_counter()
         _LIVE.add(self)
+        assert self._proc.stdout is not None
+        self._pump = threading.Thread(
+            target=_pump, args=(self._proc.stdout, log), name="k3pipe-engine-log", daemon=True
+        )
+        self._pump.start()
         if self.registry is not None:
             self.registry.add("engine", self.name, self._proc.pid, self.port, self.log_path, self.labels)
 
@@ -106,6 +118,8 @@ class ProcessLauncher:
         return None if self._proc is None else self._proc.poll()
 
     def log_tail(self, lines: int = 40) -> str:
+        if self._pump is not None and not self.alive():
+            self._pump.join(timeout=2)  # let the last lines of an engine that ended land
         return tail_file(self.log_path, lines)
 
     def _group_alive(self, pgid: int) -> bool:
@@ -137,9 +151,20 @@ class ProcessLauncher:
                 os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+        if self._pump is not None:
+            self._pump.join(timeout=5)  # the group is gone: the pipe is at its end
         _LIVE.discard(self)
         if self.registry is not None and not self._group_alive(pgid):
             self.registry.remove(pgid)
+
+
+def _pump(source: IO[bytes], log: IO[bytes]) -> None:
+    """The engine's output into its log file, line by line as it comes, each line scrubbed."""
+    with contextlib.suppress(OSError, ValueError), log, source:
+        for line in iter(source.readline, b""):
+            text = line.decode("utf-8", "surrogateescape")
+            log.write(scrub(text).encode("utf-8", "surrogateescape"))
+            log.flush()
 
 
 class ProcessLauncherSpec(LauncherSpecBase):
