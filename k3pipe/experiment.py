@@ -618,8 +618,8 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> ExperimentSpec:
             f"{source}: an experiment must be a mapping of fields (name, model, arms, workloads), got "
             f"{what} at the top level (see {_EXAMPLE})"
         )
+    _check_shape(data, source)  # bounds the nesting, before anything walks the data
     register_experiment_secrets(data)
-    _check_shape(data, source)
     kinds = _engine_kind_problems(data)
     try:
         spec = ExperimentSpec.model_validate(data)

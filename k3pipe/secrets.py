@@ -180,8 +180,11 @@ _AUTH_HEADER = re.compile(
 )
 # x-api-key headers, and api_key=... / 'api_key': '...' as an engine prints its own arguments
 _KEY_HEADER = re.compile(
-    r"(?i)((?:x-)?api[-_]?key[\"']?\s*[:=]\s*[\"']?)(?!\{env\.|\*\*\*|None\b|null\b)[^\s\"',;}\]&#]+"
+    r"(?i)((?:[\"']api[-_]?key[\"']\s*:\s*|\bapi[-_]?key\s*=\s*|\bx-api-key\s*:\s*)[\"']?)"
+    r"(?!\{env\.|\*\*\*|None\b|null\b)[^\s\"',;}\]&#]+"
 )
+"""(a quoted key as in a dict or JSON, ``key=value``, or the header: not ``api_key: unknown field``,
+an error message's field path)"""
 
 
 def _query(match: re.Match[str]) -> str:

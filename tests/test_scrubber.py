@@ -178,8 +178,8 @@ def test_credentials_in_base_url_are_refused(url: str, where: str) -> None:
     assert "endpoint.api_key_env" in message
     for secret in ("s3cr3t-pass", "tok-0123456789", "k-0123456789"):
         assert secret not in message
-    # a plain URL is fine
-    data["arms"][0]["endpoint"] = {"base_url": "https://gw.example/v1?model=m"}
+    # a plain base URL is fine (a query of any kind is refused on its own: the base only)
+    data["arms"][0]["endpoint"] = {"base_url": "https://gw.example/v1"}
     parse_experiment(data)
 
 
