@@ -167,7 +167,10 @@ class Interrupts:
         try:
             yield self
         finally:
-            for sig, handler in self._previous.items():
-                signal.signal(sig, handler)  # type: ignore[arg-type]
-            if self._timer is not None:
+            # after an interrupt the handlers stay: a signal more, while the command still ends
+            # (its temporary Prefect server stopped at exit), is said to be pending, not raised
+            if self.received is None:
+                for sig, handler in self._previous.items():
+                    signal.signal(sig, handler)  # type: ignore[arg-type]
+            if self._timer is not None and self.received is None:
                 self._timer.cancel()
