@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +15,7 @@ import docker
 import pytest
 import yaml
 
-from k3pipe.launchers.docker import MANAGED_LABEL
+from k3pipe.launchers.docker import MANAGED_LABEL, OWNER_LABEL
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL, CliRun, free_port
@@ -59,14 +60,23 @@ def test_flow_runs_the_engine_in_a_container(
 
     monkeypatch.setenv("K3PIPE_DOCKER_TEST_KEY", "sk-docker-" + uuid.uuid4().hex)
     name = f"docker-{uuid.uuid4().hex[:8]}"
-    # an orphan of an earlier, long-gone flow run holds "the GPUs": the flow must remove it first
+    # an orphan of an earlier run whose k3pipe process is gone holds "the GPUs": the flow must remove
+    # it first (its owner label names that process: this boot, a pid that has exited)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    owner = f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}:{gone.pid}:1"
     orphan = docker_client.containers.run(
         fake_engine_image,
         ["--model", "/models/model", "--port", str(free_port()), "--startup-delay-s", "600"],
         detach=True,
         network_mode="host",
         mounts=[docker.types.Mount("/models/model", str(TINY_MODEL), type="bind", read_only=True)],
-        labels={MANAGED_LABEL: "true", "k3pipe.experiment": name, "k3pipe.flow_run_id": str(uuid.uuid4())},
+        labels={
+            MANAGED_LABEL: "true",
+            OWNER_LABEL: owner,
+            "k3pipe.experiment": name,
+            "k3pipe.flow_run_id": str(uuid.uuid4()),
+        },
     )
     port = free_port()
     workloads = [{"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 6}]
