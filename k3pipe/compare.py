@@ -119,7 +119,7 @@ def find_run(tracker: Tracker, run_ref: str) -> Any:
         raise TrackingError(f"run id {ref!r} is too short: give at least 6 characters")
     matches = [
         r
-        for r in tracker.client.search_runs([tracker.experiment_id], max_results=5000)
+        for r in tracker.client.search_runs([tracker.require_experiment_id()], max_results=5000)
         if r.info.run_id.startswith(ref)
     ]
     if len(matches) != 1:

@@ -14,6 +14,7 @@ next. Library code raises these, always ``from`` the underlying exception.
     │   └── ModelNotServedError     the model id is not listed by /v1/models
     ├── BenchmarkError        a workload could not run at all (single requests fail as records)
     ├── TrackingError         MLflow could not record the run
+    │   └── TrackingUnreachableError  the tracking server does not answer at the start of a run
     └── StackError            the team stack (PostgreSQL, MLflow, Prefect, worker) could not start or stop
 """
 
@@ -33,6 +34,7 @@ __all__ = [
     "SpecError",
     "StackError",
     "TrackingError",
+    "TrackingUnreachableError",
 ]
 
 
@@ -82,6 +84,10 @@ class BenchmarkError(K3pipeError):
 
 class TrackingError(K3pipeError):
     """The run could not be recorded."""
+
+
+class TrackingUnreachableError(TrackingError):
+    """The MLflow tracking server did not answer when a run started (the message says how to go on)."""
 
 
 class RerunError(K3pipeError):

@@ -1,0 +1,136 @@
+"""``k3pipe sync``: push what the spool holds (k3pipe.spool) to MLflow.
+
+Sessions are pushed oldest first, each run's journal in order, each record once: a journal's
+progress is recorded as it goes, so that running sync again, or after a crash mid-sync, neither
+loses nor duplicates a record. A session whose tracker is still running (its lock is held) is left
+to it. A tracking server that does not answer is probed once, said once, and its sessions stay
+pending.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from k3pipe.settings import apply_mlflow_client_defaults
+from k3pipe.spool import IdMap, Journal, list_sessions, try_lock, unlock
+from k3pipe.tracking import Pusher, is_remote, is_transient, probe_tracking
+
+__all__ = ["SyncReport", "sync_spool"]
+
+log = logging.getLogger("k3pipe.sync")
+
+
+@dataclass
+class SyncReport:
+    """What a sync pushed, and what is still pending."""
+
+    runs: dict[str, str] = field(default_factory=dict)
+    """MLflow id -> what this sync did to the run (its name; the local id it replaces)."""
+    records: int = 0
+    artifacts: int = 0
+    refused: list[str] = field(default_factory=list)
+    """Records MLflow refused (4xx): set aside, not retried."""
+    pending: int = 0
+    """Records still only in the spool."""
+    busy: list[str] = field(default_factory=list)
+    """Sessions still being written by a running k3pipe (left to it)."""
+    down: dict[str, str] = field(default_factory=dict)
+    """Tracking URI -> why it could not be reached."""
+
+    @property
+    def done(self) -> bool:
+        return self.pending == 0
+
+    def lines(self) -> list[str]:
+        """The report for people."""
+        out = [
+            f"pushed {len(self.runs)} run(s): {self.records} record(s), {self.artifacts} artifact(s)"
+        ]
+        out += [f"  MLflow run {real}: {what}" for real, what in self.runs.items()]
+        out += [f"  refused by MLflow (left out): {why}" for why in self.refused]
+        if self.pending:
+            out.append(f"still pending: {self.pending} record(s)")
+            out += [
+                f"  MLflow at {uri} is not reachable ({why}): start it and run `k3pipe sync` again"
+                for uri, why in self.down.items()
+            ]
+            out += [f"  session {name} is still being written by a running k3pipe" for name in self.busy]
+        else:
+            out.append("nothing pending")
+        return out
+
+
+def sync_spool(
+    spool_dir: Path,
+    *,
+    probe_timeout_s: float = 5.0,
+) -> SyncReport:
+    """Push every pending journal under ``spool_dir`` to the tracking URI it was recorded for;
+    remove each session once all of it is in MLflow."""
+    report = SyncReport()
+    ids = IdMap(spool_dir)
+    pushers: dict[tuple[str, str], Pusher] = {}
+    for session in list_sessions(spool_dir):
+        fd = try_lock(session.lock_path)
+        if fd is None:
+            report.busy.append(session.name)
+            report.pending += session.pending()
+            continue
+        try:
+            meta = session.meta
+            uri = str(meta.get("tracking_uri", ""))
+            if uri not in report.down:
+                reason = probe_tracking(uri, probe_timeout_s)
+                if reason is not None:
+                    report.down[uri] = reason
+            if uri in report.down:
+                report.pending += session.pending()
+                continue
+            key = (uri, str(meta.get("experiment")))
+            pusher = pushers.get(key)
+            if pusher is None:
+                if is_remote(uri):
+                    apply_mlflow_client_defaults()
+                root = meta.get("artifact_root")
+                pusher = pushers[key] = Pusher(
+                    MlflowClient(tracking_uri=uri), uri, ids, key[1], Path(root) if root else None
+                )
+            _push_session(session.journals(), pusher, report)
+            if uri in report.down:
+                report.pending += session.pending()
+            elif session.pending() == 0:
+                session.remove()
+        finally:
+            unlock(fd)
+    for pusher in pushers.values():
+        report.records += pusher.records
+        report.artifacts += pusher.artifacts
+        for name, local, real in pusher.created:
+            report.runs[real] = f"{name} (was local id {local})"
+    return report
+
+
+def _push_session(journals: list[Journal], pusher: Pusher, report: SyncReport) -> None:
+    for journal in journals:
+        if not journal.pending:
+            continue
+        name = ""
+        for record in journal.records():
+            name = name or str(record.get("name", "")) if record["op"] == "create" else name
+            try:
+                pusher.push(journal, record)
+            except Exception as exc:
+                if is_transient(exc):
+                    report.down[pusher.tracking_uri] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    return
+                why = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+                journal.mark_pushed(int(record["seq"]), refused=why)
+                report.refused.append(f"{record['op']} of run {journal.run_id}: {why}")
+                log.warning("MLflow refused a spooled %s of run %s: %s", record["op"], journal.run_id, why)
+            real = pusher.run_id(journal)
+            if real is not None:
+                report.runs.setdefault(real, name or "records of a run created before")
