@@ -108,8 +108,9 @@ def compare_workloads(
 
 
 def find_run(tracker: Tracker, run_ref: str) -> Any:
-    """The MLflow run ``run_ref`` names: a whole id, or a unique prefix of at least 6 characters."""
-    ref = run_ref.strip()
+    """The MLflow run ``run_ref`` names: a whole id, or a unique prefix of at least 6 characters. A
+    run's local id (made while MLflow was down) names the run `k3pipe sync` gave it."""
+    ref = tracker.mlflow_id(run_ref.strip())
     if len(ref) == 32:
         try:
             return tracker.client.get_run(ref)

@@ -47,9 +47,7 @@ class SyncReport:
 
     def lines(self) -> list[str]:
         """The report for people."""
-        out = [
-            f"pushed {len(self.runs)} run(s): {self.records} record(s), {self.artifacts} artifact(s)"
-        ]
+        out = [f"pushed {len(self.runs)} run(s): {self.records} record(s), {self.artifacts} artifact(s)"]
         out += [f"  MLflow run {real}: {what}" for real, what in self.runs.items()]
         out += [f"  refused by MLflow (left out): {why}" for why in self.refused]
         if self.pending:
@@ -82,7 +80,11 @@ def sync_spool(
             continue
         try:
             meta = session.meta
-            uri = str(meta.get("tracking_uri", ""))
+            uri = str(meta.get("tracking_uri") or "")
+            if not uri or not meta.get("experiment"):  # never the default store of the cwd
+                report.down[f"session {session.name}"] = "its session.json names no tracking URI"
+                report.pending += session.pending()
+                continue
             if uri not in report.down:
                 reason = probe_tracking(uri, probe_timeout_s)
                 if reason is not None:

@@ -144,9 +144,7 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError | requests.exceptions.RequestException | httpx.HTTPError)
 
 
-def ensure_experiment(
-    client: MlflowClient, tracking_uri: str, name: str, artifact_root: Path | None
-) -> str:
+def ensure_experiment(client: MlflowClient, tracking_uri: str, name: str, artifact_root: Path | None) -> str:
     """The experiment's id, created (with :data:`EXPERIMENT_TAGS`) when missing."""
     found = client.get_experiment_by_name(name)
     if found is None:
