@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows.benchmark import _flow_run_id, _stop_on_errors
-from flows.study import ArmsFailed, run_study
+from flows.study import ArmsFailed, _report_needs_mlflow, run_study
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
@@ -119,6 +119,7 @@ def retest(
         if failed:
             tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
         tracker.end_run(run_id, status)
+    _report_needs_mlflow(tracker, run_id)
     paths = retest_report_task(tracker, run_id, retest_dir(settings, spec.name, run_id))
     logger.info("MLflow run of the retest: %s", tracker.run_link(run_id))
     result = {"retest_run_id": run_id, "studies": studies, "failed": failed, "report": paths}

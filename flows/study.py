@@ -24,7 +24,7 @@ from flows.benchmark import (
 )
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError
+from k3pipe.errors import BenchmarkError, TrackingError
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
@@ -116,6 +116,7 @@ def run_study(
             _judge_speculation(spec, outcomes, rows, tracker)
         except Exception as exc:  # an analysis after the fact: the report comes first
             logger.warning("speculation could not be judged: %s: %s", type(exc).__name__, exc)
+    _report_needs_mlflow(tracker, run_id)
     paths = report_task(tracker, run_id, report_dir(settings, spec.name, run_id))
     link = tracker.run_link(run_id)
     if link.startswith("http"):
@@ -129,6 +130,15 @@ def run_study(
             result,
         )
     return result
+
+
+def _report_needs_mlflow(tracker: Tracker, run_id: str) -> None:
+    """The report is built from MLflow: while it is down (the runs are in the spool) say what to do."""
+    if not tracker.online and not tracker.flush():
+        raise TrackingError(
+            f"MLflow at {tracker.tracking_uri} stopped answering during the run: every record is in the "
+            f"spool; `k3pipe sync` pushes it, then `k3pipe report {run_id}` builds the report"
+        )
 
 
 @flow(name="study")

@@ -155,12 +155,14 @@ class Journal:
         self.seq = 0
         self.progress = Progress()
         self._created: bool | None = None
+        self.ended = False
+        """Whether the journal holds the run's end."""
+        self.last_ms = 0
+        """When its last record was written (ms since the epoch)."""
         # a journal this process writes keeps its unpushed records in memory too (no re-reading)
         self._memory: deque[dict[str, Any]] | None = None
         for record in _read_lines(self.journal_path):
-            self.seq = max(self.seq, int(record["seq"]))
-            if self._created is None:
-                self._created = record["op"] == "create"
+            self._saw(record)
         for mark in _read_lines(self.progress_path):
             if "pushed" in mark:
                 self.progress.pushed = max(self.progress.pushed, int(mark["pushed"]))
@@ -168,6 +170,14 @@ class Journal:
                 self.progress.inflight = int(mark["inflight"])
             if "mlflow_id" in mark:
                 self.progress.mlflow_id = str(mark["mlflow_id"])
+
+    def _saw(self, record: Mapping[str, Any]) -> None:
+        self.seq = max(self.seq, int(record["seq"]))
+        self.last_ms = max(self.last_ms, int(record.get("at_ms", 0)))
+        if self._created is None:
+            self._created = record["op"] == "create"
+        if record["op"] == "end":
+            self.ended = True
 
     @classmethod
     def create(cls, session_dir: Path, order: int, run_id: str) -> Journal:
@@ -204,11 +214,9 @@ class Journal:
                 os.fsync(fh.fileno())
             record["file"] = target.relative_to(self.dir / "files").as_posix()
         _append_line(self.journal_path, record, sync=True)
-        self.seq = seq
+        self._saw(record)
         if self._memory is not None:
             self._memory.append(record)
-        if self._created is None:
-            self._created = op == "create"
         return seq
 
     def records(self) -> Iterator[dict[str, Any]]:
@@ -250,16 +258,27 @@ class SessionDir:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.name = directory.name
+        self.lock_fd: int | None = None
+        """The session's lock, held by the tracker that created it (see :meth:`create`)."""
 
     @classmethod
     def create(cls, root: Path, meta: Mapping[str, Any]) -> SessionDir:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        """A new session, locked (``lock_fd``) before its session.json makes it visible to sync."""
+        now = time.time()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}"
         directory = root / f"{stamp}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         directory.mkdir(parents=True)
+        session = cls(directory)
+        session.lock_fd = try_lock(session.lock_path)
         tmp = directory / "session.json.tmp"
         tmp.write_text(json.dumps({**meta, "pid": os.getpid(), "started_ms": now_ms()}, indent=1))
         os.replace(tmp, directory / "session.json")
-        return cls(directory)
+        return session
+
+    def release(self) -> None:
+        if self.lock_fd is not None:
+            unlock(self.lock_fd)
+            self.lock_fd = None
 
     @property
     def meta(self) -> dict[str, Any]:

@@ -36,6 +36,8 @@ class SyncReport:
     """Records MLflow refused (4xx): set aside, not retried."""
     pending: int = 0
     """Records still only in the spool."""
+    abandoned: int = 0
+    """Runs whose process died without ending them (SIGKILL, a crash): ended KILLED here."""
     busy: list[str] = field(default_factory=list)
     """Sessions still being written by a running k3pipe (left to it)."""
     down: dict[str, str] = field(default_factory=dict)
@@ -49,6 +51,11 @@ class SyncReport:
         """The report for people."""
         out = [f"pushed {len(self.runs)} run(s): {self.records} record(s), {self.artifacts} artifact(s)"]
         out += [f"  MLflow run {real}: {what}" for real, what in self.runs.items()]
+        if self.abandoned:
+            out.append(
+                f"ended {self.abandoned} run(s) KILLED whose process died without ending them "
+                "(at their last record's time)"
+            )
         out += [f"  refused by MLflow (left out): {why}" for why in self.refused]
         if self.pending:
             out.append(f"still pending: {self.pending} record(s)")
@@ -79,6 +86,7 @@ def sync_spool(
             report.pending += session.pending()
             continue
         try:
+            report.abandoned += _end_abandoned(session.journals())
             meta = session.meta
             uri = str(meta.get("tracking_uri") or "")
             if not uri or not meta.get("experiment"):  # never the default store of the cwd
@@ -114,6 +122,18 @@ def sync_spool(
         for name, local, real in pusher.created:
             report.runs[real] = f"{name} (was local id {local})"
     return report
+
+
+def _end_abandoned(journals: list[Journal]) -> int:
+    """End, KILLED at the time of its last record, each run a session created and never ended: its
+    session is unlocked, so its process is gone (killed, crashed) without closing its tracker."""
+    count = 0
+    for journal in journals:
+        refused = journal.progress.mlflow_id is None and not journal.pending  # its creation was refused
+        if journal.created_here and not journal.ended and not refused:
+            journal.append("end", {"status": "KILLED", "end_ms": journal.last_ms})
+            count += 1
+    return count
 
 
 def _push_session(journals: list[Journal], pusher: Pusher, report: SyncReport) -> None:

@@ -40,7 +40,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from k3pipe.errors import TrackingError, TrackingUnreachableError
 from k3pipe.provenance import git_commit
 from k3pipe.settings import Settings, apply_mlflow_client_defaults
-from k3pipe.spool import IdMap, Journal, SessionDir, new_run_id, now_ms, try_lock, unlock
+from k3pipe.spool import IdMap, Journal, SessionDir, new_run_id, now_ms
 
 __all__ = ["KEY_METRICS", "DatasetFields", "Pusher", "Tracker", "metric_name", "probe_tracking"]
 
@@ -312,7 +312,6 @@ class _Writer:
         self.retry_s = retry_s
         self.probe = probe
         self.session: SessionDir | None = None
-        self._lock_fd: int | None = None
         self._journals: dict[str, Journal] = {}
         self._pending: dict[str, Journal] = {}
         self._order = 0
@@ -329,7 +328,6 @@ class _Writer:
     def _session(self) -> SessionDir:
         if self.session is None:
             self.session = SessionDir.create(self.spool_dir, self.meta)
-            self._lock_fd = try_lock(self.session.lock_path)
         return self.session
 
     def journal(self, run_id: str, new: bool = False) -> Journal:
@@ -373,7 +371,15 @@ class _Writer:
             if op == "end":
                 self.open_runs.pop(run_id, None)
 
-    def _push(self, live: Journal, live_seq: int) -> None:
+    def flush(self) -> bool:
+        """Push what is pending now (MLflow down: try it now, whatever the retry interval); whether
+        MLflow has everything."""
+        with self._mutex:
+            self._retry_at = 0.0
+            self._push(None, 0)
+            return self.online and self.pending() == 0
+
+    def _push(self, live: Journal | None, live_seq: int) -> None:
         """Push every pending record in order (the one just written last), unless MLflow is down
         and it is not yet time to try it again. A record MLflow refuses (4xx) is set aside in the
         spool; the one just written raises, as a direct write would."""
@@ -455,9 +461,8 @@ class _Writer:
                     "%d record(s) of this run are only in the spool (%s): `k3pipe sync` pushes them to %s",
                     self.pending(), self.session.dir, self.pusher.tracking_uri,
                 )  # fmt: skip
-            if self._lock_fd is not None:
-                unlock(self._lock_fd)
-            self.session, self._lock_fd = None, None
+            self.session.release()
+            self.session = None
             self._journals.clear()
             self._pending.clear()
 
@@ -520,9 +525,15 @@ class Tracker:
             "experiment": experiment,
             "artifact_root": str(artifact_root.resolve()) if artifact_root else None,
         }
-        retry_s = settings.spool_retry_s
+        # while MLflow is down a write tries it again at most every spool_retry_s, and waits at most
+        # 2 s for it: the run is not held up
+        retry_probe_s = min(timeout_s, 2.0)
         self._writer = _Writer(
-            self.spool_dir, meta, pusher, retry_s, lambda: probe_tracking(tracking_uri, timeout_s)
+            self.spool_dir,
+            meta,
+            pusher,
+            settings.spool_retry_s,
+            lambda: probe_tracking(tracking_uri, retry_probe_s),
         )
         if reason is not None:
             self._writer.go_offline(reason)
@@ -556,6 +567,11 @@ class Tracker:
     def mlflow_id(self, run_id: str) -> str:
         """The MLflow id of a run this process knows by a local id (once sync gave it one)."""
         return self.ids.get(run_id)
+
+    def flush(self) -> bool:
+        """Push what the spool holds of this tracker now, also while MLflow was down (tried now,
+        whatever the retry interval); whether MLflow has all of it."""
+        return self._writer.flush()
 
     def close(self, status: str = "KILLED") -> None:
         """End the runs still open with ``status`` (in the spool, and in MLflow when it answers) and

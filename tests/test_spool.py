@@ -414,6 +414,43 @@ def test_a_run_resumes_pushing_when_mlflow_comes_back(
     assert list_sessions(Settings().spool_dir()) == []  # all of it pushed: the session is gone
 
 
+def test_a_hung_server_costs_one_timeout_then_writes_go_to_the_spool(
+    mlflow_server: MlflowServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server stops (SIGSTOP: it accepts connections and never answers): one write waits out
+    k3pipe's short budget (10 s, one retry), the next ones do not wait; the server wakes, the
+    tracker pushes the rest, and the record it may have taken late is not logged twice."""
+    caplog.set_level(logging.WARNING, logger="k3pipe.tracking")
+    mlflow_server.start()
+    tracker = Tracker(mlflow_server.uri, "spool-test")
+    run = tracker.start_run("arm")
+    tracker.log_metrics(run, {"before": 1.0})
+    assert mlflow_server.proc is not None
+    os.killpg(mlflow_server.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        tracker.log_metrics(run, {"during": 2.0})
+        noticed_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        for i in range(20):
+            tracker.log_metrics(run, {"tick": float(i)}, step=i)
+        rest_s = time.monotonic() - t1
+    finally:
+        os.killpg(mlflow_server.proc.pid, signal.SIGCONT)
+    print(f"\nhung MLflow: the first write noticed it after {noticed_s:.1f} s; 20 more writes {rest_s:.2f} s")
+    assert not tracker.online
+    assert noticed_s < 30  # MLflow's own defaults: 7 retries of up to 120 s each
+    assert rest_s < 2
+    assert len(spool_warnings(caplog)) == 1
+    assert tracker.flush()
+    tracker.end_run(run)
+    client = MlflowClient(mlflow_server.uri)
+    assert len(client.get_metric_history(run, "during")) == 1
+    assert len(client.get_metric_history(run, "tick")) == 20
+    assert client.get_run(run).info.status == "FINISHED"
+    tracker.close()
+
+
 # -- (d) no run is left RUNNING ----------------------------------------------------------------------
 
 
@@ -450,13 +487,19 @@ DYING = textwrap.dedent(
     print(parent, child, flush=True)
     if sys.argv[2] == "raise":
         raise RuntimeError("mid-run")
+    if sys.argv[2] == "sigkill":  # nothing of the process runs after this: sync ends its runs
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(120)
     """
 )
 
 
-@pytest.mark.parametrize(("how", "status"), [("raise", "FAILED"), ("sigterm", "KILLED")])
+@pytest.mark.parametrize(
+    ("how", "status"), [("raise", "FAILED"), ("sigterm", "KILLED"), ("sigkill", "KILLED")]
+)
 def test_a_process_that_dies_ends_its_open_runs(tmp_path: Path, how: str, status: str) -> None:
+    """An uncaught exception, or SIGTERM turned into an exit: the runs are ended as the process
+    ends. SIGKILL: nothing runs in the process; the next sync ends its runs."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = tmp_path / "dying.py"
     script.write_text(DYING)
@@ -475,9 +518,15 @@ def test_a_process_that_dies_ends_its_open_runs(tmp_path: Path, how: str, status
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     client = MlflowClient(uri)
+    if how == "sigkill":
+        assert client.get_run(child).info.status == "RUNNING"
+        synced = k3pipe_cli("sync", uri=uri)
+        assert synced.returncode == 0, synced.stdout + synced.stderr
+        assert "ended 2 run(s) KILLED" in synced.stdout
     assert client.get_run(parent).info.status == status
     assert client.get_run(child).info.status == status
     assert client.get_run(child).data.metrics == {"measured": 1.0}
+    assert client.get_run(child).info.end_time is not None
 
 
 # -- (a) the journal, its replay and sync, against a real SQLite store -------------------------------
