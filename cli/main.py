@@ -679,13 +679,7 @@ def _tracking_ready(settings: Settings, spool: bool) -> None:
     if reason is not None:
         if not (spool or settings.allow_spool):
             _fail(TrackingUnreachableError(unreachable_message(uri, reason)))
-        typer.secho(
-            f"MLflow at {uri} is not reachable ({reason}): recording into the spool; "
-            "`k3pipe sync` pushes it once MLflow is up",
-            fg=typer.colors.YELLOW,
-            err=True,
-        )
-        return
+        return  # the flow's tracker says it once: recording into the spool
     if list_sessions(settings.spool_dir()):
         from k3pipe.sync import sync_spool
 

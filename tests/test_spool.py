@@ -102,8 +102,17 @@ def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
 
 
 def k3pipe_cli(*args: str, uri: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
-    """The k3pipe command line in its own process, pointed at ``uri`` and this test's K3PIPE_HOME."""
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1"}
+    """The k3pipe command line in its own process, pointed at ``uri`` and this test's K3PIPE_HOME
+    (Prefect: a temporary server of its own under it)."""
+    prefect_home = Settings().home_dir / "prefect"
+    prefect_home.mkdir(parents=True, exist_ok=True)  # Prefect's temporary server makes no parent dirs
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": uri,
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_HOME": str(prefect_home),
+    }
+    env.pop("PREFECT_API_URL", None)
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args],
         cwd=REPO,
@@ -375,6 +384,37 @@ def test_with_the_spool_allowed_the_run_goes_on_and_sync_completes_it(
     assert find_run(reader, local_id).info.run_id == real
 
 
+def test_k3pipe_run_with_spool_then_the_next_run_pushes_it_first(
+    mlflow_server: MlflowServer, endpoint: ScriptedOpenAI, tmp_path: Path
+) -> None:
+    """`k3pipe run --spool` with MLflow down runs the arm through the Prefect flow and says so once;
+    the next `k3pipe run`, MLflow up, pushes that run before its own."""
+    exp = tmp_path / "exp.yaml"
+    data = arm_experiment(endpoint.base_url, requests=4)
+    exp.write_text(yaml.safe_dump(data))
+    spooled = k3pipe_cli("run", str(exp), "--spool", uri=mlflow_server.uri, timeout_s=400)
+    out = spooled.stdout + spooled.stderr
+    assert spooled.returncode == 0, out[-4000:]
+    assert out.count("is not answering") == 1, out[-4000:]
+    assert "k3pipe sync" in out
+    arm_lines = [line for line in spooled.stdout.splitlines() if line.startswith("arm gateway:")]
+    (local_id,) = [line.split()[-1] for line in arm_lines]
+    assert "arm gateway: FINISHED" in spooled.stdout
+
+    mlflow_server.start()
+    second = k3pipe_cli("run", str(exp), uri=mlflow_server.uri, timeout_s=400)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert f"was local id {local_id}" in second.stdout
+    assert second.stdout.index("spool: pushed") < second.stdout.index("arm gateway: FINISHED")
+    real = IdMap(Settings().spool_dir()).get(local_id)
+    client = MlflowClient(mlflow_server.uri)
+    runs = client.search_runs([client.get_run(real).info.experiment_id], "tags.`k3pipe.arm` = 'gateway'")
+    arms = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(arms) == 2
+    assert {r.info.status for r in arms} == {"FINISHED"}
+    assert list_sessions(Settings().spool_dir()) == []
+
+
 def test_a_run_resumes_pushing_when_mlflow_comes_back(
     mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -535,7 +575,9 @@ def test_a_process_that_dies_ends_its_open_runs(tmp_path: Path, how: str, status
 def sqlite_session(tmp_path: Path, spool: Path) -> tuple[SessionDir, str]:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     meta = {"tracking_uri": uri, "experiment": "journal", "artifact_root": str(tmp_path / "artifacts")}
-    return SessionDir.create(spool, meta), uri
+    session = SessionDir.create(spool, meta)
+    session.release()  # as a tracker that is gone leaves it
+    return session, uri
 
 
 def test_a_journal_replays_what_was_appended(tmp_path: Path) -> None:
@@ -622,7 +664,9 @@ def test_a_push_cut_short_is_neither_lost_nor_duplicated(tmp_path: Path) -> None
     assert len(client.search_runs([experiment])) == 1
     assert [m.value for m in client.get_metric_history(made.info.run_id, "b")] == [2.0]
     # a metrics record in flight when cut short, one of its metrics in MLflow: nothing is logged twice
-    journal2 = Journal.create(SessionDir.create(spool, meta).dir, 1, made.info.run_id)
+    session2 = SessionDir.create(spool, meta)
+    session2.release()
+    journal2 = Journal.create(session2.dir, 1, made.info.run_id)
     journal2.append("metrics", {"metrics": [["c", 3.0, 1_200, 0], ["d", 4.0, 1_200, 0]]})
     client.log_metric(made.info.run_id, "c", 3.0, timestamp=1_200, step=0)
     journal2.mark_inflight(1)
