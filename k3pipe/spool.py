@@ -142,6 +142,8 @@ class Progress:
     pushed: int = 0
     inflight: int | None = None
     mlflow_id: str | None = None
+    refused: int = 0
+    """Records MLflow refused (4xx): set aside, kept in the journal."""
 
 
 class Journal:
@@ -170,6 +172,8 @@ class Journal:
                 self.progress.inflight = int(mark["inflight"])
             if "mlflow_id" in mark:
                 self.progress.mlflow_id = str(mark["mlflow_id"])
+            if "refused" in mark:
+                self.progress.refused += 1
 
     def _saw(self, record: Mapping[str, Any]) -> None:
         self.seq = max(self.seq, int(record["seq"]))
@@ -237,8 +241,11 @@ class Journal:
         self.progress.inflight = seq
 
     def mark_pushed(self, seq: int, **note: Any) -> None:
+        """Record ``seq`` as done (``refused=why``: MLflow refused it; it is set aside)."""
         _append_line(self.progress_path, {"pushed": seq, **note}, sync=False)
         self.progress.pushed = seq
+        if "refused" in note:
+            self.progress.refused += 1
         while self._memory and int(self._memory[0]["seq"]) <= seq:
             self._memory.popleft()
 
@@ -297,8 +304,16 @@ class SessionDir:
     def pending(self) -> int:
         return sum(j.pending for j in self.journals())
 
-    def remove(self) -> None:
+    def retire(self) -> Path | None:
+        """The session is all in MLflow: remove it; one with records MLflow refused is moved to
+        ``refused/`` beside the sessions instead (where sync no longer looks), and that path returned."""
+        if any(j.progress.refused for j in self.journals()):
+            target = self.dir.parent / "refused" / self.name
+            target.parent.mkdir(exist_ok=True)
+            self.dir.rename(target)
+            return target
         shutil.rmtree(self.dir, ignore_errors=True)
+        return None
 
 
 def list_sessions(root: Path) -> list[SessionDir]:

@@ -38,6 +38,10 @@ class SyncReport:
     """Records still only in the spool."""
     abandoned: int = 0
     """Runs whose process died without ending them (SIGKILL, a crash): ended KILLED here."""
+    kept: list[str] = field(default_factory=list)
+    """Sessions done but for refused records, moved to spool/refused/ (these paths)."""
+    unreadable: list[str] = field(default_factory=list)
+    """Sessions whose session.json could not be read (left in place)."""
     busy: list[str] = field(default_factory=list)
     """Sessions still being written by a running k3pipe (left to it)."""
     down: dict[str, str] = field(default_factory=dict)
@@ -57,6 +61,7 @@ class SyncReport:
                 "(at their last record's time)"
             )
         out += [f"  refused by MLflow (left out): {why}" for why in self.refused]
+        out += [f"  the refused records are kept in {path}" for path in self.kept]
         if self.pending:
             out.append(f"still pending: {self.pending} record(s)")
             out += [
@@ -64,6 +69,7 @@ class SyncReport:
                 for uri, why in self.down.items()
             ]
             out += [f"  session {name} is still being written by a running k3pipe" for name in self.busy]
+            out += [f"  session {name}: its session.json cannot be read" for name in self.unreadable]
         else:
             out.append("nothing pending")
         return out
@@ -89,8 +95,8 @@ def sync_spool(
             report.abandoned += _end_abandoned(session.journals())
             meta = session.meta
             uri = str(meta.get("tracking_uri") or "")
-            if not uri or not meta.get("experiment"):  # never the default store of the cwd
-                report.down[f"session {session.name}"] = "its session.json names no tracking URI"
+            if not uri or not meta.get("experiment"):  # never MLflow's default store in the cwd
+                report.unreadable.append(session.name)
                 report.pending += session.pending()
                 continue
             if uri not in report.down:
@@ -113,7 +119,9 @@ def sync_spool(
             if uri in report.down:
                 report.pending += session.pending()
             elif session.pending() == 0:
-                session.remove()
+                kept = session.retire()
+                if kept is not None:
+                    report.kept.append(str(kept))
         finally:
             unlock(fd)
     for pusher in pushers.values():
@@ -140,9 +148,10 @@ def _push_session(journals: list[Journal], pusher: Pusher, report: SyncReport) -
     for journal in journals:
         if not journal.pending:
             continue
-        name = ""
+        name = "records of a run created before"
         for record in journal.records():
-            name = name or str(record.get("name", "")) if record["op"] == "create" else name
+            if record["op"] == "create":
+                name = str(record["name"])
             try:
                 pusher.push(journal, record)
             except Exception as exc:
@@ -155,4 +164,4 @@ def _push_session(journals: list[Journal], pusher: Pusher, report: SyncReport) -
                 log.warning("MLflow refused a spooled %s of run %s: %s", record["op"], journal.run_id, why)
             real = pusher.run_id(journal)
             if real is not None:
-                report.runs.setdefault(real, name or "records of a run created before")
+                report.runs.setdefault(real, name)

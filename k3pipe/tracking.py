@@ -455,8 +455,10 @@ class _Writer:
             if self.session is None:
                 return
             if self.pending() == 0:
-                self.session.remove()
-            elif self.pending():
+                kept = self.session.retire()
+                if kept is not None:
+                    log.warning("records MLflow refused are kept in %s", kept)
+            else:
                 log.warning(
                     "%d record(s) of this run are only in the spool (%s): `k3pipe sync` pushes them to %s",
                     self.pending(), self.session.dir, self.pusher.tracking_uri,
@@ -582,7 +584,7 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        self.close("KILLED" if exc is not None and not isinstance(exc, Exception) else "FAILED")
+        self.close("FAILED" if isinstance(exc, Exception) else "KILLED")
 
     def describe(self, run_id: str, text: str) -> None:
         """The run's description in the MLflow UI (Markdown), secrets scrubbed."""

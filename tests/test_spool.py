@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pandas as pd
 import pytest
 import yaml
 from mlflow import MlflowClient
@@ -261,7 +262,7 @@ def test_mlflow_killed_mid_run_loses_nothing(
         assert wl.data.params["workload.name"] == name
         assert {a.path for a in client.list_artifacts(wl.info.run_id)} >= {"requests.parquet", "summary.json"}
         local = client.download_artifacts(wl.info.run_id, "requests.parquet", str(mlflow_server.dir))
-        assert len(__import__("pandas").read_parquet(local)) == 12
+        assert len(pd.read_parquet(local)) == 12
     assert workloads["w2"].info.start_time < int(mlflow_server.started_at * 1000)  # as measured
     assert "logs" not in {a.path for a in client.list_artifacts(arm.info.run_id)}  # no engine log here
     assert "run_record.json" in {a.path for a in client.list_artifacts(arm.info.run_id)}
@@ -698,18 +699,26 @@ def test_sync_leaves_a_session_that_is_still_being_written_and_sets_refused_reco
     assert "params of run" in report.refused[0]
     run = MlflowClient(uri).get_run(IdMap(spool).get(journal.run_id))
     assert (run.data.params, run.data.tags["t"]) == ({"p": "1"}, "kept")
+    # the refused record is not thrown away: its session is kept aside, where sync no longer looks
+    assert report.kept == [str(spool / "refused" / session.name)]
+    assert '"p":"2"' in next((spool / "refused" / session.name).rglob("journal.jsonl")).read_text()
+    assert list_sessions(spool) == []
+    assert sync_spool(spool).done
 
 
 def test_secrets_are_scrubbed_before_the_spool(tmp_path: Path) -> None:
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens: every write stays in the spool
-    tracker = Tracker(uri, "t", secrets=[KEY], allow_spool=True)
-    run = tracker.start_run("r", tags={"k": f"key {KEY}"})
-    tracker.log_params(run, {"cmd": f"--api-key {KEY}", "long": KEY * 400})
-    tracker.log_text(run, f"Authorization: Bearer {KEY}", "t.txt")
-    import pandas as pd
-
-    tracker.log_frame(run, pd.DataFrame({"error": [f"401 for {KEY}"]}), "requests.parquet")
-    spooled = b"".join(p.read_bytes() for p in tracker.spool_dir.rglob("*") if p.is_file())
-    assert KEY.encode() not in spooled
-    assert b"***" in spooled
-    tracker.close()
+    with Tracker(uri, "t", secrets=[KEY], allow_spool=True) as tracker:
+        run = tracker.start_run("r", tags={"k": f"key {KEY}"})
+        tracker.log_params(run, {"cmd": f"--api-key {KEY}", "long": KEY * 400})
+        tracker.log_text(run, f"Authorization: Bearer {KEY}", "t.txt")
+        tracker.log_frame(run, pd.DataFrame({"error": [f"401 for {KEY}"]}), "requests.parquet")
+        spooled = b"".join(p.read_bytes() for p in tracker.spool_dir.rglob("*") if p.is_file())
+        assert KEY.encode() not in spooled
+        assert b"***" in spooled
+    # leaving the tracker ended the run it left open: KILLED, in the spool
+    (session,) = list_sessions(tracker.spool_dir)
+    (journal,) = session.journals()
+    assert _journal_lines(journal)[-1]["op"] == "end"
+    assert _journal_lines(journal)[-1]["status"] == "KILLED"
+    assert tracker.open_runs() == {}
