@@ -12,9 +12,11 @@ pushes it. This module is the disk side only; ``k3pipe.tracking`` pushes.
         lock                           flock'd while its tracker lives: sync leaves the session alone
         <order>-<run id>/              one run's journal (order: the session's creation order)
           journal.jsonl                one record a line: {"seq", "op", "at_ms", ...}
-          progress.jsonl               {"inflight": n} before a push, {"pushed": n} after,
+          progress.jsonl               {"inflight": n} before a push, {"pushed": n} after
+                                       ({"pushed": n, "refused": why}: MLflow refused it, 4xx),
                                        {"mlflow_id": id} once the run exists in MLflow
           files/<seq>/<name>           an artifact's bytes, removed once pushed
+      refused/<session>/               a session done but for records MLflow refused, kept
 
 A run's journal begins with its ``create`` record when this session created it; a journal without
 one holds writes to a run created elsewhere (a study's arms written to a run another tracker
@@ -38,7 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["IdMap", "Journal", "SessionDir", "list_sessions", "new_run_id", "try_lock"]
+__all__ = [
+    "IdMap",
+    "Journal",
+    "Progress",
+    "SessionDir",
+    "list_sessions",
+    "new_run_id",
+    "now_ms",
+    "try_lock",
+    "unlock",
+]
 
 _RUN_ID = re.compile(r"\b[0-9a-f]{32}\b")
 
@@ -49,6 +61,7 @@ def new_run_id() -> str:
 
 
 def now_ms() -> int:
+    """Wall-clock milliseconds since the epoch: MLflow's unit for start, end and metric times."""
     return int(time.time() * 1000)
 
 
@@ -139,6 +152,8 @@ class IdMap:
 
 @dataclass
 class Progress:
+    """How far a journal has been pushed."""
+
     pushed: int = 0
     inflight: int | None = None
     mlflow_id: str | None = None

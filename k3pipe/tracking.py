@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import sys
 import tempfile
@@ -322,6 +323,7 @@ class _Writer:
         self.outages = 0
         self._retry_at = 0.0
         self._mutex = threading.RLock()
+        self._pid = os.getpid()
 
     # -- the session -------------------------------------------------------------------------------
 
@@ -470,7 +472,9 @@ class _Writer:
 
     def close_at_exit(self) -> None:
         """The process is ending (or the tracker was dropped): the runs left open are cut short;
-        FAILED when an uncaught exception is ending it."""
+        FAILED when an uncaught exception is ending it. A forked child leaves its parent's runs be."""
+        if os.getpid() != self._pid:
+            return
         failed = isinstance(getattr(sys, "last_value", None), Exception)
         self.close("FAILED" if failed else "KILLED")
 
