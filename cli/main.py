@@ -158,6 +158,14 @@ InputTokensOpt = Annotated[int | None, typer.Option(min=1, help="Prompt length i
 OutputTokensOpt = Annotated[
     int | None, typer.Option(min=1, help="Tokens every request generates, in every workload.")
 ]
+SpoolOpt = Annotated[
+    bool,
+    typer.Option(
+        "--spool",
+        help="Start even though MLflow does not answer: record into the spool (K3PIPE_HOME/spool) and "
+        "push later with `k3pipe sync` (also K3PIPE_ALLOW_SPOOL=1).",
+    ),
+]
 
 
 def _overrides(
@@ -201,6 +209,7 @@ def run(
     concurrency: ConcurrencyOpt = None,
     input_tokens: InputTokensOpt = None,
     output_tokens: OutputTokensOpt = None,
+    spool: SpoolOpt = False,
 ) -> None:
     """Run the experiment through the Prefect benchmark flow and record it in MLflow; the options
     after --arm override that field in every workload (recorded as override.* params)."""
@@ -210,6 +219,7 @@ def run(
         arm,
         _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
     )
+    _tracking_ready(settings, spool)
     prepare_prefect_env(settings)
     from flows.benchmark import benchmark
 
@@ -227,6 +237,7 @@ def study(
     concurrency: ConcurrencyOpt = None,
     input_tokens: InputTokensOpt = None,
     output_tokens: OutputTokensOpt = None,
+    spool: SpoolOpt = False,
 ) -> None:
     """Run every arm on every workload as one study (one parent MLflow run), then print its report's
     table and where the HTML report is. Exit 1 when an arm failed (the report covers the others).
@@ -237,6 +248,7 @@ def study(
         arm,
         _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
     )
+    _tracking_ready(settings, spool)
     prepare_prefect_env(settings)
     from flows.study import ArmsFailed
     from flows.study import study as study_flow
@@ -266,6 +278,7 @@ def retest(
     concurrency: ConcurrencyOpt = None,
     input_tokens: InputTokensOpt = None,
     output_tokens: OutputTokensOpt = None,
+    spool: SpoolOpt = False,
 ) -> None:
     """Run the baseline and each variant as studies under one MLflow run, then judge every variant
     against the baseline (better, worse, or no difference within noise, with the CI of the change).
@@ -286,6 +299,7 @@ def retest(
         retest_targets(spec, request.variant_names(spec))  # a bad file, override or name fails here
     except (K3pipeError, ValidationError) as exc:
         _fail(exc)
+    _tracking_ready(settings, spool)
     prepare_prefect_env(settings)
     from flows.retest import VariantsFailed
     from flows.retest import retest as retest_flow
@@ -728,6 +742,45 @@ def bundle(
         f"{len(m['left_out'])} packages left out (manifest.json says why)"
     )
     print(f"on the node: copy every file of {result.out_dir} into one directory; bash install.sh --help")
+
+
+def _tracking_ready(settings: Settings, spool: bool) -> None:
+    """Before a run starts anything: MLflow answers (else the one-sentence error, in seconds), unless
+    the spool is allowed (--spool, K3PIPE_ALLOW_SPOOL); then what the spool still holds from earlier
+    runs is pushed."""
+    from k3pipe.errors import TrackingUnreachableError
+    from k3pipe.spool import list_sessions
+    from k3pipe.tracking import probe_tracking, unreachable_message
+
+    if spool:
+        os.environ["K3PIPE_ALLOW_SPOOL"] = "1"  # the flow's own Settings() reads it
+    uri = settings.tracking_uri()
+    reason = probe_tracking(uri, settings.mlflow_probe_timeout_s)
+    if reason is not None:
+        if not (spool or settings.allow_spool):
+            _fail(TrackingUnreachableError(unreachable_message(uri, reason)))
+        return  # the flow's tracker says it once: recording into the spool
+    if list_sessions(settings.spool_dir()):
+        from k3pipe.sync import sync_spool
+
+        report = sync_spool(settings.spool_dir(), probe_timeout_s=settings.mlflow_probe_timeout_s)
+        if report.records or not report.done:
+            for line in report.lines():
+                print(f"spool: {line}")
+
+
+@app.command()
+def sync() -> None:
+    """Push what the spool holds (runs recorded while MLflow was down, K3PIPE_HOME/spool) to the
+    MLflow each was recorded for. Exit 0 when all of it is in MLflow, 1 while some is still pending."""
+    from k3pipe.sync import sync_spool
+
+    settings = Settings()
+    report = sync_spool(settings.spool_dir(), probe_timeout_s=settings.mlflow_probe_timeout_s)
+    for line in report.lines():
+        print(line)
+    if not report.done:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from prefect import get_run_logger
 
 from flows.benchmark import _flow_run_id, _stop_on_errors, note_flow_run
 from flows.secrecy import guard, scrubbed_flow
-from flows.study import ArmsFailed, run_study
+from flows.study import ArmsFailed, _report_needs_mlflow, run_study
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import RunFailedError
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
@@ -124,6 +124,7 @@ def retest(
         if failed:
             tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
         tracker.end_run(run_id, status)
+    _report_needs_mlflow(tracker, run_id)
     paths = retest_report_task(tracker, run_id, retest_dir(settings, spec.name, run_id))
     logger.info("MLflow run of the retest: %s", tracker.run_link(run_id))
     result = {"retest_run_id": run_id, "studies": studies, "failed": failed, "report": paths}

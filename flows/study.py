@@ -27,7 +27,7 @@ from flows.benchmark import (
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError, RunFailedError, first_line
+from k3pipe.errors import BenchmarkError, RunFailedError, TrackingError, first_line
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
@@ -120,6 +120,7 @@ def run_study(
             _judge_speculation(spec, outcomes, rows, tracker)
         except Exception as exc:  # an analysis after the fact: the report comes first
             logger.warning("speculation could not be judged: %s: %s", type(exc).__name__, exc)
+    _report_needs_mlflow(tracker, run_id)
     paths = report_task(tracker, run_id, report_dir(settings, spec.name, run_id))
     link = tracker.run_link(run_id)
     if link.startswith("http"):
@@ -131,6 +132,15 @@ def run_study(
         why = f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}"
         raise ArmsFailed(scrub(why), result)
     return result
+
+
+def _report_needs_mlflow(tracker: Tracker, run_id: str) -> None:
+    """The report is built from MLflow: while it is down (the runs are in the spool) say what to do."""
+    if not tracker.online and not tracker.flush():
+        raise TrackingError(
+            f"MLflow at {tracker.tracking_uri} stopped answering during the run: every record is in the "
+            f"spool; `k3pipe sync` pushes it, then `k3pipe report {run_id}` builds the report"
+        )
 
 
 @scrubbed_flow("study")

@@ -108,8 +108,9 @@ def compare_workloads(
 
 
 def find_run(tracker: Tracker, run_ref: str) -> Any:
-    """The MLflow run ``run_ref`` names: a whole id, or a unique prefix of at least 6 characters."""
-    ref = run_ref.strip()
+    """The MLflow run ``run_ref`` names: a whole id, or a unique prefix of at least 6 characters. A
+    run's local id (made while MLflow was down) names the run `k3pipe sync` gave it."""
+    ref = tracker.mlflow_id(run_ref.strip())
     if len(ref) == 32:
         try:
             return tracker.client.get_run(ref)
@@ -119,7 +120,7 @@ def find_run(tracker: Tracker, run_ref: str) -> Any:
         raise TrackingError(f"run id {ref!r} is too short: give at least 6 characters")
     matches = [
         r
-        for r in tracker.client.search_runs([tracker.experiment_id], max_results=5000)
+        for r in tracker.client.search_runs([tracker.require_experiment_id()], max_results=5000)
         if r.info.run_id.startswith(ref)
     ]
     if len(matches) != 1:

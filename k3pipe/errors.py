@@ -18,6 +18,7 @@ MLflow.
     │   └── ModelNotServedError     the model id is not listed by /v1/models
     ├── BenchmarkError        a workload could not run at all (single requests fail as records)
     ├── TrackingError         MLflow could not record the run
+    │   └── TrackingUnreachableError  the tracking server does not answer at the start of a run
     ├── RunFailedError        an arm (or a study of a retest) did not finish; each is recorded
     └── StackError            the team stack (PostgreSQL, MLflow, Prefect, worker) could not start or stop
 """
@@ -44,6 +45,7 @@ __all__ = [
     "SpecError",
     "StackError",
     "TrackingError",
+    "TrackingUnreachableError",
 ]
 
 
@@ -120,6 +122,10 @@ def first_line(exc: BaseException | str) -> str:
     """An error's first line (its log tail and details stay in the record)."""
     text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
     return text.strip().splitlines()[0] if text.strip() else text
+
+
+class TrackingUnreachableError(TrackingError):
+    """The MLflow tracking server did not answer when a run started (the message says how to go on)."""
 
 
 class RerunError(K3pipeError):

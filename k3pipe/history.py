@@ -29,7 +29,7 @@ def metric_history(
     variant). Raises TrackingError when no run of ``workload`` recorded ``metric``."""
     safe = workload.replace("'", "\\'")
     runs = tracker.client.search_runs(
-        [tracker.experiment_id],
+        [tracker.require_experiment_id()],
         filter_string=f"tags.`k3pipe.workload` = '{safe}'",
         order_by=["attributes.start_time ASC"],
         max_results=5000,

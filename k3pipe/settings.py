@@ -8,7 +8,15 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "env_value", "read_secret"]
+__all__ = ["MLFLOW_CLIENT_DEFAULTS", "Settings", "apply_mlflow_client_defaults", "env_value", "read_secret"]
+
+MLFLOW_CLIENT_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+"""MLflow's HTTP client for k3pipe: one retry, 10 s. MLflow's own defaults (7 retries, backoff 2,
+120 s) held a run 759 s on a dead tracking server; k3pipe records into its spool instead of waiting."""
 
 
 class Settings(BaseSettings):
@@ -25,6 +33,22 @@ class Settings(BaseSettings):
         description="MLflow tracking URI; MLFLOW_TRACKING_URI wins; default SQLite in the home dir.",
     )
     mlflow_experiment: str = Field(default="k3pipe", description="MLflow experiment name.")
+    allow_spool: bool = Field(
+        default=False,
+        description=(
+            "Start a run although the MLflow tracking server does not answer: record it in the spool "
+            "(K3PIPE_HOME/spool) and push it later with `k3pipe sync`. Without it such a run fails at "
+            "once. (A server that goes away mid-run never stops the run: its records are spooled.)"
+        ),
+    )
+    mlflow_probe_timeout_s: float = Field(
+        default=5.0, gt=0, description="How long the start-of-run check waits for the tracking server."
+    )
+    spool_retry_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="While MLflow is down, how often a run tries again to push what it spooled.",
+    )
 
     # the team stack (`k3pipe stack up`): its servers bind 127.0.0.1 only, on these ports
     stack_postgres_port: int = Field(
@@ -64,12 +88,23 @@ class Settings(BaseSettings):
             return self.mlflow_tracking_uri
         return f"sqlite:///{self.home_dir / 'mlflow' / 'mlflow.db'}"
 
+    def spool_dir(self) -> Path:
+        """Where writes wait for MLflow (k3pipe.spool)."""
+        return self.home_dir / "spool"
+
     def artifact_root(self) -> Path:
         return self.home_dir / "mlflow" / "artifacts"
 
     def process_env(self) -> dict[str, str]:
         """The environment an engine process inherits (the spec's env is laid over it)."""
         return dict(os.environ)
+
+
+def apply_mlflow_client_defaults() -> None:
+    """Give MLflow's HTTP client k3pipe's short retry budget (:data:`MLFLOW_CLIENT_DEFAULTS`), each
+    setting only where the user did not set it."""
+    for key, value in MLFLOW_CLIENT_DEFAULTS.items():
+        os.environ.setdefault(key, value)
 
 
 def read_secret(env_name: str | None) -> SecretStr | None:

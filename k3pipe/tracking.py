@@ -5,6 +5,15 @@ threads, as Prefect tasks do, log to the right run. Every string that reaches ML
 ``scrub``: k3pipe's one scrubber (:mod:`k3pipe.secrets`), which replaces every registered secret (the
 endpoint's key, an experiment's secrets, the values of its ``{env.NAME}`` references, those given to
 the tracker) and masks credential-shaped text.
+
+Every write goes to the spool first (``k3pipe.spool``: a journal per run under K3PIPE_HOME/spool),
+then to MLflow. When MLflow stops answering (connection refused, a timeout, a 5xx after MLflow's
+client's one retry), the tracker says so once and goes on recording into the spool only, trying
+MLflow again at most every ``spool_retry_s``; ``k3pipe sync`` pushes what is left. A run created
+while MLflow is down gets a local id (32 hex digits, as MLflow's) that sync maps to the id MLflow
+gives it, translating references to it (a child's ``mlflow.parentRunId``, tags, params, text
+artifacts). Runs the tracker opened and did not end are ended when it is closed or garbage
+collected, and at the process's exit: ``KILLED`` (``FAILED`` after an uncaught exception).
 """
 
 from __future__ import annotations
@@ -12,25 +21,36 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
+import os
 import re
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
 import pandas as pd
+import requests
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from k3pipe import secrets as _secrets
-from k3pipe.errors import TrackingError
+from k3pipe.errors import TrackingError, TrackingUnreachableError
 from k3pipe.procs import file_lock
 from k3pipe.provenance import git_commit
+from k3pipe.settings import Settings, apply_mlflow_client_defaults
+from k3pipe.spool import IdMap, Journal, SessionDir, new_run_id, now_ms
 
-__all__ = ["KEY_METRICS", "DatasetFields", "Tracker", "metric_name"]
+__all__ = ["KEY_METRICS", "DatasetFields", "Pusher", "Tracker", "metric_name", "probe_tracking"]
+
+log = logging.getLogger("k3pipe.tracking")
 
 _PARAM_MAX = 6000
 KEY_METRICS = (
@@ -89,6 +109,381 @@ def source_tags() -> dict[str, str]:
     return tags
 
 
+def is_remote(tracking_uri: str) -> bool:
+    return tracking_uri.startswith(("http://", "https://"))
+
+
+def probe_tracking(tracking_uri: str, timeout_s: float = 5.0) -> str | None:
+    """None when the tracking server at ``tracking_uri`` answers (or the store is local: SQLite, a
+    directory); else why not, in a few words ("connection refused")."""
+    if not is_remote(tracking_uri):
+        return None
+    try:
+        answer = httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.TimeoutException:
+        return f"no answer within {timeout_s:g} s"
+    except httpx.HTTPError as exc:
+        cause: BaseException | None = exc
+        while cause is not None:
+            if isinstance(cause, ConnectionRefusedError) or "refused" in str(cause).lower():
+                return "connection refused"
+            cause = cause.__cause__ or cause.__context__
+        return f"{type(exc).__name__}: {exc}"
+    if answer.status_code >= 500:
+        return f"it answered HTTP {answer.status_code}"
+    return None  # anything else is a server that answers (a /health behind a path prefix may 404)
+
+
+def unreachable_message(tracking_uri: str, reason: str) -> str:
+    """The one sentence a run that cannot start says."""
+    return (
+        f"MLflow at {tracking_uri} is not reachable ({reason}): start it, or set K3PIPE_ALLOW_SPOOL=1 "
+        "(or pass --spool) to record locally and push later with `k3pipe sync`"
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed write means MLflow is down (connection, timeout, 5xx), not that it refused
+    the write (4xx: a param changed, a run that does not exist), which trying again cannot mend."""
+    if isinstance(exc, MlflowException):
+        return exc.get_http_status_code() >= 500
+    return isinstance(exc, OSError | requests.exceptions.RequestException | httpx.HTTPError)
+
+
+def ensure_experiment(client: MlflowClient, tracking_uri: str, name: str, artifact_root: Path | None) -> str:
+    """The experiment's id, created (with :data:`EXPERIMENT_TAGS`) when missing."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        # a local store keeps artifacts under K3PIPE_HOME; a tracking server decides itself
+        # (its proxied artifact store), so that no worker writes artifacts to its own disk
+        local = not tracking_uri.startswith(("http://", "https://", "databricks"))
+        location = artifact_root.resolve().as_uri() if artifact_root and local else None
+        return str(client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS))
+    missing = {k: v for k, v in EXPERIMENT_TAGS.items() if k not in found.tags}
+    for key, value in missing.items():
+        client.set_experiment_tag(found.experiment_id, key, value)
+    return str(found.experiment_id)
+
+
+_Record = Mapping[str, Any]
+
+
+class Pusher:
+    """Pushes spooled records (k3pipe.spool) to one tracking URI, in order and idempotently: a record
+    that was being pushed when a push failed or the process died is checked against MLflow first
+    (a run is looked up by name and start time, metrics already logged are skipped)."""
+
+    def __init__(
+        self,
+        client: MlflowClient,
+        tracking_uri: str,
+        ids: IdMap,
+        experiment: str,
+        artifact_root: Path | None = None,
+        experiment_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self.tracking_uri = tracking_uri
+        self.ids = ids
+        self.experiment = experiment
+        self.artifact_root = artifact_root
+        self._experiment_id = experiment_id
+        self.records = 0
+        self.artifacts = 0
+        self.created: list[tuple[str, str, str]] = []
+        """(run name, local id, MLflow id) of runs this pusher created from the spool."""
+
+    @property
+    def experiment_id(self) -> str:
+        if self._experiment_id is None:
+            self._experiment_id = ensure_experiment(
+                self.client, self.tracking_uri, self.experiment, self.artifact_root
+            )
+        return self._experiment_id
+
+    def run_id(self, journal: Journal) -> str | None:
+        """The MLflow id of the journal's run; None while its creation is not pushed."""
+        if journal.created_here:
+            return journal.progress.mlflow_id
+        return self.ids.get(journal.run_id)
+
+    def push(self, journal: Journal, record: Mapping[str, Any], handed_out: bool = True) -> None:
+        """Push one record, the next of its journal. ``handed_out``: the run's local id was returned
+        to the caller (the run was created while MLflow was down), so sync must map it."""
+        seq = int(record["seq"])
+        uncertain = journal.uncertain(seq)
+        journal.mark_inflight(seq)
+        op = record["op"]
+        if op == "create":
+            real = self._create(record, uncertain)
+            journal.mark_mlflow_id(real)
+            if handed_out:
+                self.ids.add(journal.run_id, real)
+                self.created.append((str(record["name"]), journal.run_id, real))
+        else:
+            run_id = self.run_id(journal)
+            if run_id is None:
+                raise TrackingError(f"spool journal {journal.dir} has records before its run's creation")
+            getattr(self, f"_push_{op}")(run_id, journal, record, uncertain)
+        journal.mark_pushed(seq)
+        self.records += 1
+        if "file" in record:
+            journal.file(record).unlink(missing_ok=True)
+            self.artifacts += 1
+
+    def _create(self, record: Mapping[str, Any], uncertain: bool) -> str:
+        tags = {k: self.ids.translate(str(v)) for k, v in record["tags"].items()}
+        start = int(record["start_ms"])
+        if uncertain:  # the create may have reached MLflow before the answer was lost
+            for run in self.client.search_runs(
+                [self.experiment_id], filter_string=f"attributes.start_time = {start}"
+            ):
+                same_parent = run.data.tags.get("mlflow.parentRunId") == tags.get("mlflow.parentRunId")
+                if run.info.run_name == record["name"] and same_parent:
+                    return str(run.info.run_id)
+        run = self.client.create_run(self.experiment_id, start_time=start, tags=tags, run_name=record["name"])
+        return str(run.info.run_id)
+
+    def _push_params(self, run_id: str, journal: Journal, record: _Record, uncertain: bool) -> None:
+        batch = [Param(k, self.ids.translate(str(v))) for k, v in record["params"].items()]
+        for i in range(0, len(batch), 100):
+            self.client.log_batch(run_id, params=batch[i : i + 100])
+
+    def _push_metrics(self, run_id: str, journal: Journal, record: _Record, uncertain: bool) -> None:
+        batch = [Metric(str(k), float(v), int(ts), int(step)) for k, v, ts, step in record["metrics"]]
+        if uncertain:  # MLflow keeps every value logged: never log one twice
+            logged = {
+                (m.key, m.timestamp, m.step, m.value)
+                for key in {m.key for m in batch}
+                for m in self.client.get_metric_history(run_id, key)
+            }
+            batch = [m for m in batch if (m.key, m.timestamp, m.step, m.value) not in logged]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(run_id, metrics=batch[i : i + 500])
+
+    def _push_tags(self, run_id: str, journal: Journal, record: _Record, uncertain: bool) -> None:
+        batch = [RunTag(k, self.ids.translate(str(v))) for k, v in record["tags"].items()]
+        if batch:
+            self.client.log_batch(run_id, tags=batch)
+
+    def _push_artifact(
+        self, run_id: str, journal: Journal, record: Mapping[str, Any], uncertain: bool
+    ) -> None:
+        path = journal.file(record)
+        if record.get("text"):
+            text = path.read_text(encoding="utf-8")
+            translated = self.ids.translate(text)
+            if translated != text:  # a run id made while MLflow was down: the one MLflow gave it
+                with tempfile.TemporaryDirectory() as tmp:
+                    local = Path(tmp) / path.name
+                    local.write_text(translated, encoding="utf-8")
+                    self.client.log_artifact(run_id, str(local), record.get("dir"))
+                return
+        self.client.log_artifact(run_id, str(path), record.get("dir"))
+
+    def _push_dataset(self, run_id: str, journal: Journal, record: _Record, uncertain: bool) -> None:
+        fields = record["dataset"]
+        entity = Dataset(
+            name=fields["name"],
+            digest=fields["digest"],
+            source_type=fields["source_type"],
+            source=fields["source"],
+            schema=fields.get("schema"),
+            profile=fields.get("profile"),
+        )
+        tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=record["context"])]
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset=entity, tags=tags)])
+
+    def _push_end(self, run_id: str, journal: Journal, record: _Record, uncertain: bool) -> None:
+        self.client.set_terminated(run_id, status=record["status"], end_time=int(record["end_ms"]))
+
+
+class _Writer:
+    """The spool session of one tracker: appends each write to its run's journal, pushes what is
+    pending while MLflow answers, goes offline (said once) when it stops answering, and ends the runs
+    left open when it is closed. Holds no reference to the Tracker, so that the Tracker's
+    finalizer can close it."""
+
+    def __init__(
+        self,
+        spool_dir: Path,
+        meta: dict[str, Any],
+        pusher: Pusher,
+        retry_s: float,
+        probe: Callable[[], str | None],
+    ) -> None:
+        self.spool_dir = spool_dir
+        self.meta = meta
+        self.pusher = pusher
+        self.retry_s = retry_s
+        self.probe = probe
+        self.session: SessionDir | None = None
+        self._journals: dict[str, Journal] = {}
+        self._pending: dict[str, Journal] = {}
+        self._order = 0
+        self.open_runs: dict[str, str] = {}
+        self.online = True
+        self.offline_since: float | None = None
+        """time.time() when MLflow was last found down; None while it answers."""
+        self.outages = 0
+        self._retry_at = 0.0
+        self._mutex = threading.RLock()
+        self._pid = os.getpid()
+
+    # -- the session -------------------------------------------------------------------------------
+
+    def _session(self) -> SessionDir:
+        if self.session is None:
+            self.session = SessionDir.create(self.spool_dir, self.meta)
+        return self.session
+
+    def journal(self, run_id: str, new: bool = False) -> Journal:
+        found = None if new else self._journals.get(run_id)
+        if found is None:
+            self._order += 1
+            found = Journal.create(self._session().dir, self._order, run_id)
+            self._journals[run_id] = found
+        return found
+
+    def pending(self) -> int:
+        return sum(j.pending for j in self._pending.values())
+
+    def spooled_only(self, run_id: str) -> bool:
+        """Whether ``run_id`` is a run this writer created that MLflow does not have yet."""
+        journal = self._journals.get(run_id)
+        return journal is not None and journal.created_here and journal.progress.mlflow_id is None
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def create(self, name: str, tags: Mapping[str, str]) -> str:
+        with self._mutex:
+            local = new_run_id()
+            journal = self.journal(local, new=True)
+            seq = journal.append("create", {"name": name, "tags": dict(tags), "start_ms": now_ms()})
+            self._pending[journal.dir.name] = journal
+            self._push(journal, seq)
+            run_id = journal.progress.mlflow_id or local
+            self._journals[run_id] = journal
+            self.open_runs[run_id] = name
+            return run_id
+
+    def write(
+        self, run_id: str, op: str, data: Mapping[str, Any], file: Path | bytes | None = None, name: str = ""
+    ) -> None:
+        with self._mutex:
+            journal = self.journal(run_id)
+            seq = journal.append(op, data, file, name)
+            self._pending[journal.dir.name] = journal
+            self._push(journal, seq)
+            if op == "end":
+                self.open_runs.pop(run_id, None)
+
+    def flush(self) -> bool:
+        """Push what is pending now (MLflow down: try it now, whatever the retry interval); whether
+        MLflow has everything."""
+        with self._mutex:
+            self._retry_at = 0.0
+            self._push(None, 0)
+            return self.online and self.pending() == 0
+
+    def _push(self, live: Journal | None, live_seq: int) -> None:
+        """Push every pending record in order (the one just written last), unless MLflow is down
+        and it is not yet time to try it again. A record MLflow refuses (4xx) is set aside in the
+        spool; the one just written raises, as a direct write would."""
+        if not self.online:
+            if time.monotonic() < self._retry_at:
+                return
+            reason = self.probe()
+            if reason is not None:
+                self._retry_at = time.monotonic() + self.retry_s
+                return
+        refused: BaseException | None = None
+        try:
+            for journal in sorted(self._pending.values(), key=lambda j: j.order):
+                for record in journal.records():
+                    is_live = journal is live and int(record["seq"]) == live_seq
+                    try:
+                        self.pusher.push(journal, record, handed_out=not is_live)
+                    except Exception as exc:
+                        if is_transient(exc):
+                            raise
+                        journal.mark_pushed(int(record["seq"]), refused=f"{type(exc).__name__}: {exc}"[:2000])
+                        if is_live:
+                            refused = exc
+                        else:
+                            log.warning("MLflow refused a spooled %s record of run %s: %s",
+                                        record["op"], journal.run_id, exc)  # fmt: skip
+                if not journal.pending:
+                    self._pending.pop(journal.dir.name, None)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._go_offline(exc)
+            return
+        if not self.online:
+            self.online, self.offline_since = True, None
+            log.warning(
+                "MLflow at %s answers again: the spooled records are pushed", self.pusher.tracking_uri
+            )
+        if refused is not None:
+            raise refused
+
+    def go_offline(self, reason: str) -> None:
+        with self._mutex:
+            self._go_offline(reason)
+
+    def _go_offline(self, why: BaseException | str) -> None:
+        self._retry_at = time.monotonic() + self.retry_s
+        if not self.online:
+            return
+        self.online = False
+        self.offline_since = time.time()
+        self.outages += 1
+        reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+        where = self.session.dir if self.session is not None else self.spool_dir
+        log.warning(
+            "MLflow at %s is not answering (%s): the run goes on and k3pipe records into the spool "
+            "(%s), trying MLflow again every %g s; `k3pipe sync` pushes what is left",
+            self.pusher.tracking_uri, reason.splitlines()[0][:300], where, self.retry_s,
+        )  # fmt: skip
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    def close(self, status: str = "KILLED") -> None:
+        """End the runs still open (``status``), release the session and remove it once nothing of
+        it is pending."""
+        with self._mutex:
+            for run_id in list(self.open_runs):
+                try:
+                    self.write(run_id, "end", {"status": status, "end_ms": now_ms()})
+                except Exception as exc:  # the end is in the spool; MLflow refused it
+                    log.warning("could not end run %s in MLflow: %s", run_id, exc)
+                    self.open_runs.pop(run_id, None)
+            if self.session is None:
+                return
+            if self.pending() == 0:
+                kept = self.session.retire()
+                if kept is not None:
+                    log.warning("records MLflow refused are kept in %s", kept)
+            else:
+                log.warning(
+                    "%d record(s) of this run are only in the spool (%s): `k3pipe sync` pushes them to %s",
+                    self.pending(), self.session.dir, self.pusher.tracking_uri,
+                )  # fmt: skip
+            self.session.release()
+            self.session = None
+            self._journals.clear()
+            self._pending.clear()
+
+    def close_at_exit(self) -> None:
+        """The process is ending (or the tracker was dropped): the runs left open are cut short;
+        FAILED when an uncaught exception is ending it. A forked child leaves its parent's runs be."""
+        if os.getpid() != self._pid:
+            return
+        failed = isinstance(getattr(sys, "last_value", None), Exception)
+        self.close("FAILED" if failed else "KILLED")
+
+
 class Tracker:
     """Records runs in MLflow (SQLite in K3PIPE_HOME by default, any tracking URI otherwise)."""
 
@@ -98,7 +493,16 @@ class Tracker:
         experiment: str,
         artifact_root: Path | None = None,
         secrets: Iterable[str] = (),
+        *,
+        spool_dir: Path | None = None,
+        allow_spool: bool | None = None,
+        settings: Settings | None = None,
     ) -> None:
+        """``spool_dir`` (default K3PIPE_HOME/spool) keeps every write until MLflow has it;
+        ``allow_spool`` (default the setting ``allow_spool``): a tracking server that does not
+        answer now is no error, the run is recorded into the spool. Without it, such a server raises
+        :class:`TrackingUnreachableError` within seconds."""
+        settings = settings or Settings()
         self.tracking_uri = tracking_uri
         _secrets.register_all(secrets)
         # the first use of a new SQLite store creates its tables: several first runs at once on one
@@ -108,28 +512,96 @@ class Tracker:
             db = Path(tracking_uri.removeprefix("sqlite:///"))
             db.parent.mkdir(parents=True, exist_ok=True)
             lock = file_lock(db.with_name(db.name + ".lock"))
-        with lock:
-            self.client = MlflowClient(tracking_uri=tracking_uri)
-            self._open_experiment(tracking_uri, experiment, artifact_root)
+        if is_remote(tracking_uri):
+            apply_mlflow_client_defaults()
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.experiment_name = experiment
+        self.experiment_id: str | None = None
+        timeout_s = settings.mlflow_probe_timeout_s
+        reason = probe_tracking(tracking_uri, timeout_s)
+        if reason is None:
+            try:
+                with lock:
+                    self.experiment_id = ensure_experiment(
+                        self.client, tracking_uri, experiment, artifact_root
+                    )
+            except MlflowException as exc:
+                if not is_transient(exc):
+                    raise TrackingError(
+                        f"MLflow at {tracking_uri} refused experiment {experiment!r}: {exc}"
+                    ) from exc
+                reason = f"{exc}".splitlines()[0][:300]
+        allowed = settings.allow_spool if allow_spool is None else allow_spool
+        if reason is not None and not allowed:
+            raise TrackingUnreachableError(unreachable_message(tracking_uri, reason))
+        self.spool_dir = spool_dir or settings.spool_dir()
+        self.ids = IdMap(self.spool_dir)
+        pusher = Pusher(
+            self.client, tracking_uri, self.ids, experiment, artifact_root, experiment_id=self.experiment_id
+        )
+        meta = {
+            "tracking_uri": tracking_uri,
+            "experiment": experiment,
+            "artifact_root": str(artifact_root.resolve()) if artifact_root else None,
+        }
+        # while MLflow is down a write tries it again at most every spool_retry_s, and waits at most
+        # 2 s for it: the run is not held up
+        retry_probe_s = min(timeout_s, 2.0)
+        self._writer = _Writer(
+            self.spool_dir,
+            meta,
+            pusher,
+            settings.spool_retry_s,
+            lambda: probe_tracking(tracking_uri, retry_probe_s),
+        )
+        if reason is not None:
+            self._writer.go_offline(reason)
+        weakref.finalize(self, self._writer.close_at_exit)
 
-    def _open_experiment(self, tracking_uri: str, experiment: str, artifact_root: Path | None) -> None:
-        try:
-            found = self.client.get_experiment_by_name(experiment)
-            if found is None:
-                # a local store keeps artifacts under K3PIPE_HOME; a tracking server decides itself
-                # (its proxied artifact store), so that no worker writes artifacts to its own disk
-                local = not tracking_uri.startswith(("http://", "https://", "databricks"))
-                location = artifact_root.resolve().as_uri() if artifact_root and local else None
-                self.experiment_id = self.client.create_experiment(
-                    experiment, artifact_location=location, tags=EXPERIMENT_TAGS
-                )
-            else:
-                self.experiment_id = found.experiment_id
-                missing = {k: v for k, v in EXPERIMENT_TAGS.items() if k not in found.tags}
-                for key, value in missing.items():
-                    self.client.set_experiment_tag(self.experiment_id, key, value)
-        except MlflowException as exc:
-            raise TrackingError(f"MLflow at {tracking_uri} refused experiment {experiment!r}: {exc}") from exc
+    # -- the spool ---------------------------------------------------------------------------------
+
+    @property
+    def online(self) -> bool:
+        """Whether MLflow answered the last write (False: writes go to the spool only)."""
+        return self._writer.online
+
+    @property
+    def offline_since(self) -> float | None:
+        """When (time.time()) MLflow was found down; None while it answers."""
+        return self._writer.offline_since
+
+    def pending(self) -> int:
+        """How many of this tracker's writes are in the spool only."""
+        return self._writer.pending()
+
+    def open_runs(self) -> dict[str, str]:
+        """The runs this tracker started and did not end (id -> name)."""
+        return dict(self._writer.open_runs)
+
+    def spooled_only(self, run_id: str) -> bool:
+        """Whether ``run_id`` is a run of this tracker that MLflow does not have yet (created while
+        it was down)."""
+        return self._writer.spooled_only(run_id)
+
+    def mlflow_id(self, run_id: str) -> str:
+        """The MLflow id of a run this process knows by a local id (once sync gave it one)."""
+        return self.ids.get(run_id)
+
+    def flush(self) -> bool:
+        """Push what the spool holds of this tracker now, also while MLflow was down (tried now,
+        whatever the retry interval); whether MLflow has all of it."""
+        return self._writer.flush()
+
+    def close(self, status: str = "KILLED") -> None:
+        """End the runs still open with ``status`` (in the spool, and in MLflow when it answers) and
+        release the spool session. The tracker may be used again afterwards (a new session)."""
+        self._writer.close(status)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close("FAILED" if isinstance(exc, Exception) else "KILLED")
 
     def describe(self, run_id: str, text: str) -> None:
         """The run's description in the MLflow UI (Markdown), secrets scrubbed."""
@@ -150,10 +622,9 @@ class Tracker:
         if parent_id:
             all_tags["mlflow.parentRunId"] = parent_id
         try:
-            run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+            return self._writer.create(name, all_tags)
         except MlflowException as exc:
             raise TrackingError(f"could not create MLflow run {name!r}: {exc}") from exc
-        return str(run.info.run_id)
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log params; a value too long for a param goes to params/NAME.txt and the param points there."""
@@ -164,8 +635,8 @@ class Tracker:
                 self.log_text(run_id, text, f"params/{key}.txt")
                 text = f"(long value: artifact params/{key}.txt)"
             batch.append(Param(metric_name(key), text))
-        for i in range(0, len(batch), 100):
-            self.client.log_batch(run_id, params=batch[i : i + 100])
+        if batch:
+            self._writer.write(run_id, "params", {"params": {p.key: p.value for p in batch}})
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float | int | None], step: int = 0) -> None:
         now = int(time.time() * 1000)
@@ -174,16 +645,23 @@ class Tracker:
             for k, v in metrics.items()
             if v is not None and v == v  # drop None and NaN
         ]
-        for i in range(0, len(batch), 500):
-            self.client.log_batch(run_id, metrics=batch[i : i + 500])
+        if batch:
+            rows = [[m.key, m.value, m.timestamp, m.step] for m in batch]
+            self._writer.write(run_id, "metrics", {"metrics": rows})
 
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         batch = [RunTag(k, self.scrub(str(v))) for k, v in tags.items() if v is not None]
         if batch:
-            self.client.log_batch(run_id, tags=batch)
+            self._writer.write(run_id, "tags", {"tags": {t.key: t.value for t in batch}})
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
-        self.client.log_text(run_id, self.scrub(text), artifact_file)
+        self._put_artifact(run_id, self.scrub(text).encode("utf-8"), artifact_file, text=True)
+
+    def _put_artifact(self, run_id: str, content: Path | bytes, artifact_file: str, text: bool) -> None:
+        """An artifact into the spool (a copy of the file, or the bytes), then to MLflow."""
+        parent = str(Path(artifact_file).parent)
+        data = {"dir": None if parent == "." else parent, "text": text}
+        self._writer.write(run_id, "artifact", data, content, Path(artifact_file).name)
 
     def log_dict(self, run_id: str, data: Any, artifact_file: str) -> None:
         self.log_text(run_id, json.dumps(data, indent=2, default=str), artifact_file)
@@ -199,7 +677,7 @@ class Tracker:
         except UnicodeDecodeError:
             # binary: decoding it with replacement characters would corrupt it (the report's PNGs
             # were stored with their first byte replaced, and the MLflow UI showed broken images)
-            self.client.log_artifact(run_id, str(path), artifact_path)
+            self._put_artifact(run_id, path, name, text=False)
             return
         self.log_text(run_id, text, name)
 
@@ -207,7 +685,7 @@ class Tracker:
         """The bytes of one of the run's artifacts; None when the run has no such artifact."""
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                path = self.client.download_artifacts(run_id, artifact_file, tmp)
+                path = self.client.download_artifacts(self.mlflow_id(run_id), artifact_file, tmp)
             except (MlflowException, OSError):
                 return None
             return Path(path).read_bytes()
@@ -221,8 +699,7 @@ class Tracker:
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / Path(artifact_file).name
             frame.to_parquet(local, index=False)
-            parent = str(Path(artifact_file).parent)
-            self.client.log_artifact(run_id, str(local), None if parent == "." else parent)
+            self._put_artifact(run_id, local, artifact_file, text=False)
 
     def log_dataset(
         self,
@@ -253,21 +730,31 @@ class Tracker:
             schema=self.scrub(json.dumps(schema, default=str)) if schema is not None else None,
             profile=self.scrub(json.dumps(fields.get("profile") or {}, default=str)),
         )
-        tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)]
+        fields = {
+            "name": entity.name,
+            "digest": entity.digest,
+            "source_type": entity.source_type,
+            "source": entity.source,
+            "schema": entity.schema,
+            "profile": entity.profile,
+        }
         try:
-            self.client.log_inputs(run_id, datasets=[DatasetInput(dataset=entity, tags=tags)])
+            self._writer.write(run_id, "dataset", {"dataset": fields, "context": context})
         except MlflowException as exc:
             raise TrackingError(f"could not log dataset {entity.name!r} to run {run_id}: {exc}") from exc
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
-        """status: FINISHED, FAILED or KILLED."""
-        self.client.set_terminated(run_id, status=status)
+        """status: FINISHED, FAILED or KILLED (the end time is now, also when sync pushes it later)."""
+        self._writer.write(run_id, "end", {"status": status, "end_ms": now_ms()})
 
     def run_link(self, run_id: str) -> str:
         """A URL to the run when the tracking server is HTTP, else how to open it. The link asks for
         MLflow 3's model-training view: its UI otherwise opens every experiment in the GenAI view
         (a per-browser choice, whatever the experiment's kind tag says), where runs are
         "evaluation runs" and nesting is not shown."""
+        run_id = self.mlflow_id(run_id)
+        if self.spooled_only(run_id):
+            return f"run {run_id} is in the spool only (MLflow was down): `k3pipe sync` pushes it"
         if self.tracking_uri.startswith(("http://", "https://")):
             return f"{self._runs_url()}/{run_id}{_ML_VIEW}"
         return f"mlflow ui --backend-store-uri {self.tracking_uri}  (then open run {run_id})"
@@ -279,7 +766,19 @@ class Tracker:
         return f"{self._runs_url()}{_ML_VIEW}"
 
     def _runs_url(self) -> str:
-        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs"
+        experiment = self.experiment_id or self.require_experiment_id()
+        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{experiment}/runs"
+
+    def require_experiment_id(self) -> str:
+        """The experiment's id; an error that says so when MLflow has been down since the start."""
+        if self.experiment_id is None:
+            try:
+                self.experiment_id = self._writer.pusher.experiment_id
+            except MlflowException as exc:
+                raise TrackingError(
+                    f"MLflow at {self.tracking_uri} is not reachable, so its runs cannot be read: {exc}"
+                ) from exc
+        return self.experiment_id
 
     def recent_runs(
         self,
@@ -313,7 +812,7 @@ class Tracker:
                 raise TrackingError(f"--since {since!r} is not a date or time (e.g. 2026-12-01)") from exc
             filters.append(f"attributes.start_time >= {start_ms}")
         runs = self.client.search_runs(
-            [self.experiment_id],
+            [self.require_experiment_id()],
             filter_string=" and ".join(filters),
             order_by=["attributes.start_time DESC"],
             max_results=max(limit * 10, 1000) if (engine or model or workload or variant) else limit * 10,
@@ -398,8 +897,5 @@ class Tracker:
         return rows
 
     def children(self, run_id: str) -> list[Any]:
-        return list(
-            self.client.search_runs(
-                [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"
-            )
-        )
+        parent = f"tags.mlflow.parentRunId = '{self.mlflow_id(run_id)}'"
+        return list(self.client.search_runs([self.require_experiment_id()], filter_string=parent))

@@ -89,7 +89,13 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert Settings().tracking_uri() == "sqlite:////tmp/other.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
     assert Settings().tracking_uri() == "http://127.0.0.1:5999"
-    fields = {"tracking_uri": "http://127.0.0.1:5999", "experiment_id": "3", "_runs_url": Tracker._runs_url}
+    fields = {
+        "tracking_uri": "http://127.0.0.1:5999",
+        "experiment_id": "3",
+        "_runs_url": Tracker._runs_url,
+        "mlflow_id": lambda self, run_id: run_id,
+        "spooled_only": lambda self, run_id: False,
+    }
     server = type("T", (), fields)()
     # MLflow 3's UI opens in its GenAI view unless the link asks for the model-training one
     assert Tracker.run_link(server, "abc") == (  # type: ignore[arg-type]
