@@ -314,7 +314,8 @@ class ArmRun:
                     repeat,
                     self.settings.home_dir,
                     self.prompts[workload.name][repeat],
-                    launcher=self.launcher if plan.launch.starts_engine else None,
+                    # the engine k3pipe started is watched (an external endpoint: its /models)
+                    **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
                 )
                 recorder.log_workload(workload, measured)
                 if measured.interrupted is not None:

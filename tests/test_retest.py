@@ -21,7 +21,7 @@ from tests.scripted_openai import Script, ScriptedOpenAI
 pytestmark = pytest.mark.flow
 
 
-def _experiment(base_url: str) -> dict:
+def _experiment(base_url: str, docs: str = "/nonexistent/k3pipe-docs") -> dict:
     return {
         "name": "retest-test",
         "model": {"source": "local", "path": str(TINY_MODEL)},
@@ -41,7 +41,7 @@ def _experiment(base_url: str) -> dict:
             {"name": "longer", "description": "four times the output",
              "arms": {"fast": {}}, "workloads": {"output_tokens": 32}},
             {"name": "no-docs", "arms": {"fast": {}},
-             "workloads": {"dataset": {"kind": "documents", "path": "/nonexistent/k3pipe-docs"}}},
+             "workloads": {"dataset": {"kind": "documents", "path": docs}}},
             {"name": "seqs8", "arms": {"fast": {"args": {"max_num_seqs": 8}}}},
         ],
     }
@@ -55,14 +55,19 @@ def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: igno
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
     exp = tmp_path / "retest.yaml"
+    # a variant whose prompts cannot be built: its folder passes preflight (a document is there) but
+    # holds none as long as input_tokens, found when the prompts are drawn
+    docs = tmp_path / "short-docs"
+    docs.mkdir()
+    (docs / "one.txt").write_text("too short to cut 32 tokens from")
     with ScriptedOpenAI(Script(inter_token_s=0.01), model="m") as server:
-        exp.write_text(yaml.safe_dump(_experiment(server.base_url)))
+        exp.write_text(yaml.safe_dump(_experiment(server.base_url, str(docs))))
         with pytest.raises(VariantsFailed, match="no-docs") as failed:
             retest(str(exp))
     result = failed.value.result
     assert set(result["studies"]) == {"baseline", "longer", "seqs8"}
     assert set(result["failed"]) == {"no-docs"}
-    assert "/nonexistent/k3pipe-docs" in result["failed"]["no-docs"]
+    assert str(docs) in result["failed"]["no-docs"]
 
     settings = Settings()
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())

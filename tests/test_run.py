@@ -12,7 +12,7 @@ import pytest
 
 from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.experiment import parse_experiment
-from k3pipe.run import ArmRun, ArmSteps
+from k3pipe.run import INTERRUPT_GRACE_S, ArmRun, ArmSteps
 from k3pipe.runrecord import RECORD_FILE
 from k3pipe.settings import Settings
 from k3pipe.sources import fetch_model
@@ -35,8 +35,9 @@ class Recorded:
     def alive(self) -> bool:
         return True
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         self.stopped += 1
+        self.grace_s = grace_s
 
 
 @pytest.fixture
@@ -187,6 +188,7 @@ def test_an_interrupt_stops_the_engine_and_goes_on_up(arm_parts) -> None:  # typ
     with pytest.raises(KeyboardInterrupt):
         run.execute()
     assert launcher.stopped == 1
+    assert launcher.grace_s == INTERRUPT_GRACE_S  # an interrupted run ends within seconds
     assert run.outcome is not None
     assert run.outcome.status == "KILLED"
     assert run.tracker.client.get_run(run.outcome.mlflow_run_id).info.status == "KILLED"
