@@ -138,16 +138,22 @@ class Figures:
 class Run:
     """`k3pipe run EXPERIMENT` in its own session (a terminal's foreground job), output in a file."""
 
-    def __init__(self, exp: Path, home: Path, extra: list[str] | None = None) -> None:
+    def __init__(
+        self, exp: Path, home: Path, extra: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.home = home
         self.log = exp.with_suffix(".out")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("K3PIPE_", "MLFLOW_", "PREFECT_"))}
-        env.update(K3PIPE_HOME=str(home), PYTHONUNBUFFERED="1")
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("K3PIPE_", "MLFLOW_", "PREFECT_"))},
+            "K3PIPE_HOME": str(home),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         self._fh = self.log.open("w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "run", str(exp), *(extra or [])],
             cwd=REPO,
-            env=env,
+            env=self.env,
             stdout=self._fh,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -208,13 +214,16 @@ def members(pgid: int) -> list[int]:
     return out
 
 
-def read_back(fig: Figures, home: Path, pgids: list[int]) -> Figures:
-    """MLflow statuses, the first workload's recorded requests, the flow run's state, leftovers."""
+def read_back(fig: Figures, home: Path, pgids: list[int], uri: str | None = None) -> Figures:
+    """MLflow statuses, the first workload's recorded requests, the flow run's state, leftovers
+    (``uri``: the tracking server, default the home's SQLite store)."""
     from mlflow import MlflowClient
 
     db = home / "mlflow" / "mlflow.db"
-    if db.exists():
-        client = MlflowClient(f"sqlite:///{db}")
+    if uri is None and db.exists():
+        uri = f"sqlite:///{db}"
+    if uri is not None:
+        client = MlflowClient(uri)
         exp = client.get_experiment_by_name("k3pipe")
         if exp is not None:
             for run in client.search_runs([exp.experiment_id]):
@@ -382,6 +391,97 @@ def concurrent_first_runs(work: Path, engine: str, n: int = 4) -> Figures:
     return fig
 
 
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 (SQLite store, proxied artifacts under ``directory``) in its
+    own process group: :meth:`start` (again on the same store and port), :meth:`kill` (SIGKILL)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 120) -> None:
+        mlflow = str(Path(sys.executable).with_name("mlflow"))
+        argv = [
+            mlflow, "server", "--host", "127.0.0.1", "--port", str(self.port),
+            "--backend-store-uri", f"sqlite:///{self.dir / 'mlflow.db'}",
+            "--artifacts-destination", str(self.dir / "artifacts"), "--serve-artifacts", "--workers", "1",
+        ]  # fmt: skip
+        with (self.dir / "server.log").open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not self.answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError((self.dir / "server.log").read_text()[-3000:])
+            time.sleep(0.3)
+
+    def answers(self) -> bool:
+        with socket.socket() as sock:
+            sock.settimeout(1)
+            return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with _suppress():
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        deadline = time.monotonic() + 30
+        while self.answers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def mlflow_killed(work: Path, engine: str) -> Figures:
+    """The MLflow tracking server SIGKILLed while the first workload runs; then started again on the
+    same store, and `k3pipe sync`."""
+    exp, home, _ = _setup(work, "mlflow-killed", engine)
+    server = MlflowServer(work / "mlflow-killed" / "server")
+    server.start()
+    run = Run(exp, home, env={"MLFLOW_TRACKING_URI": server.uri})
+    try:
+        run.wait_for(MARKER)
+        pgids = [g["pgid"] for g in groups(home) if g["kind"] == "engine"]
+        t0 = time.monotonic()
+        server.kill()
+        noticed = run.wait_for(r"is not answering")
+        code = run.wait()
+        fig = Figures("mlflow-killed", code, noticed - t0, time.monotonic() - t0, output=run.text())
+        server.start()
+        sync = subprocess.run(
+            [sys.executable, "-m", "cli.main", "sync"], cwd=REPO, env=run.env, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        again = subprocess.run(
+            [sys.executable, "-m", "cli.main", "sync"], cwd=REPO, env=run.env, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        fig.note = f"then k3pipe sync: exit {sync.returncode}; a second sync: exit {again.returncode}"
+        fig.output += sync.stdout + sync.stderr + again.stdout + again.stderr
+        read_back(fig, home, pgids, server.uri)
+    finally:
+        run.kill()
+        server.kill()
+    return fig
+
+
+def mlflow_never_started(work: Path, engine: str) -> Figures:
+    """The tracking URI names an MLflow server that is not running."""
+    exp, home, _ = _setup(work, "mlflow-never-started", engine)
+    server = MlflowServer(work / "mlflow-never-started" / "server")  # not started
+    t0 = time.monotonic()
+    run = Run(exp, home, env={"MLFLOW_TRACKING_URI": server.uri})
+    try:
+        code = run.wait()
+        fig = Figures("mlflow-never-started", code, None, time.monotonic() - t0, output=run.text())
+    finally:
+        run.kill()
+    started = any(g["kind"] == "engine" for g in groups(home)) or "start-engine" in fig.output
+    fig.note = ("refused at once, nothing started" if "is not reachable" in fig.output and not started
+                else "NOT refused at once")  # fmt: skip
+    return fig
+
+
 FAULTS: dict[str, Callable[[Path, str], Figures]] = {
     "ctrl-c": lambda w, e: interrupt(w, e, signal.SIGINT),
     "ctrl-c-twice": lambda w, e: interrupt(w, e, signal.SIGINT, again_after_s=0.5),
@@ -393,6 +493,8 @@ FAULTS: dict[str, Callable[[Path, str], Figures]] = {
     "endpoint-frozen": lambda w, e: engine_fault(w, e, signal.SIGSTOP, external=True),
     "stale-engine": stale_engine,
     "concurrent-first-runs": concurrent_first_runs,
+    "mlflow-killed": mlflow_killed,
+    "mlflow-never-started": mlflow_never_started,
 }
 
 HEADER = [
