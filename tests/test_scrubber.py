@@ -59,12 +59,16 @@ def test_values_too_short_to_tell_from_text_are_not_registered() -> None:
     assert scrubber.add("12345678")
 
 
+# key-shaped values made at run time: no literal that looks like a key is committed
+SK_SHAPED = "sk-" + "abcdefghijklmnopqrstuv"
+
+
 def test_patterns_mask_credentials_whatever_was_registered() -> None:
     text = (
         '{"error": {"authorization": "Bearer hunter2hunter2"}} '
         "http://alice:pw123456@gw.example/v1?api_key=zz99&model=m&token=tt#frag "
         "non-default args: {'api_key': 'k3yk3yk3y', 'port': 8000} api_key=None "
-        "x-api-key: abcdef sk-abcdefghijklmnopqrstuv hf_ABCDEFGHIJKLMNOPQRST"
+        f"x-api-key: abcdef {SK_SHAPED} hf_ABCDEFGHIJKLMNOPQRST"
     )
     clean = sec.Scrubber().scrub(text)
     for leaked in ("hunter2", "alice", "pw123456", "zz99", "=tt", "k3yk3yk3y", "abcdef ", "sk-abc", "hf_ABC"):
@@ -102,10 +106,10 @@ def test_collect_finds_literals_references_shapes_and_url_credentials() -> None:
         args={"api_key": arg, "extra": {"password": nested}, "x": "{env.UNSET_ONE}"},
     )
     data["arms"][0]["endpoint"] = {"base_url": "https://u:pw-9876543210@h/v1?token=tok-123456789"}
-    data["description"] = "talks to sk-abcdefghijklmnopqrstuv"
+    data["description"] = f"talks to {SK_SHAPED}"
     found = sec.collect_secrets(data, {"SOME_VAR": ref_value}.get)
     # the user "u" is too short to register
-    shapes = {"pw-9876543210", "tok-123456789", "sk-abcdefghijklmnopqrstuv"}
+    shapes = {"pw-9876543210", "tok-123456789", SK_SHAPED}
     assert found == {hf, arg, nested, ref_value, *shapes}
 
 
