@@ -153,6 +153,7 @@ def plan_arm(
     """
     engine = get_engine(arm.engine.kind)
     engine.check_args(arm.engine.args)
+    key_args = engine.key_args(arm.endpoint.api_key_env, arm.engine.args)
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
     host_dirs = dict(dirs)
     dirs, mounts = arm.launcher.place_models(dirs)
@@ -161,6 +162,7 @@ def plan_arm(
     argv = [
         *(expand_home(part, home) for part in (arm.engine.executable or [])),
         *engine.managed_args(dirs["model"], served, arm.launcher.host, port),
+        *key_args,
         *render_args(arm.engine.args, dirs),
     ]
     env = {k: expand_home(v, home) for k, v in arm.engine.env.items()}

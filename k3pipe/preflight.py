@@ -337,6 +337,7 @@ def _executable_rule(home: Path) -> Rule:
 
     return rule_executable
 
+
 def rule_env_references(ctx: ArmContext) -> Iterator[Finding]:
     """Every ``{env.NAME}`` of an engine k3pipe starts names a variable that is set here (it is read
     at launch: unset, the launch would fail after the download and the image pull)."""
@@ -360,6 +361,17 @@ def rule_env_references(ctx: ArmContext) -> Iterator[Finding]:
         for i, part in enumerate(engine.executable or [])
         for name in env_references(part)
     ]
+    key_var = ctx.arm.endpoint.api_key_env
+    if ctx.engine.key_args(key_var, {}) and key_var and not env_value(key_var):
+        flag = ctx.engine.api_key_flag
+        yield ctx.finding(
+            "error",
+            "env-unset",
+            f"endpoint.api_key_env names {key_var}, which {ctx.engine.display_name} is started with as "
+            f"{flag} (it is read at launch, and never recorded), but {key_var} is not set in the "
+            f"environment k3pipe runs in: export {key_var}=... before the run (on the worker, for a "
+            "deployment), or remove endpoint.api_key_env to serve without a key",
+        )
     for where, name in found:
         if not env_value(name):
             yield ctx.finding(

@@ -64,6 +64,55 @@ def test_managed_flag_in_args_is_refused() -> None:
         plan_arm(spec, spec.arms[0], Path("/h"))
 
 
+def _keyed(kind: str, args: dict[str, object]) -> dict[str, object]:
+    return {
+        "name": "x",
+        "model": {"source": "local", "path": "/m"},
+        "arms": [
+            {
+                "name": "a",
+                "engine": {"kind": kind, "executable": ["p"], "args": args},
+                "endpoint": {"api_key_env": "ARM_KEY"},
+            }
+        ],
+        "workloads": [{"name": "w", "input_tokens": 8, "output_tokens": 4}],
+    }
+
+
+def test_the_key_reaches_sglang_as_a_flag_reference() -> None:
+    """SGLang reads no key variable: the plan gives it --api-key {env.ARM_KEY} (the record shows the
+    reference; the launch resolves it); vLLM gets VLLM_API_KEY at launch and no flag."""
+    spec = parse_experiment(_keyed("sglang", {"enable_metrics": True}))
+    plan = plan_arm(spec, spec.arms[0], Path("/h"))
+    argv = plan.command.argv
+    assert argv[argv.index("--api-key") + 1] == "{env.ARM_KEY}"
+    assert "--api-key '{env.ARM_KEY}'" in plan.command.shell()
+    assert ("--api-key", "ARM_KEY") in [
+        (w.split("(")[-1].rstrip(")"), n) for w, n in plan.command.references()
+    ]
+    assert (
+        plan.command.resolved(lambda name: "s3cret" if name == "ARM_KEY" else None).argv[
+            argv.index("--api-key") + 1
+        ]
+        == "s3cret"
+    )
+    vllm = parse_experiment(_keyed("vllm", {}))
+    assert "--api-key" not in plan_arm(vllm, vllm.arms[0], Path("/h")).command.argv
+    no_key = parse_experiment(
+        {**_keyed("sglang", {}), "arms": [{"name": "a", "engine": {"kind": "sglang", "executable": ["p"]}}]}
+    )
+    assert "--api-key" not in plan_arm(no_key, no_key.arms[0], Path("/h")).command.argv
+
+
+@pytest.mark.parametrize("key", ["api_key", "--api-key"])
+def test_sglang_key_in_args_and_from_the_variable_is_refused(key: str) -> None:
+    spec = parse_experiment(_keyed("sglang", {key: "literal"}))
+    with pytest.raises(
+        SpecError, match=rf"engine.args.{key}: SGLang gets --api-key from endpoint.api_key_env"
+    ):
+        plan_arm(spec, spec.arms[0], Path("/h"))
+
+
 def test_plan_defaults_and_home_expansion() -> None:
     data = {
         "name": "x",

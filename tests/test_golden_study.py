@@ -46,7 +46,7 @@ def _argv_flags(argv: list[str]) -> dict[str, object]:
             out[flag] = True
         else:
             assert flag is not None, f"value {token!r} before any flag"
-            out[flag] = json.loads(token) if token.startswith("{") else token
+            out[flag] = json.loads(token) if token.startswith("{\"") else token
     return out
 
 
@@ -84,7 +84,13 @@ def test_sglang_arm_matches_study() -> None:
     spec = load_experiment(STUDY)
     plan = plan_arm(spec, spec.arm("sglang"), Path("/state"), MODEL_DIRS)
     assert plan.command.env == {}
-    assert _argv_flags(plan.command.argv) == sglang_flags
+    rendered = _argv_flags(plan.command.argv)
+    # k3pipe adds the key, as a reference to the variable endpoint.api_key_env names (SGLang takes it
+    # only as a flag; the value is resolved at launch and never recorded), and /metrics, which the
+    # study's launch left off (SGLang serves it only with --enable-metrics)
+    assert rendered.pop("--api-key") == "{env.K3PIPE_API_KEY}"
+    assert rendered.pop("--enable-metrics") is True
+    assert rendered == sglang_flags
     assert plan.image == "lmsysorg/sglang:kimi-k3"
     assert plan.command.argv[:3] == ["python3", "-m", "sglang.launch_server"]
     assert plan.mounts == {"<model dir>": "/models/model", "<draft dir>": "/models/draft"}

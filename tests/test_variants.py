@@ -95,7 +95,8 @@ def test_render_shows_every_checklist_item(tmp_path: Path) -> None:
     assert "every workload: dataset {'kind': 'documents'" in by_name["documents"]
 
 
-def test_preflight_judges_each_variant() -> None:
+def test_preflight_judges_each_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("K3PIPE_API_KEY", "k3pipe-test-key")  # the arms' key variable, as for a run
     result = CliRunner().invoke(app, ["preflight", str(RETEST)])
     assert result.exit_code == 0, result.output
     out = result.output

@@ -278,6 +278,10 @@ class Engine:
     """Path reporting the resolved server configuration, if the engine has one."""
     api_key_env_var: ClassVar[str | None] = None
     """Environment variable through which the engine itself takes its API key, if any."""
+    api_key_flag: ClassVar[str | None] = None
+    """The flag through which the engine takes its API key, for an engine with no such variable
+    (SGLang's ``--api-key``): the plan renders ``FLAG {env.NAME}`` for the variable
+    ``endpoint.api_key_env`` names, so the record holds the reference and only the launch the key."""
     python_package: ClassVar[str | None] = None
     """The engine's import name, whose version the node record reads from the arm's interpreter."""
     compile_cache_env_var: ClassVar[str | None] = None
@@ -326,6 +330,21 @@ class Engine:
         if served_name:
             out += ["--served-model-name", served_name]
         return [*out, "--host", host, "--port", str(port)]
+
+    def key_args(self, api_key_env: str | None, args: Mapping[str, Any]) -> list[str]:
+        """The flag and ``{env.NAME}`` reference that give the engine the endpoint's key, for an engine
+        that takes it only as an argument (:attr:`api_key_flag`); [] otherwise. ``args`` (the spec's)
+        must not set that flag too."""
+        if self.api_key_flag is None or self.api_key_env_var is not None or not api_key_env:
+            return []
+        for key in args:
+            if _flag(str(key)) == self.api_key_flag:
+                raise SpecError(
+                    f"engine.args.{key}: {self.display_name} gets {self.api_key_flag} from "
+                    f"endpoint.api_key_env ({api_key_env}); remove engine.args.{key} (a key written in "
+                    "the file is recorded, one read from the variable is not)"
+                )
+        return [self.api_key_flag, "{env." + api_key_env + "}"]
 
     def check_args(self, args: Mapping[str, Any]) -> None:
         managed = {self.model_flag, "--served-model-name", "--host", "--port"}

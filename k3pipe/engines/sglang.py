@@ -71,7 +71,12 @@ class SGLangEngine(Engine):
     version_path: ClassVar[str | None] = "/server_info"
     server_info_path: ClassVar[str | None] = "/server_info"
     model_info_path: ClassVar[str] = "/model_info"
-    api_key_env_var: ClassVar[str | None] = None  # SGLang takes --api-key only
+    # SGLang takes its key as --api-key only (arg_groups/fields/serving.py:160-167; no variable): the
+    # plan renders '--api-key {env.NAME}' for endpoint.api_key_env, resolved at launch alone. SGLang
+    # logs it back in its start-up 'server_args={...}' line (entrypoints/engine.py:311; only watermark
+    # secrets are redacted there), which the engine-log scrubber masks.
+    api_key_env_var: ClassVar[str | None] = None
+    api_key_flag: ClassVar[str | None] = "--api-key"
 
     # python/sglang/srt/observability/metrics_collector.py; /metrics only with --enable-metrics.
     # No drafted/accepted token counters: speculation is reported as gauges plus verify calls.

@@ -34,11 +34,15 @@ as recorded with citations in ``tests/fixtures/engines/`` (see its README.md):
   ``/get_server_info`` + ``/server_info`` (``"version"`` at top level, ``http_server.py:863-893``),
   ``/model_info``, ``/metrics`` with ``sglang:`` names (``observability/metrics_collector.py``); see
   ``sglang/endpoints.md`` and ``sglang/metrics.txt``.
-- auth: a key (``--api-key``, or the ``VLLM_API_KEY`` environment variable) makes ``/v1/...`` answer 401
+- auth: a key (``--api-key``; flavor vllm also the ``VLLM_API_KEY`` environment variable, which SGLang
+  does not read) makes ``/v1/...`` answer 401
   ``{"error": "Unauthorized"}`` without ``Authorization: Bearer <key>``
   (``vllm/entrypoints/openai/server_utils.py`` ``AuthenticationMiddleware``; SGLang
   ``utils/auth.py:154-205``, which leaves ``/health`` and ``/metrics`` open).
-- streaming, both flavors in vLLM's wire format (as ``tests/scripted_openai.py`` documents, from
+- ``/metrics``: flavor sglang serves it only with ``--enable-metrics`` (404 otherwise), as SGLang does.
+- streaming, flavor sglang's chat: SGLang 0.5.23's own format (see ``_sglang_chat_stream``: the finish
+  in a chunk of its own, ``reasoning_content`` in every delta, running ``usage`` per chunk with
+  ``continuous_usage_stats``). Otherwise vLLM's wire format (as ``tests/scripted_openai.py`` documents, from
   ``vllm/entrypoints/openai/chat_completion/serving.py`` and ``completion/serving.py``): chat starts
   with a role-only chunk ``delta: {"role": "assistant", "content": ""}``, then one chunk per token,
   the last with ``finish_reason``; with ``stream_options.include_usage`` a final chunk with
@@ -69,6 +73,11 @@ VLLM_VERSION = "0.32.0"
 SGLANG_VERSION = "0.5.23"
 CRASH_EXIT_CODE = 3
 _WORDS = [" the", " model", " answers", " with", " tokens", " from", " a", " scripted", " list", "."]
+# sglang:inter_token_latency_seconds' buckets (tests/fixtures/engines/sglang/metrics.txt)
+_ITL_BUCKETS = (
+    *(0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1),
+    *(0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0),
+)
 _STATUS_PHRASES = {
     200: "OK",
     400: "Bad Request",
@@ -128,7 +137,9 @@ class Engine:
         self.flavor: str = args.flavor
         self.model_path: str = args.model
         self.served: str = args.served_model_name or args.model
-        self.api_key: str | None = args.api_key or os.environ.get("VLLM_API_KEY") or None
+        # vLLM takes --api-key or VLLM_API_KEY; SGLang only --api-key (arg_groups/fields/serving.py:160)
+        env_key = os.environ.get("VLLM_API_KEY") if self.flavor == "vllm" else None
+        self.api_key: str | None = args.api_key or env_key or None
         self.token_delay_s = max(0.0, args.token_delay_ms / 1000.0)
         self.max_model_len = int(
             args.max_model_len or args.context_length or model_config.get("max_position_embeddings") or 4096
@@ -144,6 +155,35 @@ class Engine:
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self._interval_prompt = 0
         self._interval_gen = 0
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            (
+                0.1,
+                0.2,
+                0.4,
+                0.6,
+                0.8,
+                1.0,
+                2.0,
+                4.0,
+                6.0,
+                8.0,
+                10.0,
+                20.0,
+                40.0,
+                60.0,
+                80.0,
+                100.0,
+                200.0,
+                400.0,
+            ),
+        )
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            _ITL_BUCKETS,
+        )
 
     def begin(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -237,11 +277,43 @@ class Engine:
                 "# HELP sglang:token_usage The token usage.",
                 "# TYPE sglang:token_usage gauge",
                 f"sglang:token_usage{{{sched}}} {usage}",
+                *self.ttft.lines(tok),
+                *self.itl.lines(f'engine_type="unified",model_name="{self.served}"'),
             ]
         return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------- serving
+
+
+class Histogram:
+    """A Prometheus histogram as SGLang exports it (observability/metrics_collector.py; buckets and
+    labels as in tests/fixtures/engines/sglang/metrics.txt)."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help_text, self.buckets = name, help_text, buckets
+        self.counts = [0] * len(buckets)
+        self.count = 0
+        self.total = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.count += 1
+            self.total += value
+            for i, bound in enumerate(self.buckets):
+                if value <= bound:
+                    self.counts[i] += 1
+
+    def lines(self, labels: str) -> list[str]:
+        with self._lock:
+            out = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+            for bound, n in zip(self.buckets, self.counts, strict=True):
+                out.append(f'{self.name}_bucket{{{labels},le="{bound}"}} {float(n)}')
+            out.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {float(self.count)}')
+            out.append(f"{self.name}_count{{{labels}}} {float(self.count)}")
+            out.append(f"{self.name}_sum{{{labels}}} {self.total}")
+            return out
 
 
 def _error(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
@@ -311,8 +383,10 @@ class Handler(BaseHTTPRequestHandler):
         ready = eng.ready.is_set() and not eng.stopping.is_set()
         if path in ("/health", "/health_generate", "/ready"):
             self._send(200 if ready else 503, b"")
-        elif path == "/metrics":
+        elif path == "/metrics" and (eng.flavor == "vllm" or eng.args.enable_metrics):
             self._send(200, eng.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/metrics":  # SGLang mounts it only with --enable-metrics (http_server.py:314)
+            self._json(404, {"detail": "Not Found"})
         elif eng.flavor == "vllm" and path == "/version":
             self._json(200, {"version": VLLM_VERSION})
         elif eng.flavor == "sglang" and path in ("/get_server_info", "/server_info"):
@@ -489,15 +563,90 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
         self.wfile.flush()
 
-    def _stream(
-        self, body: dict[str, Any], chat: bool, model: str, n: int, reason: str, prompt_tokens: int
-    ) -> None:
-        eng = self.engine
+    def _start_stream(self) -> None:
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
         self._access(200)  # uvicorn logs the access line when the response starts
+
+    def _end_stream(self) -> None:
+        self._chunk("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _sglang_usage(self, prompt_tokens: int, completion: int) -> dict[str, Any]:
+        """UsageInfo.model_dump() (entrypoints/openai/protocol.py:221): every field, None included."""
+        return {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
+
+    def _sglang_chat_stream(
+        self, body: dict[str, Any], model: str, n: int, reason: str, prompt_tokens: int
+    ) -> None:
+        """SGLang 0.5.23's chat stream (entrypoints/openai/serving_chat.py:2480-2806, chunks built by
+        sse_utils.py:52 with msgspec, omit_defaults): a role chunk; one chunk per token whose delta
+        always carries ``reasoning_content`` (null here) and, with ``continuous_usage_stats``, the
+        running ``usage`` (serving_chat.py:1035); the finish_reason in a chunk of its own with an
+        empty delta and ``matched_stop``; with ``include_usage`` a ``choices: []`` usage chunk
+        (pydantic model_dump_json, serving_chat.py:2790); then ``[DONE]``. The id is the request's
+        hex id, no ``chatcmpl-`` prefix."""
+        eng = self.engine
+        options = body.get("stream_options") or {}
+        continuous = bool(options.get("continuous_usage_stats"))
+        head = {"id": uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = model
+
+        def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": None,
+            }
+
+        self._start_stream()
+        self._chunk(
+            {**head, "choices": [choice({"reasoning_content": None, "role": "assistant", "content": ""})]}
+        )
+        last = arrived = time.monotonic()
+        for k, text in enumerate(self._texts(n)):
+            time.sleep(eng.token_delay_s)
+            if eng.stopping.is_set():
+                raise BrokenPipeError("shutting down")
+            eng.token()
+            now = time.monotonic()
+            if k == 0:
+                eng.ttft.observe(now - arrived)
+            else:
+                eng.itl.observe(now - last)
+            last = now
+            chunk: dict[str, Any] = {
+                **head,
+                "choices": [choice({"reasoning_content": None, "content": text})],
+            }
+            if continuous:
+                chunk["usage"] = self._sglang_usage(prompt_tokens, k + 1)
+            self._chunk(chunk)
+        self._chunk({**head, "choices": [choice({"reasoning_content": None}, reason)]})
+        if options.get("include_usage"):
+            self._chunk({**head, "choices": [], "usage": self._sglang_usage(prompt_tokens, n)})
+        self._end_stream()
+
+    def _stream(
+        self, body: dict[str, Any], chat: bool, model: str, n: int, reason: str, prompt_tokens: int
+    ) -> None:
+        if chat and self.engine.flavor == "sglang":
+            self._sglang_chat_stream(body, model, n, reason, prompt_tokens)
+            return
+        eng = self.engine
+        self._start_stream()
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -544,9 +693,7 @@ class Handler(BaseHTTPRequestHandler):
             if chat:
                 final["system_fingerprint"] = None
             self._chunk(final)
-        self._chunk("[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
+        self._end_stream()
 
 
 class Server(ThreadingHTTPServer):
@@ -572,6 +719,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--enable-metrics", action="store_true", help="SGLang: serve /metrics")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--startup-delay-s", type=float, default=1.0)
@@ -635,10 +783,19 @@ def announce_start(eng: Engine, unknown: list[str]) -> None:
             proc="EngineCore",
         )
     else:
-        log.engine(
-            f"server_args=ServerArgs(model_path='{eng.model_path}', served_model_name='{eng.served}', "
-            f"host='{args.host}', port={args.port}, context_length={args.context_length}, tp_size=1)"
-        )
+        # entrypoints/engine.py:311 logs server_args.resolved_dict() with only watermark secrets
+        # redacted (:173): the key is in it, as the real engine prints it
+        resolved = {
+            "model_path": eng.model_path,
+            "served_model_name": eng.served,
+            "host": args.host,
+            "port": args.port,
+            "api_key": args.api_key,
+            "context_length": args.context_length,
+            "tp_size": 1,
+            "enable_metrics": args.enable_metrics,
+        }
+        log.engine(f"server_args={resolved}")
         if unknown:
             log.engine(f"fake engine: ignoring engine flags {unknown}")
         log.engine("Load weight begin. avail mem=21.40 GB", rank="TP0")

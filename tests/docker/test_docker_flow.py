@@ -110,6 +110,51 @@ def test_flow_runs_the_engine_in_a_container(
     assert len(logs) == 1
 
 
+def test_flow_runs_an_sglang_container_with_its_key_and_metrics(
+    prefect_harness: None,
+    docker_client: docker.DockerClient,
+    fake_engine_image: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An SGLang arm (the scripted engine's SGLang flavour: tests/test_sglang.py says what it speaks)
+    in a container: the key reaches it as --api-key from the variable, /metrics is on, and the key is
+    in none of the records."""
+    from flows.benchmark import benchmark
+
+    key = "sgl-docker-" + uuid.uuid4().hex
+    monkeypatch.setenv("K3PIPE_DOCKER_TEST_KEY", key)
+    name = f"docker-sgl-{uuid.uuid4().hex[:8]}"
+    workloads = [{"name": "w", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4}]
+    data = _experiment(fake_engine_image, free_port(), workloads, name)
+    arm = data["arms"][0]
+    arm["name"] = "fake-sglang"
+    arm["engine"] = {
+        "kind": "sglang",
+        "image": fake_engine_image,
+        "args": {"flavor": "sglang", "token_delay_ms": 2, "enable_metrics": True},
+    }
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(data))
+
+    outcomes = benchmark(str(exp))
+
+    assert [o["status"] for o in outcomes] == ["FINISHED"], outcomes
+    assert _ours(docker_client, name) == []
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    run = tracker.client.get_run(outcomes[0]["mlflow_run_id"])
+    assert "--api-key '{env.K3PIPE_DOCKER_TEST_KEY}'" in run.data.params["docker_run"]
+    assert "--enable-metrics" in run.data.params["docker_run"]
+    assert run.data.metrics["engine_log.ready"] == 1
+    child = tracker.children(run.info.run_id)[0].data.metrics
+    assert child["completed"] == 4
+    assert child["itl_per_token"] == 1.0
+    assert child["engine_generation_tokens"] == 4 * 8
+    leaked = [p for p in settings.home_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert leaked == []
+
+
 def test_ctrl_c_removes_the_container(
     docker_client: docker.DockerClient, fake_engine_image: str, tmp_path: Path
 ) -> None:

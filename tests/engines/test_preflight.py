@@ -423,9 +423,11 @@ def test_model_dir_supplies_config_and_weights(tmp_path: Path) -> None:
 # -- the study preset -----------------------------------------------------------------------------------
 
 
-def test_study_preset_findings(study: ExperimentSpec) -> None:
+def test_study_preset_findings(study: ExperimentSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("K3PIPE_API_KEY", "k3pipe-test-key")  # the arms' key variable, set as for a run
     findings = preflight(study)
     vllm, sglang = rules(findings, "vllm"), rules(findings, "sglang")
+    assert "sglang-metrics-disabled" not in sglang  # the preset turns SGLang's /metrics on
     assert vllm["vllm-gpu-memory-utilization"].severity == "warning"
     assert sglang["sglang-dcp-speculation"].severity == "warning"
     assert "vllm-dcp-speculation" not in vllm  # the study's vLLM arm ran without DCP
@@ -473,3 +475,18 @@ def test_study_preset_kv_shortfall_with_synthetic_config(study: ExperimentSpec) 
     # vLLM: 0.95 x 267.69 GiB - 215 GiB, TP=8 without DCP -> one KV head per GPU: the pool holds
     # 1M context and 10 x 203K at once
     assert not [f for f in findings if f.arm == "vllm" and f.rule == "kv-capacity"]
+
+
+def test_sglang_key_variable_unset_is_an_error(
+    study: ExperimentSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang takes its key only as --api-key, rendered from the variable endpoint.api_key_env names:
+    unset, the launch could not give it (vLLM would serve without one: no finding for it)."""
+    monkeypatch.delenv("K3PIPE_API_KEY", raising=False)
+    findings = preflight(study)
+    unset = rules(findings, "sglang")["env-unset"]
+    assert unset.severity == "error"
+    assert "endpoint.api_key_env names K3PIPE_API_KEY" in unset.message
+    assert "--api-key" in unset.message
+    assert "export K3PIPE_API_KEY=" in unset.message
+    assert "env-unset" not in rules(findings, "vllm")
