@@ -63,7 +63,8 @@ def _experiment(name: str, port: int, metrics: bool = True) -> dict[str, Any]:
                 "concurrency": 2,
                 "num_requests": 6,
                 "metrics_interval_s": 0.5,
-            }
+            },
+            {"name": "wc", "api": "completions", "input_tokens": 16, "output_tokens": 6, "num_requests": 3},
         ],
     }
 
@@ -106,7 +107,8 @@ def test_sglang_arm_runs_through_the_flow_with_its_key_and_metrics(
     server_args = next(line for line in log.splitlines() if "server_args=" in line)
     assert "'api_key': '***'" in server_args, server_args
     # the workload: per-token ITL from SGLang's running usage, engine-side figures from its /metrics
-    child = tracker.children(run.info.run_id)[0]
+    children = {c.data.tags["k3pipe.workload"]: c for c in tracker.children(run.info.run_id)}
+    child = children["w"]
     m = child.data.metrics
     assert m["completed"] == 6
     assert m["output_tokens_total"] == 6 * 12
@@ -117,6 +119,9 @@ def test_sglang_arm_runs_through_the_flow_with_its_key_and_metrics(
     frames = Path(tracker.client.download_artifacts(child.info.run_id, "", str(tmp_path / "child")))
     requests = pd.read_parquet(next(frames.rglob("requests.parquet")))
     assert len(requests) == 6
+    # /v1/completions: SGLang's completion stream, running usage per chunk too
+    assert children["wc"].data.metrics["completed"] == 3
+    assert children["wc"].data.metrics["itl_per_token"] == 1.0
     # the key: in no file of the home (MLflow's database and artifacts, engine logs, k3pipe's log)
     leaked = [p for p in _files(settings.home_dir) if key.encode() in p.read_bytes()]
     assert leaked == []

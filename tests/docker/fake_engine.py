@@ -687,7 +687,13 @@ class Handler(BaseHTTPRequestHandler):
             if last:
                 choice["stop_reason"] = None
             choice["token_ids"] = None
-            self._chunk({**head, "choices": [choice]})
+            chunk: dict[str, Any] = {**head, "choices": [choice]}
+            if eng.flavor == "sglang":  # SGLang's completions (serving_completions.py:373-403)
+                choice.pop("stop_reason", None)
+                choice["matched_stop"] = None
+                if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                    chunk["usage"] = self._sglang_usage(prompt_tokens, k + 1)
+            self._chunk(chunk)
         if (body.get("stream_options") or {}).get("include_usage"):
             final = {**head, "choices": [], "usage": self._usage(prompt_tokens, n, chat)}
             if chat:
