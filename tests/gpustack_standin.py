@@ -37,8 +37,8 @@ it, and runs the deployment's rendered run command as a local process group inst
   ``Model not found``.
 
 Scripted faults: ``kill_after_requests=N`` kills the instance's process group after N proxied
-requests (a crash mid-workload). ``calls`` records every request (method, path) for the tests, and
-``proxied_models`` the model ids requests named.
+requests (a crash mid-workload). ``calls`` records every request (method, path) for the tests, ``created``
+each deployment's body and ``proxied_models`` the model ids requests named.
 """
 
 from __future__ import annotations
@@ -237,6 +237,7 @@ class GpustackStandin:
         self.instances: dict[int, Instance] = {}
         self.calls: list[tuple[str, str]] = []
         self.proxied_models: list[str] = []
+        self.created: list[dict[str, Any]] = []
         self.lock = threading.RLock()
         self._ids = iter(range(1, 1_000_000))
         self._proxied = 0
@@ -308,6 +309,7 @@ class GpustackStandin:
         if any(m["name"] == body.get("name") for m in self.models.values()):
             raise _Error(409, f"Model with name '{body.get('name')}' already exists.")
         self.backend_of(body)
+        self.created.append(dict(body))
         ident = next(self._ids)
         model = {"restart_on_error": True, **body, "id": ident, "state": "not_ready"}
         self.models[ident] = model
