@@ -64,12 +64,13 @@ def wait_until_healthy(
     where = url or f"its {launcher.kind} launcher"
     with httpx.Client(timeout=5.0, trust_env=False) as client:
         while True:
+            ready = launcher.ready(progress)  # raises where the launcher knows why the start failed
             if not launcher.alive():
                 raise LaunchError(
                     f"the engine exited with code {launcher.exit_code()} before {where} said ready; "
                     f"last log lines ({launcher.log_path}):\n{launcher.log_tail()}"
                 )
-            if not launcher.ready(progress):
+            if not ready:
                 last_error = "not ready yet"
             elif url is None:
                 return time.perf_counter() - t0

@@ -162,7 +162,10 @@ def test_an_engine_crash_mid_workload_fails_the_run_and_the_deployment_is_delete
     out = capfd.readouterr()
     _, run = _only_run()
     assert run.info.status == "FAILED"
-    assert "ended early" in run.data.tags["k3pipe.error"], run.data.tags["k3pipe.error"]
+    error = run.data.tags["k3pipe.error"]
+    # the gateway answers 404 at once for a model with no running instance: the requests fail, or
+    # the engine watch (the instance's state) ends the workload first
+    assert "requests failed" in error or "ended early" in error, error
     _no_key_anywhere(key, Path(Settings().home_dir), out.out + out.err)
 
 
