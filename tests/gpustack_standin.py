@@ -37,8 +37,10 @@ it, and runs the deployment's rendered run command as a local process group inst
   ``Model not found``.
 
 Scripted faults: ``kill_after_requests=N`` kills the instance's process group after N proxied
-requests (a crash mid-workload). ``calls`` records every request (method, path) for the tests, ``created``
-each deployment's body and ``proxied_models`` the model ids requests named.
+requests (a crash mid-workload); ``gateway_status=S`` answers every OpenAI request with S (a gateway
+that refuses the probe); ``keep_deleted`` answers a deployment's DELETE but keeps listing it.
+``calls`` records every request (method, path) for the tests, ``created`` each deployment's body and
+``proxied_models`` the model ids requests named.
 """
 
 from __future__ import annotations
@@ -228,10 +230,19 @@ class Instance:
 class GpustackStandin:
     """The server, in a thread of the test process; ``with GpustackStandin(key) as gs: gs.url``."""
 
-    def __init__(self, key: str, pace_s: float = 0.3, kill_after_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        key: str,
+        pace_s: float = 0.3,
+        kill_after_requests: int | None = None,
+        gateway_status: int | None = None,
+        keep_deleted: bool = False,
+    ) -> None:
         self.key = key
         self.pace_s = pace_s
         self.kill_after_requests = kill_after_requests
+        self.gateway_status = gateway_status
+        self.keep_deleted = keep_deleted
         self.backends: dict[int, dict[str, Any]] = {}
         self.models: dict[int, dict[str, Any]] = {}
         self.instances: dict[int, Instance] = {}
@@ -322,6 +333,8 @@ class GpustackStandin:
     def delete_model(self, ident: int) -> None:
         if ident not in self.models:
             raise _Error(404, "Model not found")
+        if self.keep_deleted:
+            return  # scripted: answered, yet still listed (a stuck deletion)
         del self.models[ident]
         for key, instance in list(self.instances.items()):
             if instance.model["id"] == ident:
@@ -474,6 +487,8 @@ def _handler(gs: GpustackStandin) -> type[BaseHTTPRequestHandler]:
             raw = self.rfile.read(length)
             name = str(json.loads(raw or b"{}").get("model"))
             gs.proxied_models.append(name)
+            if gs.gateway_status is not None:
+                raise _Error(gs.gateway_status, "scripted gateway failure")
             instance = gs.running_instance(name)
             if instance is None:
                 raise _Error(404, "Model not found")

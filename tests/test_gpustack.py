@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from k3pipe.experiment import load_experiment
+from k3pipe.health import wait_ready
+from k3pipe.launchers.factory import launch_engine
+from k3pipe.launchers.gpustack import GpustackLauncher
+from k3pipe.plan import plan_arm
+from k3pipe.run import INTERRUPT_GRACE_S
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, require_engine
@@ -64,6 +71,7 @@ def _experiment(url: str, tmp_path: Path, **engine_args: Any) -> Path:
         ],
         "workloads": [WORKLOAD],
     }
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -185,3 +193,77 @@ def test_an_instance_error_at_start_fails_with_its_message_and_log(
     assert "went to ERROR: the inference server exited with code 3" in error, error
     assert "Engine core initialization failed" in error  # the instance's last log lines
     _no_key_anywhere(key, Path(Settings().home_dir), out.out + out.err)
+
+
+def test_a_failed_health_gate_fails_the_run_and_the_deployment_is_deleted(
+    prefect_harness: None, tmp_path: Path, key: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from flows.benchmark import benchmark
+
+    with GpustackStandin(key, gateway_status=502) as gs:
+        with pytest.raises(RuntimeError):
+            benchmark(str(_experiment(gs.url, tmp_path)))
+        _deleted_and_confirmed(gs)
+    out = capfd.readouterr()
+    _, run = _only_run()
+    assert run.info.status == "FAILED"
+    assert "502" in run.data.tags["k3pipe.error"], run.data.tags["k3pipe.error"]
+    _no_key_anywhere(key, Path(Settings().home_dir), out.out + out.err)
+
+
+# -- the launcher alone (no flow): the interrupt's short stop, a leftover, a stuck deletion ----------
+
+
+def _started(url: str, tmp_path: Path) -> GpustackLauncher:
+    spec = load_experiment(_experiment(url, tmp_path))
+    plan = plan_arm(spec, spec.arms[0], tmp_path / "home", {"model": str(TINY_MODEL)})
+    launcher = launch_engine(plan, tmp_path / "engine.log", Settings(), None)
+    assert isinstance(launcher, GpustackLauncher)
+    wait_ready(plan, launcher)
+    return launcher
+
+
+def test_an_interrupts_short_stop_deletes_and_confirms_within_its_grace(tmp_path: Path, key: str) -> None:
+    with GpustackStandin(key, pace_s=0.05) as gs:
+        launcher = _started(gs.url, tmp_path)
+        t0 = time.monotonic()
+        launcher.stop(grace_s=INTERRUPT_GRACE_S)
+        took = time.monotonic() - t0
+        _deleted_and_confirmed(gs)
+        assert launcher.left_behind is None
+        launcher.stop()  # twice: nothing more
+        assert sum(c[0] == "DELETE" for c in gs.calls) == 1
+    assert took < INTERRUPT_GRACE_S + 1.0, took
+
+
+def test_a_deployment_left_by_a_killed_run_is_deleted_before_the_next_start(tmp_path: Path, key: str) -> None:
+    with GpustackStandin(key, pace_s=0.05) as gs:
+        killed = _started(gs.url, tmp_path)  # its run killed: no stop
+        leftover = killed.model_id
+        again = _started(gs.url, tmp_path / "again")
+        assert leftover not in gs.models
+        assert ("DELETE", f"/v2/models/{leftover}") in gs.calls
+        again.stop()
+        killed.stop()  # its teardown after all: already gone (404), confirmed
+        assert killed.left_behind is None
+        assert gs.models == {}
+        assert gs.instances == {}
+
+
+def test_a_deletion_that_never_shows_is_reported_within_the_bound_not_raised(
+    tmp_path: Path, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with GpustackStandin(key, pace_s=0.05, keep_deleted=True) as gs:
+        launcher = _started(gs.url, tmp_path)
+        t0 = time.monotonic()
+        launcher.stop(grace_s=1.0)
+        took = time.monotonic() - t0
+        assert gs.models, "the stand-in keeps it"
+        assert launcher.left_behind is not None
+        assert "still listed after 1 s; check GPUStack and delete it there" in launcher.left_behind
+        assert "still listed" in caplog.text
+        gs.keep_deleted = False
+        launcher.stop()  # stop again: it deletes and confirms this time
+        assert launcher.left_behind is None
+        assert gs.models == {}
+    assert took < 2.5, took

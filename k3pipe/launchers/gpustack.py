@@ -537,7 +537,8 @@ class GpustackLauncher:
             self._deleted = True
             self.left_behind = None
             _LIVE.discard(self)
-        self._join_log(5.0)
+        # a deleted instance's log stream ends; one still running keeps the daemon follower blocked
+        self._join_log(min(5.0, bound))
         if self._deleted:
             self.api.close()
 
