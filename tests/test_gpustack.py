@@ -41,7 +41,7 @@ NAME = "k3pipe-gs-vllm"
 WORKLOAD = {"name": "w", "input_tokens": 16, "output_tokens": 4, "num_requests": 6, "concurrency": 2}
 
 
-def _experiment(url: str, tmp_path: Path, **engine_args: Any) -> Path:
+def _experiment(url: str, tmp_path: Path, launcher: dict[str, Any] | None = None, **engine_args: Any) -> Path:
     data = {
         "name": "gs",
         "model": {"source": "local", "path": str(TINY_MODEL)},
@@ -66,6 +66,7 @@ def _experiment(url: str, tmp_path: Path, **engine_args: Any) -> Path:
                     "poll_s": 0.2,
                     "startup_timeout_s": 60,
                     "stop_timeout_s": 20,
+                    **(launcher or {}),
                 },
             }
         ],
@@ -214,8 +215,8 @@ def test_a_failed_health_gate_fails_the_run_and_the_deployment_is_deleted(
 # -- the launcher alone (no flow): the interrupt's short stop, a leftover, a stuck deletion ----------
 
 
-def _started(url: str, tmp_path: Path) -> GpustackLauncher:
-    spec = load_experiment(_experiment(url, tmp_path))
+def _started(url: str, tmp_path: Path, **launcher: Any) -> GpustackLauncher:
+    spec = load_experiment(_experiment(url, tmp_path, launcher))
     plan = plan_arm(spec, spec.arms[0], tmp_path / "home", {"model": str(TINY_MODEL)})
     launcher = launch_engine(plan, tmp_path / "engine.log", Settings(), None)
     assert isinstance(launcher, GpustackLauncher)
@@ -225,7 +226,7 @@ def _started(url: str, tmp_path: Path) -> GpustackLauncher:
 
 def test_an_interrupts_short_stop_deletes_and_confirms_within_its_grace(tmp_path: Path, key: str) -> None:
     with GpustackStandin(key, pace_s=0.05) as gs:
-        launcher = _started(gs.url, tmp_path)
+        launcher = _started(gs.url, tmp_path, worker=1)  # the worker by its id
         t0 = time.monotonic()
         launcher.stop(grace_s=INTERRUPT_GRACE_S)
         took = time.monotonic() - t0

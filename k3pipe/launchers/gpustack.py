@@ -373,7 +373,7 @@ class GpustackLauncher:
             return None
         workers = self.api.items("/workers")
         for worker in workers:
-            if wanted in (worker.get("name"), worker.get("id")):
+            if str(wanted) in (worker.get("name"), str(worker.get("id"))):
                 return str(worker["name"])
         known = ", ".join(f"{w.get('name')} (id {w.get('id')})" for w in workers) or "none"
         raise LaunchError(f"GPUStack has no worker {wanted!r}; launcher.worker may be one of: {known}")
