@@ -110,11 +110,19 @@ def _deleted_and_confirmed(gs: GpustackStandin) -> None:
 
 
 def _no_key_anywhere(key: str, home: Path, output: str) -> None:
+    """Not in the terminal, nor any file of K3PIPE_HOME (MLflow's store and artifacts, the engine
+    log), nor the Prefect harness's database (flow and task logs, parameters, results)."""
+    import prefect.settings
+
     assert key not in output
     needle = key.encode()
-    for path in home.rglob("*"):
-        if path.is_file():
-            assert needle not in path.read_bytes(), f"the GPUStack key is in {path}"
+    url = str(prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL.value())
+    prefect_db = Path(url.split(":///", 1)[1])
+    files = [p for p in home.rglob("*") if p.is_file()]
+    files += [p for p in prefect_db.parent.glob(prefect_db.name + "*") if p.is_file()]
+    assert any(p.name == prefect_db.name for p in files), url
+    for path in files:
+        assert needle not in path.read_bytes(), f"the GPUStack key is in {path}"
 
 
 def test_a_gpustack_arm_deploys_benchmarks_through_the_gateway_and_is_deleted(
