@@ -469,10 +469,6 @@ class GpustackLauncher:
     def exit_code(self) -> int | None:
         return None  # the engine is a container on a GPUStack worker: no exit code reaches here
 
-    def state_message(self) -> str | None:
-        instance = self._checked[1] if self._checked else None
-        return instance.get("state_message") if instance else None
-
     # -- log -----------------------------------------------------------------------------------
 
     def _follow_log(self) -> None:
