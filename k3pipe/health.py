@@ -46,37 +46,46 @@ def server_root(base_url: str) -> str:
 
 
 def wait_until_healthy(
-    url: str,
+    url: str | None,
     launcher: Launcher,
     timeout_s: float,
     poll_s: float = 1.0,
     on_wait: Callable[[float], None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> float:
-    """Poll ``url`` until it answers 200; return the seconds waited.
+    """Poll until the launcher says ready (:meth:`Launcher.ready`, its start's changes reported to
+    ``progress``) and ``url`` (None: the launcher alone tells) answers 200; the seconds waited.
 
     Fails fast with the log tail when the engine exits first, and with the tail on timeout.
     """
     t0 = time.perf_counter()
     last_report = t0
     last_error = "no answer yet"
+    where = url or f"its {launcher.kind} launcher"
     with httpx.Client(timeout=5.0, trust_env=False) as client:
         while True:
+            ready = launcher.ready(progress)  # raises where the launcher knows why the start failed
             if not launcher.alive():
                 raise LaunchError(
-                    f"the engine exited with code {launcher.exit_code()} before {url} answered; "
+                    f"the engine exited with code {launcher.exit_code()} before {where} said ready; "
                     f"last log lines ({launcher.log_path}):\n{launcher.log_tail()}"
                 )
-            try:
-                resp = client.get(url)
-                if resp.status_code == 200:
-                    return time.perf_counter() - t0
-                last_error = f"HTTP {resp.status_code}"
-            except httpx.TransportError as exc:
-                last_error = type(exc).__name__
+            if not ready:
+                last_error = "not ready yet"
+            elif url is None:
+                return time.perf_counter() - t0
+            else:
+                try:
+                    resp = client.get(url)
+                    if resp.status_code == 200:
+                        return time.perf_counter() - t0
+                    last_error = f"HTTP {resp.status_code}"
+                except httpx.TransportError as exc:
+                    last_error = type(exc).__name__
             now = time.perf_counter()
             if now - t0 > timeout_s:
                 raise LaunchError(
-                    f"the engine did not become healthy at {url} within {timeout_s:.0f} s "
+                    f"the engine did not become healthy at {where} within {timeout_s:.0f} s "
                     f"(last: {last_error}); raise launcher.startup_timeout_s if a cold start takes "
                     f"longer; last log lines ({launcher.log_path}):\n{launcher.log_tail()}"
                 )
@@ -240,15 +249,19 @@ Progress = Callable[[str], None]
 
 
 def wait_ready(plan: ArmPlan, launcher: Launcher, progress: Progress | None = None) -> float:
-    """Wait until the engine answers its health URL; returns the seconds waited (0 for external)."""
-    if plan.health_url is None:
+    """Wait until the engine answers its health URL (an engine served through a gateway: until its
+    launcher says ready); returns the seconds waited (0 for an endpoint k3pipe did not start)."""
+    if plan.health_url is None and not plan.launch.starts_engine:
         return 0.0
+    where = plan.health_url or f"{plan.launcher} ({plan.base_url})"
 
     def waiting(elapsed: float) -> None:
         if progress:
-            progress(f"waiting for {plan.engine} at {plan.health_url}: {elapsed:.0f} s")
+            progress(f"waiting for {plan.engine} at {where}: {elapsed:.0f} s")
 
-    return wait_until_healthy(plan.health_url, launcher, plan.startup_timeout_s, on_wait=waiting)
+    return wait_until_healthy(
+        plan.health_url, launcher, plan.startup_timeout_s, on_wait=waiting, progress=progress
+    )
 
 
 def engine_version(plan: ArmPlan) -> str | None:

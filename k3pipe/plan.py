@@ -59,7 +59,7 @@ def _compile_cache(
 ) -> CompileCache | None:
     var = engine.compile_cache_env_var
     launcher = arm.launcher
-    if var is None or not launcher.starts_engine:
+    if var is None or not launcher.runs_here:
         return None
     digests = dict(model_digests or {})
     models = {}
@@ -153,15 +153,18 @@ def plan_arm(
     """
     engine = get_engine(arm.engine.kind)
     engine.check_args(arm.engine.args)
-    key_args = engine.key_args(arm.endpoint.api_key_env, arm.engine.args)
+    # the engine checks the endpoint's key itself (not a gateway in front of it)
+    key_env = arm.endpoint.api_key_env if arm.launcher.engine_checks_key else None
+    key_args = engine.key_args(key_env, arm.engine.args)
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
     host_dirs = dict(dirs)
     dirs, mounts = arm.launcher.place_models(dirs)
     port = arm.launcher.port or engine.default_port
     served = exp.model.served_name
+    binding = arm.launcher.binding(engine.default_port, served)
     argv = [
         *(expand_home(part, home) for part in (arm.engine.executable or [])),
-        *engine.managed_args(dirs["model"], served, arm.launcher.host, port),
+        *engine.managed_args(dirs["model"], binding.served_name, binding.host, binding.port),
         *key_args,
         *render_args(arm.engine.args, dirs),
     ]
@@ -169,8 +172,10 @@ def plan_arm(
     # an engine bound to all interfaces is still reached through loopback from here
     host = "127.0.0.1" if arm.launcher.host in ("0.0.0.0", "::") else arm.launcher.host
     root = f"http://{host}:{port}"
-    external = not arm.launcher.starts_engine
-    base_url = arm.endpoint.base_url or f"{root}/v1"
+    # an engine elsewhere (an endpoint, a cluster manager's worker) is reached through its base URL only
+    external = not arm.launcher.runs_here
+    gateway = arm.launcher.gateway(exp.name, arm.name)
+    base_url = arm.endpoint.base_url or (gateway.base_url if gateway else f"{root}/v1")
     return ArmPlan(
         experiment=exp.name,
         arm=arm.name,
@@ -180,8 +185,8 @@ def plan_arm(
         image=arm.engine.image,
         command=RenderedCommand(argv=argv, env=env),
         base_url=base_url,
-        model=arm.endpoint.model or served or dirs["model"],
-        api_key_env=arm.endpoint.api_key_env,
+        model=arm.endpoint.model or (gateway.model if gateway else served or dirs["model"]),
+        api_key_env=arm.endpoint.api_key_env or (gateway.api_key_env if gateway else None),
         continuous_usage=arm.endpoint.continuous_usage_stats,
         health_url=None if external else root + engine.health_path,
         version_url=None if external or not engine.version_path else root + engine.version_path,

@@ -361,8 +361,8 @@ def rule_env_references(ctx: ArmContext) -> Iterator[Finding]:
         for i, part in enumerate(engine.executable or [])
         for name in env_references(part)
     ]
-    key_var = ctx.arm.endpoint.api_key_env
-    if ctx.engine.key_args(key_var, {}) and key_var and not env_value(key_var):
+    key_var = ctx.arm.endpoint.api_key_env if ctx.arm.launcher.engine_checks_key else None
+    if key_var and ctx.engine.key_args(key_var, {}) and not env_value(key_var):
         flag = ctx.engine.api_key_flag
         yield ctx.finding(
             "error",

@@ -135,8 +135,8 @@ def plan_for(
 
 def node_facts(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
     """The node's GPUs, driver and CUDA, and (an engine whose interpreter is here) its torch and
-    engine versions; None for an endpoint k3pipe did not start."""
-    if not plan.launch.starts_engine:
+    engine versions; None for an engine that does not run on this machine."""
+    if not plan.launch.runs_here:
         return None
     return probe_node(
         plan.command.argv,
@@ -295,7 +295,8 @@ class ArmRun:
         )
         cold = self.steps.wait_ready(plan, self.launcher)
         check = self.steps.health_gate(plan, self.api_key)
-        recorder.log_engine(cold if plan.health_url else None, self.steps.engine_version(plan), check)
+        waited = cold if plan.launch.starts_engine else None
+        recorder.log_engine(waited, self.steps.engine_version(plan), check)
         if plan.launch.starts_engine:
             recorder.log_cold_start(self.steps.cold_start(plan, self.log_path, cold, recorder.run_id))
 
@@ -354,7 +355,7 @@ class ArmRun:
                 # a lost engine (dead or frozen) will not exit gracefully either
                 short = interrupted or isinstance(exc, EngineLostError)
                 self.launcher.stop(grace_s=INTERRUPT_GRACE_S if short else None)
-                if plan.launch.starts_engine:
+                if plan.launch.runs_here:
                     recorder.log_nvidia_smi_after(nvidia_smi_report())
         finally:
             own_log = self.launcher is not None and plan.launch.starts_engine

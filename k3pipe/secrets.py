@@ -46,6 +46,7 @@ __all__ = [
     "SecretFilter",
     "UnsetVariable",
     "bad_env_references",
+    "check_key_variable",
     "collect_secrets",
     "env_references",
     "install_log_filter",
@@ -87,6 +88,27 @@ def is_secret_name(name: str) -> bool:
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """A variable name (the same rule as ``endpoint.api_key_env``)."""
 _REFERENCE = re.compile(r"\{env\.([^{}]*)\}")
+
+
+def check_key_variable(value: str, field: str, example: str) -> str:
+    """``value`` if it names an environment variable that holds a key, else a ValueError naming
+    ``field`` (e.g. ``endpoint.api_key_env``) and an ``example`` variable. A key pasted where its
+    variable's name belongs is registered with the scrubber and never echoed whole."""
+    # a long run of mixed-case letters and digits, hardly a word among them: a key, not a name
+    keyish = looks_like_key(value) or (
+        len(value) >= 20
+        and value.count("_") <= 1
+        and all(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
+    )
+    if keyish or not ENV_NAME.match(value):
+        register(value)
+        shown = mask(value) if keyish or len(value) >= 12 else repr(value)
+        raise ValueError(
+            f"{shown} is not an environment variable name{' (it looks like a key)' if keyish else ''}: "
+            f"put the key in an environment variable and name that variable here, e.g. "
+            f"{field}: {example}"
+        )
+    return value
 
 
 class UnsetVariable(LookupError):

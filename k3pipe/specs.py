@@ -14,12 +14,12 @@ import re
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k3pipe import secrets
 from k3pipe.errors import SpecError
+from k3pipe.launchers.base import check_http_url as _check_base_url
 from k3pipe.launchers.kinds import LauncherSpec, ProcessLauncherSpec
 
 __all__ = [
@@ -351,37 +351,6 @@ class HardwareSpec(_Spec):
     )
 
 
-def _check_base_url(value: str) -> str:
-    """``value`` without a trailing '/', if it is an http(s) URL with a host (and a valid port), else a
-    ValueError that says what is wrong."""
-    if any(c.isspace() for c in value):
-        raise ValueError(f"base URL {value!r} holds a space; a URL has none (percent-encode it as %20)")
-    if not value.startswith(("http://", "https://")):
-        raise ValueError(f"base URL {value!r} must start with http:// or https://")
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(
-            f"base URL {value!r} has an invalid port ({exc}); a port is a number from 1 to 65535"
-        ) from exc
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(
-            f"base URL {value!r} holds credentials: put the key in an environment variable and name it "
-            "in endpoint.api_key_env"
-        )
-    if not parts.hostname:
-        raise ValueError(
-            f"base URL {value!r} has no host; write e.g. 'http://127.0.0.1:8000/v1' "
-            "(scheme, host, port, path)"
-        )
-    if port == 0:
-        raise ValueError(f"base URL {value!r} has port 0; a port is a number from 1 to 65535")
-    if parts.query or parts.fragment:
-        raise ValueError(
-            f"base URL {value!r} has a query or fragment; give the base only (e.g. 'http://host:8000/v1')"
-        )
-    return value.rstrip("/")
 
 
 class EndpointSpec(_Spec):
@@ -413,21 +382,7 @@ class EndpointSpec(_Spec):
         if value is None:
             return value
         # a key pasted here would be recorded as a param: refuse it, and never echo it whole
-        # (a long run of mixed-case letters and digits, hardly a word among them: a key, not a name)
-        keyish = secrets.looks_like_key(value) or (
-            len(value) >= 20
-            and value.count("_") <= 1
-            and all(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
-        )
-        if keyish or not _ENV_NAME.match(value):
-            secrets.register(value)
-            shown = secrets.mask(value) if keyish or len(value) >= 12 else repr(value)
-            raise ValueError(
-                f"{shown} is not an environment variable name{' (it looks like a key)' if keyish else ''}: "
-                "put the key in an environment variable and name that variable here, e.g. "
-                "api_key_env: MY_GATEWAY_KEY"
-            )
-        return value
+        return secrets.check_key_variable(value, "api_key_env", "MY_GATEWAY_KEY")
 
     @field_validator("base_url")
     @classmethod

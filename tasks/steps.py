@@ -112,7 +112,7 @@ def probe_node_task(plan: ArmPlan, settings: Settings) -> NodeInfo | None:
     node = run.node_facts(plan, settings)
     if node is not None:
         get_run_logger().info("node: %s", node.describe())
-    elif plan.launch.starts_engine:
+    elif plan.launch.runs_here:
         get_run_logger().info("node: no nvidia-smi on PATH, so no GPU facts are recorded")
     return node
 

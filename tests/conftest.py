@@ -275,6 +275,7 @@ UNIT_MODULES = frozenset(
         "tests/test_bad_inputs.py",
         "tests/test_engines.py",
         "tests/test_golden_study.py",
+        "tests/test_gpustack_spec.py",
         "tests/test_health.py",
         "tests/test_metrics.py",
         "tests/test_params.py",

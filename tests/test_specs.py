@@ -77,7 +77,7 @@ def test_bad_literal_names_allowed_values(tmp_path: Path) -> None:
     data["arms"][0]["launcher"] = {"kind": "k8s"}
     msg = _error(data, tmp_path)
     assert "arms[0].launcher.kind" in msg
-    assert "'process', 'docker' or 'external'" in msg
+    assert "'process', 'docker', 'external' or 'gpustack'" in msg
     assert "'k8s'" in msg
 
 

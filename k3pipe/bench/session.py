@@ -151,7 +151,7 @@ def benchmark_workload(
                             await helper
 
     # the node's GPUs only matter when the engine is ours (not for an external endpoint)
-    with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launch.starts_engine) as gpu:
+    with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launch.runs_here) as gpu:
         result, interrupted = _run_interruptibly(go)
     if interrupted is None:
         watch.check_now()  # lost between two polls, its last requests failing at once

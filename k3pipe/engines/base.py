@@ -324,7 +324,7 @@ class Engine:
     def stock_label(self) -> str:
         return f"stock {self.display_name or self.kind} {self.stock_version}".rstrip()
 
-    def managed_args(self, model_dir: str, served_name: str | None, host: str, port: int) -> list[str]:
+    def managed_args(self, model_dir: str, served_name: str | None, host: str, port: int | str) -> list[str]:
         """Flags k3pipe owns: the model, the served name, host and port."""
         out = [self.model_flag, model_dir]
         if served_name:

@@ -12,9 +12,10 @@ import contextlib
 import ipaddress
 import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,15 +23,33 @@ if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
     from k3pipe.specs import EndpointSpec, EngineSpec
 
-__all__ = ["Launcher", "LauncherSpecBase", "tail_file"]
+__all__ = ["Binding", "Gateway", "Launcher", "LauncherSpecBase", "check_http_url", "tail_file"]
 
 _HOST_NAME = re.compile(
     r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 )
 
 
+class Binding(NamedTuple):
+    """What the engine's command line is told: the address and port it binds and the name it serves
+    (a cluster manager's placeholders, e.g. ``{{port}}``, where the manager assigns them)."""
+
+    host: str
+    port: int | str
+    served_name: str | None
+
+
+class Gateway(NamedTuple):
+    """Where requests go when the engine is served through a cluster manager's gateway: the
+    OpenAI-compatible base URL, the model id there and the variable holding the gateway's key."""
+
+    base_url: str
+    model: str
+    api_key_env: str
+
+
 class Launcher(Protocol):
-    """Where an engine runs. Implementations: process, docker, external."""
+    """Where an engine runs. Implementations: process, docker, external, gpustack."""
 
     kind: str
     log_path: Path | None
@@ -40,6 +59,11 @@ class Launcher(Protocol):
 
     def alive(self) -> bool:
         """Whether the engine is still running."""
+
+    def ready(self, progress: Callable[[str], None] | None = None) -> bool:
+        """Whether the engine is ready as far as the launcher can tell (a cluster manager's instance
+        state), each change of its start reported to ``progress``; True where only the engine's
+        health URL can tell. Raises :class:`k3pipe.errors.LaunchError` when the start failed."""
 
     def exit_code(self) -> int | None:
         """The engine's exit code once it has ended, else None."""
@@ -59,6 +83,39 @@ def tail_file(path: Path | None, lines: int = 40) -> str:
         return ""
     with path.open("r", errors="replace") as fh:
         return "".join(deque(fh, maxlen=lines))
+
+
+def check_http_url(value: str) -> str:
+    """``value`` without a trailing '/', if it is an http(s) URL with a host (and a valid port), else a
+    ValueError that says what is wrong."""
+    if any(c.isspace() for c in value):
+        raise ValueError(f"base URL {value!r} holds a space; a URL has none (percent-encode it as %20)")
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"base URL {value!r} must start with http:// or https://")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(
+            f"base URL {value!r} has an invalid port ({exc}); a port is a number from 1 to 65535"
+        ) from exc
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"base URL {value!r} holds credentials: put the key in an environment variable and name it "
+            "in endpoint.api_key_env"
+        )
+    if not parts.hostname:
+        raise ValueError(
+            f"base URL {value!r} has no host; write e.g. 'http://127.0.0.1:8000/v1' "
+            "(scheme, host, port, path)"
+        )
+    if port == 0:
+        raise ValueError(f"base URL {value!r} has port 0; a port is a number from 1 to 65535")
+    if parts.query or parts.fragment:
+        raise ValueError(
+            f"base URL {value!r} has a query or fragment; give the base only (e.g. 'http://host:8000/v1')"
+        )
+    return value.rstrip("/")
 
 
 class LauncherSpecBase(BaseModel):
@@ -107,7 +164,13 @@ class LauncherSpecBase(BaseModel):
         return value
 
     starts_engine: ClassVar[bool] = True
-    """k3pipe starts (and stops) the engine on this node: it has a log, a node, a cold start."""
+    """k3pipe starts (and stops) the engine: it has a log, a cold start, a liveness to watch."""
+    runs_here: ClassVar[bool] = True
+    """The engine runs on this machine: its node is probed (GPUs, nvidia-smi), its GPUs sampled, its
+    port checked free before the start, its own health, version and metrics URLs polled, and it gets
+    a compile cache of this machine."""
+    engine_checks_key: ClassVar[bool] = True
+    """The engine is given the endpoint's key and checks it (False: a gateway in front checks it)."""
     pins_image: ClassVar[bool] = False
     """The engine runs from an image that is pulled and pinned to its digest before the start."""
     probes_interpreter: ClassVar[bool] = False
@@ -119,6 +182,14 @@ class LauncherSpecBase(BaseModel):
 
     def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
         """Why an arm with this engine and endpoint cannot run on this launcher (None: it can)."""
+        return None
+
+    def binding(self, default_port: int, served_name: str | None) -> Binding:
+        """The host, port and served name the engine's command line gets."""
+        return Binding(self.host, self.port or default_port, served_name)
+
+    def gateway(self, experiment: str, arm: str) -> Gateway | None:
+        """Where requests go when a gateway serves the engine (None: the engine's own address)."""
         return None
 
     def cache_factors(self, engine: EngineSpec) -> dict[str, Any]:

@@ -233,6 +233,9 @@ class DockerLauncher:
             self.alive()
         return self._exit_code
 
+    def ready(self, progress: Callable[[str], None] | None = None) -> bool:
+        return True  # the health URL tells
+
     def log_tail(self, lines: int = 40) -> str:
         if self._log_thread is not None:
             self._log_thread.join(timeout=2)  # let the last lines of a dead container land

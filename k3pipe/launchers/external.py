@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -32,6 +32,9 @@ class ExternalLauncher:
     def exit_code(self) -> int | None:
         return None
 
+    def ready(self, progress: Callable[[str], None] | None = None) -> bool:
+        return True  # the health URL tells
+
     def log_tail(self, lines: int = 40) -> str:
         return ""
 
@@ -46,6 +49,7 @@ class ExternalLauncherSpec(LauncherSpecBase):
     kind: Literal["external"] = Field(description="external: an endpoint already running.")
 
     starts_engine: ClassVar[bool] = False
+    runs_here: ClassVar[bool] = False
 
     def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
         if not endpoint.base_url:

@@ -73,7 +73,7 @@ def launch_engine(
     command, env = _resolved(plan, plan.engine_env())
     ensure_compile_cache(plan)
     key_var = get_engine(plan.engine).api_key_env_var
-    if api_key is not None and key_var:
+    if api_key is not None and key_var and plan.launch.engine_checks_key:
         env[key_var] = api_key.get_secret_value()
     launch_plan = plan.model_copy(update={"command": command})
     base_env = settings.process_env()
@@ -88,7 +88,7 @@ def launch_engine(
 def _port_is_free(plan: ArmPlan) -> None:
     """An engine about to start must not find its port answering already: the health gate would
     take the answer of whatever is there (a stale engine of an earlier run) for the new engine's."""
-    if not plan.launch.starts_engine:
+    if not plan.launch.runs_here:
         return
     url = urlsplit(plan.health_url or plan.base_url)
     host, port = url.hostname or plan.launch.host, url.port

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Discriminator, Tag
 
 from k3pipe.launchers.docker import DockerLauncherSpec
 from k3pipe.launchers.external import ExternalLauncherSpec
+from k3pipe.launchers.gpustack import GpustackLauncherSpec
 from k3pipe.launchers.process import ProcessLauncherSpec
 
 __all__ = ["LAUNCHER_SPECS", "LauncherSpec", "ProcessLauncherSpec"]
@@ -18,6 +19,7 @@ LAUNCHER_SPECS: dict[str, type[BaseModel]] = {
     "process": ProcessLauncherSpec,
     "docker": DockerLauncherSpec,
     "external": ExternalLauncherSpec,
+    "gpustack": GpustackLauncherSpec,
 }
 
 
@@ -31,6 +33,7 @@ def _kind(value: Any) -> str | None:
 LauncherSpec = Annotated[
     Annotated[ProcessLauncherSpec, Tag("process")]
     | Annotated[DockerLauncherSpec, Tag("docker")]
-    | Annotated[ExternalLauncherSpec, Tag("external")],
+    | Annotated[ExternalLauncherSpec, Tag("external")]
+    | Annotated[GpustackLauncherSpec, Tag("gpustack")],
     Discriminator(_kind),
 ]

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
@@ -116,6 +116,9 @@ class ProcessLauncher:
 
     def exit_code(self) -> int | None:
         return None if self._proc is None else self._proc.poll()
+
+    def ready(self, progress: Callable[[str], None] | None = None) -> bool:
+        return True  # the health URL tells
 
     def log_tail(self, lines: int = 40) -> str:
         if self._pump is not None and not self.alive():

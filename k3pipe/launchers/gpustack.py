@@ -1,0 +1,555 @@
+"""Deploy the engine through GPUStack as a "custom backend", the way the study did, and benchmark it
+through GPUStack's OpenAI-compatible gateway.
+
+The API used is GPUStack 2.3.0's (the ``gpustack`` wheel on PyPI; paths below are files of its
+``gpustack/`` package):
+
+- every management route sits under ``/v2`` (``routes/routes.py:79``) and takes the API key as
+  ``Authorization: Bearer`` (``api/auth.py:74``); lists answer ``{"items": [...], "pagination": {page,
+  perPage, total, totalPage}}`` (``schemas/common.py:23,103``);
+- the custom backend: ``GET /v2/inference-backends/backend_name/{name}`` (400 when there is none,
+  ``routes/inference_backend.py:1162-1186``), ``POST /v2/inference-backends`` and ``PUT
+  /v2/inference-backends/{id}`` (``:1189``, ``:1339``) with ``backend_name``, ``version_configs:
+  {version: {image_name, run_command, env}}``, ``default_version``, ``health_check_path``
+  (``schemas/inference_backend.py:34-130``); the name and each version must end in ``-custom``
+  (``routes/inference_backend.py:1792-1821``);
+- the run command's placeholders ``{{model_path}}``, ``{{port}}``, ``{{model_name}}`` (and
+  ``{{worker_ip}}``, ``{{gpu_count}}``, ``{{gpu_ids}}``), no spaces inside the braces
+  (``utils/template.py:32,100-139``); the custom backend runs it in a container on the host network
+  (``worker/backends/custom.py:139,155-176``), the model's name as ``{{model_name}}``;
+- the deployment: ``POST /v2/models`` (``routes/models.py:1627``) with ``name``, ``source:
+  local_path``, ``local_path``, ``replicas``, ``backend``, ``backend_version``, ``env``,
+  ``worker_selector`` (the worker's ``worker-name`` label, ``worker/worker_manager.py:151``),
+  ``gpu_selector: {gpu_ids: ["worker:cuda:0"], gpus_per_replica}`` (``schemas/models.py:110-113``),
+  ``restart_on_error`` (``:1112``, default true) and ``enable_model_route`` (the OpenAI route named
+  after the model, ``routes/models.py:1500-1545``); ``DELETE /v2/models/{id}`` (``:2648``), after which
+  ``GET /v2/models/{id}`` answers 404;
+- its instances: ``GET /v2/model-instances?model_id=ID`` (``routes/model_instances.py:104``), each with
+  ``state`` (pending, analyzing, scheduled, initializing, downloading, starting, running, error,
+  unreachable: ``schemas/models.py:1586-1614``), ``state_message``, ``download_progress``,
+  ``restart_count``, ``worker_name``, ``gpu_indexes`` (``:1707-1761``); the instance's log: ``GET
+  /v2/model-instances/{id}/logs?follow=true`` streamed as text (``routes/model_instances.py:228-306``,
+  options ``worker/logs.py:40``);
+- requests: ``/v1/chat/completions`` and ``/v1/models`` (``routes/routes.py:486-491``; ``/v1-openai``
+  is the frozen legacy alias), the model id the deployment's name.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import shlex
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import httpx
+from pydantic import Field, field_validator, model_validator
+
+from k3pipe import secrets
+from k3pipe.engines import get_engine
+from k3pipe.errors import LaunchError
+from k3pipe.launchers.base import Binding, Gateway, Launcher, LauncherSpecBase, check_http_url, tail_file
+from k3pipe.secrets import scrub
+from k3pipe.settings import env_value
+
+if TYPE_CHECKING:
+    from k3pipe.plan import ArmPlan
+    from k3pipe.specs import EndpointSpec, EngineSpec
+
+__all__ = ["GpustackLauncher", "GpustackLauncherSpec"]
+
+log = logging.getLogger("k3pipe.launchers.gpustack")
+
+API = "/v2"
+MODEL_PATH = "{{model_path}}"
+PORT = "{{port}}"
+MODEL_NAME = "{{model_name}}"
+_FAILED = ("error", "unreachable")
+
+# Deployments still up at interpreter exit are deleted, as the process launcher ends its groups.
+_LIVE: weakref.WeakSet[GpustackLauncher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for launcher in list(_LIVE):
+        launcher.stop()
+
+
+def _custom(value: str) -> str:
+    # GPUStack refuses a custom backend or version whose name lacks the suffix
+    if not value.endswith("-custom"):
+        raise ValueError(f"{value!r} must end with '-custom' (GPUStack's rule for custom backends)")
+    return value
+
+
+class GpustackLauncherSpec(LauncherSpecBase):
+    """``launcher.kind: gpustack``: the engine's image and command registered as a GPUStack custom
+    backend, deployed as one replica on the chosen worker and GPUs, benchmarked through GPUStack's
+    OpenAI-compatible gateway with the GPUStack key, and deleted at the end of the arm."""
+
+    kind: Literal["gpustack"] = Field(description="gpustack: a deployment on a GPUStack cluster.")
+    host: str = Field(
+        default="0.0.0.0",
+        description="Address the engine binds to on the worker (GPUStack's proxy reaches it there).",
+    )
+    server_url: str = Field(description="The GPUStack server, e.g. 'http://gpustack.example:80'.")
+    api_key_env: str = Field(
+        description="NAME of the environment variable holding the GPUStack API key (never the key)."
+    )
+    backend: str = Field(description="The custom backend's name (GPUStack: ends in '-custom').")
+    backend_version: str = Field(
+        description="The backend version registered with this arm's image and command (ends in '-custom')."
+    )
+    worker: str | int | None = Field(
+        default=None, description="The worker (its name or id) to deploy on (default: GPUStack picks)."
+    )
+    gpus: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        description="GPU indexes on that worker (needs worker; default: GPUStack picks).",
+    )
+    device: str = Field(default="cuda", pattern=r"^[a-z]+$", description="The GPUs' device type.")
+    cluster_id: int | None = Field(default=None, ge=1, description="GPUStack cluster (default: its own).")
+    model_name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="The deployment's name, the model id requests send (default: k3pipe-EXPERIMENT-ARM).",
+    )
+    model_path: str | None = Field(
+        default=None,
+        description="The model's directory on the worker (default: k3pipe's model directory, shared).",
+    )
+    restart_on_error: Literal[False] = Field(
+        default=False,
+        description="Always false: a crashed engine fails the run instead of restarting in a loop.",
+    )
+    poll_s: float = Field(
+        default=2.0, strict=True, gt=0, le=60, description="How often the instance's state is read."
+    )
+    request_timeout_s: float = Field(
+        default=30.0, strict=True, gt=0, le=600, description="Longest wait for one GPUStack API call."
+    )
+
+    starts_engine: ClassVar[bool] = True
+    runs_here: ClassVar[bool] = False
+    engine_checks_key: ClassVar[bool] = False
+    # a deployment left by a killed run is deleted by the next start of the same arm (same name)
+    leaves_orphans: ClassVar[bool] = False
+    command_heading: ClassVar[str] = "run command (GPUStack custom backend)"
+
+    @field_validator("server_url")
+    @classmethod
+    def _server(cls, value: str) -> str:
+        credentials = secrets.url_credentials(value)
+        if credentials:
+            secrets.register_all(v for _, v in credentials)
+            raise ValueError(
+                f"server_url {secrets.scrub_url(value)!r} carries credentials: name the variable "
+                "holding the key in launcher.api_key_env instead"
+            )
+        return check_http_url(value)
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_variable(cls, value: str) -> str:
+        return secrets.check_key_variable(value, "api_key_env", "GPUSTACK_API_KEY")
+
+    @field_validator("backend", "backend_version")
+    @classmethod
+    def _custom_suffix(cls, value: str) -> str:
+        return _custom(value)
+
+    @model_validator(mode="after")
+    def _gpus_need_worker(self) -> GpustackLauncherSpec:
+        if self.gpus is not None and self.worker is None:
+            raise ValueError(
+                f"gpus {self.gpus} are indexes on one worker: name it in launcher.worker (name or id)"
+            )
+        return self
+
+    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
+        if not engine.image:
+            return "launcher.kind 'gpustack' needs engine.image (the custom backend's image)"
+        for name in ("base_url", "api_key_env", "model"):
+            if getattr(endpoint, name) is not None:
+                return (
+                    f"launcher.kind 'gpustack' sets endpoint.{name} itself (GPUStack's gateway): "
+                    f"remove endpoint.{name}; set launcher.server_url, launcher.api_key_env, "
+                    "launcher.model_name"
+                )
+        return None
+
+    def binding(self, default_port: int, served_name: str | None) -> Binding:
+        # GPUStack assigns the port and serves the model under the deployment's name
+        return Binding(self.host, PORT, MODEL_NAME)
+
+    def deployment(self, experiment: str, arm: str) -> str:
+        """The deployment's name: the model id of requests through the gateway."""
+        return self.model_name or f"k3pipe-{experiment}-{arm}"
+
+    def gateway(self, experiment: str, arm: str) -> Gateway | None:
+        return Gateway(f"{self.server_url}/v1", self.deployment(experiment, arm), self.api_key_env)
+
+    def place_models(self, dirs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        # GPUStack puts the deployment's local_path where {{model_path}} names it; other models
+        # (a draft) must be at the same path on the worker
+        return {**dirs, "model": MODEL_PATH}, {self.model_path or dirs["model"]: MODEL_PATH}
+
+    def host_view(self, engine_path: str) -> str | None:
+        return None if "{{" in engine_path else engine_path
+
+    def build(
+        self,
+        plan: ArmPlan,
+        log_path: Path,
+        env: Mapping[str, str],
+        base_env: Mapping[str, str],
+        image: str | None,
+        labels: Mapping[str, str],
+        home: Path | None = None,
+    ) -> Launcher:
+        key = env_value(self.api_key_env)
+        if not key:
+            raise LaunchError(
+                f"arm {plan.arm!r}: launcher.api_key_env names {self.api_key_env}, which is not set; "
+                f"export {self.api_key_env}=<a GPUStack API key> and start the run again"
+            )
+        secrets.register(key)
+        return GpustackLauncher(self, Deployment.of(plan, dict(env)), key, log_path)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What GPUStack is asked for: the backend version (image, run command for people to read) and
+    the model (the command that runs, where, on which worker and GPUs, with which environment)."""
+
+    name: str
+    image: str
+    run_command: str
+    health_path: str
+    local_path: str
+    env: dict[str, str]
+
+    @classmethod
+    def of(cls, plan: ArmPlan, env: dict[str, str]) -> Deployment:
+        local = next(host for host, seen in plan.mounts.items() if seen == MODEL_PATH)
+        return cls(
+            name=plan.model,
+            image=plan.image or "",
+            run_command=shlex.join(plan.command.argv),
+            health_path=get_engine(plan.engine).health_path,
+            local_path=local,
+            env=env,
+        )
+
+    def backend_version(self) -> dict[str, Any]:
+        # the backend outlives the deployment: its command is the arm's with every secret masked;
+        # the command that runs (secrets resolved) goes with the deployment, which is deleted
+        return {"image_name": self.image, "run_command": scrub(self.run_command)}
+
+    def model(self, spec: GpustackLauncherSpec, worker: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "name": self.name,
+            "source": "local_path",
+            "local_path": self.local_path,
+            "replicas": 1,
+            "categories": ["llm"],
+            "backend": spec.backend,
+            "backend_version": spec.backend_version,
+            "image_name": self.image,
+            "run_command": self.run_command,
+            "env": self.env,
+            "restart_on_error": spec.restart_on_error,
+            "enable_model_route": True,
+        }
+        if worker is not None:
+            body["worker_selector"] = {"worker-name": worker}
+        if spec.gpus is not None:
+            body["gpu_selector"] = {
+                "gpu_ids": [f"{worker}:{spec.device}:{i}" for i in spec.gpus],
+                "gpus_per_replica": len(spec.gpus),
+            }
+        if spec.cluster_id is not None:
+            body["cluster_id"] = spec.cluster_id
+        return body
+
+
+class Api:
+    """GPUStack's management API with the key; every failure a LaunchError that says what failed."""
+
+    def __init__(self, server_url: str, key: str, timeout_s: float) -> None:
+        self.server_url = server_url
+        self.client = httpx.Client(
+            base_url=server_url + API,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=timeout_s,
+            trust_env=False,
+        )
+
+    def call(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise LaunchError(
+                f"GPUStack at {self.server_url} did not answer {method} {API}{path}: "
+                f"{type(exc).__name__}: {exc}; check launcher.server_url and that the server runs"
+            ) from exc
+        if resp.status_code not in ok:
+            hint = " (check the key in launcher.api_key_env)" if resp.status_code in (401, 403) else ""
+            raise LaunchError(
+                f"GPUStack {method} {API}{path} answered {resp.status_code}: {_message(resp)}{hint}"
+            )
+        return resp
+
+    def items(self, path: str, **params: Any) -> list[dict[str, Any]]:
+        resp = self.call("GET", path, params={**params, "perPage": 1000})
+        items: list[dict[str, Any]] = resp.json()["items"]
+        return items
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _message(resp: httpx.Response) -> str:
+    """GPUStack's error message (``{"message": ...}``), else the body's start."""
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and body.get("message"):
+            return str(body["message"])[:500]
+    except ValueError:
+        pass
+    return resp.text[:500]
+
+
+class GpustackLauncher:
+    """One deployment on GPUStack: started by :meth:`start`, followed by :meth:`ready` (its instance's
+    states), its log streamed into ``log_path``, deleted and confirmed gone by :meth:`stop`."""
+
+    kind = "gpustack"
+
+    def __init__(self, spec: GpustackLauncherSpec, deployment: Deployment, key: str, log_path: Path) -> None:
+        self.spec = spec
+        self.deployment = deployment
+        self.api = Api(spec.server_url, key, spec.request_timeout_s)
+        self.log_path: Path | None = log_path
+        self.model_id: int | None = None
+        self.left_behind: str | None = None
+        self._seen: tuple[Any, ...] | None = None
+        self._restarts = 0
+        self._had_instance = False
+        self._checked: tuple[float, dict[str, Any] | None] | None = None
+        self._stopping = threading.Event()
+        self._deleted = False
+        self._follower: threading.Thread | None = None
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.model_id is not None:
+            raise LaunchError(f"deployment {self.deployment.name!r} already started (model {self.model_id})")
+        worker = self._worker()
+        self._register_backend()
+        self._delete_leftover()
+        body = self.deployment.model(self.spec, worker)
+        created = self.api.call("POST", "/models", json=body).json()
+        self.model_id = int(created["id"])
+        _LIVE.add(self)
+        assert self.log_path is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._follower = threading.Thread(target=self._follow_log, name="k3pipe-gpustack-log", daemon=True)
+        self._follower.start()
+
+    def _worker(self) -> str | None:
+        """The worker's name (gpu_ids and the worker-name label need it), from its name or id."""
+        wanted = self.spec.worker
+        if wanted is None:
+            return None
+        workers = self.api.items("/workers")
+        for worker in workers:
+            if str(wanted) in (worker.get("name"), str(worker.get("id"))):
+                return str(worker["name"])
+        known = ", ".join(f"{w.get('name')} (id {w.get('id')})" for w in workers) or "none"
+        raise LaunchError(f"GPUStack has no worker {wanted!r}; launcher.worker may be one of: {known}")
+
+    def _register_backend(self) -> None:
+        """Create the custom backend, or add/replace this arm's version on the one there."""
+        spec, dep = self.spec, self.deployment
+        resp = self.api.call("GET", f"/inference-backends/backend_name/{spec.backend}", ok=(200, 400, 404))
+        version = {spec.backend_version: dep.backend_version()}
+        if resp.status_code != 200:
+            body = {
+                "backend_name": spec.backend,
+                "version_configs": version,
+                "default_version": spec.backend_version,
+                "health_check_path": dep.health_path,
+                "description": "registered by k3pipe",
+            }
+            self.api.call("POST", "/inference-backends", json=body)
+            return
+        backend = resp.json()
+        backend["version_configs"] = {**(backend.get("version_configs") or {}), **version}
+        backend["health_check_path"] = dep.health_path
+        self.api.call("PUT", f"/inference-backends/{backend['id']}", json=backend)
+
+    def _delete_leftover(self) -> None:
+        """A deployment of this name left by a run killed before its teardown: deleted first."""
+        for model in self.api.items("/models", search=self.deployment.name):
+            if model.get("name") == self.deployment.name:
+                log.warning("deleting GPUStack deployment %r left by an earlier run", model["name"])
+                self._delete(int(model["id"]), self.spec.stop_timeout_s)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _instance(self) -> dict[str, Any] | None:
+        if self.model_id is None:
+            return None
+        items = self.api.items("/model-instances", model_id=self.model_id)
+        if items:
+            self._had_instance = True
+        return items[0] if items else None
+
+    def ready(self, progress: Callable[[str], None] | None = None) -> bool:
+        instance = self._instance()
+        self._report(instance, progress)
+        if instance is None:
+            return False
+        if instance.get("state") in _FAILED:
+            self._join_log(2.0)
+            raise LaunchError(
+                f"GPUStack instance {instance.get('name')} of {self.deployment.name!r} went to "
+                f"{str(instance.get('state')).upper()}: {instance.get('state_message') or 'no message'}; "
+                f"last log lines ({self.log_path}):\n{self.log_tail()}"
+            )
+        return instance.get("state") == "running"
+
+    def _report(self, instance: dict[str, Any] | None, progress: Callable[[str], None] | None) -> None:
+        """One progress line per change of the instance's state (or download's percent)."""
+        if instance is None:
+            seen: tuple[Any, ...] = ("waiting",)
+            line = f"gpustack: deployment {self.deployment.name!r} waiting for an instance"
+        else:
+            state = str(instance.get("state", "?"))
+            percent = instance.get("download_progress")
+            seen = (state, int(percent) if state == "downloading" and percent is not None else None)
+            line = f"gpustack: instance {instance.get('name')} {state.upper()}"
+            if seen[1] is not None:
+                line += f" {seen[1]}%"
+            if state == "running":
+                line += f" on worker {instance.get('worker_name')} GPUs {instance.get('gpu_indexes')}"
+            restarts = int(instance.get("restart_count") or 0)
+            if restarts > self._restarts:
+                self._restarts = restarts
+                line += f" (restarted {restarts} times)"
+                seen += (restarts,)
+        if seen != self._seen:
+            self._seen = seen
+            (progress or log.info)(line)
+
+    def alive(self) -> bool:
+        if self.model_id is None or self._stopping.is_set():
+            return False
+        now = time.monotonic()
+        if self._checked is None or now - self._checked[0] >= 1.0:
+            try:
+                self._checked = (now, self._instance())
+            except LaunchError:
+                return True  # the server did not answer this time: the requests tell the rest
+        instance = self._checked[1]
+        if instance is None:
+            return not self._had_instance
+        return instance.get("state") not in _FAILED
+
+    def exit_code(self) -> int | None:
+        return None  # the engine is a container on a GPUStack worker: no exit code reaches here
+
+    # -- log -----------------------------------------------------------------------------------
+
+    def _follow_log(self) -> None:
+        """The instance's log into ``log_path`` as it comes, scrubbed; a broken stream resumes past
+        the lines already written."""
+        assert self.log_path is not None
+        written = 0
+        with self.log_path.open("a", encoding="utf-8", errors="replace") as out:
+            while not self._stopping.is_set():
+                instance = self._quiet_instance()
+                if instance is None:
+                    self._stopping.wait(self.spec.poll_s)
+                    continue
+                written = self._stream(int(instance["id"]), out, written)
+                if self._stopping.is_set() or instance.get("state") in _FAILED:
+                    return
+                self._stopping.wait(self.spec.poll_s)
+
+    def _quiet_instance(self) -> dict[str, Any] | None:
+        try:
+            return self._instance()
+        except LaunchError:
+            return None
+
+    def _stream(self, instance_id: int, out: Any, skip: int) -> int:
+        seen = 0
+        path = f"/model-instances/{instance_id}/logs"
+        with contextlib.suppress(httpx.HTTPError), self.api.client.stream(
+            "GET", path, params={"follow": "true"}, timeout=httpx.Timeout(10.0, read=None)
+        ) as resp:
+            if resp.status_code != 200:
+                return skip
+            for line in resp.iter_lines():
+                seen += 1
+                if seen > skip:
+                    out.write(scrub(line) + "\n")
+                    out.flush()
+                if self._stopping.is_set():
+                    break
+        return max(seen, skip)
+
+    def _join_log(self, timeout_s: float) -> None:
+        if self._follower is not None:
+            self._follower.join(timeout=timeout_s)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail_file(self.log_path, lines)
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self, grace_s: float | None = None) -> None:
+        if self.model_id is None or self._deleted:
+            return
+        bound = self.spec.stop_timeout_s if grace_s is None else min(grace_s, self.spec.stop_timeout_s)
+        self._stopping.set()  # alive() says no from here, the log follower ends with the instance
+        try:
+            self._delete(self.model_id, bound)
+        except LaunchError as exc:  # stop must not raise (it runs on every exit, an interrupt's too)
+            self.left_behind = str(exc)
+            log.warning("%s", exc)
+        else:
+            self._deleted = True
+            self.left_behind = None
+            _LIVE.discard(self)
+        # a deleted instance's log stream ends; one still running keeps the daemon follower blocked
+        self._join_log(min(5.0, bound))
+        if self._deleted:
+            self.api.close()
+
+    def _delete(self, model_id: int, bound_s: float) -> None:
+        """Delete the deployment and confirm it is gone (404, no instance) within ``bound_s``."""
+        self.api.call("DELETE", f"/models/{model_id}", ok=(200, 204, 404))
+        deadline = time.monotonic() + bound_s
+        while True:
+            gone = self.api.call("GET", f"/models/{model_id}", ok=(200, 404)).status_code == 404
+            if gone and not self.api.items("/model-instances", model_id=model_id):
+                log.info("gpustack: deployment %d deleted and gone", model_id)
+                return
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"GPUStack deployment {self.deployment.name!r} (model {model_id}) was deleted but is "
+                    f"still listed after {bound_s:.0f} s; check GPUStack and delete it there"
+                )
+            time.sleep(min(0.5, self.spec.poll_s))
