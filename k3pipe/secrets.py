@@ -3,7 +3,8 @@
 
 A run's secrets are:
 
-- the endpoint's key, read from the variable ``endpoint.api_key_env`` names (:func:`k3pipe.run.arm_key`);
+- the endpoint's key, read from the variable ``endpoint.api_key_env`` names (:func:`k3pipe.run.arm_key`),
+  and a gateway's, from the variable ``gateway.api_key_env`` names (:func:`k3pipe.run.client_key`);
 - a value written literally in an experiment under a name that says secret (``engine.env.HF_TOKEN``,
   ``engine.args.api_key``: :func:`is_secret_name`), or shaped like a key wherever it stands
   (``sk-...``, ``hf_...``: :func:`looks_like_key`);
