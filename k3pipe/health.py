@@ -4,7 +4,6 @@ with the three settings (base URL, key, model id) and one streamed chat completi
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,11 +42,11 @@ class GateTarget:
     usage_field: str = "endpoint.continuous_usage_stats"
     gateway: bool = False
 
-    def key_hint(self) -> str:
-        """Where the key comes from, and whether it was there (never the key itself)."""
+    def key_hint(self, sent: bool) -> str:
+        """Where the key comes from, and whether one was ``sent`` (never the key itself)."""
         if self.key_var is None:
             return f"{self.key_field} is not set, so no key was sent"
-        state = "set" if os.environ.get(self.key_var) else "unset or empty, so no key was sent"
+        state = "set" if sent else "unset or empty, so no key was sent"
         return f"{self.key_field} names {self.key_var} ({state})"
 
 
@@ -66,15 +65,15 @@ def gate_target(plan: ArmPlan) -> GateTarget:
     )
 
 
-def _auth_hint(target: GateTarget) -> str:
+def _auth_hint(target: GateTarget, sent: bool) -> str:
     if target.gateway:
         return (
-            f"the gateway's key is wrong or missing: {target.key_hint()}; that variable must hold a key "
+            f"the gateway's key is wrong or missing: {target.key_hint(sent)}; that variable must hold a key "
             "the gateway accepts (LiteLLM: its master key or a virtual key), not the engine's key "
             "(endpoint.api_key_env is the engine's). Then check gateway.base_url's path and gateway.model"
         )
     return (
-        f"check, in this order: the key ({target.key_hint()}; is it right?), the base URL's path (a "
+        f"check, in this order: the key ({target.key_hint(sent)}; is it right?), the base URL's path (a "
         "gateway usually needs '/v1' or '/api/v1'), and that all three settings (base URL, key, model "
         "id) are set"
     )
@@ -160,21 +159,23 @@ def _raise_for_status(
     target: GateTarget | None = None,
 ) -> None:
     target = target or GateTarget()
-    status = resp.status_code
+    status, sent = resp.status_code, api_key is not None
     where = f"{target.who} at {base_url}: {what} answered {status}"
     if status in (401, 403):
-        raise EndpointAuthError(f"{where}: {_auth_hint(target)}", status=status)
+        raise EndpointAuthError(f"{where}: {_auth_hint(target, sent)}", status=status)
     if status == 404:
         raise HealthError(
             f"{where}: {target.base_field}'s path is probably wrong (it must end where '/models' and "
             "'/chat/completions' live, e.g. '/v1' or '/api/v1')",
             status=status,
         )
-    if status >= 400 and what == "GET /models" and (api_key is None or status == 400):
+    if what == "GET /models" and (status == 400 or (not sent and status == 500)):
         # GET /models takes no parameters: a 400 there is about the credentials (LiteLLM without a
-        # database answers a key that is not its master key with 400 'No connected db.'), and an
-        # error to a request without a key is the missing key (LiteLLM 1.108 answers it with 500)
-        raise EndpointAuthError(f"{where} ({_body(resp, api_key)}): {_auth_hint(target)}", status=status)
+        # database answers a key that is not its master key with 400 'No connected db.'), and
+        # LiteLLM 1.108 answers a request without a key with 500
+        raise EndpointAuthError(
+            f"{where} ({_body(resp, api_key)}): {_auth_hint(target, sent)}", status=status
+        )
     if status >= 400:
         raise HealthError(f"{where}: {_body(resp, api_key)}", status=status)
 
