@@ -1,7 +1,8 @@
 """Experiment specs: YAML files loaded into frozen pydantic models.
 
 An experiment is one model (plus optional extra models such as a speculative draft), one or more
-engine arms (engine + launcher + endpoint) and the workloads each arm runs. Specs hold the NAME of
+engine arms (engine + launcher + endpoint, and optionally a gateway in front of the engine) and the
+workloads each arm runs. Specs hold the NAME of
 the environment variable that carries an API key, never the key itself. Loading a file, and the
 checks that need the engine registry, are in :mod:`k3pipe.experiment` (so that specs import no
 engine).
