@@ -22,7 +22,7 @@ ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
 TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 
 # The gateway the tests put in front of the engine: LiteLLM's proxy in its own venv (its pins would
-# fight the pipeline's). Later [proxy] extras need a litellm-proxy package PyPI does not hold; 1.107.0
+# fight the pipeline's). Later [proxy] extras need a litellm-proxy package the index here lacks; 1.107.0
 # was a compromised release: move the pin only to a version checked.
 LITELLM_VERSION ?= 1.108.7
 GATEWAY_VENV := $(K3PIPE_HOME)/venvs/litellm-$(LITELLM_VERSION)
