@@ -21,7 +21,13 @@ ENGINE_SOURCES := $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS)) \
 
 TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 
-.PHONY: demo demo-arm test setup venv engine model system lint clean help docker bench-client stack stack-system \
+# The gateway the tests put in front of the engine: LiteLLM's proxy in its own venv (its pins would
+# fight the pipeline's). Later [proxy] extras need a litellm-proxy package the index here lacks; 1.107.0
+# was a compromised release: move the pin only to a version checked.
+LITELLM_VERSION ?= 1.108.7
+GATEWAY_VENV := $(K3PIPE_HOME)/venvs/litellm-$(LITELLM_VERSION)
+
+.PHONY: demo demo-arm test setup venv engine gateway model system lint clean help docker bench-client stack stack-system \
 	test-system
 help:
 	@echo "make demo   the demo study (experiments/demo-study.yaml) on the real vLLM, then its report"
@@ -30,7 +36,7 @@ help:
 	@echo "make bench-client   k3pipe's streaming client vs vllm bench serve on an exact server (docs/performance.md)"
 	@echo "make stack  the team stack on 127.0.0.1: PostgreSQL, MLflow, Prefect, work pool, worker (k3pipe stack ...)"
 
-setup: system venv engine model
+setup: system venv engine gateway model
 
 system:
 	@missing=""; for p in git curl ca-certificates; do \
@@ -74,6 +80,15 @@ $(ENGINE_VENV)/.installed: | $(UV)
 	@# these do not load beside the CPU torch: the server would die at import
 	VIRTUAL_ENV=$(ENGINE_VENV) $(UV) pip uninstall --quiet torchvision torchaudio torchcodec || true
 	$(ENGINE_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+gateway: $(GATEWAY_VENV)/.installed
+$(GATEWAY_VENV)/.installed: | $(UV)
+	@echo "installing litellm[proxy] $(LITELLM_VERSION) into $(GATEWAY_VENV)"
+	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(GATEWAY_VENV)
+	VIRTUAL_ENV=$(GATEWAY_VENV) $(UV) pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)'
+	LITELLM_LOCAL_MODEL_COST_MAP=True $(GATEWAY_VENV)/bin/python -c \
+		"import importlib.metadata as m; print('litellm', m.version('litellm'))"
 	touch $@
 
 model: $(TINY_MODEL)/config.json

@@ -127,6 +127,12 @@ def render(
             print(
                 f"# endpoint: {plan.base_url}  model: {plan.model}  key from: ${plan.api_key_env or '(none)'}"
             )
+            if plan.gateway is not None:
+                gateway = plan.gateway
+                print(
+                    f"# requests through the gateway: {gateway.base_url}  model: {gateway.model}  "
+                    f"key from: ${gateway.api_key_env or '(none)'}"
+                )
             print()
     except K3pipeError as exc:
         _fail(exc)

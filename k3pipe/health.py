@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -18,13 +19,64 @@ from k3pipe.launchers.base import Launcher
 from k3pipe.plan import ArmPlan
 from k3pipe.secrets import scrub
 
-__all__ = ["EndpointCheck", "check_endpoint", "server_root", "wait_until_healthy"]
+__all__ = [
+    "EndpointCheck",
+    "GateTarget",
+    "check_endpoint",
+    "gate_target",
+    "server_root",
+    "wait_until_healthy",
+]
 
-_AUTH_HINT = (
-    "check, in this order: the key (endpoint.api_key_env names an environment variable; is it set "
-    "and right?), the base URL's path (a gateway usually needs '/v1' or '/api/v1'), and that all "
-    "three settings (base URL, key, model id) are set"
-)
+
+@dataclass(frozen=True)
+class GateTarget:
+    """Who the health gate's proof talks to, and which spec fields set its three settings: what its
+    messages name (the gateway's fields for a gateway, the endpoint's otherwise)."""
+
+    who: str = "the endpoint"
+    base_field: str = "endpoint.base_url"
+    key_field: str = "endpoint.api_key_env"
+    key_var: str | None = None
+    model_field: str = "endpoint.model or model.served_name"
+    usage_field: str = "endpoint.continuous_usage_stats"
+    gateway: bool = False
+
+    def key_hint(self, sent: bool) -> str:
+        """Where the key comes from, and whether one was ``sent`` (never the key itself)."""
+        if self.key_var is None:
+            return f"{self.key_field} is not set, so no key was sent"
+        state = "set" if sent else "unset or empty, so no key was sent"
+        return f"{self.key_field} names {self.key_var} ({state})"
+
+
+def gate_target(plan: ArmPlan) -> GateTarget:
+    """The :class:`GateTarget` of an arm's plan: its gateway when it has one, else its endpoint."""
+    if plan.gateway is None:
+        return GateTarget(key_var=plan.api_key_env)
+    return GateTarget(
+        who="the gateway",
+        base_field="gateway.base_url",
+        key_field="gateway.api_key_env",
+        key_var=plan.gateway.api_key_env,
+        model_field="gateway.model",
+        usage_field="gateway.continuous_usage_stats",
+        gateway=True,
+    )
+
+
+def _auth_hint(target: GateTarget, sent: bool) -> str:
+    if target.gateway:
+        return (
+            f"the gateway's key is wrong or missing: {target.key_hint(sent)}; that variable must hold a key "
+            "the gateway accepts (LiteLLM: its master key or a virtual key), not the engine's key "
+            "(endpoint.api_key_env is the engine's). Then check gateway.base_url's path and gateway.model"
+        )
+    return (
+        f"check, in this order: the key ({target.key_hint(sent)}; is it right?), the base URL's path (a "
+        "gateway usually needs '/v1' or '/api/v1'), and that all three settings (base URL, key, model "
+        "id) are set"
+    )
 
 
 class EndpointCheck(BaseModel):
@@ -109,20 +161,32 @@ def _body(resp: httpx.Response, api_key: SecretStr | None) -> str:
 
 
 def _raise_for_status(
-    resp: httpx.Response, what: str, base_url: str, api_key: SecretStr | None = None
+    resp: httpx.Response,
+    what: str,
+    base_url: str,
+    api_key: SecretStr | None = None,
+    target: GateTarget | None = None,
 ) -> None:
-    if resp.status_code in (401, 403):
-        raise EndpointAuthError(f"{what} at {base_url} answered {resp.status_code}: {_AUTH_HINT}")
-    if resp.status_code == 404:
+    target = target or GateTarget()
+    status, sent = resp.status_code, api_key is not None
+    where = f"{target.who} at {base_url}: {what} answered {status}"
+    if status in (401, 403):
+        raise EndpointAuthError(f"{where}: {_auth_hint(target, sent)}", status=status)
+    if status == 404:
         raise HealthError(
-            f"{what} at {base_url} answered 404: the base URL's path is probably wrong "
-            "(it must end where '/models' and '/chat/completions' live, e.g. '/v1' or '/api/v1')"
+            f"{where}: {target.base_field}'s path is probably wrong (it must end where '/models' and "
+            "'/chat/completions' live, e.g. '/v1' or '/api/v1')",
+            status=status,
         )
-    if resp.status_code >= 400:
-        raise HealthError(
-            f"{what} at {base_url} answered {resp.status_code}: {_body(resp, api_key)}",
-            status=resp.status_code,
+    if what == "GET /models" and (status == 400 or (not sent and status == 500)):
+        # GET /models takes no parameters: a 400 there is about the credentials (LiteLLM without a
+        # database answers a key that is not its master key with 400 'No connected db.'), and
+        # LiteLLM 1.108 answers a request without a key with 500
+        raise EndpointAuthError(
+            f"{where} ({_body(resp, api_key)}): {_auth_hint(target, sent)}", status=status
         )
+    if status >= 400:
+        raise HealthError(f"{where}: {_body(resp, api_key)}", status=status)
 
 
 def check_endpoint(
@@ -132,51 +196,66 @@ def check_endpoint(
     timeout_s: float = 60.0,
     client: httpx.Client | None = None,
     continuous_usage: bool = True,
+    target: GateTarget | None = None,
 ) -> EndpointCheck:
     """Prove the endpoint: the model is listed, and one streamed chat completion yields a delta.
 
     The probe asks for ``stream_options`` as the benchmark will (``continuous_usage_stats`` when
     ``continuous_usage``), so an endpoint that refuses that field fails here, before any workload,
-    with the setting to change.
+    with the setting to change. ``target`` says who answers (the endpoint or a gateway) and which
+    spec fields set what, for the messages.
     """
+    target = target or GateTarget()
     own = client is None
     http = client or httpx.Client(timeout=timeout_s, trust_env=False)
     try:
         try:
             resp = http.get(f"{base_url}/models", headers=_headers(api_key))
         except httpx.ConnectError as exc:
+            running = "the gateway running" if target.gateway else "the engine running"
             raise HealthError(
-                f"nothing answers at {base_url} ({exc}); is the engine running and the base URL's "
-                "host and port right?"
+                f"nothing answers at {base_url}, {target.who}'s base URL ({exc}); is {running} and "
+                f"{target.base_field}'s host and port right?"
             ) from exc
         except httpx.TransportError as exc:
             raise HealthError(f"could not reach {base_url}/models: {exc!r}") from exc
-        _raise_for_status(resp, "GET /models", base_url, api_key)
+        _raise_for_status(resp, "GET /models", base_url, api_key, target)
         try:
             ids = [str(m["id"]) for m in resp.json().get("data", [])]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise HealthError(
-                f"GET {base_url}/models did not return an OpenAI model list: {_body(resp, api_key)}"
+                f"{target.who} at {base_url}: GET /models did not return an OpenAI model list "
+                f"(is {target.base_field}'s path right?): {_body(resp, api_key)}"
             ) from exc
         if model not in ids:
-            raise ModelNotServedError(
-                f"model id {model!r} is not served at {base_url}; it lists: "
-                f"{', '.join(repr(i) for i in ids) or 'no models'} (the id must match exactly; "
-                "set endpoint.model or model.served_name)"
-            )
+            raise ModelNotServedError(_not_served(model, base_url, ids, target))
         try:
-            return _probe(http, base_url, model, api_key, ids, continuous_usage)
+            return _probe(http, base_url, model, api_key, ids, continuous_usage, target)
         except HealthError as exc:
             if not continuous_usage or exc.status not in (400, 422):
                 raise
-            _probe(http, base_url, model, api_key, ids, continuous_usage=False)  # raises if still bad
+            _probe(http, base_url, model, api_key, ids, False, target)  # raises if still bad
             raise HealthError(
-                f"{base_url} refuses stream_options.continuous_usage_stats ({exc}) but answers without "
-                "it: set endpoint.continuous_usage_stats: false (ITL is then per chunk, labelled so)"
+                f"{target.who} at {base_url} refuses stream_options.continuous_usage_stats ({exc}) but "
+                f"answers without it: set {target.usage_field}: false (ITL is then per chunk, labelled so)"
             ) from exc
     finally:
         if own:
             http.close()
+
+
+def _not_served(model: str, base_url: str, ids: list[str], target: GateTarget) -> str:
+    listed = ", ".join(repr(i) for i in ids) or "no models"
+    if target.gateway:
+        return (
+            f"the gateway at {base_url} does not list gateway.model {model!r}; its /models lists: {listed}. "
+            "gateway.model must be one of those, exactly: the id the gateway knows the model by "
+            "(its own name for the route to the engine), not the engine's served name"
+        )
+    return (
+        f"model id {model!r} is not served at {base_url}; it lists: {listed} (the id must match "
+        f"exactly; set {target.model_field})"
+    )
 
 
 def _probe(
@@ -186,6 +265,7 @@ def _probe(
     api_key: SecretStr | None,
     ids: list[str],
     continuous_usage: bool = True,
+    target: GateTarget | None = None,
 ) -> EndpointCheck:
     body = {
         "model": model,
@@ -204,7 +284,7 @@ def _probe(
         ) as resp:
             if resp.status_code >= 400:
                 resp.read()
-                _raise_for_status(resp, "POST /chat/completions", base_url, api_key)
+                _raise_for_status(resp, "POST /chat/completions", base_url, api_key, target)
             for line in resp.iter_lines():
                 if not line.startswith("data:"):
                     continue

@@ -14,7 +14,7 @@ from k3pipe.engines import RenderedCommand, get_engine, render_args
 from k3pipe.engines.base import Engine
 from k3pipe.secrets import is_secret_name
 from k3pipe.sources import model_dir
-from k3pipe.specs import ArmSpec, ExperimentSpec, LauncherSpec, expand_home
+from k3pipe.specs import ArmSpec, ExperimentSpec, GatewaySpec, LauncherSpec, expand_home
 
 __all__ = ["ArmPlan", "CompileCache", "compile_cache_key", "default_model_dirs", "plan_arm"]
 
@@ -100,11 +100,17 @@ class ArmPlan(BaseModel):
     launcher: str = Field(description="Launcher kind.")
     image: str | None = Field(description="Container image, for the docker launcher.")
     command: RenderedCommand = Field(description="Exact command line and spec environment.")
-    base_url: str = Field(description="OpenAI-compatible base URL, path included.")
-    model: str = Field(description="Model id sent in requests.")
-    api_key_env: str | None = Field(description="Name of the environment variable holding the key.")
+    base_url: str = Field(description="The engine's OpenAI-compatible base URL, path included.")
+    model: str = Field(description="The engine's model id (sent in requests when there is no gateway).")
+    api_key_env: str | None = Field(
+        description="Name of the environment variable holding the engine's key."
+    )
     continuous_usage: bool = Field(
         default=True, description="Requests ask for stream_options.continuous_usage_stats."
+    )
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description="The gateway in front of the engine: the client target (None: the engine itself).",
     )
     health_url: str | None = Field(description="URL polled until the engine answers (None: external).")
     version_url: str | None = Field(description="URL that reports the engine version.")
@@ -121,6 +127,29 @@ class ArmPlan(BaseModel):
     compile_cache: CompileCache | None = Field(
         default=None, description="The engine's compile cache (None: the engine or launcher has none)."
     )
+
+    # The client target: what the health gate's proof and the benchmark send to (the gateway's three
+    # settings when there is one); the engine's own URLs (health, metrics, version) stay the engine's.
+
+    @property
+    def client_base_url(self) -> str:
+        """The base URL requests go to: the gateway's, else the engine's."""
+        return self.gateway.base_url if self.gateway else self.base_url
+
+    @property
+    def client_model(self) -> str:
+        """The model id requests carry: the gateway's, else the engine's."""
+        return self.gateway.model if self.gateway else self.model
+
+    @property
+    def client_key_env(self) -> str | None:
+        """The variable holding the key requests carry: the gateway's, else the engine's."""
+        return self.gateway.api_key_env if self.gateway else self.api_key_env
+
+    @property
+    def client_continuous_usage(self) -> bool:
+        """Whether requests ask for stream_options.continuous_usage_stats (the gateway's setting)."""
+        return self.gateway.continuous_usage_stats if self.gateway else self.continuous_usage
 
     def engine_env(self) -> dict[str, str]:
         """The spec's environment plus the compile-cache variable k3pipe sets (a spec's own wins)."""
@@ -174,8 +203,9 @@ def plan_arm(
     root = f"http://{host}:{port}"
     # an engine elsewhere (an endpoint, a cluster manager's worker) is reached through its base URL only
     external = not arm.launcher.runs_here
-    gateway = arm.launcher.gateway(exp.name, arm.name)
-    base_url = arm.endpoint.base_url or (gateway.base_url if gateway else f"{root}/v1")
+    # a cluster manager's own OpenAI route (GPUStack's /v1) is where the engine is reached
+    route = arm.launcher.gateway(exp.name, arm.name)
+    base_url = arm.endpoint.base_url or (route.base_url if route else f"{root}/v1")
     return ArmPlan(
         experiment=exp.name,
         arm=arm.name,
@@ -185,9 +215,10 @@ def plan_arm(
         image=arm.engine.image,
         command=RenderedCommand(argv=argv, env=env),
         base_url=base_url,
-        model=arm.endpoint.model or (gateway.model if gateway else served or dirs["model"]),
-        api_key_env=arm.endpoint.api_key_env or (gateway.api_key_env if gateway else None),
+        model=arm.endpoint.model or (route.model if route else served or dirs["model"]),
+        api_key_env=arm.endpoint.api_key_env or (route.api_key_env if route else None),
         continuous_usage=arm.endpoint.continuous_usage_stats,
+        gateway=arm.gateway,
         health_url=None if external else root + engine.health_path,
         version_url=None if external or not engine.version_path else root + engine.version_path,
         metrics_url=None if external else root + "/metrics",

@@ -113,6 +113,20 @@ def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:
     return {f"{prefix}.{k}": v for k, v in data.items()}
 
 
+def _gateway_params(plan: ArmPlan) -> dict[str, Any]:
+    """The gateway's three settings (its key by its variable's NAME only) and where the requests
+    went; ``base_url``, ``model_id`` and ``api_key_env`` stay the engine's."""
+    if plan.gateway is None:
+        return {}  # the requests went to the engine's endpoint (base_url, model_id)
+    return {
+        "client_target": "gateway",
+        "gateway.base_url": plan.gateway.base_url,
+        "gateway.model": plan.gateway.model,
+        "gateway.api_key_env": plan.gateway.api_key_env,
+        "gateway.continuous_usage_stats": plan.gateway.continuous_usage_stats,
+    }
+
+
 class ArmRecorder:
     """Writes one arm's run; every method is safe to call after a failure."""
 
@@ -172,6 +186,7 @@ class ArmRecorder:
             "base_url": plan.base_url,
             "model_id": plan.model,
             "api_key_env": plan.api_key_env,
+            **_gateway_params(plan),
             "k3pipe_commit": git_commit(),
             **_flat("env", cmd.redacted_env()),
             **_flat("arg", redact_data(exp.arm(plan.arm).engine.args)),
@@ -576,7 +591,13 @@ class ArmRecorder:
         lines = [
             f"Arm **{plan.arm}** of experiment **{plan.experiment}**: {plan.engine}"
             + (f" {plan.engine_version}" if plan.engine_version else "")
-            + f" on launcher {plan.launcher}, endpoint {plan.base_url} (model `{plan.model}`). {status}"
+            + f" on launcher {plan.launcher}, endpoint {plan.base_url} (model `{plan.model}`)"
+            + (
+                f", benchmarked through the gateway {plan.gateway.base_url} (model `{plan.gateway.model}`)"
+                if plan.gateway
+                else ""
+            )
+            + f". {status}"
             + (f": {type(error).__name__}: {error}" if error is not None else "."),
         ]
         if self.rerun_of:

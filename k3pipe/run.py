@@ -32,7 +32,7 @@ from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import EngineLostError, SpecError
-from k3pipe.health import EndpointCheck, check_endpoint, engine_version, wait_ready
+from k3pipe.health import EndpointCheck, check_endpoint, engine_version, gate_target, wait_ready
 from k3pipe.launchers import Launcher
 from k3pipe.launchers.factory import launch_engine, pull_image
 from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
@@ -52,6 +52,7 @@ __all__ = [
     "ArmSteps",
     "arm_key",
     "benchmark",
+    "client_key",
     "health_gate",
     "node_facts",
     "plan_for",
@@ -161,8 +162,16 @@ def start_engine(
 
 
 def health_gate(plan: ArmPlan, api_key: SecretStr | None) -> EndpointCheck:
-    """The endpoint proven with its three settings (base URL, key, model id) and one streamed request."""
-    return check_endpoint(plan.base_url, plan.model, api_key, continuous_usage=plan.continuous_usage)
+    """The client target proven with its three settings (base URL, key, model id) and one streamed
+    request: the gateway's (``api_key`` its key, :func:`client_key`) when the arm has one, else the
+    engine's endpoint. The engine's own health was waited for before (:func:`~k3pipe.health.wait_ready`)."""
+    return check_endpoint(
+        plan.client_base_url,
+        plan.client_model,
+        api_key,
+        continuous_usage=plan.client_continuous_usage,
+        target=gate_target(plan),
+    )
 
 
 def benchmark(
@@ -176,15 +185,29 @@ def benchmark(
     progress: Callable[[str], None] | None = None,
     launcher: Launcher | None = None,
 ) -> WorkloadOutcome:
-    """One repeat of a workload against the arm's endpoint (its engine watched through ``launcher``)."""
+    """One repeat of a workload against the arm's client target (the gateway's, when it has one;
+    ``api_key`` its key), its engine watched through ``launcher``."""
     return benchmark_workload(plan, workload, model_dir, api_key, progress, repeat, home, prompts, launcher)
 
 
 def arm_key(plan: ArmPlan) -> SecretStr | None:
-    """The arm's API key, read once from the variable ``endpoint.api_key_env`` names (None: unset,
-    or the arm names none). The one place an arm's key is read; it travels as a SecretStr, and is
-    registered with the scrubber (:mod:`k3pipe.secrets`) so that no record, log or error shows it."""
-    key = read_secret(plan.api_key_env)
+    """The arm's (engine's) API key, read once from the variable ``endpoint.api_key_env`` names (None:
+    unset, or the arm names none). The one place an arm's key is read; it travels as a SecretStr, and
+    is registered with the scrubber (:mod:`k3pipe.secrets`) so that no record, log or error shows it."""
+    return _read_key(plan.api_key_env)
+
+
+def client_key(plan: ArmPlan, engine_key: SecretStr | None) -> SecretStr | None:
+    """The key the arm's requests carry: the gateway's, read once from the variable
+    ``gateway.api_key_env`` names and registered with the scrubber like :func:`arm_key`'s, when the
+    arm has a gateway; else ``engine_key`` (the engine's, already read)."""
+    if plan.gateway is None:
+        return engine_key
+    return _read_key(plan.gateway.api_key_env)
+
+
+def _read_key(var: str | None) -> SecretStr | None:
+    key = read_secret(var)
     if key is not None:
         register(key.get_secret_value())
     return key
@@ -237,7 +260,8 @@ class ArmRun:
         self.recorder: ArmRecorder | None = None
         self.log_path: Path | None = None
         self.outcome: ArmOutcome | None = None
-        self.api_key: SecretStr | None = None
+        self.api_key: SecretStr | None = None  # the engine's
+        self.client_key: SecretStr | None = None  # what requests carry (the gateway's, if any)
         self._error: BaseException | None = None
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -251,9 +275,11 @@ class ArmRun:
         plan = self.plan = self.steps.plan(
             self.spec, self.arm, home, dirs, {k: r.digest() for k, r in self.models.items()}
         )
-        key = self.api_key = arm_key(plan)
-        if key is not None:
-            self.tracker.add_secret(key.get_secret_value())
+        self.api_key = arm_key(plan)
+        self.client_key = client_key(plan, self.api_key)
+        for key in (self.api_key, self.client_key):
+            if key is not None:
+                self.tracker.add_secret(key.get_secret_value())
         tags = dict(self.tags)
         if self.rerun is not None:
             tags[RERUN_TAG] = self.rerun.run_id
@@ -294,7 +320,8 @@ class ArmRun:
             plan, self.log_path, self.settings, self.api_key, image, labels
         )
         cold = self.steps.wait_ready(plan, self.launcher)
-        check = self.steps.health_gate(plan, self.api_key)
+        # the engine's own health is waited for above; the proof goes where the requests will go
+        check = self.steps.health_gate(plan, self.client_key)
         waited = cold if plan.launch.starts_engine else None
         recorder.log_engine(waited, self.steps.engine_version(plan), check)
         if plan.launch.starts_engine:
@@ -311,7 +338,7 @@ class ArmRun:
                     plan,
                     workload,
                     model_dir,
-                    self.api_key,
+                    self.client_key,
                     repeat,
                     self.settings.home_dir,
                     self.prompts[workload.name][repeat],

@@ -3,7 +3,8 @@
 
 A run's secrets are:
 
-- the endpoint's key, read from the variable ``endpoint.api_key_env`` names (:func:`k3pipe.run.arm_key`);
+- the endpoint's key, read from the variable ``endpoint.api_key_env`` names (:func:`k3pipe.run.arm_key`),
+  and a gateway's, from the variable ``gateway.api_key_env`` names (:func:`k3pipe.run.client_key`);
 - a value written literally in an experiment under a name that says secret (``engine.env.HF_TOKEN``,
   ``engine.args.api_key``: :func:`is_secret_name`), or shaped like a key wherever it stands
   (``sk-...``, ``hf_...``: :func:`looks_like_key`);
@@ -105,8 +106,8 @@ def check_key_variable(value: str, field: str, example: str) -> str:
         shown = mask(value) if keyish or len(value) >= 12 else repr(value)
         raise ValueError(
             f"{shown} is not an environment variable name{' (it looks like a key)' if keyish else ''}: "
-            f"put the key in an environment variable and name that variable here, e.g. "
-            f"{field}: {example}"
+            f"put the key in an environment variable and name that variable in {field}, e.g. "
+            f"api_key_env: {example}"
         )
     return value
 

@@ -1,7 +1,8 @@
 """Experiment specs: YAML files loaded into frozen pydantic models.
 
 An experiment is one model (plus optional extra models such as a speculative draft), one or more
-engine arms (engine + launcher + endpoint) and the workloads each arm runs. Specs hold the NAME of
+engine arms (engine + launcher + endpoint, and optionally a gateway in front of the engine) and the
+workloads each arm runs. Specs hold the NAME of
 the environment variable that carries an API key, never the key itself. Loading a file, and the
 checks that need the engine registry, are in :mod:`k3pipe.experiment` (so that specs import no
 engine).
@@ -30,6 +31,7 @@ __all__ = [
     "EndpointSpec",
     "EngineSpec",
     "ExperimentSpec",
+    "GatewaySpec",
     "HardwareSpec",
     "LauncherSpec",
     "LocalModel",
@@ -353,20 +355,36 @@ class HardwareSpec(_Spec):
 
 
 
-class EndpointSpec(_Spec):
-    """The three settings of an OpenAI-compatible endpoint: base URL, key and model id."""
+def _check_key_env(value: str | None, field: str) -> str | None:
+    """``value`` if it is an environment variable's name (or None), else the ValueError of
+    :func:`k3pipe.secrets.check_key_variable` naming ``field`` (a key pasted where its variable's name
+    belongs would be recorded as a param: refused, never echoed whole)."""
+    if value is None:
+        return value
+    example = "MY_GATEWAY_KEY" if field.startswith("gateway") else "MY_ENGINE_KEY"
+    return secrets.check_key_variable(value, field, example)
 
-    base_url: str | None = Field(
-        default=None,
-        description="Base URL including its path, e.g. 'http://127.0.0.1:8000/v1' (default from launcher).",
-    )
-    api_key_env: str | None = Field(
-        default=None, description="NAME of the environment variable that holds the API key."
-    )
-    model: str | None = Field(
-        default=None, min_length=1, description="Model id sent in requests (default: the served name)."
-    )
-    continuous_usage_stats: bool = Field(
+
+def _check_url_without_key(value: str | None, key_field: str) -> str | None:
+    """``value`` checked as a base URL (:func:`_check_base_url`) that carries no credentials (they
+    would be logged and recorded): those are refused, saying to put the key in the variable
+    ``key_field`` names."""
+    if value is None:
+        return value
+    credentials = secrets.url_credentials(value)
+    if credentials:
+        secrets.register_all(v for _, v in credentials)
+        where = " and ".join(dict.fromkeys(w for w, _ in credentials))
+        raise ValueError(
+            f"base URL {secrets.scrub_url(value)!r} carries credentials ({where}); k3pipe refuses "
+            "them there (a URL is logged and recorded): put the key in an environment variable and "
+            f"name it in {key_field} (it is sent as the Authorization header)"
+        )
+    return _check_base_url(value)
+
+
+def _usage_stats_field() -> Any:
+    return Field(
         default=True,
         strict=True,
         description=(
@@ -376,29 +394,80 @@ class EndpointSpec(_Spec):
         ),
     )
 
+
+class EndpointSpec(_Spec):
+    """The three settings of an OpenAI-compatible endpoint: base URL, key and model id."""
+
+    base_url: str | None = Field(
+        default=None,
+        description="Base URL including its path, e.g. 'http://127.0.0.1:8000/v1' (default from launcher).",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description=(
+            "NAME of the environment variable that holds the API key (the engine's: k3pipe hands it "
+            "to an engine it starts, e.g. as VLLM_API_KEY)."
+        ),
+    )
+    model: str | None = Field(
+        default=None, min_length=1, description="Model id sent in requests (default: the served name)."
+    )
+    continuous_usage_stats: bool = _usage_stats_field()
+
     @field_validator("api_key_env")
     @classmethod
     def _env_name(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        # a key pasted here would be recorded as a param: refuse it, and never echo it whole
-        return secrets.check_key_variable(value, "api_key_env", "MY_GATEWAY_KEY")
+        return _check_key_env(value, "endpoint.api_key_env")
 
     @field_validator("base_url")
     @classmethod
     def _http(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        credentials = secrets.url_credentials(value)
-        if credentials:
-            secrets.register_all(v for _, v in credentials)
-            where = " and ".join(dict.fromkeys(w for w, _ in credentials))
+        return _check_url_without_key(value, "endpoint.api_key_env")
+
+
+class GatewaySpec(_Spec):
+    """A unified OpenAI-compatible gateway in front of the engine k3pipe starts (the study's set-up:
+    one base URL + one key + one model id). The benchmark and the health gate's proof go through it;
+    the engine's own health, /metrics, version and log stay the engine's. The gateway itself is
+    not started by k3pipe: it must route ``model`` to the engine at launcher.host:launcher.port."""
+
+    base_url: str = Field(
+        description="The gateway's base URL including its path, e.g. 'http://127.0.0.1:4000/api/v1'."
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description=(
+            "NAME of the environment variable that holds the GATEWAY's key (sent as the bearer to "
+            "the gateway; endpoint.api_key_env stays the engine's)."
+        ),
+    )
+    model: str = Field(
+        min_length=1,
+        description="The model id as the gateway knows it (one of what the gateway's /models lists).",
+    )
+    continuous_usage_stats: bool = _usage_stats_field()
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        return _check_key_env(value, "gateway.api_key_env")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        checked = _check_url_without_key(value, "gateway.api_key_env")
+        assert checked is not None
+        return checked
+
+    @field_validator("model")
+    @classmethod
+    def _model_id(cls, value: str) -> str:
+        if any(c.isspace() for c in value):
             raise ValueError(
-                f"base URL {secrets.scrub_url(value)!r} carries credentials ({where}); k3pipe refuses "
-                "them there (a URL is logged and recorded): put the key in an environment variable and "
-                "name it in endpoint.api_key_env (it is sent as the Authorization header)"
+                f"gateway.model {value!r} holds a space: give the model id exactly as the gateway's "
+                "/models lists it"
             )
-        return _check_base_url(value)
+        return value
 
 
 class ArmSpec(_Spec):
@@ -409,7 +478,19 @@ class ArmSpec(_Spec):
     launcher: LauncherSpec = Field(
         default_factory=ProcessLauncherSpec, description="Where the engine runs (launcher.kind)."
     )
-    endpoint: EndpointSpec = Field(default_factory=EndpointSpec, description="How clients reach it.")
+    endpoint: EndpointSpec = Field(
+        default_factory=EndpointSpec,
+        description=(
+            "How the engine is reached (with a gateway: the engine's key; the requests go to the gateway)."
+        ),
+    )
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description=(
+            "A gateway in front of the engine: the health gate's proof and the benchmark go through it "
+            "(None: straight to the engine)."
+        ),
+    )
 
     @field_validator("name")
     @classmethod
@@ -421,6 +502,30 @@ class ArmSpec(_Spec):
         problem = self.launcher.arm_problem(self.engine, self.endpoint)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _gateway_fits(self) -> ArmSpec:
+        if self.gateway is None:
+            return self
+        if not self.launcher.starts_engine:
+            raise ValueError(
+                f"gateway is set with launcher.kind {self.launcher.kind!r}: a gateway sits in front of "
+                "an engine k3pipe starts; for an endpoint that is already up (a gateway included) "
+                "remove gateway and give its URL, key variable and model id as endpoint.base_url, "
+                "endpoint.api_key_env and endpoint.model"
+            )
+        if self.endpoint.base_url is not None:
+            raise ValueError(
+                f"endpoint.base_url {self.endpoint.base_url!r} is set beside gateway: with a gateway the "
+                "engine is reached at launcher.host:launcher.port and the benchmark goes to "
+                "gateway.base_url; remove endpoint.base_url (the gateway's URL belongs in gateway.base_url)"
+            )
+        if "continuous_usage_stats" in self.endpoint.model_fields_set:
+            raise ValueError(
+                "endpoint.continuous_usage_stats is set beside gateway: the requests go to the gateway, "
+                "so set gateway.continuous_usage_stats instead and remove endpoint.continuous_usage_stats"
+            )
         return self
 
 

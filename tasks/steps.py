@@ -190,9 +190,10 @@ def wait_ready_task(plan: ArmPlan, launcher: Launcher) -> float:
 def health_gate_task(plan: ArmPlan, api_key: SecretStr | None) -> EndpointCheck:
     check = run.health_gate(plan, api_key)
     get_run_logger().info(
-        "endpoint %s serves %s; probe first delta %.3f s (%s)",
-        plan.base_url,
-        plan.model,
+        "%s %s serves %s; probe first delta %.3f s (%s)",
+        "gateway" if plan.gateway else "endpoint",
+        plan.client_base_url,
+        plan.client_model,
         check.first_delta_s,
         ", ".join(check.reply_kinds),
     )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import SecretStr
 
-from k3pipe.errors import HealthError
-from k3pipe.health import check_endpoint
+from k3pipe.errors import EndpointAuthError, HealthError, ModelNotServedError
+from k3pipe.health import GateTarget, check_endpoint
 from tests.scripted_openai import Script, ScriptedOpenAI
 
 
@@ -36,3 +37,53 @@ def test_other_refusals_are_not_blamed_on_continuous_usage() -> None:
             check_endpoint(server.base_url, "scripted", None)
         assert "continuous_usage_stats" not in str(info.value)
         assert info.value.status == 400
+
+
+def _gateway_target(key_var: str | None = "GW_KEY") -> GateTarget:
+    return GateTarget(
+        who="the gateway",
+        base_field="gateway.base_url",
+        key_field="gateway.api_key_env",
+        key_var=key_var,
+        model_field="gateway.model",
+        usage_field="gateway.continuous_usage_stats",
+        gateway=True,
+    )
+
+
+def test_a_gateway_that_refuses_the_key_is_named_with_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GW_KEY", "wrong-key-value-123")
+    wrong = SecretStr("wrong-key-value-123")
+    server = ScriptedOpenAI(Script(), api_key="right-key-value-456")
+    with server, pytest.raises(EndpointAuthError) as info:
+        check_endpoint(server.base_url, "scripted", wrong, target=_gateway_target())
+    message = str(info.value)
+    # the scripted server asks for the key on /chat/completions only
+    assert message.startswith(f"the gateway at {server.base_url}: POST /chat/completions answered 401")
+    assert "gateway.api_key_env names GW_KEY (set)" in message
+    assert "wrong-key-value-123" not in message
+    unset = r"gateway\.api_key_env is not set, so no key was sent"
+    with (
+        ScriptedOpenAI(Script(), api_key="right-key-value-456") as other,
+        pytest.raises(EndpointAuthError, match=unset),
+    ):
+        check_endpoint(other.base_url, "scripted", None, target=_gateway_target(None))
+
+
+def test_a_gateway_that_does_not_list_the_model_says_what_it_lists() -> None:
+    with ScriptedOpenAI(Script(), model="gw-tiny") as server, pytest.raises(ModelNotServedError) as info:
+        check_endpoint(server.base_url, "tiny-llama", None, target=_gateway_target())
+    message = str(info.value)
+    assert "the gateway at" in message
+    assert "does not list gateway.model 'tiny-llama'; its /models lists: 'gw-tiny'" in message
+    assert "gateway.model must be one of those" in message
+
+
+def test_a_gateway_path_that_is_wrong_names_gateway_base_url() -> None:
+    server = ScriptedOpenAI(Script())
+    with server, pytest.raises(HealthError) as info:
+        check_endpoint(
+            server.base_url.removesuffix("/v1") + "/api/v1", "scripted", None, target=_gateway_target()
+        )
+    assert "the gateway at" in str(info.value)
+    assert "answered 404: gateway.base_url's path is probably wrong" in str(info.value)

@@ -160,7 +160,7 @@ def test_a_key_in_api_key_env_is_refused_and_never_echoed_whole(value: str) -> N
     if len(value) >= 12:
         assert value not in message
         assert f"{value[:3]}… ({len(value)} chars)" in message
-    assert "api_key_env: MY_GATEWAY_KEY" in message
+    assert "api_key_env: MY_ENGINE_KEY" in message
 
 
 @pytest.mark.parametrize(

@@ -258,7 +258,7 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
     assert len(gateways) == 2
     for run in gateways:
         error = run.data.tags["k3pipe.error"]
-        assert error.startswith("HealthError: POST /chat/completions at http://127.0.0.1:"), error
+        assert error.startswith("HealthError: the endpoint at http://127.0.0.1:"), error
         assert "Bearer ***" in error
     assert '"authorization":"Bearer ***"' in terminal["k3pipe run stderr"].decode()
     assert '"authorization":"Bearer ***"' in terminal["flow stderr"].decode()

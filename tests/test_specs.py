@@ -31,7 +31,7 @@ def _error(data: dict, tmp_path: Path) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["demo-cpu.yaml", "kimi-k3-8xb300.yaml"])
+@pytest.mark.parametrize("name", ["demo-cpu.yaml", "demo-gateway.yaml", "kimi-k3-8xb300.yaml"])
 def test_shipped_experiments_load(name: str) -> None:
     spec = load_experiment(REPO / "experiments" / name)
     assert spec.arms
@@ -192,3 +192,90 @@ def test_the_spec_models_import_no_engine() -> None:
         for alias in (node.names if isinstance(node, ast.Import) else [None])  # type: ignore[list-item]
     ]
     assert not [m for m in imported if m and m.startswith("k3pipe.engines")]
+
+
+def _with_gateway(**arm: object) -> dict:
+    data = _minimal()
+    data["arms"][0].update(
+        {
+            "endpoint": {"api_key_env": "ENGINE_KEY"},
+            "gateway": {"base_url": "http://127.0.0.1:4000/api/v1/", "api_key_env": "GW_KEY", "model": "gw"},
+            **arm,
+        }
+    )
+    return data
+
+
+def test_a_gateway_is_the_client_target_and_the_engine_stays_the_engines(tmp_path: Path) -> None:
+    from k3pipe.plan import plan_arm
+    from k3pipe.record import _gateway_params
+
+    spec = parse_experiment(_with_gateway())
+    plan = plan_arm(spec, spec.arms[0], tmp_path)
+    # requests (health gate proof, benchmark) go to the gateway, with its key variable and model id
+    assert (plan.client_base_url, plan.client_model, plan.client_key_env) == (
+        "http://127.0.0.1:4000/api/v1",
+        "gw",
+        "GW_KEY",
+    )
+    # the engine's own URLs and key stay the engine's
+    assert plan.base_url == "http://127.0.0.1:8000/v1"
+    assert plan.health_url == "http://127.0.0.1:8000/health"
+    assert plan.metrics_url == "http://127.0.0.1:8000/metrics"
+    assert plan.api_key_env == "ENGINE_KEY"
+    assert _gateway_params(plan) == {
+        "client_target": "gateway",
+        "gateway.base_url": "http://127.0.0.1:4000/api/v1",
+        "gateway.model": "gw",
+        "gateway.api_key_env": "GW_KEY",
+        "gateway.continuous_usage_stats": True,
+    }
+    plain = parse_experiment(_minimal())
+    plain_plan = plan_arm(plain, plain.arms[0], tmp_path)
+    assert (plain_plan.client_base_url, plain_plan.client_key_env) == (plain_plan.base_url, None)
+    assert _gateway_params(plain_plan) == {}
+
+
+@pytest.mark.parametrize(
+    ("arm", "says"),
+    [
+        (
+            {"launcher": {"kind": "external"}, "endpoint": {"base_url": "http://h:1/v1"}},
+            ["arms[0]: gateway is set with launcher.kind 'external'", "remove gateway", "endpoint.base_url"],
+        ),
+        (
+            {"endpoint": {"base_url": "http://h:1/v1"}},
+            ["endpoint.base_url 'http://h:1/v1' is set beside gateway", "gateway.base_url"],
+        ),
+        (
+            {"endpoint": {"continuous_usage_stats": False}},
+            ["endpoint.continuous_usage_stats is set beside gateway", "gateway.continuous_usage_stats"],
+        ),
+        (
+            {"gateway": {"base_url": "http://h:1/v1", "model": "gw", "api_key_env": "not a name"}},
+            ["arms[0].gateway.api_key_env", "is not an environment variable name", "gateway.api_key_env"],
+        ),
+        (
+            {"gateway": {"base_url": "http://h:1/v1?api_key=abc", "model": "gw"}},
+            ["arms[0].gateway.base_url", "carries credentials", "name it in gateway.api_key_env"],
+        ),
+        ({"gateway": {"base_url": "http://h:1/v1"}}, ["arms[0].gateway.model: required field is missing"]),
+    ],
+)
+def test_a_gateway_that_cannot_work_is_refused_naming_the_field(
+    tmp_path: Path, arm: dict, says: list[str]
+) -> None:
+    message = _error(_with_gateway(**arm), tmp_path)
+    missing = [s for s in says if s not in message]
+    assert not missing, message
+
+
+def test_a_key_pasted_as_the_gateways_variable_is_refused_masked() -> None:
+    key = "sk-" + "Zq8" * 12  # key-shaped, built here so that no committed line looks like a key
+    with pytest.raises(SpecError) as info:
+        parse_experiment(
+            _with_gateway(gateway={"base_url": "http://h:1/v1", "model": "gw", "api_key_env": key})
+        )
+    assert key not in str(info.value)
+    assert "it looks like a key" in str(info.value)
+    assert "gateway.api_key_env" in str(info.value)

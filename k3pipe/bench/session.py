@@ -129,13 +129,13 @@ def benchmark_workload(
             try:
                 return await run_workload(
                     None,
-                    plan.base_url,
-                    plan.model,
+                    plan.client_base_url,
+                    plan.client_model,
                     api_key,
                     run_spec,
                     prompt_set.prompts,
                     on_progress=on_progress,
-                    continuous_usage=plan.continuous_usage,
+                    continuous_usage=plan.client_continuous_usage,
                     on_measured_start=window_start,
                     abort=abort,
                 )

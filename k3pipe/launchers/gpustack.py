@@ -159,7 +159,7 @@ class GpustackLauncherSpec(LauncherSpecBase):
     @field_validator("api_key_env")
     @classmethod
     def _key_variable(cls, value: str) -> str:
-        return secrets.check_key_variable(value, "api_key_env", "GPUSTACK_API_KEY")
+        return secrets.check_key_variable(value, "launcher.api_key_env", "GPUSTACK_API_KEY")
 
     @field_validator("backend", "backend_version")
     @classmethod
