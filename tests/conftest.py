@@ -31,6 +31,9 @@ _ISOLATED_PREFIXES = ("K3PIPE_", "MLFLOW_", "MODELSCOPE_")
 # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler, in pytest or in the
 # CLI processes it starts: the Ctrl-C tests would test nothing k3pipe does. Give SIGINT back the
 # disposition a terminal gives it; children get SIG_DFL and install Python's own handler.
+# Prefect servers the tests start (the in-process harness too) send no telemetry: tests reach loopback only
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
