@@ -175,6 +175,36 @@ def _wake(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+@dataclass
+class Share:
+    """The part of a workload one client process sends (:mod:`k3pipe.bench.shards` splits a workload
+    over several); the default is the whole workload, as one process sends it.
+
+    - ``warmup``: this process sends the warm-up requests;
+    - ``slots``: its share of ``concurrency`` under load ``concurrency`` (None: all of it);
+    - ``take``: the next measured request to send, from the one counter every process draws from
+      (None: this process counts alone); returns None when none is left;
+    - ``owns``: whether this process sends a scheduled (constant, poisson) request (None: all);
+    - ``acquire``/``release``: the cap on requests in flight across processes under a schedule
+      (None: this process's own ``concurrency`` slots);
+    - ``start``: awaited after the warm-up, returns the ``perf_counter`` time at which the measured
+      phase starts in every process (None: at once).
+    """
+
+    warmup: bool = True
+    slots: int | None = None
+    take: Callable[[], int | None] | None = None
+    owns: Callable[[int], bool] | None = None
+    acquire: Callable[[], Awaitable[None]] | None = None
+    release: Callable[[], None] | None = None
+    start: Callable[[], Awaitable[float]] | None = None
+
+    @property
+    def whole(self) -> bool:
+        """This process sends the whole workload (no other process shares it)."""
+        return self.start is None and self.take is None and self.owns is None
+
+
 class WorkloadResult(BaseModel):
     """All records of one workload run, warm-up included (flagged), and the measured window."""
 
@@ -218,6 +248,7 @@ async def run_workload(
     continuous_usage: bool = True,
     on_measured_start: Callable[[], Awaitable[object]] | None = None,
     abort: Abort | None = None,
+    share: Share | None = None,
 ) -> WorkloadResult:
     """Send a workload's requests, streaming, under the workload's load pattern.
 
@@ -249,6 +280,8 @@ async def run_workload(
     exact start of the measured window).
     ``abort`` (an :class:`Abort`) ends the workload early when set: the result then holds the
     records so far (those in flight ended as failed) and ``aborted`` says why.
+    ``share`` (a :class:`Share`): the part of the workload this process sends, when several client
+    processes send it (:func:`k3pipe.bench.shards.run_sharded`); the result then holds its records only.
 
     Raises:
         BenchmarkError: fewer prompts than warm-up plus measured requests, or an invalid base URL.
@@ -297,6 +330,7 @@ async def run_workload(
             continuous_usage,
             on_measured_start,
             abort or Abort(),
+            share or Share(),
         )
 
 
@@ -312,10 +346,12 @@ async def _run(
     continuous_usage: bool,
     on_measured_start: Callable[[], Awaitable[object]] | None,
     abort: Abort,
+    share: Share,
 ) -> WorkloadResult:
     warmup_n, measured_n = workload.warmup_requests, workload.num_requests
     total = warmup_n + measured_n
     progress = _Progress(total, on_progress)
+    slots = share.slots if share.slots is not None else workload.concurrency
 
     # Every body is serialized before the first request: JSON-encoding a 200K-token prompt takes
     # milliseconds, which on the event loop would delay the stamps of the streams in flight.
@@ -346,27 +382,37 @@ async def _run(
     measured: list[RequestRecord] = []
     wall0, perf0 = time.time(), time.perf_counter()
     try:
-        warm = await _pool(range(warmup_n), workload.concurrency, lambda i: one(i, True), abort=abort)
+        warm_up = range(warmup_n) if share.warmup else range(0)
+        warm = await _pool(warm_up, workload.concurrency, lambda i: one(i, True), abort=abort)
         if on_measured_start is not None and not abort.is_set():
             await on_measured_start()
+        if share.start is not None and not abort.is_set():
+            begin = await share.start()  # the one start of every process, on the system-wide clock
+            await abort.sleep(begin - time.perf_counter())
         wall0, perf0 = time.time(), time.perf_counter()
+        if share.start is not None and not abort.is_set():
+            wall0, perf0 = wall0 - (perf0 - begin), begin
         deadline = None if workload.duration_s is None else perf0 + workload.duration_s
         indices = range(warmup_n, total)
         if abort.is_set():
             pass
         elif workload.load == "concurrency":
             measured = await _pool(
-                indices, workload.concurrency, lambda i: one(i, False), deadline, abort=abort
+                indices, slots, lambda i: one(i, False), deadline, abort=abort, take=share.take
             )
         else:
             offsets = schedule_offsets(workload)
+            mine = [i for i in indices if share.owns is None or share.owns(i)]
             measured = await _scheduled(
-                indices,
-                [perf0 + float(t) for t in offsets],
+                range(0),
+                [perf0 + float(offsets[i - warmup_n]) for i in mine],
                 workload.concurrency,
                 lambda i, due: one(i, False, due),
                 deadline,
                 abort=abort,
+                order=mine,
+                acquire=share.acquire,
+                release=share.release,
             )
     finally:
         gc.unfreeze()
@@ -389,7 +435,8 @@ async def _run(
                 requests_planned=measured_n,
                 aborted=abort.reason,
             )
-    stopped = len(measured) < measured_n and not abort.is_set()
+    # a share's own count says nothing of the workload's: the processes' results are merged first
+    stopped = share.whole and len(measured) < measured_n and not abort.is_set()
     if stopped:
         log.info(
             "workload %s: duration_s %s ran out after %d of %d measured requests were sent",
@@ -399,13 +446,22 @@ async def _run(
             measured_n,
         )
     failed = [r for r in measured if not r.ok]
-    if failed:
+    if failed and share.whole:
         log.warning(
             "workload %s: %d of %d measured requests failed; first error: %s",
             workload.name,
             len(failed),
             len(measured),
             failed[0].error,
+        )
+    if not measured:  # a process of several whose share was empty
+        return WorkloadResult(
+            workload=workload.name,
+            records=warm,
+            t_start=perf0,
+            t_end=perf0,
+            started_at_unix_s=wall0,
+            requests_planned=measured_n,
         )
     t_start = min(r.t_send for r in measured)
     return WorkloadResult(
@@ -452,14 +508,16 @@ async def _pool(
     send: Callable[[int], Awaitable[RequestRecord]],
     deadline: float | None = None,
     abort: Abort | None = None,
+    take: Callable[[], int | None] | None = None,
 ) -> list[RequestRecord]:
     """Run ``send`` over ``indices`` with at most ``concurrency`` in flight; records by index.
 
     After ``deadline`` (perf_counter) no new request starts, except the first, which always does;
-    after ``abort`` is set, none does.
+    after ``abort`` is set, none does. ``take``: the next index from a counter shared with other
+    processes (each draws the next request when a slot of its own frees), instead of ``indices``.
     """
     results: dict[int, RequestRecord] = {}
-    todo: Iterator[int] = iter(indices)
+    todo: Iterator[int] = iter(indices) if take is None else iter(take, None)
 
     async def worker() -> None:
         # One worker per slot: a slot takes the next request as soon as its previous one ends, so
@@ -476,7 +534,7 @@ async def _pool(
     async with asyncio.TaskGroup() as group:
         for _ in range(min(concurrency, len(indices))):
             group.create_task(worker())
-    return [results[i] for i in indices if i in results]
+    return [results[i] for i in sorted(results)]
 
 
 async def _scheduled(
@@ -486,38 +544,45 @@ async def _scheduled(
     send: Callable[[int, float], Awaitable[RequestRecord]],
     deadline: float | None = None,
     abort: Abort | None = None,
+    order: Sequence[int] | None = None,
+    acquire: Callable[[], Awaitable[None]] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> list[RequestRecord]:
     """Start ``send(index, due)`` at each ``due`` perf_counter time, at most ``concurrency`` in flight.
 
     A request due while ``concurrency`` are in flight waits for a slot (its send lags its schedule).
     No request due at or after ``deadline``, or reaching its slot after it, is sent (the first always is);
-    none after ``abort`` is set.
+    none after ``abort`` is set. ``order``: the indices of ``due`` when they are not ``indices`` (a
+    process's share); ``acquire``/``release``: a slot of a cap shared with other processes.
     """
     results: dict[int, RequestRecord] = {}
     slots = asyncio.Semaphore(concurrency)
+    take_slot = acquire or slots.acquire
+    free_slot = release or slots.release
     abort = abort or Abort()
+    chosen = list(indices) if order is None else list(order)
 
     async def fire(index: int, t_due: float) -> None:
         abort.track()
         try:
             results[index] = await send(index, t_due)
         finally:
-            slots.release()
+            free_slot()
 
     async with asyncio.TaskGroup() as group:
-        for n, (index, t_due) in enumerate(zip(indices, due, strict=True)):
+        for n, (index, t_due) in enumerate(zip(chosen, due, strict=True)):
             if n and deadline is not None and t_due >= deadline:
                 break
             wait = t_due - time.perf_counter()
             if wait > 0:
                 await abort.sleep(wait)  # ends early when the workload is aborted
             # an abort ends the requests in flight at once, so a slot frees at once too
-            await slots.acquire()
+            await take_slot()
             if abort.is_set() or (n and deadline is not None and time.perf_counter() >= deadline):
-                slots.release()
+                free_slot()
                 break
             group.create_task(fire(index, t_due))
-    return [results[i] for i in indices if i in results]
+    return [results[i] for i in sorted(results)]
 
 
 @dataclass
