@@ -32,6 +32,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +47,15 @@ from k3pipe.bench.transport import HttpxSSE, SSEPool, SSESender, TransportError
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["Abort", "RequestRecord", "WorkloadResult", "run_workload", "schedule_offsets"]
+__all__ = [
+    "Abort",
+    "ClientLoad",
+    "RequestRecord",
+    "Share",
+    "WorkloadResult",
+    "run_workload",
+    "schedule_offsets",
+]
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +189,7 @@ class Share:
     """The part of a workload one client process sends (:mod:`k3pipe.bench.shards` splits a workload
     over several); the default is the whole workload, as one process sends it.
 
+    - ``process``: its number (0 for one process); ``realtime``: it runs under SCHED_FIFO (recorded);
     - ``warmup``: this process sends the warm-up requests;
     - ``slots``: its share of ``concurrency`` under load ``concurrency`` (None: all of it);
     - ``take``: the next measured request to send, from the one counter every process draws from
@@ -191,6 +201,8 @@ class Share:
       phase starts in every process (None: at once).
     """
 
+    process: int = 0
+    realtime: bool = False
     warmup: bool = True
     slots: int | None = None
     take: Callable[[], int | None] | None = None
@@ -203,6 +215,67 @@ class Share:
     def whole(self) -> bool:
         """This process sends the whole workload (no other process shares it)."""
         return self.start is None and self.take is None and self.owns is None
+
+
+class ClientLoad(BaseModel):
+    """How busy one client process was during the measured phase: a process whose CPU was saturated
+    or whose event loop ran late stamped its own queueing, not the engine's timing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    process: int = Field(description="The client process (0 when one process sends the workload).")
+    cpus: list[int] = Field(description="The CPUs it could run on (its affinity).")
+    realtime: bool = Field(default=False, description="It ran under SCHED_FIFO.")
+    wall_s: float = Field(description="Length of its measured phase.")
+    cpu_s: float = Field(description="CPU time it used meanwhile (user + system, all its threads).")
+    events: int = Field(description="Stream lines it stamped for measured requests.")
+    loop_lag_ms_p99: float = Field(
+        description="p99 of how late a 10 ms timer of its event loop fired (its loop's own queueing)."
+    )
+    loop_lag_ms_max: float = Field(description="The latest such timer.")
+
+    @property
+    def cpu_util(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class _LoopProbe:
+    """Measures the event loop's lag (a 10 ms timer's lateness) and the process's CPU time."""
+
+    PERIOD_S = 0.01
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.cpu0 = time.process_time()
+        self.wall0 = time.perf_counter()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.cpu0, self.wall0 = time.process_time(), time.perf_counter()
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(self.PERIOD_S)
+            self.lags.append(max(0.0, time.perf_counter() - before - self.PERIOD_S) * 1000.0)
+
+    async def stop(self, process: int, records: Sequence[RequestRecord], realtime: bool) -> ClientLoad:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        lags = np.array(self.lags or [0.0])
+        return ClientLoad(
+            process=process,
+            cpus=sorted(os.sched_getaffinity(0)),
+            realtime=realtime,
+            wall_s=time.perf_counter() - self.wall0,
+            cpu_s=time.process_time() - self.cpu0,
+            events=sum(len(r.chunk_times) for r in records if not r.warmup),
+            loop_lag_ms_p99=float(np.percentile(lags, 99)),
+            loop_lag_ms_max=float(lags.max()),
+        )
 
 
 class WorkloadResult(BaseModel):
@@ -228,6 +301,9 @@ class WorkloadResult(BaseModel):
             "Why the workload ended before its planned requests (the engine died or froze, an "
             "interrupt); the records hold what was measured until then."
         ),
+    )
+    client_load: list[ClientLoad] = Field(
+        default_factory=list, description="How busy each client process was (one per process)."
     )
 
     @property
@@ -381,6 +457,7 @@ async def _run(
     gc.freeze()
     measured: list[RequestRecord] = []
     wall0, perf0 = time.time(), time.perf_counter()
+    probe = _LoopProbe()
     try:
         warm_up = range(warmup_n) if share.warmup else range(0)
         warm = await _pool(warm_up, workload.concurrency, lambda i: one(i, True), abort=abort)
@@ -394,6 +471,7 @@ async def _run(
             wall0, perf0 = wall0 - (perf0 - begin), begin
         deadline = None if workload.duration_s is None else perf0 + workload.duration_s
         indices = range(warmup_n, total)
+        probe.start()
         if abort.is_set():
             pass
         elif workload.load == "concurrency":
@@ -416,6 +494,7 @@ async def _run(
             )
     finally:
         gc.unfreeze()
+        load = [await probe.stop(share.process, measured, share.realtime)]
     if abort.is_set():
         log.warning(
             "workload %s aborted (%s) after %d of %d measured requests",
@@ -434,6 +513,7 @@ async def _run(
                 started_at_unix_s=wall0 + (now - perf0),
                 requests_planned=measured_n,
                 aborted=abort.reason,
+                client_load=load,
             )
     # a share's own count says nothing of the workload's: the processes' results are merged first
     stopped = share.whole and len(measured) < measured_n and not abort.is_set()
@@ -462,6 +542,7 @@ async def _run(
             t_end=perf0,
             started_at_unix_s=wall0,
             requests_planned=measured_n,
+            client_load=load,
         )
     t_start = min(r.t_send for r in measured)
     return WorkloadResult(
@@ -473,6 +554,7 @@ async def _run(
         requests_planned=measured_n,
         stopped_by_duration=stopped,
         aborted=abort.reason,
+        client_load=load,
     )
 
 

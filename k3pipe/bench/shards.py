@@ -42,9 +42,10 @@ from pydantic import SecretStr
 from k3pipe.bench.client import Abort, RequestRecord, Share, WorkloadResult, run_workload
 from k3pipe.bench.datasets import Prompt
 from k3pipe.errors import BenchmarkError
-from k3pipe.specs import WorkloadSpec
+from k3pipe.procs import parse_cpu_list
+from k3pipe.specs import ClientSpec, WorkloadSpec
 
-__all__ = ["run_sharded", "slot_shares"]
+__all__ = ["STREAMS_PER_PROCESS", "client_layout", "run_sharded", "slot_shares"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,31 @@ _POLL_S = 0.005
 _LEAD_S = 0.05
 """The measured phase starts this long after the parent gives the start: every process is waiting."""
 _REASON_BYTES = 512
+_RT_PRIORITY = 10
+"""SCHED_FIFO priority of a real-time client process (1-99: low, yet above every normal process)."""
+
+
+STREAMS_PER_PROCESS = 128
+"""Streams one client process takes by default: at ~100 tokens/s a stream (a GPU decoding), 128 of
+them are ~12,800 events/s, about what one process stamps without queueing (docs/performance.md)."""
+
+
+def client_layout(
+    client: ClientSpec, concurrency: int, engine_cpus: Sequence[int] | None = None
+) -> tuple[int, list[list[int]] | None]:
+    """How many client processes send a workload of ``concurrency`` streams, and each one's CPUs
+    (None: unpinned). The client's CPUs are ``client.cpus``, else those k3pipe may use less a pinned
+    engine's; ``client.processes`` or one per :data:`STREAMS_PER_PROCESS` streams, at most one per
+    CPU. Processes are pinned (each to its slice of the CPUs, round-robin) only when ``client.cpus``
+    or the engine's CPUs were given."""
+    allowed = parse_cpu_list(client.cpus) if client.cpus is not None else sorted(os.sched_getaffinity(0))
+    if client.cpus is None and engine_cpus:
+        allowed = [c for c in allowed if c not in set(engine_cpus)] or allowed
+    auto = max(1, min(len(allowed), -(-concurrency // STREAMS_PER_PROCESS)))
+    n = client.processes or auto
+    if client.cpus is None and not engine_cpus:
+        return n, None
+    return n, [allowed[k::n] or allowed for k in range(n)]
 
 
 def slot_shares(concurrency: int, processes: int) -> list[int]:
@@ -76,7 +102,7 @@ class _Shared:
     results: Any  # Queue of (process, result dict | error text)
 
 
-def _share(k: int, n: int, workload: WorkloadSpec, shared: _Shared, total: int) -> Share:
+def _share(k: int, n: int, workload: WorkloadSpec, shared: _Shared, total: int, realtime: bool) -> Share:
     """Process ``k``'s share of the workload (see the module's docstring)."""
 
     def take() -> int | None:
@@ -100,6 +126,8 @@ def _share(k: int, n: int, workload: WorkloadSpec, shared: _Shared, total: int) 
 
     first = workload.warmup_requests
     return Share(
+        process=k,
+        realtime=realtime,
         warmup=k == 0,
         slots=slot_shares(workload.concurrency, n)[k],
         take=take,
@@ -120,11 +148,20 @@ def _process_main(
     prompts: list[dict[str, Any]],
     continuous_usage: bool,
     cpus: list[int] | None,
+    realtime: bool,
     shared: _Shared,
 ) -> None:
     """One client process: its share of the workload, its result into ``shared.results``."""
     if cpus:
         os.sched_setaffinity(0, cpus)
+    if realtime:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(_RT_PRIORITY))
+        except PermissionError:
+            log.warning(
+                "client process %d: SCHED_FIFO refused (needs CAP_SYS_NICE): runs at normal priority", k
+            )
+            realtime = False
     spec = WorkloadSpec.model_validate(workload)
     prompt_list = [Prompt.model_validate(p) for p in prompts]
     total = spec.warmup_requests + spec.num_requests
@@ -149,7 +186,7 @@ def _process_main(
                 lambda done, total: shared.progress.put(1),
                 continuous_usage=continuous_usage,
                 abort=abort,
-                share=_share(k, n, spec, shared, total),
+                share=_share(k, n, spec, shared, total, realtime),
             )
         finally:
             watcher.cancel()
@@ -177,16 +214,19 @@ async def run_sharded(
     on_measured_start: Callable[[], Awaitable[object]] | None = None,
     abort: Abort | None = None,
     cpus: Iterable[Iterable[int]] | None = None,
+    realtime: bool = False,
 ) -> WorkloadResult:
-    """:func:`~k3pipe.bench.client.run_workload` over ``processes`` client processes (one: in this
-    process). ``cpus``: the CPU set of each process (``os.sched_setaffinity``), or None.
+    """:func:`~k3pipe.bench.client.run_workload` over ``processes`` client processes (one, with
+    neither CPU sets nor real-time priority: in this process). ``cpus``: the CPU set of each process
+    (``os.sched_setaffinity``), or None; ``realtime``: each process asks for SCHED_FIFO (refused
+    without CAP_SYS_NICE: it then runs at normal priority and its ClientLoad says so).
 
     Raises:
         BenchmarkError: as run_workload; or a client process failed before it sent anything.
     """
     if processes < 1:
         raise BenchmarkError(f"client processes must be at least 1, got {processes}")
-    if processes == 1 and cpus is None:
+    if processes == 1 and cpus is None and not realtime:
         return await run_workload(
             None,
             base_url,
@@ -236,6 +276,7 @@ async def run_sharded(
                 payload,
                 continuous_usage,
                 sets[k],
+                realtime,
                 shared,
             ),
             name=f"k3pipe-client-{k}",
@@ -322,7 +363,8 @@ def _merge(workload: WorkloadSpec, results: dict[int, dict[str, Any] | str], abo
     reason = abort.reason or next((p.aborted for p in parts if p.aborted), None)
     if not measured:
         first = min(parts, key=lambda p: p.t_start)
-        return first.model_copy(update={"records": records, "aborted": reason})
+        load = sorted((c for p in parts for c in p.client_load), key=lambda c: c.process)
+        return first.model_copy(update={"records": records, "aborted": reason, "client_load": load})
     earliest = min((p for p in parts if any(not r.warmup for r in p.records)), key=lambda p: p.t_start)
     stopped = len(measured) < workload.num_requests and reason is None
     if stopped:
@@ -345,6 +387,7 @@ def _merge(workload: WorkloadSpec, results: dict[int, dict[str, Any] | str], abo
     return WorkloadResult(
         workload=workload.name,
         records=records,
+        client_load=sorted((c for p in parts for c in p.client_load), key=lambda c: c.process),
         t_start=min(r.t_send for r in measured),
         t_end=max(r.t_end for r in measured),
         started_at_unix_s=earliest.started_at_unix_s,
