@@ -39,7 +39,10 @@ _PROCESSES = [1]
 """Client processes of :func:`run` (the ``client_processes`` fixture sets it)."""
 
 
-@pytest.fixture(autouse=True, params=[1, 2], ids=["1-process", "2-processes"])
+# the 2-process runs spawn client processes (~1 s each on 2 cores): not in the unit tier
+@pytest.fixture(
+    autouse=True, params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-process", "2-processes"]
+)
 def client_processes(request: pytest.FixtureRequest) -> int:
     """Every definition holds for a workload sent by one client process and by two (sharded: its
     streams split between them, k3pipe/bench/shards.py)."""
