@@ -31,6 +31,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -152,6 +153,10 @@ def _process_main(
     shared: _Shared,
 ) -> None:
     """One client process: its share of the workload, its result into ``shared.results``."""
+    # a Ctrl-C reaches the whole foreground group: the parent stops its processes itself (shared.stop)
+    # and keeps what they measured, which a KeyboardInterrupt here would lose
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
     if cpus:
         os.sched_setaffinity(0, cpus)
     if realtime:
@@ -170,9 +175,11 @@ def _process_main(
         abort = Abort()
 
         async def watch() -> None:
-            while not shared.stop.is_set():  # noqa: ASYNC110 - an Event of processes
+            # the parent's stop, or the parent gone (killed): no load is left running without it
+            while not shared.stop.is_set() and os.getppid() == parent:  # noqa: ASYNC110 - of processes
                 await asyncio.sleep(_POLL_S)
-            abort.set(shared.reason.value.decode(errors="replace") or "stopped")
+            reason = shared.reason.value.decode(errors="replace") if shared.stop.is_set() else ""
+            abort.set(reason or "the k3pipe process that started this client process is gone")
 
         watcher = asyncio.create_task(watch())
         try:
