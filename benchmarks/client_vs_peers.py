@@ -374,8 +374,14 @@ def run_k3pipe(
     model_dir: Path,
     log: IO[str],
     diagnostic: tuple[str, ...] = (),
+    processes: int = 1,
+    process_cpus: list[list[int]] | None = None,
 ) -> ClientRun:
     """Run ``point`` with k3pipe's ``run_workload`` in a child process of the pipeline venv.
+
+    ``processes`` > 1: the workload's streams over that many client processes
+    (``k3pipe.bench.shards.run_sharded``, as the flow runs a workload with ``client.processes``), each
+    on its CPUs of ``process_cpus`` (the child itself is then not pinned).
 
     ``diagnostic`` changes the run, for a before/after comparison (never for the comparison with the
     peer): ``httpx`` runs the workload through an ``httpx.AsyncClient`` (``run_workload(client,
@@ -394,9 +400,12 @@ def run_k3pipe(
         "seed": point.seed,
         "realtime": realtime,
         "diagnostic": list(diagnostic),
+        "processes": processes,
+        "process_cpus": process_cpus,
     }
-    data, returncode, wall = _child("_k3pipe_workload", spec, cpu, log)
-    name = variant_name(diagnostic)
+    sharded = processes > 1 or process_cpus is not None
+    data, returncode, wall = _child("_k3pipe_workload", spec, None if sharded else cpu, log)
+    name = variant_name(diagnostic) + (f" x{processes} processes" if sharded else "")
     if data is None:
         return ClientRun(name, point, [], point.requests, wall, error=f"exit {returncode}")
     requests = [
@@ -441,7 +450,23 @@ def _k3pipe_workload(spec_path: str, out_path: str) -> int:
     own_transport = _has_own_transport()
     use_httpx = "httpx" in spec["diagnostic"] or not own_transport
 
+    processes, process_cpus = spec.get("processes", 1), spec.get("process_cpus")
+    sharded = processes > 1 or process_cpus is not None
+
     async def go() -> Any:
+        if sharded:
+            from k3pipe.bench.shards import run_sharded
+
+            return await run_sharded(
+                spec["base_url"],
+                MODEL,
+                None,
+                workload,
+                prompts,
+                processes,
+                cpus=process_cpus,
+                realtime=bool(spec["realtime"]),
+            )
         if not use_httpx:
             return await run_workload(None, spec["base_url"], MODEL, None, workload, prompts)
         limits = httpx.Limits(max_connections=streams + 4)
@@ -454,10 +479,12 @@ def _k3pipe_workload(spec_path: str, out_path: str) -> int:
         gc.freeze()
     pauses = _GCPauses()
     gc.callbacks.append(pauses)
-    set_realtime(spec["realtime"])
+    set_realtime(0 if sharded else spec["realtime"])  # sharded: each client process asks for it
     cpu0 = time.process_time()
     result = asyncio.run(go())
     cpu_s = time.process_time() - cpu0
+    if sharded:  # the client processes' own CPU time (the coordinator's is polling)
+        cpu_s = sum(c.cpu_s for c in result.client_load)
     set_realtime(0)
     gc.callbacks.remove(pauses)
     summary = summarize(result)

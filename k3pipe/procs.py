@@ -30,6 +30,7 @@ __all__ = [
     "file_lock",
     "group_members",
     "listening",
+    "parse_cpu_list",
     "proc_stat",
     "reap",
     "stop_group",
@@ -225,3 +226,24 @@ class GroupRegistry:
 
     def _path(self, pgid: int) -> Path:
         return self.dir / f"{pgid}.json"
+
+
+MAX_CPU = 4095
+
+
+def parse_cpu_list(text: str, field: str = "cpus") -> list[int]:
+    """A taskset-style CPU list (``0-7,16,18-19``) as sorted CPU numbers; a ValueError naming
+    ``field`` and the value when it is not one."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise ValueError(
+                f"{field} {text!r} is not a CPU list: write numbers and ranges, e.g. '0-7' or '0-3,8,10-11'"
+            ) from None
+        if lo < 0 or hi > MAX_CPU or lo > hi:
+            raise ValueError(f"{field} {text!r}: {part.strip()!r} is not a range of CPUs 0-{MAX_CPU}")
+        cpus.update(range(lo, hi + 1))
+    return sorted(cpus)

@@ -188,6 +188,10 @@ class ArmRecorder:
             "api_key_env": plan.api_key_env,
             **_gateway_params(plan),
             "k3pipe_commit": git_commit(),
+            "client.processes": plan.client.processes or "auto",
+            "client.cpus": plan.client.cpus,
+            "client.realtime": plan.client.realtime,
+            "launcher.cpus": ",".join(map(str, plan.launch.engine_cpus() or [])) or None,
             **_flat("env", cmd.redacted_env()),
             **_flat("arg", redact_data(exp.arm(plan.arm).engine.args)),
             **_compile_cache_params(plan),
@@ -397,6 +401,10 @@ class ArmRecorder:
                     run_id, [asdict(d) for d in outcome.discrepancies], "discrepancies.json"
                 )
             self.tracker.log_dict(run_id, summary.model_dump(mode="json"), "summary.json")
+            if result.client_load:
+                self.tracker.log_dict(
+                    run_id, [c.model_dump(mode="json") for c in result.client_load], "client_load.json"
+                )
             note = timing_note({**metrics, **outcome.engine_metrics})
             self.tracker.set_tags(
                 run_id,

@@ -22,6 +22,7 @@ from k3pipe import secrets
 from k3pipe.errors import SpecError
 from k3pipe.launchers.base import check_http_url as _check_base_url
 from k3pipe.launchers.kinds import LauncherSpec, ProcessLauncherSpec
+from k3pipe.procs import parse_cpu_list
 
 __all__ = [
     "ArmOverride",
@@ -93,8 +94,9 @@ LIMIT_REASONS: dict[str, str] = {
     ),
     "warmup_requests": "all prompts of every workload are built in memory before the engine starts",
     "repeats": "each repeat builds prompts of its own in memory before the engine starts",
-    "concurrency": "each request in flight holds a connection of the one client process",
-    "rate_rps": "one client process cannot send faster",
+    "concurrency": "each request in flight holds a connection of a client process",
+    "rate_rps": "the client cannot send faster",
+    "processes": "each client process is a Python interpreter with its own connections",
     "duration_s": "a bound of more than a week is no bound; leave duration_s out for none",
     "request_timeout_s": "a request that takes longer has hung; the timeout must end it",
     "startup_timeout_s": "an engine that is not healthy after a day has hung; the timeout must end it",
@@ -855,6 +857,45 @@ def _repeated(names: list[str]) -> list[str]:
     return sorted(n for n, k in Counter(names).items() if k > 1)
 
 
+MAX_CLIENT_PROCESSES = 256
+class ClientSpec(_Spec):
+    """How k3pipe's load generator runs: its processes, their CPUs and priority (what was used is
+    recorded with every workload: client_load.json, client_* metrics)."""
+
+    processes: int | None = _count(
+        default=None,
+        ge=1,
+        le=MAX_CLIENT_PROCESSES,
+        description=(
+            "Client processes a workload's streams are spread over, each with its own event loop and "
+            "connections under one schedule (None: one per 128 streams of the workload's concurrency, "
+            "at most one per CPU the client may use)."
+        ),
+    )
+    cpus: str | None = Field(
+        default=None,
+        description=(
+            "CPUs the client processes run on, taskset-style ('0-7,16'), split among them (None: every "
+            "CPU k3pipe may use except a process-launched engine's launcher.cpus)."
+        ),
+    )
+    realtime: bool = Field(
+        default=False,
+        strict=True,
+        description=(
+            "Run the client processes under SCHED_FIFO (needs CAP_SYS_NICE; where refused they run at "
+            "normal priority, and the record says so)."
+        ),
+    )
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpu_list(value, "client.cpus")
+        return value
+
+
 class ExperimentSpec(_Spec):
     """A whole study: model, engine arms and workloads.
 
@@ -883,6 +924,9 @@ class ExperimentSpec(_Spec):
     )
     workloads: list[WorkloadSpec] = Field(
         min_length=1, max_length=MAX_WORKLOADS, description="Workloads each arm runs."
+    )
+    client: ClientSpec = Field(
+        default_factory=ClientSpec, description="How the load generator runs (processes, CPUs, priority)."
     )
     variants: list[VariantSpec] = Field(
         default_factory=list,

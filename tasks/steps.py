@@ -15,7 +15,7 @@ from k3pipe import run
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.bench.session import WorkloadOutcome
-from k3pipe.bench.summary import summary_line, timing_note
+from k3pipe.bench.summary import client_note, summary_line, timing_note
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import ModelSourceError
@@ -243,9 +243,9 @@ def benchmark_task(
         logger.error("%s: ended early: %s", workload.name, outcome.engine_lost)
     m = outcome.metrics()
     logger.info(summary_line(workload.name, m, outcome.summary.itl_basis))
-    note = timing_note(m)
-    if note:
-        logger.warning("%s: %s", workload.name, note)
+    for note in (timing_note(m), client_note(m)):
+        if note:
+            logger.warning("%s: %s", workload.name, note)
     for d in outcome.discrepancies:
         logger.warning("%s: client and engine disagree: %s", workload.name, d.message)
     return outcome

@@ -134,3 +134,28 @@ def test_stop_before_start_and_external() -> None:
     ext.start()
     assert ext.alive()
     ext.stop()
+
+
+def test_launcher_cpus_pin_the_engine_and_every_process_it_starts(tmp_path: Path) -> None:
+    """launcher.cpus: the engine runs under taskset on those CPUs, and so does the child it starts."""
+    from k3pipe.launchers.process import ProcessLauncherSpec
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    spec = ProcessLauncherSpec(cpus=str(cpu))
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE)
+    launcher = ProcessLauncher(
+        spec._pinned([sys.executable, str(script)]),
+        dict(os.environ),
+        tmp_path / "engine.log",
+        stop_timeout_s=5,
+    )
+    launcher.start()
+    try:
+        child = _child_pid(launcher)
+        engine = launcher.pid
+        assert engine is not None
+        for pid in (engine, child):
+            assert os.sched_getaffinity(pid) == {cpu}
+    finally:
+        launcher.stop()

@@ -32,6 +32,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +47,15 @@ from k3pipe.bench.transport import HttpxSSE, SSEPool, SSESender, TransportError
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["Abort", "RequestRecord", "WorkloadResult", "run_workload", "schedule_offsets"]
+__all__ = [
+    "Abort",
+    "ClientLoad",
+    "RequestRecord",
+    "Share",
+    "WorkloadResult",
+    "run_workload",
+    "schedule_offsets",
+]
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +184,100 @@ def _wake(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+@dataclass
+class Share:
+    """The part of a workload one client process sends (:mod:`k3pipe.bench.shards` splits a workload
+    over several); the default is the whole workload, as one process sends it.
+
+    - ``process``: its number (0 for one process); ``realtime``: it runs under SCHED_FIFO (recorded);
+    - ``warmup``: this process sends the warm-up requests;
+    - ``slots``: its share of ``concurrency`` under load ``concurrency`` (None: all of it);
+    - ``take``: the next measured request to send, from the one counter every process draws from
+      (None: this process counts alone); returns None when none is left;
+    - ``owns``: whether this process sends a scheduled (constant, poisson) request (None: all);
+    - ``acquire``/``release``: the cap on requests in flight across processes under a schedule
+      (None: this process's own ``concurrency`` slots);
+    - ``start``: awaited after the warm-up, returns the ``perf_counter`` time at which the measured
+      phase starts in every process (None: at once).
+    """
+
+    process: int = 0
+    realtime: bool = False
+    warmup: bool = True
+    slots: int | None = None
+    take: Callable[[], int | None] | None = None
+    owns: Callable[[int], bool] | None = None
+    acquire: Callable[[], Awaitable[None]] | None = None
+    release: Callable[[], None] | None = None
+    start: Callable[[], Awaitable[float]] | None = None
+
+    @property
+    def whole(self) -> bool:
+        """This process sends the whole workload (no other process shares it)."""
+        return self.start is None and self.take is None and self.owns is None
+
+
+class ClientLoad(BaseModel):
+    """How busy one client process was during the measured phase: a process whose CPU was saturated
+    or whose event loop ran late stamped its own queueing, not the engine's timing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    process: int = Field(description="The client process (0 when one process sends the workload).")
+    cpus: list[int] = Field(description="The CPUs it could run on (its affinity).")
+    realtime: bool = Field(default=False, description="It ran under SCHED_FIFO.")
+    wall_s: float = Field(description="Length of its measured phase.")
+    cpu_s: float = Field(description="CPU time it used meanwhile (user + system, all its threads).")
+    events: int = Field(description="Stream lines it stamped for measured requests.")
+    loop_lag_ms_p99: float = Field(
+        description="p99 of how late a 10 ms timer of its event loop fired (its loop's own queueing)."
+    )
+    loop_lag_ms_max: float = Field(description="The latest such timer.")
+
+    @property
+    def cpu_util(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class _LoopProbe:
+    """Measures the event loop's lag (a 10 ms timer's lateness) and the process's CPU time."""
+
+    PERIOD_S = 0.01
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.cpu0 = time.process_time()
+        self.wall0 = time.perf_counter()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.cpu0, self.wall0 = time.process_time(), time.perf_counter()
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(self.PERIOD_S)
+            self.lags.append(max(0.0, time.perf_counter() - before - self.PERIOD_S) * 1000.0)
+
+    async def stop(self, process: int, records: Sequence[RequestRecord], realtime: bool) -> ClientLoad:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        lags = np.array(self.lags or [0.0])
+        return ClientLoad(
+            process=process,
+            cpus=sorted(os.sched_getaffinity(0)),
+            realtime=realtime,
+            wall_s=time.perf_counter() - self.wall0,
+            cpu_s=time.process_time() - self.cpu0,
+            events=sum(len(r.chunk_times) for r in records if not r.warmup),
+            loop_lag_ms_p99=float(np.percentile(lags, 99)),
+            loop_lag_ms_max=float(lags.max()),
+        )
+
+
 class WorkloadResult(BaseModel):
     """All records of one workload run, warm-up included (flagged), and the measured window."""
 
@@ -199,6 +302,9 @@ class WorkloadResult(BaseModel):
             "interrupt); the records hold what was measured until then."
         ),
     )
+    client_load: list[ClientLoad] = Field(
+        default_factory=list, description="How busy each client process was (one per process)."
+    )
 
     @property
     def duration_s(self) -> float:
@@ -218,6 +324,7 @@ async def run_workload(
     continuous_usage: bool = True,
     on_measured_start: Callable[[], Awaitable[object]] | None = None,
     abort: Abort | None = None,
+    share: Share | None = None,
 ) -> WorkloadResult:
     """Send a workload's requests, streaming, under the workload's load pattern.
 
@@ -249,6 +356,8 @@ async def run_workload(
     exact start of the measured window).
     ``abort`` (an :class:`Abort`) ends the workload early when set: the result then holds the
     records so far (those in flight ended as failed) and ``aborted`` says why.
+    ``share`` (a :class:`Share`): the part of the workload this process sends, when several client
+    processes send it (:func:`k3pipe.bench.shards.run_sharded`); the result then holds its records only.
 
     Raises:
         BenchmarkError: fewer prompts than warm-up plus measured requests, or an invalid base URL.
@@ -297,6 +406,7 @@ async def run_workload(
             continuous_usage,
             on_measured_start,
             abort or Abort(),
+            share or Share(),
         )
 
 
@@ -312,10 +422,12 @@ async def _run(
     continuous_usage: bool,
     on_measured_start: Callable[[], Awaitable[object]] | None,
     abort: Abort,
+    share: Share,
 ) -> WorkloadResult:
     warmup_n, measured_n = workload.warmup_requests, workload.num_requests
     total = warmup_n + measured_n
     progress = _Progress(total, on_progress)
+    slots = share.slots if share.slots is not None else workload.concurrency
 
     # Every body is serialized before the first request: JSON-encoding a 200K-token prompt takes
     # milliseconds, which on the event loop would delay the stamps of the streams in flight.
@@ -345,31 +457,44 @@ async def _run(
     gc.freeze()
     measured: list[RequestRecord] = []
     wall0, perf0 = time.time(), time.perf_counter()
+    probe = _LoopProbe()
     try:
-        warm = await _pool(range(warmup_n), workload.concurrency, lambda i: one(i, True), abort=abort)
+        warm_up = range(warmup_n) if share.warmup else range(0)
+        warm = await _pool(warm_up, workload.concurrency, lambda i: one(i, True), abort=abort)
         if on_measured_start is not None and not abort.is_set():
             await on_measured_start()
+        if share.start is not None and not abort.is_set():
+            begin = await share.start()  # the one start of every process, on the system-wide clock
+            await abort.sleep(begin - time.perf_counter())
         wall0, perf0 = time.time(), time.perf_counter()
+        if share.start is not None and not abort.is_set():
+            wall0, perf0 = wall0 - (perf0 - begin), begin
         deadline = None if workload.duration_s is None else perf0 + workload.duration_s
         indices = range(warmup_n, total)
+        probe.start()
         if abort.is_set():
             pass
         elif workload.load == "concurrency":
             measured = await _pool(
-                indices, workload.concurrency, lambda i: one(i, False), deadline, abort=abort
+                indices, slots, lambda i: one(i, False), deadline, abort=abort, take=share.take
             )
         else:
             offsets = schedule_offsets(workload)
+            mine = [i for i in indices if share.owns is None or share.owns(i)]
             measured = await _scheduled(
-                indices,
-                [perf0 + float(t) for t in offsets],
+                range(0),
+                [perf0 + float(offsets[i - warmup_n]) for i in mine],
                 workload.concurrency,
                 lambda i, due: one(i, False, due),
                 deadline,
                 abort=abort,
+                order=mine,
+                acquire=share.acquire,
+                release=share.release,
             )
     finally:
         gc.unfreeze()
+        load = [await probe.stop(share.process, measured, share.realtime)]
     if abort.is_set():
         log.warning(
             "workload %s aborted (%s) after %d of %d measured requests",
@@ -388,8 +513,10 @@ async def _run(
                 started_at_unix_s=wall0 + (now - perf0),
                 requests_planned=measured_n,
                 aborted=abort.reason,
+                client_load=load,
             )
-    stopped = len(measured) < measured_n and not abort.is_set()
+    # a share's own count says nothing of the workload's: the processes' results are merged first
+    stopped = share.whole and len(measured) < measured_n and not abort.is_set()
     if stopped:
         log.info(
             "workload %s: duration_s %s ran out after %d of %d measured requests were sent",
@@ -399,13 +526,23 @@ async def _run(
             measured_n,
         )
     failed = [r for r in measured if not r.ok]
-    if failed:
+    if failed and share.whole:
         log.warning(
             "workload %s: %d of %d measured requests failed; first error: %s",
             workload.name,
             len(failed),
             len(measured),
             failed[0].error,
+        )
+    if not measured:  # a process of several whose share was empty
+        return WorkloadResult(
+            workload=workload.name,
+            records=warm,
+            t_start=perf0,
+            t_end=perf0,
+            started_at_unix_s=wall0,
+            requests_planned=measured_n,
+            client_load=load,
         )
     t_start = min(r.t_send for r in measured)
     return WorkloadResult(
@@ -417,6 +554,7 @@ async def _run(
         requests_planned=measured_n,
         stopped_by_duration=stopped,
         aborted=abort.reason,
+        client_load=load,
     )
 
 
@@ -452,14 +590,16 @@ async def _pool(
     send: Callable[[int], Awaitable[RequestRecord]],
     deadline: float | None = None,
     abort: Abort | None = None,
+    take: Callable[[], int | None] | None = None,
 ) -> list[RequestRecord]:
     """Run ``send`` over ``indices`` with at most ``concurrency`` in flight; records by index.
 
     After ``deadline`` (perf_counter) no new request starts, except the first, which always does;
-    after ``abort`` is set, none does.
+    after ``abort`` is set, none does. ``take``: the next index from a counter shared with other
+    processes (each draws the next request when a slot of its own frees), instead of ``indices``.
     """
     results: dict[int, RequestRecord] = {}
-    todo: Iterator[int] = iter(indices)
+    todo: Iterator[int] = iter(indices) if take is None else iter(take, None)
 
     async def worker() -> None:
         # One worker per slot: a slot takes the next request as soon as its previous one ends, so
@@ -476,7 +616,7 @@ async def _pool(
     async with asyncio.TaskGroup() as group:
         for _ in range(min(concurrency, len(indices))):
             group.create_task(worker())
-    return [results[i] for i in indices if i in results]
+    return [results[i] for i in sorted(results)]
 
 
 async def _scheduled(
@@ -486,38 +626,45 @@ async def _scheduled(
     send: Callable[[int, float], Awaitable[RequestRecord]],
     deadline: float | None = None,
     abort: Abort | None = None,
+    order: Sequence[int] | None = None,
+    acquire: Callable[[], Awaitable[None]] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> list[RequestRecord]:
     """Start ``send(index, due)`` at each ``due`` perf_counter time, at most ``concurrency`` in flight.
 
     A request due while ``concurrency`` are in flight waits for a slot (its send lags its schedule).
     No request due at or after ``deadline``, or reaching its slot after it, is sent (the first always is);
-    none after ``abort`` is set.
+    none after ``abort`` is set. ``order``: the indices of ``due`` when they are not ``indices`` (a
+    process's share); ``acquire``/``release``: a slot of a cap shared with other processes.
     """
     results: dict[int, RequestRecord] = {}
     slots = asyncio.Semaphore(concurrency)
+    take_slot = acquire or slots.acquire
+    free_slot = release or slots.release
     abort = abort or Abort()
+    chosen = list(indices) if order is None else list(order)
 
     async def fire(index: int, t_due: float) -> None:
         abort.track()
         try:
             results[index] = await send(index, t_due)
         finally:
-            slots.release()
+            free_slot()
 
     async with asyncio.TaskGroup() as group:
-        for n, (index, t_due) in enumerate(zip(indices, due, strict=True)):
+        for n, (index, t_due) in enumerate(zip(chosen, due, strict=True)):
             if n and deadline is not None and t_due >= deadline:
                 break
             wait = t_due - time.perf_counter()
             if wait > 0:
                 await abort.sleep(wait)  # ends early when the workload is aborted
             # an abort ends the requests in flight at once, so a slot frees at once too
-            await slots.acquire()
+            await take_slot()
             if abort.is_set() or (n and deadline is not None and time.perf_counter() >= deadline):
-                slots.release()
+                free_slot()
                 break
             group.create_task(fire(index, t_due))
-    return [results[i] for i in indices if i in results]
+    return [results[i] for i in sorted(results)]
 
 
 @dataclass

@@ -16,10 +16,11 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import SecretStr
 
-from k3pipe.bench.client import Abort, WorkloadResult, run_workload
+from k3pipe.bench.client import Abort, WorkloadResult
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.datasets import load_tokenizer
 from k3pipe.bench.prompts import workload_prompts
+from k3pipe.bench.shards import client_layout, run_sharded
 from k3pipe.bench.summary import WorkloadSummary, retokenize, summarize
 from k3pipe.bench.watch import EngineWatch, Liveness
 from k3pipe.engines import get_engine
@@ -108,8 +109,13 @@ def benchmark_workload(
         None if plan.health_url else api_key,
     )
 
+    processes, cpu_sets = client_layout(plan.client, workload.concurrency, plan.launch.engine_cpus())
+    if progress and (processes > 1 or cpu_sets):
+        where = "" if cpu_sets is None else " on CPUs " + "; ".join(",".join(map(str, c)) for c in cpu_sets)
+        progress(f"{label}: {workload.concurrency} streams over {processes} client process(es){where}")
+
     async def go(abort: Abort) -> WorkloadResult:
-        # the workload sends through its own transport (run_workload(None, ...)); the scraper has
+        # the workload sends through its own transports (run_sharded: one per client process); the scraper has
         # an httpx client of its own
         async with httpx.AsyncClient(trust_env=False) as metrics_client:
             stop = asyncio.Event()
@@ -127,17 +133,19 @@ def benchmark_workload(
                     await scraper.scrape_once(metrics_client, url)
 
             try:
-                return await run_workload(
-                    None,
+                return await run_sharded(
                     plan.client_base_url,
                     plan.client_model,
                     api_key,
                     run_spec,
                     prompt_set.prompts,
-                    on_progress=on_progress,
+                    processes,
+                    on_progress,
                     continuous_usage=plan.client_continuous_usage,
                     on_measured_start=window_start,
                     abort=abort,
+                    cpus=cpu_sets,
+                    realtime=plan.client.realtime,
                 )
             finally:
                 stop.set()

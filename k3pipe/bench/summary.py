@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -80,6 +80,10 @@ __all__ = [
 
 # Relative slack before a throughput counts as above its ceiling (float noise, rounding of claims).
 _BOUND_TOLERANCE = 0.001
+CLIENT_CPU_SATURATED = 0.9
+"""A client process busier than this share of its wall time queues its own work (stamps run late)."""
+CLIENT_LAG_SATURATED_MS = 5.0
+"""A client event loop whose 10 ms timer fires later than this at p99 stamps late by as much."""
 
 BURSTY_REQUEST_SHARE = 0.5
 """A request is bursty when at least this share of its tokens after the first chunk were coalesced."""
@@ -215,6 +219,24 @@ class WorkloadSummary(BaseModel):
         description="Per objective (ttft_ms, tpot_ms, e2e_ms): share of measured requests within it.",
     )
     errors: dict[str, int] = Field(description="Failed measured requests by error text.")
+    client_processes: int = Field(default=1, description="Client processes that sent the workload.")
+    client_cpu_util_max: float | None = Field(
+        default=None, description="The busiest client process's CPU time / its measured wall time."
+    )
+    client_cpu_us_per_event: float | None = Field(
+        default=None, description="Client CPU time per stamped stream line, microseconds, all processes."
+    )
+    client_loop_lag_ms_p99: float | None = Field(
+        default=None, description="The worst process's p99 lateness of a 10 ms event-loop timer."
+    )
+    client_saturated: bool = Field(
+        default=False,
+        description=(
+            f"A client process was saturated (CPU above {CLIENT_CPU_SATURATED:.0%} of its wall time, or "
+            f"its loop's p99 lag above {CLIENT_LAG_SATURATED_MS:g} ms): its stamps hold its own "
+            "queueing; give it more processes (client.processes) or CPUs (client.cpus)."
+        ),
+    )
 
     def metrics(self) -> dict[str, float]:
         """A flat dict of numbers with unit-suffixed names (e.g. ``ttft_ms_p99``), Nones left out."""
@@ -233,6 +255,8 @@ class WorkloadSummary(BaseModel):
             "stopped_by_duration": float(self.stopped_by_duration),
             "bursty_requests": float(self.bursty_requests),
             "client_timing_bursty": float(self.client_timing_bursty),
+            "client_processes": float(self.client_processes),
+            "client_saturated": float(self.client_saturated),
         }
         optional = {
             "request_throughput_rps": self.request_throughput_rps,
@@ -245,6 +269,9 @@ class WorkloadSummary(BaseModel):
             "coalesced_tokens_pct": self.coalesced_tokens_pct,
             "bursty_requests_pct": self.bursty_requests_pct,
             "itl_per_token": None if self.itl_basis is None else float(self.itl_basis == "per_token"),
+            "client_cpu_util_max": self.client_cpu_util_max,
+            "client_cpu_us_per_event": self.client_cpu_us_per_event,
+            "client_loop_lag_ms_p99": self.client_loop_lag_ms_p99,
         }
         optional.update(
             {f"slo_{k}_attainment_pct": v for k, v in self.slo_attainment_by_objective_pct.items()}
@@ -335,6 +362,38 @@ def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSum
             {} if met is None or not measured else {k: 100.0 * n / len(measured) for k, n in met[1].items()}
         ),
         errors=dict(Counter(r.error for r in measured if r.error is not None)),
+        **_client_load(result),
+    )
+
+
+def _client_load(result: WorkloadResult) -> dict[str, Any]:
+    """The summary's client_* fields from the processes' ClientLoad."""
+    load = result.client_load
+    if not load:
+        return {}
+    util = max(c.cpu_util for c in load)
+    lag = max(c.loop_lag_ms_p99 for c in load)
+    events = sum(c.events for c in load)
+    return {
+        "client_processes": len(load),
+        "client_cpu_util_max": util,
+        "client_cpu_us_per_event": sum(c.cpu_s for c in load) / events * 1e6 if events else None,
+        "client_loop_lag_ms_p99": lag,
+        "client_saturated": util > CLIENT_CPU_SATURATED or lag > CLIENT_LAG_SATURATED_MS,
+    }
+
+
+def client_note(metrics: Mapping[str, float]) -> str | None:
+    """What to say when a client process was saturated while it measured (None: it was not)."""
+    if not metrics.get("client_saturated"):
+        return None
+    util, lag = metrics.get("client_cpu_util_max"), metrics.get("client_loop_lag_ms_p99")
+    n = int(metrics.get("client_processes") or 1)
+    return (
+        f"the client was saturated ({n} process{'es' if n > 1 else ''}; busiest at "
+        f"{_pct(None if util is None else util * 100)} CPU, event-loop lag p99 "
+        f"{'?' if lag is None else f'{lag:.1f}'} ms): its TTFT/ITL include its own queueing; run it "
+        "with more client processes (client.processes) or more CPUs (client.cpus)"
     )
 
 
@@ -428,6 +487,8 @@ def summary_line(workload: str, metrics: Mapping[str, float], itl_basis: str | N
     ]
     if metrics.get("slo_attainment_pct") is not None:
         parts.append(f"SLO attainment {metrics['slo_attainment_pct']:.1f}%")
+    if metrics.get("client_saturated"):
+        parts.append("CLIENT SATURATED")
     return f"{workload}: " + ", ".join(parts)
 
 

@@ -213,6 +213,10 @@ class LauncherSpecBase(BaseModel):
         """Host directory -> engine path, mounted read-write (the compile cache of a container)."""
         return {}
 
+    def engine_cpus(self) -> list[int] | None:
+        """The CPUs the engine is pinned to on this node (None: not pinned, or not on this node)."""
+        return None
+
     def equivalent_command(self, plan: ArmPlan, image: str | None = None) -> str | None:
         """The start as one command line a human could paste (secrets redacted), where it differs
         from the plan's argv (a container's ``docker run``); None otherwise."""

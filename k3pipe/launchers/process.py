@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -19,11 +20,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from k3pipe.errors import LaunchError
 from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
-from k3pipe.procs import GroupRegistry
+from k3pipe.procs import GroupRegistry, parse_cpu_list
 from k3pipe.secrets import scrub
 
 if TYPE_CHECKING:
@@ -178,12 +179,40 @@ class ProcessLauncherSpec(LauncherSpecBase):
         default="process", description="process: a local process group (docker, external: see those)."
     )
 
+    cpus: str | None = Field(
+        default=None,
+        description=(
+            "CPUs the engine's process group runs on, taskset-style ('8-15'); the client keeps off them "
+            "(None: any)."
+        ),
+    )
+
     probes_interpreter: ClassVar[bool] = True
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpu_list(value, "launcher.cpus")
+        return value
 
     def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
         if not engine.executable:
             return "launcher.kind 'process' needs engine.executable (the command that starts it)"
         return None
+
+    def engine_cpus(self) -> list[int] | None:
+        return parse_cpu_list(self.cpus) if self.cpus is not None else None
+
+    def _pinned(self, argv: list[str]) -> list[str]:
+        """``argv`` run on ``cpus`` (util-linux taskset: the engine and every process it starts
+        inherit the affinity from its first instruction)."""
+        return ["taskset", "--cpu-list", self.cpus, *argv] if self.cpus is not None else list(argv)
+
+    def equivalent_command(self, plan: ArmPlan, image: str | None = None) -> str | None:
+        if self.cpus is None:
+            return None
+        return shlex.join(self._pinned(plan.command.redacted_argv()))
 
     def build(
         self,
@@ -196,7 +225,7 @@ class ProcessLauncherSpec(LauncherSpecBase):
         home: Path | None = None,
     ) -> Launcher:
         return ProcessLauncher(
-            plan.command.argv,
+            self._pinned(plan.command.argv),
             {**base_env, **env},
             log_path,
             stop_timeout_s=self.stop_timeout_s,

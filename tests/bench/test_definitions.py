@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, run_workload, summarize
+from k3pipe.bench.shards import run_sharded
 from k3pipe.bench.summary import WorkloadSummary, records_frame, retokenize, timing_note
 from k3pipe.specs import SLOSpec, WorkloadSpec
 from tests.scripted_openai import Received, Script, ScriptedOpenAI
@@ -34,12 +35,27 @@ def workload(**overrides: object) -> WorkloadSpec:
     return WorkloadSpec.model_validate(fields)
 
 
+_PROCESSES = [1]
+"""Client processes of :func:`run` (the ``client_processes`` fixture sets it)."""
+
+
+# the 2-process runs spawn client processes (~1 s each on 2 cores): not in the unit tier
+@pytest.fixture(
+    autouse=True, params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-process", "2-processes"]
+)
+def client_processes(request: pytest.FixtureRequest) -> int:
+    """Every definition holds for a workload sent by one client process and by two (sharded: its
+    streams split between them, k3pipe/bench/shards.py)."""
+    _PROCESSES[0] = request.param
+    return int(request.param)
+
+
 def run(base_url: str, spec: WorkloadSpec, *, continuous_usage: bool = True) -> WorkloadResult:
     prompts = [Prompt(text=f"prompt {i}", tokens=2) for i in range(spec.warmup_requests + spec.num_requests)]
 
     async def go() -> WorkloadResult:
-        return await run_workload(
-            None, base_url, "scripted", None, spec, prompts, continuous_usage=continuous_usage
+        return await run_sharded(
+            base_url, "scripted", None, spec, prompts, _PROCESSES[0], continuous_usage=continuous_usage
         )
 
     return asyncio.run(go())
