@@ -90,5 +90,5 @@ def test_two_client_processes_record_what_one_does(prefect_harness: None, tmp_pa
     assert all(0 not in c["cpus"] for c in load1 + load2)
     assert all(c["events"] > 0 for c in load2)
     assert sum(c["events"] for c in load2) == sum(c["events"] for c in load1)
-    assert "client_cpu_us_per_event" in child2.data.metrics
+    assert "client_cpu_per_event_us" in child2.data.metrics
     assert "client_loop_lag_ms_p99" in child2.data.metrics

@@ -220,10 +220,10 @@ class WorkloadSummary(BaseModel):
     )
     errors: dict[str, int] = Field(description="Failed measured requests by error text.")
     client_processes: int = Field(default=1, description="Client processes that sent the workload.")
-    client_cpu_util_max: float | None = Field(
-        default=None, description="The busiest client process's CPU time / its measured wall time."
+    client_cpu_max_pct: float | None = Field(
+        default=None, description="The busiest client process's CPU time / its measured wall time, in %."
     )
-    client_cpu_us_per_event: float | None = Field(
+    client_cpu_per_event_us: float | None = Field(
         default=None, description="Client CPU time per stamped stream line, microseconds, all processes."
     )
     client_loop_lag_ms_p99: float | None = Field(
@@ -269,8 +269,8 @@ class WorkloadSummary(BaseModel):
             "coalesced_tokens_pct": self.coalesced_tokens_pct,
             "bursty_requests_pct": self.bursty_requests_pct,
             "itl_per_token": None if self.itl_basis is None else float(self.itl_basis == "per_token"),
-            "client_cpu_util_max": self.client_cpu_util_max,
-            "client_cpu_us_per_event": self.client_cpu_us_per_event,
+            "client_cpu_max_pct": self.client_cpu_max_pct,
+            "client_cpu_per_event_us": self.client_cpu_per_event_us,
             "client_loop_lag_ms_p99": self.client_loop_lag_ms_p99,
         }
         optional.update(
@@ -376,8 +376,8 @@ def _client_load(result: WorkloadResult) -> dict[str, Any]:
     events = sum(c.events for c in load)
     return {
         "client_processes": len(load),
-        "client_cpu_util_max": util,
-        "client_cpu_us_per_event": sum(c.cpu_s for c in load) / events * 1e6 if events else None,
+        "client_cpu_max_pct": util * 100.0,
+        "client_cpu_per_event_us": sum(c.cpu_s for c in load) / events * 1e6 if events else None,
         "client_loop_lag_ms_p99": lag,
         "client_saturated": util > CLIENT_CPU_SATURATED or lag > CLIENT_LAG_SATURATED_MS,
     }
@@ -387,11 +387,11 @@ def client_note(metrics: Mapping[str, float]) -> str | None:
     """What to say when a client process was saturated while it measured (None: it was not)."""
     if not metrics.get("client_saturated"):
         return None
-    util, lag = metrics.get("client_cpu_util_max"), metrics.get("client_loop_lag_ms_p99")
+    util, lag = metrics.get("client_cpu_max_pct"), metrics.get("client_loop_lag_ms_p99")
     n = int(metrics.get("client_processes") or 1)
     return (
         f"the client was saturated ({n} process{'es' if n > 1 else ''}; busiest at "
-        f"{_pct(None if util is None else util * 100)} CPU, event-loop lag p99 "
+        f"{_pct(util)} CPU, event-loop lag p99 "
         f"{'?' if lag is None else f'{lag:.1f}'} ms): its TTFT/ITL include its own queueing; run it "
         "with more client processes (client.processes) or more CPUs (client.cpus)"
     )

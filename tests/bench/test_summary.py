@@ -18,6 +18,8 @@ from k3pipe.bench import (
     records_frame,
     summarize,
 )
+from k3pipe.bench.client import ClientLoad
+from k3pipe.bench.summary import client_note, summary_line
 
 # Raw perf_counter stamps are arbitrary: start the clock far from zero so "relative" is tested.
 T0 = 1000.0
@@ -200,8 +202,10 @@ def test_metrics_are_flat_floats_with_units_in_names() -> None:
         "stopped_by_duration",
         "bursty_requests",
         "client_timing_bursty",
+        "client_processes",
+        "client_saturated",
     }
-    unit = re.compile(r"(_ms_(mean|p50|p90|p99)|_s|_rps|_tps|_total|_pct)$")
+    unit = re.compile(r"(_ms_(mean|p50|p90|p99)|_s|_rps|_tps|_total|_pct|_us)$")
     for name, value in metrics.items():
         assert type(value) is float, name
         assert name in counts or unit.search(name), name
@@ -348,3 +352,33 @@ def test_public_names() -> None:
     ]
     for name in k3pipe.bench.__all__:
         assert getattr(k3pipe.bench, name) is not None
+
+
+def test_client_load_gives_the_client_metrics_and_flags_a_saturated_process() -> None:
+    def load(process: int, cpu_s: float, lag_p99: float) -> ClientLoad:
+        return ClientLoad(
+            process=process, cpus=[process], wall_s=10.0, cpu_s=cpu_s, events=1000,
+            loop_lag_ms_p99=lag_p99, loop_lag_ms_max=lag_p99 * 2,
+        )  # fmt: skip
+
+    calm = known_result().model_copy(update={"client_load": [load(0, 2.0, 0.5), load(1, 3.0, 1.0)]})
+    m = summarize(calm).metrics()
+    assert m["client_processes"] == 2
+    assert m["client_cpu_max_pct"] == pytest.approx(30.0)
+    assert m["client_cpu_per_event_us"] == pytest.approx(5.0 / 2000 * 1e6)
+    assert m["client_loop_lag_ms_p99"] == 1.0
+    assert m["client_saturated"] == 0.0
+    assert client_note(m) is None
+    assert "CLIENT SATURATED" not in summary_line("w", m, "per_token")
+    for busy in ([load(0, 9.5, 0.5)], [load(0, 2.0, 0.5), load(1, 2.0, 7.0)]):
+        hot = summarize(known_result().model_copy(update={"client_load": busy})).metrics()
+        assert hot["client_saturated"] == 1.0
+        note = client_note(hot)
+        assert note is not None
+        assert "client.processes" in note
+        assert "client.cpus" in note
+        assert "CLIENT SATURATED" in summary_line("w", hot, "per_token")
+    # a result without client load (an older record): one process, nothing claimed
+    plain = summarize(known_result()).metrics()
+    assert plain["client_processes"] == 1
+    assert "client_cpu_max_pct" not in plain
