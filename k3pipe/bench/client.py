@@ -517,23 +517,8 @@ async def _run(
             )
     # a share's own count says nothing of the workload's: the processes' results are merged first
     stopped = share.whole and len(measured) < measured_n and not abort.is_set()
-    if stopped:
-        log.info(
-            "workload %s: duration_s %s ran out after %d of %d measured requests were sent",
-            workload.name,
-            workload.duration_s,
-            len(measured),
-            measured_n,
-        )
-    failed = [r for r in measured if not r.ok]
-    if failed and share.whole:
-        log.warning(
-            "workload %s: %d of %d measured requests failed; first error: %s",
-            workload.name,
-            len(failed),
-            len(measured),
-            failed[0].error,
-        )
+    if share.whole:
+        report_end(workload, measured, stopped)
     if not measured:  # a process of several whose share was empty
         return WorkloadResult(
             workload=workload.name,
@@ -556,6 +541,27 @@ async def _run(
         aborted=abort.reason,
         client_load=load,
     )
+
+
+def report_end(workload: WorkloadSpec, measured: Sequence[RequestRecord], stopped: bool) -> None:
+    """Log how a workload's measured phase ended: cut short by its duration_s, and its failures."""
+    if stopped:
+        log.info(
+            "workload %s: duration_s %s ran out after %d of %d measured requests were sent",
+            workload.name,
+            workload.duration_s,
+            len(measured),
+            workload.num_requests,
+        )
+    failed = [r for r in measured if not r.ok]
+    if failed:
+        log.warning(
+            "workload %s: %d of %d measured requests failed; first error: %s",
+            workload.name,
+            len(failed),
+            len(measured),
+            failed[0].error,
+        )
 
 
 def _uncancel() -> None:

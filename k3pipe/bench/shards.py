@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from k3pipe.bench.client import Abort, RequestRecord, Share, WorkloadResult, run_workload
+from k3pipe.bench.client import Abort, RequestRecord, Share, WorkloadResult, report_end, run_workload
 from k3pipe.bench.datasets import Prompt
 from k3pipe.errors import BenchmarkError
 from k3pipe.procs import parse_cpu_list
@@ -374,23 +374,7 @@ def _merge(workload: WorkloadSpec, results: dict[int, dict[str, Any] | str], abo
         return first.model_copy(update={"records": records, "aborted": reason, "client_load": load})
     earliest = min((p for p in parts if any(not r.warmup for r in p.records)), key=lambda p: p.t_start)
     stopped = len(measured) < workload.num_requests and reason is None
-    if stopped:
-        log.info(
-            "workload %s: duration_s %s ran out after %d of %d measured requests were sent",
-            workload.name,
-            workload.duration_s,
-            len(measured),
-            workload.num_requests,
-        )
-    failed = [r for r in measured if not r.ok]
-    if failed:
-        log.warning(
-            "workload %s: %d of %d measured requests failed; first error: %s",
-            workload.name,
-            len(failed),
-            len(measured),
-            failed[0].error,
-        )
+    report_end(workload, measured, stopped)
     return WorkloadResult(
         workload=workload.name,
         records=records,
