@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -431,3 +432,30 @@ def test_bursty_thresholds() -> None:
     assert single.coalesced_tokens_pct is None
     assert single.bursty_requests_pct is None
     assert not single.client_timing_bursty
+
+
+# --- a real SGLang's streams (0.5.16 on the H200, 2026-12-02: docs/gpu.md, "SGLang for real") ---
+
+SGLANG_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines" / "sglang"
+
+
+@pytest.mark.parametrize(
+    ("capture", "api", "chunks"),
+    [
+        ("real-0.5.16-chat.sse", "chat", [1] * 8),
+        # its third text chunk came after two tokens (usage 2 -> 4): one token's text was held back
+        ("real-0.5.16-completions.sse", "completions", [1, 1, 2, 1, 1]),
+    ],
+)
+def test_a_real_sglang_stream_is_read_token_by_token(capture: str, api: str, chunks: list[int]) -> None:
+    """The role chunk (chat) carries no token, every token chunk its running usage, the finish in a
+    chunk of its own (chat) or on the last token (completions), then the usage chunk: per-chunk
+    token counts from the running usage, the output from usage, the finish reason kept."""
+    lines = (SGLANG_FIXTURES / capture).read_text().splitlines()
+    rec = mock_run(lines, workload(api=api, output_tokens=sum(chunks)))
+    assert rec.error is None
+    assert rec.usage_output_tokens == sum(chunks)
+    assert rec.chunk_tokens == chunks
+    assert len(rec.chunk_times) == len(chunks)
+    assert rec.finish_reason == "length"
+    assert rec.saw_done
