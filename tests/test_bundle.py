@@ -422,10 +422,14 @@ def test_manifest_holds_every_wheel_part_target_and_what_was_left_out(
     assert (out / "install.sh").stat().st_mode & 0o111
 
 
-def test_bundle_installs_offline_and_k3pipe_renders(
-    real_bundle: tuple[Path, dict, float], tmp_path: Path
-) -> None:
-    out, m, bundle_s = real_bundle
+@pytest.fixture(scope="module")
+def offline_install(
+    real_bundle: tuple[Path, dict, float], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess[str], float, dict[str, str]]:
+    """The real bundle installed once into a new venv with every index and proxy pointing at a closed
+    port (nothing can be fetched): the venv, install.sh's result, its seconds and that environment.
+    Both tests below use it (an install takes 1-2 minutes)."""
+    out, _, _ = real_bundle
     closed = f"http://127.0.0.1:{_closed_port()}"
     env = {
         **os.environ,
@@ -438,7 +442,7 @@ def test_bundle_installs_offline_and_k3pipe_renders(
         "https_proxy": closed,
         "PIP_CONFIG_FILE": os.devnull,
     }
-    venv = tmp_path / "venv"
+    venv = tmp_path_factory.mktemp("offline") / "venv"
     t0 = time.perf_counter()
     r = subprocess.run(
         ["bash", str(out / "install.sh"), f"--python={_base_python()}", "--venv", str(venv)],
@@ -447,7 +451,16 @@ def test_bundle_installs_offline_and_k3pipe_renders(
         env=env,
         timeout=900,
     )
-    install_s = time.perf_counter() - t0
+    return venv, r, time.perf_counter() - t0, env
+
+
+def test_bundle_installs_offline_and_k3pipe_renders(
+    real_bundle: tuple[Path, dict, float],
+    offline_install: tuple[Path, subprocess.CompletedProcess[str], float, dict[str, str]],
+    tmp_path: Path,
+) -> None:
+    _, m, bundle_s = real_bundle
+    venv, r, install_s, env = offline_install
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"all {len(m['wheels'])} wheels match the manifest" in r.stdout
     assert "import cli.main: ok" in r.stdout
@@ -474,16 +487,15 @@ def test_bundle_installs_offline_and_k3pipe_renders(
 
 
 def test_install_check_catches_a_missing_asyncpg(
-    real_bundle: tuple[Path, dict, float], tmp_path: Path
+    real_bundle: tuple[Path, dict, float],
+    offline_install: tuple[Path, subprocess.CompletedProcess[str], float, dict[str, str]],
+    tmp_path: Path,
 ) -> None:
-    """'k3pipe run' failed on the node with "No module named 'asyncpg'"; install.sh's check must see it."""
+    """'k3pipe run' failed on the node with "No module named 'asyncpg'"; install.sh's check must see it.
+    (On the module's one offline install: asyncpg is put back at the end.)"""
     out, m, _ = real_bundle
+    venv, r, _, _ = offline_install
     asyncpg = next(w for w in m["wheels"] if w["name"].lower() == "asyncpg")
-    venv = tmp_path / "venv"
-    r = subprocess.run(
-        ["bash", str(out / "install.sh"), f"--python={_base_python()}", "--venv", str(venv)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     py = venv / "bin" / "python"
     subprocess.run(

@@ -22,6 +22,7 @@ import re
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,13 +35,14 @@ import pytest
 import yaml
 
 from k3pipe.errors import EndpointAuthError, HealthError, ModelNotServedError
-from tests.conftest import ASSETS_HOME, demo_experiment, free_port, require_engine, stop_group
+from tests.conftest import ASSETS_HOME, REPO, demo_experiment, free_port, require_engine, stop_group
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
 
 LITELLM_VERSION = "1.108.7"  # the Makefile's LITELLM_VERSION
 LITELLM = ASSETS_HOME / "venvs" / f"litellm-{LITELLM_VERSION}" / "bin" / "litellm"
 GATEWAY_MODEL = "gw-tiny"  # the gateway's own id for the route to the engine's 'tiny-llama'
+FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 ENGINE_VAR = "GW_TEST_ENGINE_KEY"  # endpoint.api_key_env: the engine's key (VLLM_API_KEY)
 GATEWAY_VAR = "GW_TEST_GATEWAY_KEY"  # gateway.api_key_env: LiteLLM's master key
 WRONG_VAR = "GW_TEST_WRONG_KEY"  # a variable holding a key the gateway does not know
@@ -145,8 +147,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         yield gw
 
 
-def _experiment(gw: Gateway, **gateway: Any) -> dict[str, Any]:
-    data = demo_experiment(gw.engine_port, [WORKLOAD], endpoint={"api_key_env": ENGINE_VAR})
+def _experiment(gw: Gateway, engine: dict[str, Any] | None = None, **gateway: Any) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"endpoint": {"api_key_env": ENGINE_VAR}}
+    if engine is not None:
+        overrides["engine"] = engine
+    data = demo_experiment(gw.engine_port, [WORKLOAD], **overrides)
     data["name"] = "via-gateway"
     data["arms"][0]["gateway"] = {
         "base_url": gw.base_url,
@@ -243,8 +248,12 @@ def test_the_gate_says_what_is_wrong_with_the_gateway_and_the_engine_is_stopped(
 
     for var, value in gateway.keys.items():
         monkeypatch.setenv(var, value)
-    # the arm's own setting: gateway.api_key_env names a variable holding a key LiteLLM does not know
-    spec = parse_experiment(_experiment(gateway, api_key_env=WRONG_VAR))
+    # the arm's own setting: gateway.api_key_env names a variable holding a key LiteLLM does not know.
+    # Every failure here is the gateway's (the requests never reach the engine): the engine behind it is
+    # the scripted vLLM (tests/docker/fake_engine.py, starts in a second); the real vLLM serves the
+    # flow test above
+    scripted = {"kind": "vllm", "executable": [sys.executable, str(FAKE_ENGINE), "--startup-delay-s=0.5"]}
+    spec = parse_experiment(_experiment(gateway, scripted, api_key_env=WRONG_VAR))
     library = ArmSteps.library()
     errors: dict[str, HealthError] = {}
 
