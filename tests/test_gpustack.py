@@ -172,58 +172,54 @@ def test_a_gpustack_arm_deploys_benchmarks_through_the_gateway_and_is_deleted(
     _no_key_anywhere(key, Path(Settings().home_dir), output)
 
 
-def test_an_engine_crash_mid_workload_fails_the_run_and_the_deployment_is_deleted(
-    prefect_harness: None, tmp_path: Path, key: str, capfd: pytest.CaptureFixture[str]
-) -> None:
+def _failed_run(
+    gs: GpustackStandin,
+    experiment: Path,
+    key: str,
+    capfd: pytest.CaptureFixture[str],
+    match: str | None = None,
+) -> str:
+    """The flow on ``experiment`` fails (``RuntimeError`` matching ``match``), the deployment is deleted
+    and confirmed gone, the arm's MLflow run is FAILED and the key is nowhere: the run's error."""
     from flows.benchmark import benchmark
 
-    # the 1st request is the health gate's probe; the engine is killed after the 3rd
-    with GpustackStandin(key, kill_after_requests=3) as gs:
-        with pytest.raises(RuntimeError):
-            benchmark(str(_experiment(gs.url, tmp_path)))
-        _deleted_and_confirmed(gs)
+    with pytest.raises(RuntimeError, match=match):
+        benchmark(str(experiment))
+    _deleted_and_confirmed(gs)
     out = capfd.readouterr()
     _, run = _only_run()
     assert run.info.status == "FAILED"
-    error = run.data.tags["k3pipe.error"]
+    _no_key_anywhere(key, Path(Settings().home_dir), out.out + out.err)
+    return str(run.data.tags["k3pipe.error"])
+
+
+def test_an_engine_crash_mid_workload_fails_the_run_and_the_deployment_is_deleted(
+    prefect_harness: None, tmp_path: Path, key: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # the 1st request is the health gate's probe; the engine is killed after the 3rd
+    with GpustackStandin(key, kill_after_requests=3) as gs:
+        error = _failed_run(gs, _experiment(gs.url, tmp_path), key, capfd)
     # the gateway answers 404 at once for a model with no running instance: the requests fail, or
     # the engine watch (the instance's state) ends the workload first
     assert "requests failed" in error or "ended early" in error, error
-    _no_key_anywhere(key, Path(Settings().home_dir), out.out + out.err)
 
 
 def test_an_instance_error_at_start_fails_with_its_message_and_log(
     prefect_harness: None, tmp_path: Path, key: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from flows.benchmark import benchmark
-
     with GpustackStandin(key) as gs:
-        with pytest.raises(RuntimeError, match="LaunchError"):
-            benchmark(str(_experiment(gs.url, tmp_path, crash_after_s=0.5)))
-        _deleted_and_confirmed(gs)
-    out = capfd.readouterr()
-    _, run = _only_run()
-    assert run.info.status == "FAILED"
-    error = run.data.tags["k3pipe.error"]
+        experiment = _experiment(gs.url, tmp_path, crash_after_s=0.5)
+        error = _failed_run(gs, experiment, key, capfd, match="LaunchError")
     assert "went to ERROR: the inference server exited with code 3" in error, error
     assert "Engine core initialization failed" in error  # the instance's last log lines
-    _no_key_anywhere(key, Path(Settings().home_dir), out.out + out.err)
 
 
 def test_a_failed_health_gate_fails_the_run_and_the_deployment_is_deleted(
     prefect_harness: None, tmp_path: Path, key: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from flows.benchmark import benchmark
-
     with GpustackStandin(key, gateway_status=502) as gs:
-        with pytest.raises(RuntimeError):
-            benchmark(str(_experiment(gs.url, tmp_path)))
-        _deleted_and_confirmed(gs)
-    out = capfd.readouterr()
-    _, run = _only_run()
-    assert run.info.status == "FAILED"
-    assert "502" in run.data.tags["k3pipe.error"], run.data.tags["k3pipe.error"]
-    _no_key_anywhere(key, Path(Settings().home_dir), out.out + out.err)
+        error = _failed_run(gs, _experiment(gs.url, tmp_path), key, capfd)
+    assert "502" in error, error
 
 
 # -- the launcher alone (no flow): the interrupt's short stop, a leftover, a stuck deletion ----------
