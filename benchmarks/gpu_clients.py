@@ -54,6 +54,18 @@ prompts the k3pipe run of that seed sends), and a second comparison table on tho
 vLLM's random dataset is another workload (runs of consecutive token ids, which can hit the prefix
 cache within a run), so only the same requests test the clients.
 
+**Sharded, and against the engine's own throughput.** ``--processes P`` adds a client, ``k3pipe
+xP``: the same workload over P client processes (``k3pipe.bench.shards.run_sharded``, as the flow
+runs a workload with ``client.processes: P``), process k on the k-th CPU of ``--client-cpus``
+(the one-process clients run on the first of them). During every run a thread samples the engine's
+``/metrics`` every ``--rate-interval-s`` (``vllm:generation_tokens_total`` and the running and
+waiting requests), which gives **the engine's own output throughput**: the tokens it generated over
+its busy window (from the first sample with a request in it to the first with the final token count,
+each end placed halfway between two samples: +- one interval over the whole window). The table
+"output throughput against the engine's" sets each client's tok/s beside it: a client that keeps up
+measures what the engine generated (within ``--rate-tolerance``, 2%); one whose own CPU is the limit
+stamps tokens late, and its figure falls below the engine's by what it lost.
+
 Output in ``--out``: ``gpu-clients.json`` (every figure of every run, the server's version, the
 arguments), ``gpu-clients.md`` (the tables), ``gpu-clients.log`` (both clients' output); the JSON
 and the markdown are rewritten after every run, so a run cut short keeps what it measured.
@@ -86,7 +98,14 @@ PEER = "vllm bench serve"
 K3PIPE_NO_CU = "k3pipe, no continuous usage"
 PEER_SAME = "vllm bench serve, k3pipe's prompts"
 DIAGNOSTIC = (K3PIPE_NO_CU, PEER_SAME)
-CLIENT_DIRS = {K3PIPE: "k3pipe", PEER: "vllm", K3PIPE_NO_CU: "k3pipe-no-cu", PEER_SAME: "vllm-same-prompts"}
+K3PIPE_SHARDED = "k3pipe, sharded"  # --processes P: shown as "k3pipe xP"
+CLIENT_DIRS = {
+    K3PIPE: "k3pipe",
+    PEER: "vllm",
+    K3PIPE_NO_CU: "k3pipe-no-cu",
+    PEER_SAME: "vllm-same-prompts",
+    K3PIPE_SHARDED: "k3pipe-sharded",
+}
 START_MARK = "@@gpu-clients start"
 END_MARK = "@@gpu-clients end"
 # the lines vllm bench serve prints right before its measured requests and right after them
@@ -194,10 +213,12 @@ def run_child(
     start_mark: str,
     end_mark: str,
     timeout_s: float,
+    cpu: int | None = None,
 ) -> ChildResult:
     """Run ``argv`` in its own session, copy its output to ``log``, time its CPU (see the docstring).
 
-    The child's process group is killed (TERM, then KILL) when it runs past ``timeout_s``.
+    ``cpu``: pin the child (and whatever it starts) to that CPU. The child's process group is killed
+    (TERM, then KILL) when it runs past ``timeout_s``.
     """
     cpu0 = _children_cpu_s()
     t0 = time.perf_counter()
@@ -210,6 +231,7 @@ def run_child(
         text=True,
         errors="replace",
         start_new_session=True,
+        preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})),
     )
     timed_out = threading.Event()
 
@@ -346,6 +368,99 @@ def server_view(before: dict[str, float] | None, after: dict[str, float] | None)
     return view
 
 
+# the engine's requests in flight (vllm/v1/metrics/loggers.py): with generation_tokens_total, what the
+# sampler below reads to place the engine's busy window
+RATE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+RATE_COUNTER = SERVER_COUNTERS["generation_tokens"]
+
+
+class EngineRate:
+    """The engine's own output throughput over one run: ``/metrics`` sampled in a thread.
+
+    Each sample is ``(t, generated tokens, requests running + waiting)``, ``t`` the middle of the
+    scrape on ``time.perf_counter()``. :func:`engine_rate` turns the samples into a rate.
+    """
+
+    def __init__(self, base_url: str, interval_s: float) -> None:
+        self.url = base_url.rstrip("/") + "/metrics"
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, float]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-rate", daemon=True)
+
+    def __enter__(self) -> EngineRate:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        import httpx
+
+        from k3pipe.metrics import parse_exposition
+
+        keep = [RATE_COUNTER, *RATE_GAUGES]
+        with httpx.Client(timeout=10.0, trust_env=False) as http:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    samples = parse_exposition(http.get(self.url).text, keep=keep)
+                except (httpx.HTTPError, ValueError):
+                    self.errors += 1
+                else:
+                    t1 = time.perf_counter()
+                    totals = dict.fromkeys(keep, 0.0)
+                    for (name, _labels), value in samples.items():
+                        totals[name] += value
+                    inflight = sum(totals[g] for g in RATE_GAUGES)
+                    self.samples.append(((t0 + t1) / 2, totals[RATE_COUNTER], inflight))
+                if self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - t0))):
+                    break
+
+
+def engine_rate(samples: Sequence[tuple[float, float, float]]) -> dict[str, float | None]:
+    """The engine's output tok/s from ``(t, generated, in flight)`` samples taken around one run.
+
+    The window opens halfway between the last idle sample (no request in flight, no token yet) and
+    the first busy one, and closes halfway between the last sample short of the final token count
+    and the first that has it; ``engine_rate_resolution_pct`` is half of those two gaps over the
+    window (how far the window's ends can be off). None when no token was generated or the run was
+    not bracketed by samples.
+    """
+    none: dict[str, float | None] = {
+        "engine_output_tps": None,
+        "engine_window_s": None,
+        "engine_tokens": None,
+        "engine_rate_resolution_pct": None,
+        "engine_rate_samples": float(len(samples)),
+    }
+    if len(samples) < 3:
+        return none
+    g0, gf = samples[0][1], samples[-1][1]
+    if gf <= g0 or samples[0][2] > 0:
+        return none
+    i = next(k for k, (_, g, n) in enumerate(samples) if n > 0 or g > g0)
+    j = next(k for k, (_, g, _) in enumerate(samples) if g >= gf)
+    if j == len(samples) - 1 and samples[-1][2] > 0:
+        return none  # still busy at the last sample: the run's end is not bracketed
+    t_start = (samples[i - 1][0] + samples[i][0]) / 2
+    t_end = (samples[j - 1][0] + samples[j][0]) / 2
+    window = t_end - t_start
+    if window <= 0:
+        return none
+    slack = ((samples[i][0] - samples[i - 1][0]) + (samples[j][0] - samples[j - 1][0])) / 2
+    return {
+        "engine_output_tps": (gf - g0) / window,
+        "engine_window_s": window,
+        "engine_tokens": gf - g0,
+        "engine_rate_resolution_pct": 100.0 * slack / window,
+        "engine_rate_samples": float(len(samples)),
+    }
+
+
 # --- k3pipe -------------------------------------------------------------------------------------
 
 
@@ -356,6 +471,7 @@ def k3pipe_spec(
     warmup: bool = False,
     continuous_usage: bool | None = None,
     prompts_out: Path | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """The k3pipe child's request; ``prompts_out``: write the prompts there (``vllm bench serve``'s
     custom-dataset JSONL) and stop (see :func:`write_prompts`)."""
@@ -376,6 +492,10 @@ def k3pipe_spec(
         "continuous_usage": continuous_usage,
         "prompts_out": None if prompts_out is None else str(prompts_out),
         "prompts_only": prompts_out is not None,
+        "processes": processes,
+        "cpus": [[args.client_cpus[k % len(args.client_cpus)]] for k in range(processes)]
+        if processes > 1 and args.client_cpus
+        else None,
     }
 
 
@@ -397,8 +517,10 @@ def write_prompts(args: argparse.Namespace, point: Point, seed: int, path: Path,
         )
 
 
-def run_k3pipe(spec: dict[str, Any], work: Path, log: IO[str], timeout_s: float, run: Run) -> Run:
-    """k3pipe's client on ``spec`` in a child of this interpreter; fills ``run``."""
+def run_k3pipe(
+    spec: dict[str, Any], work: Path, log: IO[str], timeout_s: float, run: Run, cpu: int | None = None
+) -> Run:
+    """k3pipe's client on ``spec`` in a child of this interpreter (on ``cpu``); fills ``run``."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = work / "spec.json", work / "out.json"
     spec_path.write_text(json.dumps(spec))
@@ -412,6 +534,7 @@ def run_k3pipe(spec: dict[str, Any], work: Path, log: IO[str], timeout_s: float,
         START_MARK,
         END_MARK,
         timeout_s,
+        cpu,
     )
     _fill_child(run, child)
     if child.rc != 0 or not out_path.exists():
@@ -426,6 +549,8 @@ def apply_k3pipe_output(run: Run, data: dict[str, Any]) -> Run:
     run.completed, run.failed = data["completed"], data["failed"]
     run.output_tokens, run.duration_s = data["output_tokens"], data["duration_s"]
     run.cpu_phase_in_child_s = data["cpu_phase_s"]
+    if data.get("processes", 1) > 1:  # the coordinator's CPU is polling: the client processes' own
+        run.cpu_phase_s = data["cpu_phase_s"]
     run.figures = data["figures"]
     run.extra = data["extra"]
     return run
@@ -461,19 +586,37 @@ def _k3pipe_child(spec_path: str, out_path: str) -> int:
         request_timeout_s=spec["request_timeout_s"],
     )
     print(f"{START_MARK} {workload.name}: {spec['requests']} requests at {spec['concurrency']}", flush=True)
+    processes = spec.get("processes", 1)
     cpu0 = time.process_time()
-    result = asyncio.run(
-        run_workload(
-            None,
-            spec["base_url"],
-            spec["model"],
-            SecretStr(key) if key else None,
-            workload,
-            prompts,
-            continuous_usage=spec.get("continuous_usage", True),
+    if processes > 1:
+        from k3pipe.bench.shards import run_sharded
+
+        result = asyncio.run(
+            run_sharded(
+                spec["base_url"],
+                spec["model"],
+                SecretStr(key) if key else None,
+                workload,
+                prompts,
+                processes,
+                continuous_usage=spec.get("continuous_usage", True),
+                cpus=spec.get("cpus"),
+            )
         )
-    )
-    cpu_s = time.process_time() - cpu0
+        cpu_s = sum(c.cpu_s for c in result.client_load)  # the client processes' own
+    else:
+        result = asyncio.run(
+            run_workload(
+                None,
+                spec["base_url"],
+                spec["model"],
+                SecretStr(key) if key else None,
+                workload,
+                prompts,
+                continuous_usage=spec.get("continuous_usage", True),
+            )
+        )
+        cpu_s = time.process_time() - cpu0
     print(f"{END_MARK} {workload.name}", flush=True)
     summary = summarize(result)
     errors = sorted({r.error for r in result.records if r.error is not None})
@@ -494,6 +637,7 @@ def _k3pipe_child(spec_path: str, out_path: str) -> int:
         "output_tokens": summary.output_tokens_total,
         "duration_s": summary.duration_s,
         "cpu_phase_s": cpu_s,
+        "processes": processes,
         "figures": figures,
         "extra": {
             "prompt_generation_s": prompts_s,
@@ -505,6 +649,10 @@ def _k3pipe_child(spec_path: str, out_path: str) -> int:
             ),
             "coalesced_tokens_pct": summary.coalesced_tokens_pct,
             "client_timing_bursty": summary.client_timing_bursty,
+            "client_saturated": summary.client_saturated,
+            "client_loop_lag_ms_p99": summary.client_loop_lag_ms_p99,
+            "client_cpu_max_pct": summary.client_cpu_max_pct,
+            "processes": processes,
             "errors": errors[:5],
         },
     }
@@ -582,7 +730,8 @@ def run_vllm(
     env = _env({"OPENAI_API_KEY": key} if key else {})
     argv = [*vllm_command(args), *vllm_argv(args, point, run.seed, work, prompts)]
     log.write(f"\n=== {PEER} {run.point} repeat {run.repeat} (seed {run.seed})\n")
-    child = run_child(argv, env, log, PEER_START, PEER_END, timeout_s)
+    cpu = args.client_cpus[0] if args.client_cpus else None
+    child = run_child(argv, env, log, PEER_START, PEER_END, timeout_s, cpu)
     _fill_child(run, child)
     if child.rc != 0 or not result.exists():
         run.error = run.error or f"exit {child.rc}: " + " | ".join(child.tail[-5:])
@@ -862,7 +1011,7 @@ def _diagnosis_value(run: Run, where: str, key: str) -> float | None:
 def diagnosis(runs: list[Run]) -> dict[str, Any]:
     """Each client's mean (over its good runs) of the figures that place a disagreement: the client's
     stamps next to the engine's, for the two clients and, with --diagnose, their two variants."""
-    clients = [c for c in (K3PIPE, PEER, *DIAGNOSTIC) if any(r.client == c for r in runs)]
+    clients = [c for c in (K3PIPE, K3PIPE_SHARDED, PEER, *DIAGNOSTIC) if any(r.client == c for r in runs)]
     rows = []
     for label, where, key in DIAGNOSIS_ROWS:
         cells: dict[str, float | None] = {}
@@ -877,6 +1026,58 @@ def diagnosis(runs: list[Run]) -> dict[str, Any]:
             cells[client] = _mean([float(v) for v in values])
         rows.append({"figure": label, "where": where, "key": key, "cells": cells})
     return {"clients": clients, "rows": rows}
+
+
+def label(client: str, processes: int) -> str:
+    """How a client is named in the tables: the sharded k3pipe as ``k3pipe xP``."""
+    return f"k3pipe x{processes}" if client == K3PIPE_SHARDED else client
+
+
+def throughput_rows(runs: list[Run], processes: int, tolerance: float) -> list[dict[str, Any]]:
+    """Per client (means over its good runs): its output tok/s against the engine's own over the same
+    runs, and whether it kept up (within ``tolerance``) or by how much it fell behind."""
+    rows = []
+    for client in (K3PIPE, K3PIPE_SHARDED, PEER, *DIAGNOSTIC):
+        good = [r for r in runs if r.client == client and r.error is None]
+        pairs = [
+            (float(r.figures["output_throughput_tps"]), float(r.server["engine_output_tps"]))
+            for r in good
+            if r.figures.get("output_throughput_tps") and r.server.get("engine_output_tps")
+        ]
+        if not pairs:
+            continue
+        mine, engine = _mean([a for a, _ in pairs]), _mean([b for _, b in pairs])
+        assert mine is not None
+        assert engine is not None
+        diff = 100.0 * (mine - engine) / engine
+        resolution = _mean([float(r.server.get("engine_rate_resolution_pct") or 0.0) for r in good])
+        saturated = [bool(r.extra.get("client_saturated")) for r in good if "client_saturated" in r.extra]
+        lags = [
+            float(r.extra["client_loop_lag_ms_p99"]) for r in good if r.extra.get("client_loop_lag_ms_p99")
+        ]
+        if abs(diff) <= 100.0 * tolerance:
+            verdict = f"keeps up (within {100 * tolerance:g}%)"
+        elif diff < 0:
+            verdict = f"BEHIND the engine by {-diff:.1f}%"
+        else:
+            verdict = f"above the engine by {diff:.1f}% (window definitions?)"
+        rows.append(
+            {
+                "client": label(client, processes),
+                "runs": len(pairs),
+                "client_tps": mine,
+                "engine_tps": engine,
+                "client_vs_engine_pct": diff,
+                "engine_rate_resolution_pct": resolution,
+                "verdict": verdict,
+                "client_saturated": any(saturated) if saturated else None,
+                "client_loop_lag_ms_p99": max(lags) if lags else None,
+                "cpu_ms_per_1k_phase": _mean(
+                    [v for r in good for v in [r.cpu_ms_per_1k("phase")] if v is not None]
+                ),
+            }
+        )
+    return rows
 
 
 def _f(value: float | None) -> str:
@@ -912,7 +1113,8 @@ def markdown(results: dict[str, Any]) -> str:
         for run in point["runs"]:
             state = "ok" if run["error"] is None else f"FAILED: {run['error'][:300]}"
             lines.append(
-                f"- {run['client']} repeat {run['repeat']} (order {run['order']}): {state}; "
+                f"- {label(run['client'], results['args'].get('processes', 1))} repeat {run['repeat']} "
+                f"(order {run['order']}): {state}; "
                 f"{run['completed']} completed, {run['failed']} failed, "
                 f"{run['output_tokens']} output tokens, "
                 f"wall {_f(run['wall_s'])} s, CPU phase / total {_f(run['cpu_phase_s'])} / "
@@ -935,6 +1137,25 @@ def markdown(results: dict[str, Any]) -> str:
                     f"| {row['figure']} | {_f(row[K3PIPE])} | {_f(row[PEER])} | "
                     f"{'-' if pct is None else f'{pct:+.1f}%'} | {row['verdict']} | {row['why']} |"
                 )
+        throughput = point.get("throughput") or []
+        if throughput:
+            lines += [
+                "",
+                "Output throughput against the engine's own (its generated tokens over its busy window, "
+                "from /metrics sampled during each run; means over the runs):",
+                "",
+                "| client | runs | client tok/s | engine tok/s | client vs engine | window ends +- | verdict "
+                "| client CPU saturated | loop lag p99 (ms) | CPU ms / 1000 tok |",
+                "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+            ]
+            for row in throughput:
+                saturated = row["client_saturated"]
+                lines.append(
+                    f"| {row['client']} | {row['runs']} | {_f(row['client_tps'])} | {_f(row['engine_tps'])} "
+                    f"| {row['client_vs_engine_pct']:+.2f}% | {_f(row['engine_rate_resolution_pct'])}% "
+                    f"| {row['verdict']} | {'-' if saturated is None else 'yes' if saturated else 'no'} "
+                    f"| {_f(row['client_loop_lag_ms_p99'])} | {_f(row['cpu_ms_per_1k_phase'])} |"
+                )
         notes = point.get("notes") or []
         if notes:
             lines += ["", *[f"- {n}" for n in notes]]
@@ -943,12 +1164,13 @@ def markdown(results: dict[str, Any]) -> str:
             v is not None for row in diag["rows"] if row["where"] != "client" for v in row["cells"].values()
         ):
             clients = diag["clients"]
+            processes = results["args"].get("processes", 1)
             lines += [
                 "",
                 "Where the time goes: each client's stamps next to the engine's own (its /metrics, "
                 "scraped before and after each run; means over the runs).",
                 "",
-                "| figure | " + " | ".join(clients) + " |",
+                "| figure | " + " | ".join(label(c, processes) for c in clients) + " |",
                 "|---|" + "---:|" * len(clients),
             ]
             for row in diag["rows"]:
@@ -1089,12 +1311,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="POST /reset_prefix_cache before every measured run (vLLM with VLLM_SERVER_DEV_MODE=1), so "
         "that no run hits blocks an earlier run cached (the hit rate is in 'where the time goes')",
     )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="P > 1: one more client, k3pipe over P client processes ('k3pipe xP')",
+    )
+    p.add_argument(
+        "--client-cpus",
+        type=_cpu_list,
+        default=[],
+        help="comma-separated CPUs: the one-process clients on the first, k3pipe xP's process k on the "
+        "k-th (modulo); default: not pinned",
+    )
+    p.add_argument(
+        "--rate-interval-s",
+        type=float,
+        default=0.05,
+        help="how often the engine's /metrics is sampled during a run (its own throughput)",
+    )
+    p.add_argument(
+        "--rate-tolerance",
+        type=float,
+        default=0.02,
+        help="a client keeps up when its tok/s is within this of the engine's own (0.02)",
+    )
     p.add_argument("--tolerance", type=float, default=0.05, help="relative agreement tolerance (0.05)")
     p.add_argument("--abs-tol-ms", type=float, default=0.5, help="absolute agreement tolerance (ms figures)")
     p.add_argument("--client-timeout-s", type=float, default=300.0, help="one client run's limit")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--out", required=True, type=Path)
     return p
+
+
+def _cpu_list(text: str) -> list[int]:
+    try:
+        cpus = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        cpus = []
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"--client-cpus {text!r}: expected CPU numbers like 8,9,10")
+    return cpus
 
 
 def server_version(base_url: str, api_key: str | None) -> str | None:
@@ -1125,6 +1382,9 @@ def rerender(path: Path, tolerance: float, abs_tol_ms: float) -> dict[str, Any]:
         entry["rows_same_prompts"] = _same_prompt_rows(runs, tolerance, abs_tol_ms)
         entry["notes"] = point_notes(runs)
         entry["diagnosis"] = diagnosis(runs)
+        args = results["args"]
+        processes, rate_tolerance = args.get("processes", 1), args.get("rate_tolerance", 0.02)
+        entry["throughput"] = throughput_rows(runs, processes, rate_tolerance)
     return results
 
 
@@ -1148,6 +1408,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.processes < 1:
+        raise SystemExit(f"--processes must be >= 1, got {args.processes}")
     pairs = args.point or [(16, 64), (128, 512)]
     points = [Point(args.input_len, args.output_len, c, n) for c, n in pairs]
     out: Path = args.out
@@ -1192,6 +1454,8 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 seed = args.seed + 100 * (i + 1) + repeat
                 clients = [K3PIPE, PEER, *DIAGNOSTIC] if args.diagnose else [K3PIPE, PEER]
+                if args.processes > 1:
+                    clients.insert(1, K3PIPE_SHARDED)
                 if (i + repeat) % 2:
                     clients.reverse()
                 prompts = out / "work" / f"{point.name}-r{repeat}-prompts.jsonl"
@@ -1203,21 +1467,28 @@ def main(argv: list[str] | None = None) -> int:
                     if args.reset_prefix_cache:
                         run.prefix_cache_reset = reset_prefix_cache(args.base_url, key)
                     before = scrape_totals(args.base_url)
-                    if client in (K3PIPE, K3PIPE_NO_CU):
-                        spec = k3pipe_spec(
-                            args, point, seed, continuous_usage=None if client == K3PIPE else False
-                        )
-                        run_k3pipe(spec, work, log, args.client_timeout_s, run)
-                    else:
-                        run_vllm(
-                            args, point, work, log, args.client_timeout_s, run,
-                            prompts=prompts if client == PEER_SAME else None,
-                        )  # fmt: skip
+                    first_cpu = args.client_cpus[0] if args.client_cpus else None
+                    with EngineRate(args.base_url, args.rate_interval_s) as rate:
+                        if client in (K3PIPE, K3PIPE_NO_CU):
+                            spec = k3pipe_spec(
+                                args, point, seed, continuous_usage=None if client == K3PIPE else False
+                            )
+                            run_k3pipe(spec, work, log, args.client_timeout_s, run, first_cpu)
+                        elif client == K3PIPE_SHARDED:
+                            spec = k3pipe_spec(args, point, seed, processes=args.processes)
+                            run_k3pipe(spec, work, log, args.client_timeout_s, run)
+                        else:
+                            run_vllm(
+                                args, point, work, log, args.client_timeout_s, run,
+                                prompts=prompts if client == PEER_SAME else None,
+                            )  # fmt: skip
                     run.server = server_view(before, scrape_totals(args.base_url))
+                    run.server.update(engine_rate(rate.samples))
                     runs.append(run)
                     print(
-                        f"{point.name} repeat {repeat} {client}: {run.error or 'ok'}; "
-                        f"{_f(run.figures.get('output_throughput_tps'))} tok/s, TTFT p50 "
+                        f"{point.name} repeat {repeat} {label(client, args.processes)}: {run.error or 'ok'}; "
+                        f"{_f(run.figures.get('output_throughput_tps'))} tok/s "
+                        f"(engine {_f(run.server.get('engine_output_tps'))}), TTFT p50 "
                         f"{_f(run.figures.get('ttft_p50'))} ms, "
                         f"TPOT p50 {_f(run.figures.get('tpot_p50'))} ms, "
                         f"CPU phase {_f(run.cpu_phase_s)} s, wall {_f(run.wall_s)} s; TTFT mean "
@@ -1230,6 +1501,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry["rows_same_prompts"] = _same_prompt_rows(runs, args.tolerance, args.abs_tol_ms)
                     entry["notes"] = point_notes(runs)
                     entry["diagnosis"] = diagnosis(runs)
+                    entry["throughput"] = throughput_rows(runs, args.processes, args.rate_tolerance)
                     save()
     results["wall_s"] = time.perf_counter() - t_all
     save()

@@ -19,6 +19,11 @@
 #                                         reset before every run; --diagnose: two more clients); results in
 #                                         $K3PIPE_HOME/bench-gpu, gpu-clients.{json,md,log} into $OUT;
 #                                         the engine is stopped by process group on every exit
+#   scripts/gpu-node.sh sweep [--deadline S] [SHARDS_SWEEP ARGS...]
+#                                         benchmarks/shards_sweep.py: the exact server in 8 workers on
+#                                         CPUs 8-15, k3pipe's client in 1, 2, 4, 8 processes on CPUs 0-7
+#                                         and `vllm bench serve` (the vLLM venv), each swept to its highest
+#                                         event rate within 1 ms; shards-sweep.{json,md,log} into $OUT
 #   scripts/gpu-node.sh collect           nvidia-smi, the node's logs and the MLflow store (sqlite db +
 #                                         artifacts) as one tar.gz split into parts of 15 MiB, plus
 #                                         summary.txt, into $OUT (at most 5 files, under 64 MiB)
@@ -33,7 +38,8 @@
 # $K3PIPE_HOME/venvs/k3pipe/bin/python, $K3PIPE_HOME/venvs/pipeline/bin/python, .venv/bin/python),
 # K3PIPE_GPU_API_KEY (default: a made-up random key, kept in node-logs/api-key, never in the store),
 # K3PIPE_COLLECT_MAX_PARTS (4), K3PIPE_NODE_PYTHON (python3: the base of the venvs), K3PIPE_BENCH_PORT
-# (8031), K3PIPE_BENCH_ENGINE_ARGS (bench: replaces the GPU engine arguments, for a CPU rehearsal).
+# (8031), K3PIPE_BENCH_ENGINE_ARGS (bench: replaces the GPU engine arguments, for a CPU rehearsal),
+# K3PIPE_BENCH_ENGINE_CPUS (bench: a taskset CPU list for the engine, e.g. 0-7; default: not pinned).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -385,7 +391,7 @@ cmd_bench() {
     # 127.0.0.1 only, like the rest of the engine's routes)
     env VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_API_KEY="$K3PIPE_GPU_API_KEY" VLLM_SERVER_DEV_MODE=1 \
         VLLM_CACHE_ROOT="$K3PIPE_HOME/cache/vllm-bench" \
-        setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+        setsid ${K3PIPE_BENCH_ENGINE_CPUS:+taskset -c "$K3PIPE_BENCH_ENGINE_CPUS"} "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL_DIR" --served-model-name llama-1b-random --host 127.0.0.1 --port "$BENCH_PORT" \
         "${engine_args[@]}" > "$log" 2>&1 < /dev/null &
     BENCH_PGID=$!
@@ -454,6 +460,41 @@ sys.exit(f"no /health within {limit:.0f} s")
     [ "$rc" -ne 124 ] || die "benchmarks/gpu_clients.py hit its ${left} s limit (partial results kept)"
     [ "$rc" -eq 0 ] || die "benchmarks/gpu_clients.py FAILED (exit $rc)"
     say "<== bench: ok"
+}
+
+# --- sweep: the client's highest exact event rate, sharded, beside vllm bench serve ------------------
+
+cmd_sweep() {
+    local deadline=540
+    if [ "${1:-}" = "--deadline" ]; then
+        deadline=$2
+        shift 2
+    fi
+    [ -x "$VLLM_VENV/bin/python" ] || die "no vLLM venv at $VLLM_VENV: run 'scripts/gpu-node.sh install' first"
+    [ -f "$MODEL_DIR/tokenizer.json" ] || die "no model at $MODEL_DIR: run 'scripts/gpu-node.sh model' first"
+    local py rc=0 dir=$K3PIPE_HOME/bench-sweep
+    py=$(pipeline_python) || die "no pipeline python: run 'scripts/gpu-node.sh install' first"
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+    mkdir -p "$dir"
+    say "==> benchmarks/shards_sweep.py (new points until ${deadline} s - 60 s) $*"
+    cd "$REPO"
+    PYTHONPATH="$REPO" K3PIPE_HOME="$K3PIPE_HOME" timeout --signal=TERM --kill-after=20 "$deadline" \
+        "$py" benchmarks/shards_sweep.py --model-dir "$MODEL_DIR" --peer-python "$VLLM_VENV/bin/python" \
+        --out "$dir" --deadline "$((deadline - 60))" "$@" &
+    wait "$!" || rc=$?
+    if [ -n "${OUT:-}" ]; then
+        mkdir -p "$OUT"
+        local f
+        for f in shards-sweep.json shards-sweep.md; do
+            [ ! -f "$dir/$f" ] || cp "$dir/$f" "$OUT/$f"
+        done
+        [ ! -f "$dir/shards-sweep.log" ] || tail -c 4194304 "$dir/shards-sweep.log" > "$OUT/shards-sweep.log"
+        say "into $OUT: $(cd "$OUT" && ls)"
+    fi
+    [ "$rc" -eq 0 ] || die "benchmarks/shards_sweep.py FAILED (exit $rc)"
+    say "<== sweep: ok"
 }
 
 write_node_facts() {
@@ -574,9 +615,9 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 [ -n "$sub" ] || { usage; exit 2; }
 shift
 case $sub in
-    facts | stash | install | model | run | bench | collect) ;;
+    facts | stash | install | model | run | bench | sweep | collect) ;;
     -h | --help | help) usage; exit 0 ;;
-    *) die "unknown subcommand '$sub' (facts, stash, install, model, run, bench, collect)" ;;
+    *) die "unknown subcommand '$sub' (facts, stash, install, model, run, bench, sweep, collect)" ;;
 esac
 mkdir -p "$NODE_LOGS"
 COLLECT_WORK=""

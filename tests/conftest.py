@@ -264,6 +264,7 @@ class CliRun:
 UNIT_MODULES = frozenset(
     {
         "tests/bench/test_definitions.py",
+        "tests/bench/test_exact_server.py",
         "tests/bench/test_layout.py",
         "tests/bench/test_repeats.py",
         "tests/bench/test_summary.py",

@@ -216,8 +216,13 @@ class ScriptedOpenAI:
 
     async def _metrics(self, request: Request) -> Response:
         """vLLM's TTFT and E2E histograms (their _sum and _count only), from this server's own stamps:
-        a request's arrival to its first token chunk / to [DONE], over the requests that got there."""
+        a request's arrival to its first token chunk / to [DONE], over the requests that got there;
+        ``vllm:generation_tokens_total`` (token-bearing chunks sent, x ``tokens_per_chunk`` of a fixed
+        script) and
+        ``vllm:num_requests_running`` (requests received and not yet at [DONE]); a zero
+        ``vllm:num_requests_waiting``."""
         ttft, e2e = [], []
+        generated = running = 0
         with self._lock:
             received = list(self.requests)
         for r in received:
@@ -227,6 +232,9 @@ class ScriptedOpenAI:
                 ttft.append(first - r.t_received)
             if "done" in kinds:
                 e2e.append(kinds["done"] - r.t_received)
+            else:
+                running += 1
+            generated += sum(1 for k, _ in r.sent if k in ("content", "reasoning", "text"))
         label = f'{{engine="0",model_name="{self.model}"}}'
         lines = []
         for name, values in (("time_to_first_token", ttft), ("e2e_request_latency", e2e)):
@@ -235,6 +243,15 @@ class ScriptedOpenAI:
                 f"vllm:{name}_seconds_sum{label} {sum(values)!r}",
                 f"vllm:{name}_seconds_count{label} {float(len(values))!r}",
             ]
+        per_chunk = 1 if callable(self.script) else self.script.tokens_per_chunk
+        lines += [
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{label} {float(generated * per_chunk)!r}",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {float(running)!r}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} 0.0",
+        ]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def _chat(self, request: Request) -> Response:

@@ -332,3 +332,86 @@ def test_workload_notes_set_the_engine_under_each_workload_side_by_side() -> Non
     assert "k3pipe: 0.000% prefix-cache hits, engine TTFT / TPOT 729.1 / 6.00 ms" in note
     assert "vllm bench serve: 12.50% prefix-cache hits, engine TTFT / TPOT 637.9 / 6.00 ms" in note
     assert gc.workload_notes([run(gc.K3PIPE, 0.0, 729.1)]) == []
+
+
+def test_engine_rate_places_the_busy_window_between_samples() -> None:
+    # idle, then 3 busy samples, then the final count (1000 tokens), then idle: window from 0.15 to 0.45 s
+    samples = [
+        (0.0, 500.0, 0.0),
+        (0.1, 500.0, 0.0),
+        (0.2, 600.0, 8.0),
+        (0.3, 900.0, 8.0),
+        (0.4, 1400.0, 2.0),
+        (0.5, 1500.0, 0.0),
+        (0.6, 1500.0, 0.0),
+    ]
+    view = gc.engine_rate(samples)
+    assert view["engine_tokens"] == 1000.0
+    assert view["engine_window_s"] == pytest.approx(0.3)
+    assert view["engine_output_tps"] == pytest.approx(1000.0 / 0.3)
+    assert view["engine_rate_resolution_pct"] == pytest.approx(100.0 * 0.1 / 0.3)
+    # busy at the first sample, or still busy at the last: the run is not bracketed, no rate
+    assert gc.engine_rate(samples[2:])["engine_output_tps"] is None
+    assert gc.engine_rate([*samples[:4], (0.35, 1000.0, 3.0)])["engine_output_tps"] is None
+    assert gc.engine_rate([(0.0, 5.0, 0.0), (0.1, 5.0, 0.0), (0.2, 5.0, 0.0)])["engine_output_tps"] is None
+
+
+def test_throughput_rows_say_who_kept_up_with_the_engine() -> None:
+    def run(client: str, tps: float, engine: float) -> object:
+        r = gc.Run(client, "p", 0, 0, 1)
+        r.figures = {"output_throughput_tps": tps}
+        r.server = {"engine_output_tps": engine, "engine_rate_resolution_pct": 0.5}
+        r.extra = {"client_saturated": client == gc.K3PIPE, "client_loop_lag_ms_p99": 40.0}
+        return r
+
+    rows = gc.throughput_rows(
+        [
+            run(gc.K3PIPE, 9_000.0, 10_000.0),
+            run(gc.K3PIPE_SHARDED, 9_900.0, 10_000.0),
+            run(gc.PEER, 7_000.0, 9_000.0),
+        ],
+        8,
+        0.02,
+    )
+    by = {r["client"]: r for r in rows}
+    assert set(by) == {"k3pipe", "k3pipe x8", "vllm bench serve"}
+    assert by["k3pipe x8"]["verdict"].startswith("keeps up")
+    assert by["k3pipe"]["verdict"] == "BEHIND the engine by 10.0%"
+    assert by["k3pipe"]["client_saturated"] is True
+    assert by["vllm bench serve"]["client_vs_engine_pct"] == pytest.approx(-22.22, abs=0.01)
+
+
+def test_sharded_client_and_the_engines_own_rate_against_the_scripted_server(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--processes 2: k3pipe x2 runs the point over two client processes; the scripted server's
+    /metrics counts the tokens it sent, so the engine's own rate is measured around every run."""
+    stub = _stub_vllm(tmp_path, monkeypatch)
+    script = Script(first_token_delay_s=0.02, inter_token_s=0.05)
+    out = tmp_path / "out"
+    with ScriptedOpenAI(script, api_key="sk-gpu-test", model="m") as server:
+        rc = _main(
+            server, tokenizer_dir, stub, out,
+            "--warmup-requests", "0", "--processes", "2", "--client-cpus", "0", "--rate-interval-s", "0.01",
+        )  # fmt: skip
+        received = list(server.requests)
+    assert rc == 0
+    results = json.loads((out / gc.RESULT_JSON).read_text())
+    (point,) = results["points"]
+    runs = {r["client"]: r for r in point["runs"]}
+    sharded = runs[gc.K3PIPE_SHARDED]
+    assert sharded["error"] is None
+    assert sharded["completed"] == 4
+    assert sharded["output_tokens"] == 32
+    assert sharded["extra"]["processes"] == 2
+    assert len(received) == 8  # 4 by k3pipe, 4 by k3pipe x2 (the peer's stand-in sends none)
+    for client in (gc.K3PIPE, gc.K3PIPE_SHARDED):
+        server_view = runs[client]["server"]
+        assert server_view["engine_tokens"] == 32.0  # exactly this run's tokens, counted by the server
+        assert server_view["engine_window_s"] > 0.3  # 2 waves of 2 streams x (20 ms + 7 x 50 ms)
+    assert runs[gc.PEER]["server"]["engine_output_tps"] is None  # the stand-in generated nothing
+    rows = {r["client"]: r for r in point["throughput"]}
+    assert set(rows) == {"k3pipe", "k3pipe x2"}
+    table = (out / gc.RESULT_MD).read_text()
+    assert "Output throughput against the engine's own" in table
+    assert "| k3pipe x2 | 1 |" in table
