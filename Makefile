@@ -129,10 +129,15 @@ docker:
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; [ $$status = 0 ] || scripts/docker-env.sh down; exit $$status' EXIT; \
 	$(DOCKER_UP)
 
+# Two phases (tests/conftest.py says why): the timing tests alone, then the rest on TEST_WORKERS
+# pytest-xdist workers; both run, and the first failure's status is the target's.
+TEST_WORKERS ?= 2
 test: setup test-system lint
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; scripts/docker-env.sh down; exit $$status' EXIT; \
-	$(DOCKER_UP) && \
-	$(VENV)/bin/python -m pytest
+	$(DOCKER_UP) && { \
+	serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
+	$(VENV)/bin/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+		--durations=40 && exit $$serial; }
 
 clean:
 	rm -rf $(VENV) $(K3PIPE_HOME)

@@ -19,11 +19,14 @@ from k3pipe.errors import K3pipeError
 from k3pipe.settings import Settings
 
 
-def prepare_prefect_env(settings: Settings) -> None:
+def prepare_prefect_env(settings: Settings, *modules: str) -> None:
     """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect),
     end what commands killed before their teardown left running (engines, Prefect servers), and,
     without PREFECT_API_URL, start this command's own temporary Prefect server
-    (:mod:`cli.local_prefect`: out of the terminal's signals, one start at a time per home)."""
+    (:mod:`cli.local_prefect`: out of the terminal's signals, one start at a time per home).
+    ``modules`` (the command's flows) are imported while that server boots."""
+    import importlib
+
     from cli.local_prefect import LocalPrefect
     from k3pipe.procs import GroupRegistry
 
@@ -38,9 +41,15 @@ def prepare_prefect_env(settings: Settings) -> None:
             progress=lambda line: typer.secho(line, fg=typer.colors.YELLOW, err=True),
             kinds=("prefect-server",),
         )
+        server = None
         if not os.environ.get("PREFECT_API_URL"):
             server = LocalPrefect(home, Path(os.environ["PREFECT_HOME"]))
-            os.environ["PREFECT_API_URL"] = server.start()
+            # set before prefect is imported: its settings are read at import
+            os.environ["PREFECT_API_URL"] = server.launch()
+        for module in modules:
+            importlib.import_module(module)
+        if server is not None:
+            server.wait()
     except OSError as exc:
         _fail(K3pipeError(f"K3PIPE_HOME {home} cannot be used: {exc}"))
 
@@ -226,7 +235,7 @@ def run(
         _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
     )
     _tracking_ready(settings, spool)
-    prepare_prefect_env(settings)
+    prepare_prefect_env(settings, "flows.benchmark")
     from flows.benchmark import benchmark
 
     _print_outcomes(
@@ -255,7 +264,7 @@ def study(
         _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
     )
     _tracking_ready(settings, spool)
-    prepare_prefect_env(settings)
+    prepare_prefect_env(settings, "flows.study")
     from flows.study import ArmsFailed
     from flows.study import study as study_flow
 
@@ -306,7 +315,7 @@ def retest(
     except (K3pipeError, ValidationError) as exc:
         _fail(exc)
     _tracking_ready(settings, spool)
-    prepare_prefect_env(settings)
+    prepare_prefect_env(settings, "flows.retest")
     from flows.retest import VariantsFailed
     from flows.retest import retest as retest_flow
 
@@ -467,7 +476,7 @@ def rerun(
 ) -> None:
     """Run an arm again from its MLflow record alone, then compare the new run with the original."""
     settings = Settings()
-    prepare_prefect_env(settings)
+    prepare_prefect_env(settings, "flows.benchmark")
     from flows.benchmark import rerun as rerun_flow
 
     outcomes = _run_flow(lambda: rerun_flow(run_id, allow_drift=allow_drift))

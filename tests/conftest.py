@@ -293,11 +293,73 @@ UNIT_MODULES = frozenset(
 )
 
 
+# `make test` runs the suite in two phases: first the tests whose figures are timings (a client's
+# error against an exact schedule, a CPU-saturation probe, a rate within 5%), alone on the machine
+# (`-m serial`); then the rest on two pytest-xdist workers (`-m "not serial" -n 2`), most of whose
+# time is waiting on servers, engines and timeouts. A group stays on one worker: a module (its module
+# fixtures are made once), or all of tests/docker/ (one dockerd; a test there asserts that no managed
+# container is left). xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node
+# ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does.
+SERIAL_PATHS = (
+    "tests/bench/",
+    "tests/test_gpu_clients.py",
+    "tests/test_sharded_flow.py",
+    "tests/test_speculation.py",
+)
+# The heaviest groups start first (seconds of one serial run, `pytest --durations`, 2026-12-03), so
+# that the two workers end at about the same time; the others follow in collection order.
+GROUP_SECONDS = {
+    "tests/test_faults.py": 620,
+    "tests/test_spool.py": 540,
+    "tests/test_flow.py": 430,
+    "tests/docker": 360,
+    "tests/test_deployment.py": 220,
+    "tests/test_gpu_kit.py": 200,
+    "tests/test_bundle.py": 190,
+    "tests/test_ui.py": 150,
+    "tests/test_schedules.py": 150,
+    "tests/test_stack.py": 120,
+    "tests/test_gateway.py": 110,
+    "tests/test_secrets.py": 80,
+    "tests/test_bad_inputs.py": 75,
+    "tests/test_study.py": 60,
+}
+
+
+def group_of(path: str) -> str:
+    """The xdist group of a test file (a path relative to the repository)."""
+    return "tests/docker" if path.startswith("tests/docker/") else path
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         where = item.path.relative_to(REPO).as_posix()
         if where in UNIT_MODULES and not any(item.get_closest_marker(m) for m in ("engine", "flow", "slow")):
             item.add_marker(pytest.mark.unit)
+        if where.startswith(SERIAL_PATHS):
+            item.add_marker(pytest.mark.serial)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order the scheduler hands groups out in
+        order = {item.nodeid: i for i, item in enumerate(items)}
+
+        def key(item: pytest.Item) -> tuple[int, int]:
+            group = group_of(item.path.relative_to(REPO).as_posix())
+            return -GROUP_SECONDS.get(group, 0), order[item.nodeid]
+
+        items.sort(key=key)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling (a scope runs on one worker; the next goes to the first idle one),
+    with group_of() as the scope."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid.split("::", 1)[0])
+
+    return GroupScheduling(config, log)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
