@@ -112,3 +112,46 @@ def test_preflight_catches_the_usual_dcp_mistakes(spec: ExperimentSpec, tmp_path
     gqa = {**_preset_config(), "num_key_value_heads": 8}
     rules = {f.rule for f in preflight(broken, {"model": gqa}, home=tmp_path) if f.arm == "vllm-tp8-dcp8"}
     assert {"vllm-dcp-backend", "vllm-dcp-kv-heads", "vllm-dcp-speculation"} <= rules
+
+
+def test_the_study_table_rides_along_as_reference(spec: ExperimentSpec) -> None:
+    assert spec.reference is not None
+    steady = {
+        (f.workload, f.arm): f.value for f in spec.reference.figures if f.metric == "steady_decode_tps"
+    }
+    assert steady == {
+        ("random-64k", "study vLLM (TP 8)"): 501,
+        ("random-64k", "study SGLang (DCP 8)"): 335,
+        ("random-200k", "study vLLM (TP 8)"): 163,
+        ("random-200k", "study SGLang (DCP 8)"): 268,
+    }
+
+
+@pytest.mark.parametrize(
+    ("figure", "expected"),
+    [
+        ({"workload": "random-1m", "metric": "duration_s"}, "reference.figures name workload(s) random-1m"),
+        ({"workload": "random-64k", "metric": "decode_tps"}, "metric 'decode_tps' is not a metric of"),
+    ],
+)
+def test_a_reference_figure_must_match_a_cell(
+    spec: ExperimentSpec, figure: dict[str, Any], expected: str
+) -> None:
+    data = spec.model_dump(mode="json", exclude_none=True)
+    data["reference"]["figures"].append({**figure, "arm": "x", "value": 1.0})
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        ExperimentSpec.model_validate(data)
+
+
+def test_the_report_reads_the_reference_from_the_study_run(spec: ExperimentSpec, tmp_path: Path) -> None:
+    """start_study logs experiment.json; collect() gives its 'reference' to the report."""
+    from k3pipe.report.collect import collect
+    from k3pipe.study import start_study
+    from k3pipe.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
+    run_id = start_study(tracker, spec, str(EXPERIMENT))
+    data = collect(tracker, run_id)
+    assert data.reference is not None
+    assert data.reference["source"].startswith("shared/docs/field-notes.md")
+    assert len(data.reference["figures"]) == 8
