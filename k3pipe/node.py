@@ -1,5 +1,7 @@
-"""The node an arm runs on, for the record: its GPUs, driver and CUDA (from ``nvidia-smi``), the engine
-interpreter's package versions, and the GPUs' memory sampled while a workload runs.
+"""The node an arm runs on, for the record: its GPUs, driver and CUDA (from ``nvidia-smi``), how the
+GPUs are connected (``nvidia-smi topo -m``) and the NCCL / symmetric-memory settings the engine gets
+(``NCCL_*``, ``TORCH_NCCL_*``, ``TORCH_SYMM_MEM_*``: what decides NVLink multicast, the transports, the
+rings), the engine interpreter's package versions, and the GPUs' memory sampled while a workload runs.
 
 Without ``nvidia-smi`` on PATH (a CPU machine) nothing here is recorded and nothing fails:
 :func:`probe_node` returns None, :func:`nvidia_smi_report` None and :class:`GpuMemorySampler`
@@ -29,6 +31,7 @@ __all__ = [
     "GpuMemorySample",
     "GpuMemorySampler",
     "NodeInfo",
+    "comm_env",
     "engine_python",
     "gpu_memory_frame",
     "interpreter_versions",
@@ -41,6 +44,10 @@ __all__ = [
 NVIDIA_SMI = "nvidia-smi"
 GPU_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
 MEMORY_QUERY = ["--query-gpu=memory.used", "--format=csv,noheader"]
+TOPOLOGY = ["topo", "-m"]
+COMM_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_")
+"""The environment that steers collective communication (NCCL_NVLS_ENABLE and
+TORCH_SYMM_MEM_DISABLE_MULTICAST among them: NVLink multicast)."""
 _TIMEOUT_S = 30.0
 
 
@@ -67,6 +74,13 @@ class NodeInfo(BaseModel):
         default_factory=dict, description="Versions in the engine's interpreter ('python' included)."
     )
     nvidia_smi: str = Field(description="nvidia-smi's full output before launch.")
+    topology: str | None = Field(
+        default=None, description="``nvidia-smi topo -m`` before launch (None: it failed or is absent)."
+    )
+    comm_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="The engine's NCCL_* / TORCH_NCCL_* / TORCH_SYMM_MEM_* environment (inherited or set).",
+    )
 
     def describe(self) -> str:
         """One line for the flow's log."""
@@ -102,6 +116,11 @@ def _nvidia_smi(args: Sequence[str] = ()) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
+
+
+def comm_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The variables of ``env`` that steer NCCL and torch's symmetric memory, sorted by name."""
+    return {k: str(v) for k, v in sorted((env or {}).items()) if k.startswith(COMM_ENV_PREFIXES)}
 
 
 def nvidia_smi_report() -> str | None:
@@ -211,9 +230,9 @@ def probe_node(
     *,
     interpreter: bool = False,
 ) -> NodeInfo | None:
-    """This node's GPUs, driver and CUDA, and (``interpreter``: the engine runs in a local
-    interpreter) the torch and engine versions of the interpreter ``argv[0]`` runs in; None without
-    nvidia-smi."""
+    """This node's GPUs, driver and CUDA, their topology, the NCCL / symmetric-memory variables of
+    ``env`` (the engine's environment), and (``interpreter``: the engine runs in a local interpreter)
+    the torch and engine versions of the interpreter ``argv[0]`` runs in; None without nvidia-smi."""
     report = nvidia_smi_report()
     if report is None:
         return None
@@ -231,6 +250,8 @@ def probe_node(
         python=python,
         packages=packages,
         nvidia_smi=report,
+        topology=_nvidia_smi(TOPOLOGY),
+        comm_env=comm_env(env),
     )
 
 

@@ -533,11 +533,15 @@ class ArmRecorder:
         self.tracker.log_dict(self.run_id, {**cache.model_dump(), "factors": factors}, "compile_cache.json")
 
     def log_node(self, node: NodeInfo | None) -> None:
-        """The node: params ``node.*`` and nvidia-smi's output before launch (nothing without one)."""
+        """The node: params ``node.*``, nvidia-smi's output before launch, ``nvidia-smi topo -m`` (when
+        it answered) and the engine's NCCL / symmetric-memory environment (nothing without nvidia-smi)."""
         if node is None:
             return
         self.tracker.log_params(self.run_id, node.params())
         self.tracker.log_text(self.run_id, node.nvidia_smi, "node/nvidia-smi-before.txt")
+        if node.topology is not None:
+            self.tracker.log_text(self.run_id, node.topology, "node/nvidia-smi-topo.txt")
+        self.tracker.log_dict(self.run_id, node.comm_env, "node/comm-env.json")
 
     def log_nvidia_smi_after(self, report: str | None) -> None:
         """nvidia-smi's output after teardown (what the engine left behind); never raises."""

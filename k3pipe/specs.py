@@ -39,6 +39,8 @@ __all__ = [
     "ModelScopeModel",
     "ModelSpec",
     "RandomDataset",
+    "ReferenceFigure",
+    "ReferenceSpec",
     "SLOSpec",
     "ShareGPTDataset",
     "SharedPrefixDataset",
@@ -896,6 +898,51 @@ class ClientSpec(_Spec):
         return value
 
 
+REFERENCE_METRICS = (
+    "duration_s",
+    "output_throughput_tps",
+    "engine_generation_tps",
+    "steady_decode_tps",
+    "ttft_ms_p50",
+    "content_ttft_ms_p50",
+    "tpot_ms_p50",
+    "itl_ms_p50",
+)
+"""The report's table metrics (k3pipe.report.analysis.TABLE_METRICS) a published figure can stand beside."""
+
+
+class ReferenceFigure(_Spec):
+    """One published figure: what ``arm`` of the reference study measured on ``workload``."""
+
+    workload: str = Field(min_length=1, description="The workload of this experiment it corresponds to.")
+    metric: str = Field(description="The report metric it stands beside: " + ", ".join(REFERENCE_METRICS))
+    arm: str = Field(
+        min_length=1, max_length=NAME_MAX_CHARS, description="The published arm, e.g. 'study vLLM (TP 8)'."
+    )
+    value: float = _finite(description="The published value, in the metric's unit.")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, value: str) -> str:
+        if value not in REFERENCE_METRICS:
+            known = ", ".join(REFERENCE_METRICS)
+            raise ValueError(f"metric {value!r} is not a metric of the report; one of: {known}")
+        return value
+
+
+class ReferenceSpec(_Spec):
+    """A published table to show beside this experiment's results (the report's 'Beside the
+    reference' section): the figures are shown, never mixed into the analysis."""
+
+    source: str = Field(min_length=1, description="Where the figures come from (document, hardware, model).")
+    figures: list[ReferenceFigure] = Field(
+        min_length=1, max_length=MAX_WORKLOADS, description="One per arm, workload and metric."
+    )
+    notes: list[str] = Field(
+        default_factory=list, max_length=100, description="Published figures without a cell (slow-downs...)."
+    )
+
+
 class ExperimentSpec(_Spec):
     """A whole study: model, engine arms and workloads.
 
@@ -932,6 +979,9 @@ class ExperimentSpec(_Spec):
         default_factory=list,
         max_length=MAX_VARIANTS,
         description="Named changes against this baseline (k3pipe.variants resolves each to an experiment).",
+    )
+    reference: ReferenceSpec | None = Field(
+        default=None, description="A published table the study's report shows beside its own results."
     )
 
     @field_validator("name")
@@ -975,6 +1025,14 @@ class ExperimentSpec(_Spec):
                 raise ValueError(
                     f"variant {v.name!r} names arm(s) {', '.join(unknown)} that the experiment does not "
                     f"have; its arms: {', '.join(sorted(arms))}"
+                )
+        if self.reference is not None:
+            workloads = [w.name for w in self.workloads]
+            unknown = sorted({f.workload for f in self.reference.figures} - set(workloads))
+            if unknown:
+                raise ValueError(
+                    f"reference.figures name workload(s) {', '.join(unknown)} that the experiment does not "
+                    f"have; its workloads: {', '.join(workloads)}"
                 )
         return self
 

@@ -11,6 +11,14 @@ Presets (override any dimension with its flag):
     1b    hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, intermediate 8192, 8192 positions,
           tied embeddings: 0.977 B parameters, 1.95 GB of bf16 (the shape of a ~1B Llama 3.2,
           with a 2048-token vocabulary)
+    mqa-7b  hidden 4096, 32 layers, 32 heads of 128, ONE KV head (MQA), intermediate 14336,
+          262144 positions: 6.75 B parameters, 13.5 GB of bf16 (a Llama-3-8B body with multi-query
+          attention and a 2048-token vocabulary). The decode-context-parallel model: vLLM runs DCP on a
+          GQA/MQA model only when tp > KV heads, dcp <= tp // KV heads and the query heads per KV head
+          divide by dcp (0.22.0 config/model.py:1216-1239), so DCP = TP = 8 needs exactly one KV head;
+          under TP that one head is replicated on every GPU, as an MLA model's latent is (the study's
+          Kimi-K3), and DCP is what splits it. 16 KiB of bf16 KV per token; 256K positions for the
+          200K-token workloads of experiments/dcp-crossover-h200.yaml.
     tiny  hidden 256, 2 layers, 4 heads of 64, 2 KV heads, intermediate 512 (for tests)
 
 The weights are drawn on the GPU when there is one (``--device auto``), with ``torch.manual_seed(seed)``,
@@ -45,6 +53,15 @@ PRESETS: dict[str, dict[str, int]] = {
         "head_dim": 64,
         "intermediate_size": 8192,
         "max_position_embeddings": 8192,
+    },
+    "mqa-7b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 262144,
     },
     "tiny": {
         "hidden_size": 256,

@@ -278,6 +278,7 @@ UNIT_MODULES = frozenset(
         "tests/engines/test_preflight.py",
         "tests/engines/test_preflight_cli.py",
         "tests/test_bad_inputs.py",
+        "tests/test_dcp_experiment.py",
         "tests/test_engines.py",
         "tests/test_golden_study.py",
         "tests/test_gpustack_spec.py",

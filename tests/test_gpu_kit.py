@@ -98,6 +98,27 @@ def test_random_llama_at_a_tiny_size(tmp_path: Path) -> None:
     assert "already at" in again.stdout
 
 
+def test_the_mqa_preset_builds_at_a_tiny_size(tmp_path: Path) -> None:
+    """--preset mqa-7b (the DCP model of experiments/dcp-crossover-h200.yaml) shrunk to one small layer:
+    one KV head and 256K positions survive into config.json, the weights match the count."""
+    out = tmp_path / "models" / "mqa"
+    small = {"layers": 1, "hidden": 256, "heads": 8, "head_dim": 32, "intermediate": 256}
+    flags = ["--preset", "mqa-7b", "--device", "cpu"]
+    for key, value in small.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    cmd = [str(_torch_python()), str(REPO / "scripts" / "make_random_llama.py"), str(out), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 1, 32)
+    assert config["max_position_embeddings"] == 262144
+    header = _safetensors_header(out / "model.safetensors")
+    assert header["model.layers.0.self_attn.k_proj.weight"]["shape"] == [32, 256]  # one KV head of 32
+    count = sum(math.prod(t["shape"]) for t in header.values())
+    assert count == make_random_llama.parameter_count(make_random_llama.resolve_shape("mqa-7b", small))
+
+
 def test_the_tiny_model_is_unchanged(tmp_path: Path) -> None:
     """make_tiny_model.py shares its tokenizer code with make_random_llama.py; its output stays the same."""
     out = tmp_path / "tiny"

@@ -15,6 +15,7 @@ from k3pipe.coldstart import read_cold_start
 from k3pipe.experiment import parse_experiment
 from k3pipe.node import (
     GpuMemorySampler,
+    comm_env,
     engine_python,
     gpu_memory_frame,
     interpreter_versions,
@@ -35,11 +36,13 @@ from tests.test_record import outcome
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "tests" / "fixtures" / "node" / "nvidia-smi-h200.txt"
+TOPO = REPO / "tests" / "fixtures" / "node" / "nvidia-smi-topo-8gpu.txt"
 QUERY = "NVIDIA H200, 143771 MiB, 580.159.04"  # what the node's query answered
 
 
-def fake_nvidia_smi(bin_dir: Path, gpus: int = 1) -> Path:
-    """An ``nvidia-smi`` answering as the GPU node's did; memory.used grows by 1000 MiB a call."""
+def fake_nvidia_smi(bin_dir: Path, gpus: int = 1, topo: bool = True) -> Path:
+    """An ``nvidia-smi`` answering as the GPU node's did; memory.used grows by 1000 MiB a call;
+    ``topo -m`` prints an 8-GPU NVSwitch matrix (``topo``) or fails as an unknown command."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     counter = bin_dir / "calls"
     counter.write_text("0")
@@ -53,6 +56,7 @@ case "$*" in
     n=$(cat {counter}); n=$((n + 1)); echo $n > {counter}
     i=0; while [ $i -lt {gpus} ]; do echo "$((n * 1000 + i)) MiB"; i=$((i + 1)); done ;;
   "") grep -v '^#' {H200} ;;
+  "topo -m") {"grep -v '^#' " + str(TOPO) if topo else "exit 6"} ;;
   *) exit 6 ;;
 esac
 """
@@ -108,6 +112,40 @@ def test_report_and_probe_with_nvidia_smi(smi: Path) -> None:
     assert "node.vllm_version" not in params
     assert set(node.packages) == {"python", "torch", "vllm"}
     assert "1 x NVIDIA H200 (143771 MiB), driver 580.159.04, CUDA 13.0" in node.describe()
+    assert node.topology is not None
+    assert node.topology.startswith("\tGPU0\tGPU1")
+    assert "GPU7\tNV18\tNV18" in node.topology
+    assert node.comm_env == {}  # no NCCL / symmetric-memory variable in that environment
+
+
+def test_probe_keeps_the_engines_nccl_environment(smi: Path) -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "NCCL_DEBUG": "INFO",
+        "K3PIPE_GPU_API_KEY": "not-a-comm-variable",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+    node = probe_node(["python3"], "vllm", env)
+    assert node is not None
+    assert node.comm_env == {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    }
+    assert list(node.comm_env) == sorted(node.comm_env)
+    assert comm_env(None) == {}
+
+
+def test_no_topology_when_topo_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = fake_nvidia_smi(tmp_path / "bin", topo=False)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    node = probe_node(["python3"], "vllm")
+    assert node is not None
+    assert node.topology is None
 
 
 def test_probe_skips_the_interpreter_of_docker_arms(smi: Path) -> None:
@@ -187,14 +225,24 @@ def recorder(tracker: Tracker, tmp_path: Path) -> ArmRecorder:
 
 def test_node_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
     rec = recorder(tracker, tmp_path)
-    rec.log_node(probe_node([sys.executable], "vllm", interpreter=True))
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PATH": "/usr/bin:/bin"}
+    rec.log_node(probe_node([sys.executable], "vllm", env, interpreter=True))
     rec.log_nvidia_smi_after(nvidia_smi_report())
     run = tracker.client.get_run(rec.run_id)
     assert run.data.params["node.gpu_name"] == "NVIDIA H200"
     assert run.data.params["node.cuda_version"] == "13.0"
     assert run.data.params["node.driver_version"] == "580.159.04"
     paths = {a.path for a in tracker.client.list_artifacts(rec.run_id, "node")}
-    assert paths == {"node/nvidia-smi-before.txt", "node/nvidia-smi-after.txt"}
+    assert paths == {
+        "node/nvidia-smi-before.txt",
+        "node/nvidia-smi-after.txt",
+        "node/nvidia-smi-topo.txt",
+        "node/comm-env.json",
+    }
+    topo = tracker.client.download_artifacts(rec.run_id, "node/nvidia-smi-topo.txt", str(tmp_path / "dl"))
+    assert "NV18" in Path(topo).read_text()
+    facts = tracker.client.download_artifacts(rec.run_id, "node/comm-env.json", str(tmp_path / "dl"))
+    assert json.loads(Path(facts).read_text()) == {k: v for k, v in env.items() if k != "PATH"}
 
 
 def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:

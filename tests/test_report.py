@@ -126,3 +126,40 @@ def test_steady_decode_counts_only_time_without_prefill() -> None:
         }
     )
     assert steady_decode_tps(late) == pytest.approx(6 / 2.0)
+
+
+def test_the_published_table_stands_beside_the_cells() -> None:
+    """An experiment's 'reference' (here: the field notes' steady decode) is shown beside the arms'
+    means and intervals, the crossover of the DCP study as the two arms' leads at 64K and 200K."""
+    from k3pipe.report.render import build_document, to_markdown
+
+    data = _study(
+        _cell("tp8", "random-64k", 64000, steady_decode_tps=[500.0, 510.0, 505.0]),
+        _cell("dcp8", "random-64k", 64000, steady_decode_tps=[400.0, 405.0, 398.0]),
+        _cell("tp8", "random-200k", 200000, steady_decode_tps=[160.0, 165.0, 162.0]),
+        _cell("dcp8", "random-200k", 200000, steady_decode_tps=[300.0, 290.0, 295.0]),
+    )
+    data.reference = {
+        "source": "field-notes.md (8 x B300, Kimi-K3)",
+        "figures": [
+            {"workload": "random-64k", "metric": "steady_decode_tps", "arm": "study vLLM", "value": 501.0},
+            {"workload": "random-64k", "metric": "steady_decode_tps", "arm": "study SGLang", "value": 335.0},
+            {"workload": "random-200k", "metric": "steady_decode_tps", "arm": "study vLLM", "value": 163.0},
+            {"workload": "random-200k", "metric": "steady_decode_tps", "arm": "study SGLang", "value": 268.0},
+        ],
+        "notes": ["decode slow-down 64K -> 200K in the study: vLLM 3.29x, SGLang 1.25x"],
+    }
+    analysis = analyse(data)
+    (flip,) = [f for f in analysis.flips if f.metric.key == "steady_decode_tps"]
+    assert (flip.before, flip.after) == ("tp8", "dcp8")
+    text = to_markdown(build_document(data, analysis), {})
+    assert "## Beside the published table" in text
+    assert "field-notes.md (8 x B300, Kimi-K3)" in text
+    header = next(line for line in text.splitlines() if "study SGLang" in line and line.startswith("|"))
+    assert header.split("|")[4:9] == [" tp8 ", " dcp8 ", " leader ", " study vLLM ", " study SGLang "]
+    row = next(line for line in text.splitlines() if line.startswith("| random-200k") and "163" in line)
+    assert "268" in row
+    assert "dcp8" in row
+    assert "vLLM 3.29x, SGLang 1.25x" in text
+    data.reference = None
+    assert "Beside the published table" not in to_markdown(build_document(data, analyse(data)), {})

@@ -22,6 +22,7 @@ from importlib import resources
 from typing import Any, ClassVar
 
 from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
+from k3pipe.kvpool import kv_layout
 from k3pipe.observe import LogFormat, LogLine, LogPatterns, PhasePattern
 
 __all__ = ["ENGINE", "VLLMEngine", "human_readable_int"]
@@ -430,7 +431,14 @@ class VLLMEngine(Engine):
         return out
 
     def preflight_rules(self) -> tuple[Rule, ...]:
-        return (rule_dcp_with_speculation, rule_gpu_memory_utilization, rule_unknown_env)
+        return (
+            rule_dcp_with_speculation,
+            rule_dcp_tp,
+            rule_dcp_attention_backend,
+            rule_dcp_kv_heads,
+            rule_gpu_memory_utilization,
+            rule_unknown_env,
+        )
 
 
 def rule_dcp_with_speculation(ctx: ArmContext) -> Iterator[Finding]:
@@ -439,8 +447,11 @@ def rule_dcp_with_speculation(ctx: ArmContext) -> Iterator[Finding]:
     The field notes report vLLM refusing DCP > 1 with DSpark speculation at config time. Stock vLLM
     0.32.0 has no such config-time check (tests/fixtures/engines/vllm/config-errors.md, section 1):
     it raises at model set-up, per attention backend (mla_attention.py:2267-2290; FLASHINFER_MLA, the
-    study's draft backend, passes there). The rule stands either way: the study's image refused the
-    combination, and a launch that fails does so only after a ~10-minute cold start.
+    study's draft backend, passes there). vLLM 0.22.0 (the GPU node's release) has no "dspark" method
+    at all (config/speculative.py:59, SpeculativeMethod) and no DCP check in its speculative config; its
+    only speculation-with-CP check is MTP with cp_kv_cache_interleave_size > 1 (v1/worker/cp_utils.py:
+    25-29). The rule stands either way: the study's image refused the combination, and a launch that
+    fails does so only after a ~10-minute cold start.
     """
     engine = ctx.engine
     dcp = engine.decode_context_parallel_size(ctx.args)
@@ -458,6 +469,175 @@ def rule_dcp_with_speculation(ctx: ArmContext) -> Iterator[Finding]:
         "comes only after a ~10-minute cold start. Choose one: drop DCP "
         f"({dcp_key}: 1) to keep speculation, or drop speculative_config to keep DCP (DCP is what scales "
         "long-context decode; on Random prompts speculation was pure overhead in the study).",
+    )
+
+
+# The attention backends that can run decode context parallelism: DCP needs the softmax LSE of each
+# rank's partial decode attention to merge them, and vLLM asserts it when the model is set up
+# (v1/worker/cp_utils.py:30-37 in 0.22.0, :50-57 in 0.32.0: "Decode Context Parallelism (DCP)
+# requires attention implementations to return the softmax LSE during decode, but <Impl> does not"),
+# i.e. after the weights are loaded. The lists are the backends whose impl sets
+# ``can_return_lse_for_decode = True`` (the base class, v1/attention/backend.py:700, says False):
+# 0.22.0 (the GPU node's release): flash_attn.py:593 (and FLASH_ATTN_DIFFKV, a subclass),
+# flashinfer.py:1261, mla/flashmla.py:205, mla/flashattn_mla.py:256, mla/cutlass_mla.py:105,
+# mla/triton_mla.py:82. 0.32.0 adds FLASHINFER_MLA (mla/flashinfer_mla.py:254), TOKENSPEED_MLA (:175),
+# FLASHMLA_SPARSE (:716), FLASHINFER_MLA_SPARSE (:430) and ROCM_AITER_MLA (:1907, with its Triton
+# subclass).
+DCP_BACKENDS_0_22: frozenset[str] = frozenset(
+    {"FLASH_ATTN", "FLASH_ATTN_DIFFKV", "FLASHINFER", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA",
+     "TRITON_MLA"}
+)  # fmt: skip
+DCP_BACKENDS_0_32: frozenset[str] = DCP_BACKENDS_0_22 | {
+    "FLASHINFER_MLA",
+    "TOKENSPEED_MLA",
+    "FLASHMLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE",
+    "ROCM_AITER_MLA",
+    "ROCM_AITER_TRITON_MLA",
+}
+# Every name of --attention-backend in 0.22.0 (v1/attention/backends/registry.py:44-90); a name
+# outside it is left to vLLM's own choice check.
+ATTENTION_BACKENDS: frozenset[str] = DCP_BACKENDS_0_32 | {
+    "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_MLA_SPARSE", "XPU_MLA_SPARSE",
+    "FLEX_ATTENTION", "ROCM_AITER_UNIFIED_ATTN", "CPU_ATTN", "TURBOQUANT", "NO_ATTENTION",
+}  # fmt: skip
+
+
+def _dcp(ctx: ArmContext) -> tuple[str, int] | None:
+    """``(key as written, size)`` of an arm's decode_context_parallel_size when it is above 1."""
+    engine = ctx.engine
+    dcp = engine.decode_context_parallel_size(ctx.args)
+    if dcp <= 1:
+        return None
+    found = engine.arg(ctx.args, engine.dcp_arg)
+    return (found[0] if found else engine.dcp_arg), dcp
+
+
+def rule_dcp_tp(ctx: ArmContext) -> Iterator[Finding]:
+    """DCP > 1 that does not divide the tensor-parallel size: ERROR (vLLM refuses at config time).
+
+    DCP adds no processes: it splits the TP group into tp/dcp groups of dcp ranks that each hold a
+    share of the KV, so tp must be a multiple of dcp (0.22.0 config/parallel.py:473-482, ValueError
+    "tp_size=T must be divisible bydcp_size=D", sic; 0.32.0 parallel.py:592-594, without prefill context
+    parallelism).
+    """
+    found = _dcp(ctx)
+    if found is None:
+        return
+    key, dcp = found
+    tp = ctx.engine.tensor_parallel_size(ctx.args)
+    if tp % dcp == 0:
+        return
+    tp_found = ctx.engine.arg(ctx.args, ctx.engine.tp_arg)
+    tp_key = tp_found[0] if tp_found else f"{ctx.engine.tp_arg} (default)"
+    divisors = [d for d in range(2, tp + 1) if tp % d == 0]
+    yield ctx.finding(
+        "error",
+        "vllm-dcp-tp",
+        f"{key}={dcp} with {tp_key}={tp}: decode context parallelism reuses the tensor-parallel ranks "
+        f"(it splits the TP group into TP/DCP groups), so vLLM refuses a DCP size that does not divide the "
+        f"TP size (ValueError 'tp_size={tp} must be divisible by dcp_size={dcp}', config/parallel.py). "
+        f"Fix: set {key} to a divisor of {tp}"
+        + (f" ({', '.join(map(str, divisors))})" if divisors else " (tensor_parallel_size 1 allows no DCP)")
+        + f", or raise {ctx.engine.tp_arg} to a multiple of {dcp}.",
+    )
+
+
+def _attention_backend(args: Mapping[str, Any], engine: Engine) -> tuple[str, str] | None:
+    """``(where, name)``: --attention-backend, or attention_config's ``backend`` (a dict or JSON)."""
+    found = engine.arg(args, "attention_backend")
+    if found is not None and isinstance(found[1], str) and found[1]:
+        return found[0], found[1]
+    config = engine.arg(args, "attention_config")
+    if config is None:
+        return None
+    value = config[1]
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    if isinstance(value, Mapping) and isinstance(value.get("backend"), str) and value["backend"]:
+        return f"{config[0]}.backend", value["backend"]
+    return None
+
+
+def rule_dcp_attention_backend(ctx: ArmContext) -> Iterator[Finding]:
+    """DCP > 1 on an attention backend that cannot return the decode LSE: ERROR (vLLM asserts it at
+    model set-up, after the weights load). The arm's declared version picks the list (0.22.x: the
+    node's release; anything else: 0.32.0, the release this module is written against)."""
+    found = _dcp(ctx)
+    backend = _attention_backend(ctx.args, ctx.engine)
+    if found is None or backend is None:
+        return
+    key, dcp = found
+    where, name = backend
+    upper = name.strip().upper()
+    if upper not in ATTENTION_BACKENDS:
+        return
+    version = ctx.arm.engine.version or ""
+    old = version.startswith("0.22")
+    supported = DCP_BACKENDS_0_22 if old else DCP_BACKENDS_0_32
+    if upper in supported:
+        return
+    label = f"vLLM {version}" if version else "stock vLLM 0.32.0"
+    later = (
+        " (vLLM 0.32.0 supports it with DCP: a later release is the other way out)"
+        if old and upper in DCP_BACKENDS_0_32
+        else ""
+    )
+    yield ctx.finding(
+        "error",
+        "vllm-dcp-backend",
+        f"{key}={dcp} with {where}={name}: {label}'s {upper} backend does not return the softmax LSE of "
+        "its partial decode attention, which DCP needs to merge the ranks' shares, so vLLM stops at model "
+        "set-up, after the weights load ('Decode Context Parallelism (DCP) requires attention "
+        f"implementations to return the softmax LSE during decode', v1/worker/cp_utils.py){later}. Fix: "
+        f"{where}: one of {', '.join(sorted(supported))} (FLASH_ATTN for a GQA/MQA model, an *MLA backend "
+        f"for an MLA one), or {key}: 1.",
+    )
+
+
+def rule_dcp_kv_heads(ctx: ArmContext) -> Iterator[Finding]:
+    """DCP > 1 on a GQA/MQA model whose KV heads do not leave room for it: ERROR (config time).
+
+    For a model without MLA vLLM asserts (0.22.0 config/model.py:1216-1239; 0.32.0 model.py:1565-1593
+    raises ValueError) that tp > KV heads, dcp <= tp // KV heads, and that the query heads per KV head
+    divide by dcp: DCP splits across the ranks that would otherwise each hold a replica of the same KV
+    head. An MLA model (kv_lora_rank) has one latent per token and none of these limits.
+    """
+    found = _dcp(ctx)
+    if found is None or not ctx.model_config:
+        return
+    try:
+        layout = kv_layout(ctx.model_config)
+    except ValueError:
+        return
+    if layout.kind == "mla" or not layout.kv_heads:
+        return
+    key, dcp = found
+    text = ctx.model_config.get("text_config")
+    cfg = text if isinstance(text, Mapping) else ctx.model_config
+    heads = cfg.get("num_attention_heads")
+    kv = layout.kv_heads
+    tp = ctx.engine.tensor_parallel_size(ctx.args)
+    problems = []
+    if tp <= kv:
+        problems.append(f"tensor_parallel_size {tp} must be greater than the {kv} KV heads")
+    elif dcp > tp // kv:
+        problems.append(f"{key} can be at most tensor_parallel_size // KV heads = {tp} // {kv} = {tp // kv}")
+    if isinstance(heads, int) and heads % kv == 0 and (heads // kv) % dcp:
+        problems.append(f"the {heads // kv} query heads per KV head ({heads} / {kv}) must divide by {dcp}")
+    if not problems:
+        return
+    need = max(1, tp // dcp)
+    yield ctx.finding(
+        "error",
+        "vllm-dcp-kv-heads",
+        f"{key}={dcp} on a GQA/MQA model with {kv} KV heads"
+        + (f" and {heads} query heads" if isinstance(heads, int) else "")
+        + f" at tensor_parallel_size {tp}: {'; '.join(problems)} (vLLM refuses it at config time, "
+        "config/model.py: DCP shares out the KV that tensor parallelism would otherwise replicate). Fix: "
+        f"a model with at most {need} KV head{'s' if need > 1 else ''} whose query heads per KV head divide "
+        f"by {dcp} (for DCP = TP, MQA: num_key_value_heads 1), a lower {key}, or an MLA model.",
     )
 
 

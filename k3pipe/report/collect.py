@@ -69,6 +69,9 @@ class StudyData(BaseModel):
     arms: list[ArmData]
     cells: list[CellData]
     metrics: dict[str, float] = Field(default_factory=dict, description="The study run's own metrics.")
+    reference: dict[str, Any] | None = Field(
+        default=None, description="The experiment's 'reference' (a published table to show beside), if any."
+    )
 
     def cell(self, arm: str, workload: str) -> CellData | None:
         return next((c for c in self.cells if c.arm == arm and c.workload == workload), None)
@@ -168,7 +171,18 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         arms=arms,
         cells=cells,
         metrics=dict(run.data.metrics),
+        reference=_reference(tracker, run.info.run_id),
     )
+
+
+def _reference(tracker: Tracker, run_id: str) -> dict[str, Any] | None:
+    """The 'reference' of the experiment.json the study run holds (k3pipe.study logs it)."""
+    raw = tracker.read_artifact(run_id, "experiment.json")
+    try:
+        reference = json.loads(raw).get("reference") if raw else None
+    except (ValueError, AttributeError):
+        return None
+    return reference if isinstance(reference, dict) and reference.get("figures") else None
 
 
 def requests_frame(tracker: Tracker, cell: CellData) -> pd.DataFrame | None:

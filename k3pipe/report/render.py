@@ -94,6 +94,38 @@ def _answer(analysis: Analysis) -> list[Block]:
     return lines
 
 
+def _beside_reference(data: StudyData, analysis: Analysis) -> Section | None:
+    """The experiment's published table (its 'reference') beside this study's cells: per workload and
+    metric the arms' means with their intervals, then the published arms' figures, as they were given
+    (nothing published is tested against these runs: other hardware, other model)."""
+    reference = data.reference
+    if not reference:
+        return None
+    figures = [f for f in reference.get("figures", []) if isinstance(f, dict)]
+    published = list(dict.fromkeys(str(f.get("arm")) for f in figures))
+    arms = [a.name for a in data.arms]
+    table = Table(["workload", "input tokens", "metric", *arms, "leader", *published], [])
+    for key in dict.fromkeys(str(f.get("metric")) for f in figures):
+        rows = sorted((r for r in analysis.rows if r.metric.key == key), key=lambda r: r.input_tokens)
+        for r in rows:
+            given = {str(f.get("arm")): f.get("value") for f in figures
+                     if f.get("metric") == key and f.get("workload") == r.workload}  # fmt: skip
+            if not given:
+                continue
+            table.rows.append(
+                [r.workload, f"{r.input_tokens:,}", f"{r.metric.label} ({r.metric.unit})",
+                 *("bursty" if a in r.bursty else cell_text(r.cells.get(a)) for a in arms),
+                 r.leader or "-", *(num(given[p]) if given.get(p) is not None else "-" for p in published)]
+            )  # fmt: skip
+    blocks: list[Block] = [
+        f"Published figures from {reference.get('source', 'the reference')} (the last columns, as given), "
+        "beside this study's means with their 95% intervals.",
+        table,
+    ]
+    blocks.extend(str(n) for n in reference.get("notes", []))
+    return Section("Beside the published table", blocks)
+
+
 def build_document(data: StudyData, analysis: Analysis) -> Document:
     arms = [a.name for a in data.arms]
     failed = [a for a in data.arms if a.status != "FINISHED"]
@@ -156,6 +188,10 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
                  "(throughput: the slow-down, short / long).", deg],
             )
         )  # fmt: skip
+
+    beside = _beside_reference(data, analysis)
+    if beside is not None:
+        sections.append(beside)
 
     flips = [
         f"{f.metric.label}: {f.before} leads up to about {f.at_tokens:,.0f} input tokens, {f.after} "

@@ -59,6 +59,111 @@ def test_vllm_dcp_or_speculation_alone_is_fine(args: dict[str, Any]) -> None:
     assert "vllm-dcp-speculation" not in rules(preflight(one_arm("vllm", args)))
 
 
+# -- vLLM: DCP's own limits (tp, attention backend, KV heads) ----------------------------------------
+
+MQA = {"num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 1, "head_dim": 128}
+
+
+def test_vllm_dcp_must_divide_tp() -> None:
+    spec = one_arm("vllm", {"tensor_parallel_size": 8, "decode_context_parallel_size": 3})
+    found = rules(preflight(spec))["vllm-dcp-tp"]
+    assert found.severity == "error"
+    assert "decode_context_parallel_size=3 with tensor_parallel_size=8" in found.message
+    assert "must be divisible by dcp_size=3" in found.message
+    assert "a divisor of 8 (2, 4, 8)" in found.message
+    assert "raise tensor_parallel_size to a multiple of 3" in found.message
+
+
+def test_vllm_dcp_without_tp_names_the_default() -> None:
+    found = rules(preflight(one_arm("vllm", {"decode_context_parallel_size": 2})))["vllm-dcp-tp"]
+    assert "tensor_parallel_size (default)=1" in found.message
+    assert "tensor_parallel_size 1 allows no DCP" in found.message
+
+
+@pytest.mark.parametrize("dcp", [1, 2, 4, 8])
+def test_vllm_dcp_dividing_tp_is_fine(dcp: int) -> None:
+    spec = one_arm("vllm", {"tensor_parallel_size": 8, "decode_context_parallel_size": dcp})
+    assert "vllm-dcp-tp" not in rules(preflight(spec))
+
+
+def test_vllm_dcp_on_a_backend_without_decode_lse_is_an_error() -> None:
+    args = {"tensor_parallel_size": 8, "decode_context_parallel_size": 8, "attention_backend": "TRITON_ATTN"}
+    found = rules(preflight(one_arm("vllm", args, version="0.22.0")))["vllm-dcp-backend"]
+    assert found.severity == "error"
+    assert "decode_context_parallel_size=8 with attention_backend=TRITON_ATTN" in found.message
+    assert "vLLM 0.22.0's TRITON_ATTN backend" in found.message
+    assert "softmax LSE" in found.message
+    assert "FLASH_ATTN, FLASH_ATTN_DIFFKV, FLASH_ATTN_MLA" in found.message
+    assert "FLASHINFER_MLA" not in found.message  # not on 0.22.0's list
+    assert "decode_context_parallel_size: 1" in found.message
+
+
+def test_vllm_dcp_backend_list_follows_the_declared_version() -> None:
+    args = {"tensor_parallel_size": 8, "decode_context_parallel_size": 8}
+    args["attention_backend"] = "FLASHINFER_MLA"
+    old = rules(preflight(one_arm("vllm", args, version="0.22.0")))["vllm-dcp-backend"]
+    assert "vLLM 0.32.0 supports it with DCP" in old.message
+    assert "vllm-dcp-backend" not in rules(preflight(one_arm("vllm", args, version="0.32.0")))
+    assert "vllm-dcp-backend" not in rules(preflight(one_arm("vllm", args)))  # stock 0.32.0
+
+
+def test_vllm_dcp_backend_from_attention_config() -> None:
+    args = {
+        "tensor_parallel_size": 8,
+        "decode_context_parallel_size": 8,
+        "attention_config": '{"backend": "FLEX_ATTENTION"}',
+    }
+    found = rules(preflight(one_arm("vllm", args)))["vllm-dcp-backend"]
+    assert "attention_config.backend=FLEX_ATTENTION" in found.message
+    assert "stock vLLM 0.32.0's FLEX_ATTENTION backend" in found.message
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"decode_context_parallel_size": 8, "attention_backend": "FLASH_ATTN"},
+        {"decode_context_parallel_size": 8, "attention_backend": "flashmla"},
+        {"decode_context_parallel_size": 8},  # vLLM picks the backend
+        {"decode_context_parallel_size": 8, "attention_backend": "SOMETHING_NEW"},  # not ours to judge
+        {"decode_context_parallel_size": 1, "attention_backend": "TRITON_ATTN"},
+    ],
+)
+def test_vllm_dcp_backend_rule_stays_quiet(args: dict[str, Any]) -> None:
+    spec = one_arm("vllm", {"tensor_parallel_size": 8, **args}, version="0.22.0")
+    assert "vllm-dcp-backend" not in rules(preflight(spec))
+
+
+@pytest.mark.parametrize(
+    ("config", "dcp", "expected"),
+    [
+        ({**MQA, "num_key_value_heads": 8}, 8, "tensor_parallel_size 8 must be greater than the 8 KV heads"),
+        ({**MQA, "num_key_value_heads": 2}, 8, "at most tensor_parallel_size // KV heads = 8 // 2 = 4"),
+        ({**MQA, "num_attention_heads": 12}, 8, "the 12 query heads per KV head (12 / 1) must divide by 8"),
+    ],
+)
+def test_vllm_dcp_needs_room_in_the_kv_heads(config: dict[str, Any], dcp: int, expected: str) -> None:
+    spec = one_arm("vllm", {"tensor_parallel_size": 8, "decode_context_parallel_size": dcp})
+    found = rules(preflight(spec, {"model": config}))["vllm-dcp-kv-heads"]
+    assert found.severity == "error"
+    assert expected in found.message
+    assert "num_key_value_heads 1" in found.message
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MQA,  # 1 KV head, 32 query heads: DCP 8 on TP 8 fits
+        {**MQA, "num_key_value_heads": 2, "num_attention_heads": 16},  # checked with DCP 4 below
+        {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_key_value_heads": 128},
+    ],
+)
+def test_vllm_dcp_kv_heads_rule_stays_quiet(config: dict[str, Any]) -> None:
+    dcp = 4 if config.get("num_key_value_heads") == 2 else 8
+    spec = one_arm("vllm", {"tensor_parallel_size": 8, "decode_context_parallel_size": dcp})
+    assert "vllm-dcp-kv-heads" not in rules(preflight(spec, {"model": config}))
+    assert "vllm-dcp-kv-heads" not in rules(preflight(spec))  # no config: nothing to check
+
+
 # -- SGLang: DCP + speculation ----------------------------------------------------------------------
 
 
