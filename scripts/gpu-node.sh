@@ -39,7 +39,9 @@
 # K3PIPE_GPU_API_KEY (default: a made-up random key, kept in node-logs/api-key, never in the store),
 # K3PIPE_COLLECT_MAX_PARTS (4), K3PIPE_NODE_PYTHON (python3: the base of the venvs), K3PIPE_BENCH_PORT
 # (8031), K3PIPE_BENCH_ENGINE_ARGS (bench: replaces the GPU engine arguments, for a CPU rehearsal),
-# K3PIPE_BENCH_ENGINE_CPUS (bench: a taskset CPU list for the engine, e.g. 0-7; default: not pinned).
+# K3PIPE_BENCH_ENGINE_CPUS (bench: a taskset CPU list for the engine, e.g. 0-7; default: not pinned),
+# K3PIPE_MODEL_DIR (model: where the model goes, and run: preflight reads its config.json;
+# $K3PIPE_HOME/models/llama-1b-random), K3PIPE_RUN_COMMAND (run: `run`, or `study` for a study's report).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -51,7 +53,7 @@ EXPERIMENT=${K3PIPE_EXPERIMENT:-experiments/gpu-h200.yaml}
 VLLM_VERSION=0.22.0
 VLLM_VENV=${K3PIPE_VLLM_VENV:-$K3PIPE_HOME/venvs/vllm-$VLLM_VERSION}
 PIPELINE_VENV=$K3PIPE_HOME/venvs/k3pipe
-MODEL_DIR=$K3PIPE_HOME/models/llama-1b-random
+MODEL_DIR=${K3PIPE_MODEL_DIR:-$K3PIPE_HOME/models/llama-1b-random}
 NODE_LOGS=$K3PIPE_HOME/node-logs
 KEY_ENV=K3PIPE_GPU_API_KEY
 PART_BYTES=$((15 * 1024 * 1024))
@@ -227,7 +229,8 @@ cmd_install() {
 }
 
 cmd_model() {
-    # extra ARGS go to make_random_llama.py (tests: --preset tiny); K3PIPE_MODEL_PYTHON: one with torch
+    # extra ARGS go to make_random_llama.py (tests: --preset tiny; the DCP study: --preset mqa-7b with
+    # K3PIPE_MODEL_DIR=$K3PIPE_HOME/models/llama-mqa-7b-random); K3PIPE_MODEL_PYTHON: one with torch
     step "random-weight 1B Llama into $MODEL_DIR (${K3PIPE_MODEL_PYTHON:-python3}: the node's torch)" \
         "${K3PIPE_MODEL_PYTHON:-python3}" "$REPO/scripts/make_random_llama.py" "$MODEL_DIR" --preset 1b "$@"
     cat "$MODEL_DIR/k3pipe-random-llama.json"
@@ -266,7 +269,8 @@ end_leftovers() {
 }
 
 cmd_run() {
-    local deadline=500
+    local deadline=500 command=${K3PIPE_RUN_COMMAND:-run}
+    case $command in run | study) ;; *) die "K3PIPE_RUN_COMMAND=$command: use run or study" ;; esac
     if [ "${1:-}" = "--deadline" ]; then
         deadline=$2
         shift 2
@@ -294,7 +298,7 @@ cmd_run() {
     end_leftovers "before the run"
     say "experiment $EXPERIMENT; key in \$$KEY_ENV (made up); deadline ${deadline} s; pipeline $py"
     step "k3pipe render" k3pipe render "$EXPERIMENT"
-    if [ "$EXPERIMENT" = experiments/gpu-h200.yaml ]; then
+    if [ "$EXPERIMENT" = experiments/gpu-h200.yaml ] || [ -n "${K3PIPE_MODEL_DIR:-}" ]; then
         step "k3pipe preflight (with the model's config.json)" \
             k3pipe preflight "$EXPERIMENT" --model-config "$MODEL_DIR/config.json"
     else
@@ -302,10 +306,10 @@ cmd_run() {
     fi
     local t0 rc=0
     t0=$(date +%s.%N)
-    say "==> k3pipe run $EXPERIMENT $*"
+    say "==> k3pipe $command $EXPERIMENT $*"
     # SIGINT at the deadline: the flow stops the engine and records the arm as KILLED; SIGKILL 60 s later
     (cd "$REPO" && PYTHONPATH="$REPO" timeout --signal=INT --kill-after=60 "$deadline" \
-        "$py" -m cli.main run "$EXPERIMENT" "$@") || rc=$?
+        "$py" -m cli.main "$command" "$EXPERIMENT" "$@") || rc=$?
     echo "$rc" > "$NODE_LOGS/run.rc"
     awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f\n", b - a }' > "$NODE_LOGS/run.seconds"
     end_leftovers "after the run"

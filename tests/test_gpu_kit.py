@@ -135,6 +135,16 @@ def test_the_tiny_model_is_unchanged(tmp_path: Path) -> None:
         assert _sha(out / name) == _sha(TINY_MODEL / name), name
 
 
+def test_run_takes_run_or_study_and_refuses_any_other_command(tmp_path: Path) -> None:
+    """K3PIPE_RUN_COMMAND picks `k3pipe run` or `k3pipe study` (the DCP study's report); anything
+    else stops before a key is made or an engine is looked for."""
+    env = {**os.environ, "K3PIPE_HOME": str(tmp_path / "home"), "K3PIPE_RUN_COMMAND": "report"}
+    done = subprocess.run(["bash", str(NODE), "run"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "K3PIPE_RUN_COMMAND=report: use run or study" in done.stdout + done.stderr
+    assert not (tmp_path / "home" / "node-logs" / "api-key").exists()
+
+
 def test_stash_moves_carried_parts_to_the_stage(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
