@@ -155,3 +155,43 @@ def test_the_report_reads_the_reference_from_the_study_run(spec: ExperimentSpec,
     assert data.reference is not None
     assert data.reference["source"].startswith("shared/docs/field-notes.md")
     assert len(data.reference["figures"]) == 8
+
+
+REHEARSAL = REPO / "experiments" / "dcp-rehearsal-h200-1gpu.yaml"
+
+
+def test_the_one_gpu_rehearsal_is_the_study_arm_without_tensor_parallelism(
+    spec: ExperimentSpec, tmp_path: Path
+) -> None:
+    """experiments/dcp-rehearsal-h200-1gpu.yaml: the study's model, engine and lengths at TP 1, and a
+    clean preflight with the preset's config (KV for 204,800 tokens fits one H200 beside the weights)."""
+    rehearsal = load_experiment(REHEARSAL)
+    vllm = get_engine("vllm")
+    (arm,) = rehearsal.arms
+    study_arm = spec.arms[0]
+    assert rehearsal.model.path == spec.model.path
+    assert arm.engine.version == study_arm.engine.version
+    assert arm.engine.executable == study_arm.engine.executable
+    assert vllm.tensor_parallel_size(arm.engine.args) == 1
+    assert vllm.decode_context_parallel_size(arm.engine.args) == 1
+    for key in ("attention_backend", "max_model_len", "dtype", "no_enable_prefix_caching"):
+        assert arm.engine.args[key] == study_arm.engine.args[key], key
+    assert [w.input_tokens for w in rehearsal.workloads] == [w.input_tokens for w in spec.workloads]
+    assert all(w.repeats >= 2 for w in rehearsal.workloads)
+    model = tmp_path / "models" / "llama-mqa-7b-random"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(_preset_config()))
+    python = tmp_path / "venvs" / "vllm-0.22.0" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    weights = 2 * make_random_llama.parameter_count(PRESET)
+    findings = preflight(rehearsal, {"model": _preset_config()}, weight_bytes=weights, home=tmp_path)
+    assert [f for f in findings if f.severity in ("error", "warning")] == []
+    assert not any(f.rule == "kv-capacity-skipped" for f in findings), findings  # it was estimated
+    # the same on a 24 GiB GPU: the weights (13.5 GB) leave too little KV for the 200K workload
+    data = rehearsal.model_dump(mode="json", exclude_none=True)
+    data["hardware"]["gpu_memory_gib"] = 24
+    small = ExperimentSpec.model_validate(data)
+    findings = preflight(small, {"model": _preset_config()}, weight_bytes=weights, home=tmp_path)
+    assert any(f.rule == "kv-capacity" and f.severity in ("error", "warning") for f in findings), findings
