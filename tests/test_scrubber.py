@@ -150,6 +150,7 @@ def test_a_bad_reference_is_refused_naming_the_field() -> None:
         "Ab3" + secrets.token_hex(12),
         "not a name!",
     ],
+    ids=["sk-key", "hf-token", "name-like-key", "not-a-name"],  # the same on every xdist worker
 )
 def test_a_key_in_api_key_env_is_refused_and_never_echoed_whole(value: str) -> None:
     data = _experiment()
