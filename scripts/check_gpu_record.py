@@ -242,7 +242,7 @@ def check_arm(store: Store, spec: dict[str, Any], arm_spec: dict[str, Any], engi
     runs = [
         r
         for r in store.runs(f"tags.`k3pipe.arm` = '{arm}' and tags.`k3pipe.experiment` = '{spec['name']}'")
-        if "mlflow.parentRunId" not in r.data.tags
+        if "k3pipe.workload" not in r.data.tags  # the engine run (a study's nests under the study run)
     ]
     if not report.need("engine run", bool(runs), f"{len(runs)} run(s)" if runs else "no run of this arm"):
         return report
@@ -325,7 +325,8 @@ def check_workload(
     report.need(f"{name}: status FINISHED", run.info.status == "FINISHED", run.info.status)
     for metric in WORKLOAD_METRICS:
         report.need(f"{name}: metric {metric}", metric in m, _fmt(m.get(metric)))
-    planned = int(workload.get("num_requests", 16))
+    # the workload as it ran (a command-line override such as --requests is in its params)
+    planned = int(run.data.params.get("workload.num_requests") or workload.get("num_requests", 16))
     completed, failed = m.get("completed", 0.0), m.get("failed", 0.0)
     report.need(f"{name}: no failed request", failed == 0, f"{failed:.0f} failed")
     if workload.get("duration_s"):
@@ -337,17 +338,30 @@ def check_workload(
     report.need(
         f"{name}: engine /metrics scraped", m.get("engine_scrapes", 0) > 0, _fmt(m.get("engine_scrapes"))
     )
-    files = store.artifact_files(run)
-    for artifact in WORKLOAD_ARTIFACTS:
-        report.need(f"{name}: artifact {artifact}", artifact in files)
-    if "requests.parquet" in files:
-        rows = len(pd.read_parquet(store.artifact_dir(run) / "requests.parquet"))
-        expected = int(m.get("requests", 0) + m.get("warmup_requests", 0))
+    # with repeats, each repeat is a run nested under the workload's and holds its own artifacts
+    repeats = sorted(
+        store.runs(f"tags.mlflow.parentRunId = '{run.info.run_id}'"),
+        key=lambda r: int(r.data.tags.get("k3pipe.repeat", 0)),
+    )
+    planned_repeats = int(run.data.params.get("workload.repeats") or workload.get("repeats", 1))
+    if planned_repeats > 1:
         report.need(
-            f"{name}: requests.parquet rows", rows >= expected > 0, f"{rows} rows, {expected} requests"
+            f"{name}: repeat runs", len(repeats) == planned_repeats, f"{len(repeats)} of {planned_repeats}"
         )
-    report.need(f"{name}: dataset input", bool(run.inputs.dataset_inputs), "")
-    report.gpu_memory += _gpu_memory(store, run, name)
+    for holder in repeats or [run]:
+        where = f"{name}#{holder.data.tags['k3pipe.repeat']}" if holder is not run else name
+        files = store.artifact_files(holder)
+        for artifact in WORKLOAD_ARTIFACTS:
+            report.need(f"{where}: artifact {artifact}", artifact in files)
+        if "requests.parquet" in files:
+            hm = holder.data.metrics
+            rows = len(pd.read_parquet(store.artifact_dir(holder) / "requests.parquet"))
+            expected = int(hm.get("requests", 0) + hm.get("warmup_requests", 0))
+            report.need(
+                f"{where}: requests.parquet rows", rows >= expected > 0, f"{rows} rows, {expected} requests"
+            )
+        report.need(f"{where}: dataset input", bool(holder.inputs.dataset_inputs), "")
+        report.gpu_memory += _gpu_memory(store, holder, where)
     em = engine_run.data.metrics
     for metric in ARM_WORKLOAD_METRICS:
         report.need(f"{name}: engine run has {name}.{metric}", f"{name}.{metric}" in em)
