@@ -42,6 +42,19 @@ def _preset_config() -> dict[str, Any]:
     }
 
 
+def _node_home(home: Path) -> int:
+    """The node's K3PIPE_HOME as preflight sees it: the preset model's config.json and the vLLM venv's
+    python (a stub) at the experiment's {home} paths; returns the weights' bytes (bf16)."""
+    model = home / "models" / "llama-mqa-7b-random"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(_preset_config()))
+    python = home / "venvs" / "vllm-0.22.0" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return 2 * make_random_llama.parameter_count(PRESET)
+
+
 def test_two_vllm_arms_that_differ_only_in_dcp(spec: ExperimentSpec) -> None:
     assert [a.name for a in spec.arms] == ["vllm-tp8", "vllm-tp8-dcp8"]
     vllm = get_engine("vllm")
@@ -89,14 +102,7 @@ def test_the_preset_fits_vllms_dcp_limits() -> None:
 
 
 def test_preflight_is_clean_with_the_preset_model(spec: ExperimentSpec, tmp_path: Path) -> None:
-    model = tmp_path / "models" / "llama-mqa-7b-random"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps(_preset_config()))
-    python = tmp_path / "venvs" / "vllm-0.22.0" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text("#!/bin/sh\n")
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    weights = 2 * make_random_llama.parameter_count(PRESET)
+    weights = _node_home(tmp_path)
     findings = preflight(spec, {"model": _preset_config()}, weight_bytes=weights, home=tmp_path)
     assert [f for f in findings if f.severity in ("error", "warning")] == []
 
@@ -178,14 +184,7 @@ def test_the_one_gpu_rehearsal_is_the_study_arm_without_tensor_parallelism(
         assert arm.engine.args[key] == study_arm.engine.args[key], key
     assert [w.input_tokens for w in rehearsal.workloads] == [w.input_tokens for w in spec.workloads]
     assert all(w.repeats >= 2 for w in rehearsal.workloads)
-    model = tmp_path / "models" / "llama-mqa-7b-random"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps(_preset_config()))
-    python = tmp_path / "venvs" / "vllm-0.22.0" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text("#!/bin/sh\n")
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    weights = 2 * make_random_llama.parameter_count(PRESET)
+    weights = _node_home(tmp_path)
     findings = preflight(rehearsal, {"model": _preset_config()}, weight_bytes=weights, home=tmp_path)
     assert [f for f in findings if f.severity in ("error", "warning")] == []
     assert not any(f.rule == "kv-capacity-skipped" for f in findings), findings  # it was estimated

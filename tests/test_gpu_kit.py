@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -228,7 +229,7 @@ def _experiment(port: int) -> dict[str, Any]:
         "arms": arms,
         "workloads": [
             {"name": "c4", "input_tokens": 64, "output_tokens": 8, "concurrency": 4, "num_requests": 8,
-             "warmup_requests": 2, "seed": 1},
+             "repeats": 2, "warmup_requests": 2, "seed": 1},
             {"name": "prefix", "input_tokens": 96, "output_tokens": 8, "concurrency": 4, "num_requests": 8,
              "dataset": {"kind": "shared_prefix", "prefix_tokens": 64, "groups": 2}, "seed": 2},
             {"name": "poisson", "input_tokens": 64, "output_tokens": 8, "load": "poisson", "rate_rps": 20,
@@ -363,6 +364,25 @@ def test_check_fails_on_a_missing_part(record: Record, tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout
     assert "artifact requests.parquet" in done.stdout
     assert "MISSING  artifact logs/<engine log>" in done.stdout
+    assert "record: INCOMPLETE" in done.stdout
+
+
+def test_check_looks_into_every_repeat(record: Record, tmp_path: Path) -> None:
+    """c4 runs twice (repeats: 2): each repeat is a run nested under the workload's, holding its own
+    requests; the second repeat's requests.parquet missing is named as such."""
+
+    def drop(root: Path) -> None:
+        with sqlite3.connect(root / "mlflow" / "mlflow.db") as db:
+            (run_id,) = db.execute(
+                "select run_uuid from tags where key = 'k3pipe.repeat' and value = '2'"
+            ).fetchone()
+        experiment_dir = _run_dirs(root, "requests.parquet")[0].parents[1]  # <experiment>/<run>/artifacts
+        (experiment_dir / run_id / "artifacts" / "requests.parquet").unlink()
+
+    done = _check(_repack(record, tmp_path, drop), record.experiment)
+    assert done.returncode == 1, done.stdout
+    assert "MISSING  c4#2: artifact requests.parquet" in done.stdout
+    assert "c4#1: artifact requests.parquet" not in done.stdout
     assert "record: INCOMPLETE" in done.stdout
 
 
