@@ -345,9 +345,11 @@ class ArmRun:
                     # the engine k3pipe started is watched (an external endpoint: its /models)
                     **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
                 )
-                recorder.log_workload(workload, measured)
-                if measured.interrupted is not None:
-                    deliver(measured.interrupted)  # recorded: now the interrupt goes on
+                try:
+                    recorder.log_workload(workload, measured)
+                finally:
+                    if measured.interrupted is not None:
+                        deliver(measured.interrupted)  # recorded: now the interrupt goes on
                 if measured.engine_lost:
                     raise EngineLostError(self._lost(workload.name, measured.engine_lost))
             self.outcome.workloads.append(

