@@ -306,6 +306,11 @@ SERIAL_PATHS = (
     "tests/test_gpu_clients.py",
     "tests/test_sharded_flow.py",
     "tests/test_speculation.py",
+    # beside the other worker they failed in the fresh-clone run of 2026-12-03: the retest's verdict
+    # on a variant twice as long came out 'no difference within noise', and the Prefect server's
+    # SQLite answered 503 to the second of two flow runs created back to back
+    "tests/test_retest.py",
+    "tests/test_schedules.py",
 )
 # The heaviest groups start first (seconds of one serial run, `pytest --durations`, 2026-12-03), so
 # that the two workers end at about the same time; the others follow in collection order.
