@@ -289,6 +289,7 @@ UNIT_MODULES = frozenset(
         "tests/test_report_retest.py",
         "tests/test_scrubber.py",
         "tests/test_specs.py",
+        "tests/test_stats.py",
         "tests/test_variants.py",
     }
 )
