@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from k3pipe import secrets
 from k3pipe.errors import SpecError
+from k3pipe.figures import DEFAULT_DECISION, FIGURES
 from k3pipe.launchers.base import check_http_url as _check_base_url
 from k3pipe.launchers.kinds import LauncherSpec, ProcessLauncherSpec
 from k3pipe.procs import parse_cpu_list
@@ -61,6 +62,7 @@ _MODEL_TYPO = re.compile(r"\{model\.([^{}]*)\}")
 # exhaust the machine; the message of a value past one gives the limit and the reason (LIMIT_REASONS).
 NAME_MAX_CHARS = 100
 MAX_ARMS = 100
+MAX_LAUNCHES = 50
 MAX_WORKLOADS = 1_000
 MAX_VARIANTS = 100
 MAX_EXTRA_MODELS = 16
@@ -493,6 +495,16 @@ class ArmSpec(_Spec):
         description=(
             "A gateway in front of the engine: the health gate's proof and the benchmark go through it "
             "(None: straight to the engine)."
+        ),
+    )
+    launches: int = _count(
+        default=1,
+        ge=1,
+        le=MAX_LAUNCHES,
+        description=(
+            "How many times a study launches this arm (each launch runs every workload); launches of "
+            "all arms are interleaved (A B B A ...). With 2 or more the verdicts include restart "
+            "noise (the spread between launches); with 1 they cannot, and say so."
         ),
     )
 
@@ -943,6 +955,76 @@ class ReferenceSpec(_Spec):
     )
 
 
+DECISION_METRICS = tuple(f.key for f in FIGURES)
+"""The figures a decision may rest on (k3pipe.figures.FIGURES)."""
+
+
+class DecisionSpec(_Spec):
+    """How the study's report turns repeats into verdicts (docs/measurement.md, "Verdicts").
+
+    Every pair of arms is compared on each decision metric and workload, on the log of the ratio of
+    their geometric means; the family-wise error rate ``alpha`` is shared by all those comparisons
+    (Bonferroni), and each verdict is read off its interval at that level: one arm better by x%, the
+    two equivalent within ``margin_pct``, or inconclusive (with the smallest difference the data could
+    have shown, at ``power``). Every other figure is shown with its interval, as descriptive."""
+
+    metrics: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_DECISION),
+        min_length=1,
+        max_length=len(DECISION_METRICS),
+        description=(
+            "The figures the verdicts rest on (default: output_throughput_tps, ttft_ms_p50, "
+            "tpot_ms_p50); one of: " + ", ".join(DECISION_METRICS)
+        ),
+    )
+    alpha: float = _finite(
+        default=0.05, gt=0, lt=0.5, description="Family-wise error rate over every decision comparison."
+    )
+    margin_pct: float = _finite(
+        default=5.0,
+        gt=0,
+        le=100,
+        description="Equivalence margin in percent: two arms within +-margin_pct are 'equivalent'.",
+    )
+    power: float = _finite(
+        default=0.8,
+        gt=0,
+        lt=1,
+        description="The power the minimum detectable difference of an inconclusive verdict is stated at.",
+    )
+    baseline: str | None = Field(
+        default=None,
+        description="An arm every other arm is also judged against (beside the best); None: the best only.",
+    )
+    calibration: bool = Field(
+        default=False,
+        strict=True,
+        description=(
+            "An A/A calibration: the baseline arm (or the first arm) is run twice as two arms, the "
+            "second named '<arm>-aa' and launched like the first; the report states their comparison "
+            "as the floor below which a difference cannot be told from restarting the engine."
+        ),
+    )
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, value: list[str]) -> list[str]:
+        unknown = [m for m in value if m not in DECISION_METRICS]
+        if unknown:
+            raise ValueError(
+                f"decision metric(s) {', '.join(map(repr, unknown))} unknown; one of: "
+                + ", ".join(DECISION_METRICS)
+            )
+        dupes = _repeated(value)
+        if dupes:
+            raise ValueError(f"decision metrics repeat {', '.join(dupes)}")
+        return value
+
+
+CALIBRATION_SUFFIX = "-aa"
+"""The A/A copy of the baseline arm is named ``<arm>-aa``."""
+
+
 class ExperimentSpec(_Spec):
     """A whole study: model, engine arms and workloads.
 
@@ -982,6 +1064,10 @@ class ExperimentSpec(_Spec):
     )
     reference: ReferenceSpec | None = Field(
         default=None, description="A published table the study's report shows beside its own results."
+    )
+    decision: DecisionSpec = Field(
+        default_factory=DecisionSpec,
+        description="How the report's verdicts are made (metrics, error rate, margin, baseline, A/A).",
     )
 
     @field_validator("name")
@@ -1025,6 +1111,19 @@ class ExperimentSpec(_Spec):
                 raise ValueError(
                     f"variant {v.name!r} names arm(s) {', '.join(unknown)} that the experiment does not "
                     f"have; its arms: {', '.join(sorted(arms))}"
+                )
+        baseline = self.decision.baseline
+        if baseline is not None and baseline not in arms:
+            raise ValueError(
+                f"decision.baseline {baseline!r} is not an arm of the experiment; its arms: "
+                + ", ".join(a.name for a in self.arms)
+            )
+        if self.decision.calibration:
+            copy = self.calibration_arm_name
+            if copy in arms:
+                raise ValueError(
+                    f"decision.calibration adds the A/A arm {copy!r}, but an arm already has that name: "
+                    "rename it, or drop that arm and keep calibration"
                 )
         if self.reference is not None:
             workloads = [w.name for w in self.workloads]
@@ -1077,7 +1176,30 @@ class ExperimentSpec(_Spec):
             )
         return self
 
+    @property
+    def baseline_arm(self) -> str:
+        """The decision's baseline arm, or the first arm."""
+        return self.decision.baseline or self.arms[0].name
+
+    @property
+    def calibration_arm_name(self) -> str:
+        return self.baseline_arm + CALIBRATION_SUFFIX
+
+    def study_arms(self) -> list[ArmSpec]:
+        """The arms a study runs: the experiment's, and with ``decision.calibration`` the A/A copy of
+        the baseline arm (named ``<arm>-aa``) right after it."""
+        if not self.decision.calibration:
+            return list(self.arms)
+        out: list[ArmSpec] = []
+        for arm in self.arms:
+            out.append(arm)
+            if arm.name == self.baseline_arm:
+                out.append(arm.model_copy(update={"name": self.calibration_arm_name}))
+        return out
+
     def arm(self, name: str) -> ArmSpec:
+        if self.decision.calibration and name == self.calibration_arm_name:
+            return next(a for a in self.study_arms() if a.name == name)
         for arm in self.arms:
             if arm.name == name:
                 return arm

@@ -1,6 +1,7 @@
 """A retest's verdicts on values whose answer is known (no MLflow): a variant that is worse, one that
-is better, noise called noise, one repeat untested, bursty client timing not judged, a cell the
-baseline lacks not comparable, Holm over every test; and the retest's targets from an experiment."""
+is better, noise called inconclusive (never 'no difference'), one repeat untested, figures outside
+the decision descriptive, bursty client timing not judged, a cell the baseline lacks not comparable,
+one family over the retest; and the retest's targets from an experiment."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from k3pipe.report.collect import ArmData, CellData, StudyData
 from k3pipe.report.render import to_markdown
 from k3pipe.report.retest import (
     BETTER,
+    DESCRIPTIVE,
+    EQUIVALENT,
+    INCONCLUSIVE,
     NO_TEST,
-    SAME,
     WORSE,
     RetestData,
     build_retest_document,
@@ -33,11 +36,15 @@ def _cell(arm: str, workload: str, **values: list[float]) -> CellData:
     )  # fmt: skip
 
 
+DECISION = {"metrics": ["duration_s", "output_throughput_tps", "ttft_ms_p50"]}
+
+
 def _study(run_id: str, *cells: CellData) -> StudyData:
     arms = list(dict.fromkeys(c.arm for c in cells))
     return StudyData(
         run_id=run_id, name=run_id, status="FINISHED",
         arms=[ArmData(name=a, engine="vllm", run_id=a, status="FINISHED") for a in arms], cells=list(cells),
+        decision=DECISION,
     )  # fmt: skip
 
 
@@ -49,13 +56,13 @@ def test_worse_better_noise_and_untested() -> None:
     base = _study(
         "b",
         _cell("vllm", "w", duration_s=_noisy(10, 0.1, 4, 0), output_throughput_tps=_noisy(100, 1, 4, 1),
-              ttft_ms_p50=_noisy(50, 5, 4, 2)),
+              ttft_ms_p50=_noisy(50, 5, 4, 2), tpot_ms_p50=_noisy(9, 0.1, 4, 6)),
         _cell("vllm", "one", duration_s=[10.0]),
     )  # fmt: skip
     slower = _study(
         "v1",
         _cell("vllm", "w", duration_s=_noisy(14, 0.1, 4, 3), output_throughput_tps=_noisy(130, 1, 4, 4),
-              ttft_ms_p50=_noisy(51, 5, 4, 5)),
+              ttft_ms_p50=_noisy(51, 5, 4, 5), tpot_ms_p50=_noisy(12, 0.1, 4, 7)),
         _cell("vllm", "one", duration_s=[12.0]),
         _cell("vllm", "only-here", duration_s=[1.0, 1.1]),
     )  # fmt: skip
@@ -67,21 +74,29 @@ def test_worse_better_noise_and_untested() -> None:
     assert e2e.ci is not None
     assert e2e.ci[0] < e2e.ratio < e2e.ci[1]
     assert verdicts[("w", "output_throughput_tps")].verdict == BETTER  # higher is better
-    assert verdicts[("w", "ttft_ms_p50")].verdict == SAME
+    noise = verdicts[("w", "ttft_ms_p50")]
+    assert noise.verdict == INCONCLUSIVE
+    assert "cannot be seen with this data" in noise.text()
     assert verdicts[("one", "duration_s")].verdict == NO_TEST
-    assert verdicts[("one", "duration_s")].p_adjusted is None
     assert ("only-here", "duration_s") not in verdicts
-    # Holm over every test: an adjusted p-value is never below the raw one
-    tested = [v for v in verdicts.values() if v.p_value is not None]
-    assert len(tested) == 3
-    assert all(v.p_adjusted is not None and v.p_adjusted >= v.p_value for v in tested)
-    assert summary(list(verdicts.values()))["slower"] == {BETTER: 1, WORSE: 1, SAME: 1, NO_TEST: 1}
+    # TPOT is outside this experiment's decision: a change with an interval, and no verdict
+    tpot = verdicts[("w", "tpot_ms_p50")]
+    assert tpot.verdict == DESCRIPTIVE
+    assert tpot.outcome is None
+    # one family over the retest: the four decision comparisons share alpha
+    judged = [v for v in verdicts.values() if v.outcome is not None]
+    assert len(judged) == 4
+    assert all(v.outcome.confidence == pytest.approx(1 - 0.05 / 4) for v in judged)
+    assert summary(list(verdicts.values()))["slower"] == {
+        BETTER: 1, WORSE: 1, EQUIVALENT: 0, INCONCLUSIVE: 1, NO_TEST: 1
+    }  # fmt: skip
 
     doc = build_retest_document(data, list(verdicts.values()))
     md = to_markdown(doc, {})
     assert re.search(r"\*\*slower\*\*: better on decode throughput, client \+\d\d\.\d% \[", md)
     assert re.search(r"; worse on end-to-end time \+\d\d\.\d% \[\+\d+\.\d%, \+\d+\.\d%\] \(vllm, w\)", md)
-    assert "| **slower** | **vllm** | **w** | **end-to-end time (s)** |" in md  # worse: flagged
+    assert "| **slower** | **vllm** | **w** | **end-to-end time (s; decision)** |" in md  # worse: flagged
+    assert "no difference" not in md
     assert "slower: vllm on only-here (the baseline has no such cell)" in md
     assert "vllm: args.x 1" in md
 

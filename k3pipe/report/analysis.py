@@ -1,22 +1,25 @@
-"""The study's answer from its recorded cells: per workload and metric each arm's value (with its 95%
-confidence interval across repeats), the leader and by how much, a verdict per pair of arms, each
-arm's degradation between input lengths, where the leader flips, every throughput against its
-physical ceiling, and the study's own published figures checked against what its inputs give.
+"""The study's answer from its recorded cells: per workload and figure each arm's geometric mean
+(with its 95% interval), the ranking of all arms, a verdict for every pair of arms on each decision
+metric, the restart and repeat noise, each arm's degradation along the input length, where the
+leader flips, every throughput against its physical ceiling, and the study's own published figures
+checked against what its inputs give.
 
-Statistics, stated where they are shown:
+The statistics are :mod:`k3pipe.stats`' (docs/measurement.md, "Verdicts"):
 
-- A cell's value is the mean over its repeats; its interval is Student's t 95% interval of the mean
-  (``k3pipe.bench.repeats.RepeatStats``). One repeat: the value alone.
-- "A ahead of B by x%": the ratio of the two means (B / A for a lower-is-better metric, A / B for a
-  higher-is-better one) minus 1. Its 95% interval comes from the delta method on the log of the
-  ratio, with Welch-Satterthwaite degrees of freedom.
-- The verdict is Welch's t-test on the repeats of the two cells; the p-values of every test in the
-  report are corrected together with Holm-Bonferroni, so the report's family-wise error rate is 5%.
-  A difference is reported only when its corrected p-value is below 0.05; otherwise "no difference
-  within noise". Cells with fewer than two repeats get no test ("one repeat: no test").
-- The leader flips between two measured input lengths when the sign of the difference of the two
-  arms' values changes; the crossing is the linear interpolation of that difference, labelled as
-  interpolated (nothing was measured there).
+- A cell (an arm on a workload) is its launches' repeats; it is summarised on the log scale (the
+  geometric mean of its launch means), and its 95% interval comes from the spread of its launch means
+  (two launches or more) or of its one launch's repeats (then restart noise is not in it).
+- The experiment's ``decision`` names the figures the verdicts rest on (default: output throughput,
+  TTFT p50, TPOT p50). Every pair of arms is compared on each of them in each workload: that is the
+  family, and the family-wise error rate ``alpha`` is shared by all its comparisons (Bonferroni).
+  Each verdict is read off its own interval at that level: better by x%, equivalent within the
+  margin, or inconclusive with the smallest difference the data could have shown.
+- Every other figure is descriptive: its cells' intervals are shown, its leader and ratio, and no
+  verdict.
+- An A/A calibration (``decision.calibration``) is judged apart, as a family of its own: its result
+  is the floor of what the study can tell from restarting the engine.
+- Comparisons along the input length (degradation, flips) compare only workloads that differ in
+  input length alone (same output length, load, concurrency or rate, dataset kind).
 """
 
 from __future__ import annotations
@@ -27,60 +30,36 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-from scipy import stats
-
-from k3pipe.bench.repeats import RepeatStats
+from k3pipe import stats
+from k3pipe.figures import DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure
+from k3pipe.figures import figure as figure_of
 from k3pipe.report.collect import CellData, StudyData
 
 __all__ = [
-    "ALPHA",
     "TABLE_METRICS",
     "Analysis",
     "BoundCheck",
+    "CellStat",
     "ClaimCheck",
     "Degradation",
     "Flip",
     "Metric",
+    "NoiseRow",
     "PairVerdict",
     "Row",
     "analyse",
-    "holm",
+    "design_of",
     "is_bursty",
-    "ratio_interval",
-    "welch",
 ]
 
-ALPHA = 0.05
 CLAIM_TOLERANCE = 0.02
 """A published derived figure 'follows' from the inputs when within 2% of what they give."""
 BOUND_TOLERANCE = 0.001
 
-
-@dataclass(frozen=True)
-class Metric:
-    key: str
-    label: str
-    unit: str
-    higher_is_better: bool
-    throughput: bool = False
-
-    def better(self, a: float, b: float) -> bool:
-        return a > b if self.higher_is_better else a < b
-
-
-TABLE_METRICS: tuple[Metric, ...] = (
-    Metric("duration_s", "end-to-end time", "s", higher_is_better=False),
-    Metric("output_throughput_tps", "decode throughput, client", "tok/s", True, throughput=True),
-    Metric("engine_generation_tps", "decode throughput, engine /metrics", "tok/s", True, throughput=True),
-    Metric("steady_decode_tps", "steady decode throughput", "tok/s", True, throughput=True),
-    Metric("ttft_ms_p50", "TTFT p50, first delta", "ms", higher_is_better=False),
-    Metric("content_ttft_ms_p50", "TTFT p50, first content", "ms", higher_is_better=False),
-    Metric("tpot_ms_p50", "TPOT p50", "ms", higher_is_better=False),
-    Metric("itl_ms_p50", "ITL p50", "ms", higher_is_better=False),
-)
-_BY_KEY = {m.key: m for m in TABLE_METRICS}
-_CLIENT_TIMING = ("tpot_ms_p50", "itl_ms_p50")
+Metric = Figure
+TABLE_METRICS = TABLE_FIGURES
+_BY_KEY = {m.key: m for m in FIGURES}
+_CLIENT_TIMING = ("tpot_ms_p50", "itl_ms_p50", "tpot_ms_p90")
 """The client's per-token timing: not about decoding when the stream came in bursts (see
 k3pipe.bench.summary.timing_note), so such a cell is shown as 'bursty' and not ranked."""
 
@@ -91,34 +70,94 @@ def is_bursty(cell: CellData, metric: Metric) -> bool:
     return metric.key in _CLIENT_TIMING and (cell.mean("client_timing_bursty") or 0) > 0
 
 
+@dataclass(frozen=True)
+class CellStat:
+    """One arm's figure in a row: the estimate and its 95% interval (what the table shows)."""
+
+    estimate: stats.Estimate
+
+    @property
+    def mean(self) -> float:
+        """The geometric mean (of the launch means)."""
+        return self.estimate.mean
+
+    @property
+    def ci_low(self) -> float | None:
+        ci = self.estimate.interval(0.95)
+        return ci[0] if ci else None
+
+    @property
+    def ci_high(self) -> float | None:
+        ci = self.estimate.interval(0.95)
+        return ci[1] if ci else None
+
+    @property
+    def n(self) -> int:
+        return sum(self.estimate.repeats)
+
+    @property
+    def launches(self) -> int:
+        return self.estimate.launches
+
+
 @dataclass
 class PairVerdict:
+    """One decision comparison: arms ``a`` and ``b`` of a workload on a decision figure."""
+
     workload: str
     metric: str
-    leader: str
-    other: str
-    ratio: float
-    """The leader's advantage as a ratio >= 1 (other / leader for lower-is-better)."""
-    ci: tuple[float, float] | None
-    p_value: float | None
-    p_adjusted: float | None = None
+    a: str
+    b: str
+    verdict: stats.Verdict
+
+    @property
+    def leader(self) -> str:
+        return self.verdict.leader
+
+    @property
+    def other(self) -> str:
+        return self.verdict.other
+
+    @property
+    def outcome(self) -> str:
+        return self.verdict.outcome
 
     @property
     def tested(self) -> bool:
-        return self.p_value is not None
+        return self.verdict.outcome != "untested"
 
     @property
     def different(self) -> bool:
-        return self.p_adjusted is not None and self.p_adjusted < ALPHA
+        return self.verdict.different
+
+    @property
+    def ratio(self) -> float:
+        return self.verdict.advantage
+
+    @property
+    def ci(self) -> tuple[float, float] | None:
+        return self.verdict.interval
+
+    def involves(self, arm: str, other: str) -> bool:
+        return {self.a, self.b} == {arm, other}
 
     def text(self) -> str:
-        pct = (self.ratio - 1) * 100
-        ci = f" [{(self.ci[0] - 1) * 100:+.1f}%, {(self.ci[1] - 1) * 100:+.1f}%]" if self.ci else ""
-        if not self.tested:
-            return f"{self.leader} ahead of {self.other} by {pct:.1f}% (one repeat: no test)"
-        if not self.different:
-            return f"no difference within noise ({self.leader} {pct:+.1f}%{ci}, p_adj={self.p_adjusted:.2g})"
-        return f"{self.leader} ahead of {self.other} by {pct:.1f}%{ci} (p_adj={self.p_adjusted:.2g})"
+        return self.verdict.text()
+
+    def against(self, best: str) -> str:
+        """The verdict said of the arm that is not ``best``: 'worse than a by 12% [..]', 'equivalent
+        to a within +-5% (...)', 'inconclusive against a: ...'."""
+        v = self.verdict
+        if v.outcome == "different":
+            if v.leader == best:
+                return f"{best} better by {stats.pct(v.advantage)} {v.interval_text()}{_suffix(v)}"
+            return f"better than {best} by {stats.pct(v.advantage)} {v.interval_text()}{_suffix(v)}"
+        return v.text()
+
+
+def _suffix(v: stats.Verdict) -> str:
+    small = f"; within the +-{v.margin:.0%} margin" if v.within_margin else ""
+    return small + ("" if v.restart_noise_measured else "; restart noise not measured")
 
 
 @dataclass
@@ -126,14 +165,37 @@ class Row:
     workload: str
     input_tokens: int
     metric: Metric
-    cells: dict[str, RepeatStats]
-    """arm -> the metric's statistics across that arm's repeats (arms that lack it are absent)."""
+    cells: dict[str, CellStat]
+    """arm -> its estimate (arms that lack the figure, or whose value was bursty, are absent)."""
+    decision: bool = False
+    """The figure is one the verdicts rest on (else descriptive)."""
+    ranking: list[str] = field(default_factory=list)
+    """The arms, best first (by geometric mean)."""
     leader: str | None = None
     ratio: float | None = None
     """The leader's advantage over the runner-up, >= 1."""
     verdicts: list[PairVerdict] = field(default_factory=list)
+    """Every pair of ranked arms (decision figures only)."""
+    calibration: PairVerdict | None = None
+    """The A/A: the baseline against its copy (decision figures only)."""
     bursty: set[str] = field(default_factory=set)
     """Arms whose client timing was bursty in this workload (their TPOT/ITL are not ranked)."""
+
+    def pair(self, arm: str, other: str) -> PairVerdict | None:
+        return next((v for v in self.verdicts if v.involves(arm, other)), None)
+
+
+@dataclass(frozen=True)
+class NoiseRow:
+    """Restart and repeat noise of one decision figure in one workload, pooled over its arms."""
+
+    workload: str
+    metric: Metric
+    components: stats.Components | None
+    launches: dict[str, int]
+    repeats: dict[str, int]
+    mde: tuple[float, float] | None
+    """The smallest and largest minimum detectable difference among the workload's comparisons."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +206,8 @@ class Degradation:
     long: int
     factor: float
     """How many times worse at ``long`` than at ``short`` (slow-down for throughput: short / long)."""
+    shape: str = ""
+    """What the two workloads share (output length, load, dataset): they differ in input length alone."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +218,7 @@ class Flip:
     between: tuple[int, int]
     at_tokens: float
     """Interpolated: the input length where the two arms' values cross."""
+    shape: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,133 +260,174 @@ class Analysis:
     flips: list[Flip]
     bounds: list[BoundCheck]
     claims: list[ClaimCheck]
-    tests: int
-    """How many tests the Holm-Bonferroni correction covered."""
+    design: stats.Design
+    """The decision's design: alpha, margin, power, and ``tests``, the comparisons it is shared by."""
+    noise: list[NoiseRow] = field(default_factory=list)
+    calibration: tuple[str, str] | None = None
+    calibration_design: stats.Design | None = None
+    baseline: str | None = None
+    decision_metrics: tuple[str, ...] = DEFAULT_DECISION
+
+    @property
+    def tests(self) -> int:
+        """How many comparisons the family-wise error rate is shared by."""
+        return self.design.tests
+
+    @property
+    def restart_noise_measured(self) -> bool:
+        return all(c.launches >= 2 for r in self.rows if r.decision for c in r.cells.values())
 
 
-def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values (monotone, capped at 1), in the input's order."""
-    m = len(p_values)
-    order = sorted(range(m), key=lambda i: p_values[i])
-    adjusted = [0.0] * m
-    running = 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * p_values[i]))
-        adjusted[i] = running
-    return adjusted
+def design_of(decision: dict[str, Any], tests: int) -> stats.Design:
+    """The :class:`~k3pipe.stats.Design` of an experiment's ``decision`` (defaults where it says
+    nothing) shared by ``tests`` comparisons."""
+    return stats.Design(
+        alpha=float(decision.get("alpha", stats.DEFAULT_ALPHA)),
+        margin=float(decision.get("margin_pct", stats.DEFAULT_MARGIN * 100)) / 100,
+        power=float(decision.get("power", stats.DEFAULT_POWER)),
+        tests=max(1, tests),
+    )
 
 
-def ratio_interval(a: RepeatStats, b: RepeatStats) -> tuple[float, float] | None:
-    """95% interval of mean_b / mean_a by the delta method on log(mean_b / mean_a)."""
-    if a.n < 2 or b.n < 2 or a.std is None or b.std is None or a.mean <= 0 or b.mean <= 0:
-        return None
-    va = (a.std / a.mean) ** 2 / a.n
-    vb = (b.std / b.mean) ** 2 / b.n
-    se = math.sqrt(va + vb)
-    if se == 0:
-        r = b.mean / a.mean
-        return (r, r)
-    df = (va + vb) ** 2 / ((va**2) / (a.n - 1) + (vb**2) / (b.n - 1))
-    half = float(stats.t.ppf(0.975, df)) * se
-    centre = math.log(b.mean / a.mean)
-    return (math.exp(centre - half), math.exp(centre + half))
+def _estimates(cells: Iterable[CellData], metric: Metric) -> tuple[dict[str, CellStat], set[str]]:
+    bursty = set()
+    have: dict[str, CellStat] = {}
+    for c in cells:
+        if is_bursty(c, metric):
+            bursty.add(c.arm)
+            continue
+        est = stats.estimate(c.by_launch(metric.key))
+        if est is not None:
+            have[c.arm] = CellStat(est)
+    return have, bursty
 
 
-def welch(a: Sequence[float], b: Sequence[float]) -> float | None:
-    if len(a) < 2 or len(b) < 2:
-        return None
-    if np.std(a) == 0 and np.std(b) == 0:
-        return 1.0 if np.mean(a) == np.mean(b) else 0.0
-    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
-
-
-def _verdict(
-    workload: str, metric: Metric, arm_x: str, x: RepeatStats, arm_y: str, y: RepeatStats
-) -> PairVerdict:
-    lead_x = metric.better(x.mean, y.mean) or x.mean == y.mean
-    leader, lead, other, trail = (arm_x, x, arm_y, y) if lead_x else (arm_y, y, arm_x, x)
-    if metric.higher_is_better:
-        ratio = lead.mean / trail.mean if trail.mean else math.inf
-        ci = ratio_interval(trail, lead)
-    else:
-        ratio = trail.mean / lead.mean if lead.mean else math.inf
-        ci = ratio_interval(lead, trail)
-    return PairVerdict(workload, metric.key, leader, other, ratio, ci, welch(lead.values, trail.values))
-
-
-def _rows(data: StudyData, arms: list[str]) -> list[Row]:
+def _rows(data: StudyData, arms: list[str], decision: Sequence[str], copy: str | None) -> list[Row]:
     rows = []
+    metrics = [*TABLE_METRICS, *(figure_of(k) for k in decision if k not in {m.key for m in TABLE_METRICS})]
     for workload in data.workloads():
         cells = [c for a in arms if (c := data.cell(a, workload)) is not None]
         if not cells:
             continue
-        for metric in TABLE_METRICS:
-            bursty = {c.arm for c in cells if is_bursty(c, metric)}
-            have = {
-                c.arm: RepeatStats.of(c.values[metric.key])
-                for c in cells
-                if c.values.get(metric.key) and c.arm not in bursty
-            }
+        for metric in metrics:
+            have, bursty = _estimates(cells, metric)
             if not have and not bursty:
                 continue
-            row = Row(workload, cells[0].input_tokens, metric, have, bursty=bursty)
-            # a zero (a figure that could not be measured) has no ratio: nothing is ranked against it
-            if len(have) >= 2 and all(s.mean > 0 for s in have.values()):
-                ranked = sorted(have, key=lambda a: have[a].mean, reverse=metric.higher_is_better)
+            row = Row(workload, cells[0].input_tokens, metric, have, metric.key in decision, bursty=bursty)
+            ranked = [a for a in have if a != copy]
+            ranked.sort(key=lambda a: have[a].estimate.log_mean, reverse=metric.higher_is_better)
+            row.ranking = ranked
+            if len(ranked) >= 2:
                 row.leader = ranked[0]
-                best, second = have[ranked[0]].mean, have[ranked[1]].mean
-                if metric.higher_is_better:
-                    row.ratio = best / second if second else math.inf
-                else:
-                    row.ratio = second / best if best else math.inf
-                names = list(have)
-                for i, x in enumerate(names):
-                    for y in names[i + 1 :]:
-                        row.verdicts.append(_verdict(workload, metric, x, have[x], y, have[y]))
+                row.ratio = math.exp(
+                    abs(have[ranked[0]].estimate.log_mean - have[ranked[1]].estimate.log_mean)
+                )
             rows.append(row)
     return rows
 
 
-def _lengths(data: StudyData, arm: str) -> list[tuple[int, CellData]]:
-    return sorted(((c.input_tokens, c) for c in data.cells if c.arm == arm), key=lambda t: t[0])
+def _judge(
+    rows: list[Row], decision: dict[str, Any], calibration: tuple[str, str] | None
+) -> tuple[stats.Design, stats.Design | None]:
+    """Every pair of ranked arms on every decision row, under one design; the A/A apart."""
+    pairs = [(row, a, b) for row in rows if row.decision for a, b in itertools.combinations(row.ranking, 2)]
+    design = design_of(decision, len(pairs))
+    for row, a, b in pairs:
+        comparison = stats.compare(row.cells[a].estimate, row.cells[b].estimate)
+        verdict = stats.decide(comparison, design, row.metric.higher_is_better, (a, b))
+        row.verdicts.append(PairVerdict(row.workload, row.metric.key, a, b, verdict))
+    if calibration is None:
+        return design, None
+    base, copy = calibration
+    aa = [r for r in rows if r.decision and base in r.cells and copy in r.cells]
+    aa_design = design_of(decision, len(aa))
+    for row in aa:
+        comparison = stats.compare(row.cells[base].estimate, row.cells[copy].estimate)
+        verdict = stats.decide(comparison, aa_design, row.metric.higher_is_better, (base, copy))
+        row.calibration = PairVerdict(row.workload, row.metric.key, base, copy, verdict)
+    return design, aa_design
+
+
+def _noise(data: StudyData, rows: list[Row], arms: list[str]) -> list[NoiseRow]:
+    out = []
+    for row in rows:
+        if not row.decision:
+            continue
+        cells = [c for a in arms if a in row.cells and (c := data.cell(a, row.workload)) is not None]
+        series = [c.by_launch(row.metric.key) for c in cells]
+        mdes = [v.verdict.mde for v in row.verdicts if v.verdict.mde is not None]
+        out.append(
+            NoiseRow(
+                row.workload, row.metric, stats.components(series),
+                {c.arm: len(s) for c, s in zip(cells, series, strict=True)},
+                {c.arm: sum(len(x) for x in s) for c, s in zip(cells, series, strict=True)},
+                (min(mdes), max(mdes)) if mdes else None,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _shape_label(cell: CellData) -> str:
+    load = (
+        f"concurrency {cell.concurrency}"
+        if cell.load == "concurrency"
+        else f"{cell.load} {cell.rate_rps} req/s"
+    )
+    return f"{cell.output_tokens:,} out, {load}, {cell.dataset}"
+
+
+def _by_shape(data: StudyData, arm: str) -> dict[tuple[Any, ...], list[CellData]]:
+    """The arm's cells grouped by everything but the input length, each group shortest first."""
+    groups: dict[tuple[Any, ...], list[CellData]] = {}
+    for cell in data.cells:
+        if cell.arm == arm:
+            groups.setdefault(cell.shape, []).append(cell)
+    return {k: sorted(v, key=lambda c: c.input_tokens) for k, v in groups.items()}
+
+
+def _geo(cell: CellData, key: str) -> float | None:
+    est = stats.estimate(cell.by_launch(key))
+    return est.mean if est is not None else None
 
 
 def _degradations(data: StudyData, arms: list[str]) -> list[Degradation]:
     out = []
     for arm in arms:
-        by_length = _lengths(data, arm)
-        if len(by_length) < 2:
-            continue
-        (short, a), (long, b) = by_length[0], by_length[-1]
-        if short == long:
-            continue
-        for metric in TABLE_METRICS:
-            va, vb = a.mean(metric.key), b.mean(metric.key)
-            if not va or not vb:
+        for cells in _by_shape(data, arm).values():
+            a, b = cells[0], cells[-1]
+            if a.input_tokens == b.input_tokens:
                 continue
-            factor = va / vb if metric.higher_is_better else vb / va
-            out.append(Degradation(arm, metric, short, long, factor))
+            for metric in TABLE_METRICS:
+                va, vb = _geo(a, metric.key), _geo(b, metric.key)
+                if not va or not vb:
+                    continue
+                factor = va / vb if metric.higher_is_better else vb / va
+                out.append(Degradation(arm, metric, a.input_tokens, b.input_tokens, factor, _shape_label(a)))
     return out
 
 
-def _flips(rows: list[Row], arms: list[str]) -> list[Flip]:
+def _flips(data: StudyData, rows: list[Row], arms: list[str]) -> list[Flip]:
     out = []
+    shapes = {(c.workload): (c.shape, _shape_label(c)) for c in data.cells}
     for metric in TABLE_METRICS:
         mine = sorted((r for r in rows if r.metric.key == metric.key), key=lambda r: r.input_tokens)
-        for i, x in enumerate(arms):
-            for y in arms[i + 1 :]:
-                points = [
-                    (r.input_tokens, r.cells[x].mean - r.cells[y].mean)
-                    for r in mine
-                    if x in r.cells and y in r.cells
-                ]
-                for (l1, d1), (l2, d2) in itertools.pairwise(points):
-                    if l1 == l2 or d1 == 0 or d2 == 0 or (d1 > 0) == (d2 > 0):
-                        continue
-                    at = l1 + (l2 - l1) * d1 / (d1 - d2)
-                    x_leads_first = (d1 > 0) == metric.higher_is_better
-                    before, after = (x, y) if x_leads_first else (y, x)
-                    out.append(Flip(metric, before, after, (l1, l2), at))
+        for shape in dict.fromkeys(shapes[r.workload][0] for r in mine):
+            along = [r for r in mine if shapes[r.workload][0] == shape]
+            label = next(shapes[r.workload][1] for r in along)
+            for i, x in enumerate(arms):
+                for y in arms[i + 1 :]:
+                    points = [
+                        (r.input_tokens, r.cells[x].mean - r.cells[y].mean)
+                        for r in along
+                        if x in r.cells and y in r.cells
+                    ]
+                    for (l1, d1), (l2, d2) in itertools.pairwise(points):
+                        if l1 == l2 or d1 == 0 or d2 == 0 or (d1 > 0) == (d2 > 0):
+                            continue
+                        at = l1 + (l2 - l1) * d1 / (d1 - d2)
+                        x_leads_first = (d1 > 0) == metric.higher_is_better
+                        before, after = (x, y) if x_leads_first else (y, x)
+                        out.append(Flip(metric, before, after, (l1, l2), at, label))
     return out
 
 
@@ -375,7 +481,7 @@ def _bounds(data: StudyData, arms: list[str], claims: Iterable[dict[str, Any]]) 
         ceilings = [c for cell in data.cells if cell.arm == arm.name and (c := _ceiling(cell)[0])]
         out.append(
             BoundCheck(
-                arm.name, "(all workloads)", "decode throughput, engine log (mean)",
+                data.label(arm), "(all workloads)", "decode throughput, engine log (mean)",
                 arm.log_decode_mean_tps, None,
                 "not checkable: the engine log's figure spans every workload of the arm"
                 + (f" (its workloads' ceilings: {', '.join(f'{c:,.1f}' for c in ceilings)} tok/s)"
@@ -424,19 +530,25 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
     """The report's numbers. ``claims``: figures published for the study (e.g. field-notes.md's
     ratios), each checked against what the recorded values give (see the module docstring)."""
     claims = list(claims)
-    arms = [a.name for a in data.arms if any(c.arm == a.name for c in data.cells)]
-    rows = _rows(data, arms)
-    verdicts = [v for r in rows for v in r.verdicts if v.p_value is not None]
-    for v, adjusted in zip(
-        verdicts, holm([v.p_value for v in verdicts if v.p_value is not None]), strict=True
-    ):
-        v.p_adjusted = adjusted
-    degradations = _degradations(data, arms)
+    arms = [a for a in data.arm_names if any(c.arm == a for c in data.cells)]
+    decision = dict(data.decision)
+    metrics = tuple(decision.get("metrics") or DEFAULT_DECISION)
+    calibration = data.calibration
+    copy = calibration[1] if calibration else None
+    rows = _rows(data, arms, metrics, copy)
+    design, aa_design = _judge(rows, decision, calibration)
+    main_arms = [a for a in arms if a != copy]
+    degradations = _degradations(data, main_arms)
     return Analysis(
         rows=rows,
         degradations=degradations,
-        flips=_flips(rows, arms),
+        flips=_flips(data, rows, main_arms),
         bounds=_bounds(data, arms, claims),
         claims=_claims(data, rows, degradations, claims),
-        tests=len(verdicts),
+        design=design,
+        noise=_noise(data, rows, arms),
+        calibration=calibration,
+        calibration_design=aa_design,
+        baseline=decision.get("baseline"),
+        decision_metrics=metrics,
     )

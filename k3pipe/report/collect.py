@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from k3pipe.compare import find_run
 from k3pipe.errors import TrackingError
+from k3pipe.specs import CALIBRATION_SUFFIX
 from k3pipe.tracking import Tracker
 
 __all__ = ["STUDY_KIND", "ArmData", "CellData", "StudyData", "collect", "requests_frame"]
@@ -32,14 +33,49 @@ class CellData(BaseModel):
     concurrency: int
     run_id: str
     status: str
-    values: dict[str, list[float]] = Field(description="metric -> its value in each repeat.")
+    values: dict[str, list[float]] = Field(
+        description="metric -> its value in each repeat, every launch's repeats one after another."
+    )
     request_runs: list[str] = Field(
         default_factory=list, description="The runs holding this cell's requests.parquet (one per repeat)."
     )
+    launch_values: list[dict[str, list[float]]] = Field(
+        default_factory=list,
+        description="Per launch of the arm (in launch order): metric -> its value in each repeat.",
+    )
+    load: str = "concurrency"
+    rate_rps: float | None = None
+    dataset: str = "random"
 
     def mean(self, metric: str) -> float | None:
         v = self.values.get(metric)
         return sum(v) / len(v) if v else None
+
+    def by_launch(self, metric: str) -> list[list[float]]:
+        """The metric's repeat values per launch (one list when the arm was launched once)."""
+        launches = self.launch_values or [self.values]
+        return [list(v[metric]) for v in launches if v.get(metric)]
+
+    @property
+    def launches(self) -> int:
+        return max(1, len(self.launch_values))
+
+    def add_launch(self, other: CellData) -> None:
+        """Merge the same arm's cell of a further launch into this one."""
+        if not self.launch_values:
+            self.launch_values = [{k: list(v) for k, v in self.values.items()}]
+        self.launch_values.append({k: list(v) for k, v in other.values.items()})
+        for key, values in other.values.items():
+            self.values.setdefault(key, []).extend(values)
+        self.request_runs.extend(other.request_runs)
+        if other.status != "FINISHED":
+            self.status = other.status
+
+    @property
+    def shape(self) -> tuple[int, str, str, float | None, str]:
+        """Everything that defines the workload but its input length: cells of one shape differ in
+        input length alone, so they can be compared along it."""
+        return (self.output_tokens, self.load, self.dataset, self.rate_rps, f"c{self.concurrency}")
 
 
 class ArmData(BaseModel):
@@ -49,6 +85,7 @@ class ArmData(BaseModel):
     engine: str
     run_id: str
     status: str
+    launch: int = Field(default=1, description="Which launch of the arm this run is (from 1).")
     error: str | None = None
     cold_start_s: float | None = None
     phases: dict[str, float] = Field(default_factory=dict, description="cold-start phase -> seconds.")
@@ -72,9 +109,35 @@ class StudyData(BaseModel):
     reference: dict[str, Any] | None = Field(
         default=None, description="The experiment's 'reference' (a published table to show beside), if any."
     )
+    decision: dict[str, Any] = Field(
+        default_factory=dict, description="The experiment's 'decision' (metrics, alpha, margin ...), if any."
+    )
 
     def cell(self, arm: str, workload: str) -> CellData | None:
         return next((c for c in self.cells if c.arm == arm and c.workload == workload), None)
+
+    @property
+    def arm_names(self) -> list[str]:
+        """Each arm once, in the order its first launch ran."""
+        return list(dict.fromkeys(a.name for a in self.arms))
+
+    def launches_of(self, arm: str) -> list[ArmData]:
+        return [a for a in self.arms if a.name == arm]
+
+    def label(self, arm: ArmData) -> str:
+        """The arm's name, with its launch ('a #2') when the arm was launched more than once."""
+        return arm.name if len(self.launches_of(arm.name)) < 2 else f"{arm.name} #{arm.launch}"
+
+    @property
+    def calibration(self) -> tuple[str, str] | None:
+        """(baseline arm, its A/A copy) when the study ran an A/A calibration."""
+        if not self.decision.get("calibration"):
+            return None
+        names = set(self.arm_names)
+        for name in self.arm_names:
+            if name.endswith(CALIBRATION_SUFFIX) and name.removesuffix(CALIBRATION_SUFFIX) in names:
+                return (name.removesuffix(CALIBRATION_SUFFIX), name)
+        return None
 
     def workloads(self) -> list[str]:
         """Workload names, shortest input first (the order of the study's table)."""
@@ -89,6 +152,13 @@ def _int(params: dict[str, str], key: str) -> int:
         return int(float(params.get(key, "0")))
     except ValueError:
         return 0
+
+
+def _float(params: dict[str, str], key: str) -> float | None:
+    try:
+        return float(params[key])
+    except (KeyError, ValueError):
+        return None
 
 
 def _values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
@@ -107,6 +177,7 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         engine=tags.get("k3pipe.engine", "?"),
         run_id=run.info.run_id,
         status=run.info.status,
+        launch=int(tags.get("k3pipe.launch", "1")),
         error=tags.get("k3pipe.error"),
         cold_start_s=metrics.get("cold_start_s"),
         phases={
@@ -150,20 +221,27 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
             repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get("k3pipe.repeat")]
             repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
             params = wl.data.params
-            cells.append(
-                CellData(
-                    arm=arm.name,
-                    engine=arm.engine,
-                    workload=name,
-                    input_tokens=_int(params, "workload.input_tokens"),
-                    output_tokens=_int(params, "workload.output_tokens"),
-                    concurrency=_int(params, "workload.concurrency"),
-                    run_id=wl.info.run_id,
-                    status=wl.info.status,
-                    values=_values(tracker, wl),
-                    request_runs=[r.info.run_id for r in repeats] or [wl.info.run_id],
-                )
+            cell = CellData(
+                arm=arm.name,
+                engine=arm.engine,
+                workload=name,
+                input_tokens=_int(params, "workload.input_tokens"),
+                output_tokens=_int(params, "workload.output_tokens"),
+                concurrency=_int(params, "workload.concurrency"),
+                run_id=wl.info.run_id,
+                status=wl.info.status,
+                values=_values(tracker, wl),
+                request_runs=[r.info.run_id for r in repeats] or [wl.info.run_id],
+                load=params.get("workload.load", "concurrency"),
+                rate_rps=_float(params, "workload.rate_rps"),
+                dataset=params.get("workload.dataset.kind", "random"),
             )
+            earlier = next((c for c in cells if c.arm == cell.arm and c.workload == cell.workload), None)
+            if earlier is None:
+                cells.append(cell)
+            else:
+                earlier.add_launch(cell)  # a further launch of the same arm
+    experiment = _experiment(tracker, run.info.run_id)
     return StudyData(
         run_id=run.info.run_id,
         name=run.data.tags.get("k3pipe.experiment", run.info.run_name),
@@ -171,17 +249,24 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         arms=arms,
         cells=cells,
         metrics=dict(run.data.metrics),
-        reference=_reference(tracker, run.info.run_id),
+        reference=_reference(experiment),
+        decision=experiment.get("decision") or {},
     )
 
 
-def _reference(tracker: Tracker, run_id: str) -> dict[str, Any] | None:
-    """The 'reference' of the experiment.json the study run holds (k3pipe.study logs it)."""
+def _experiment(tracker: Tracker, run_id: str) -> dict[str, Any]:
+    """The experiment.json the study run holds (k3pipe.study logs it); {} when there is none."""
     raw = tracker.read_artifact(run_id, "experiment.json")
     try:
-        reference = json.loads(raw).get("reference") if raw else None
-    except (ValueError, AttributeError):
-        return None
+        data = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _reference(experiment: dict[str, Any]) -> dict[str, Any] | None:
+    """The experiment's 'reference', when it has figures."""
+    reference = experiment.get("reference")
     return reference if isinstance(reference, dict) and reference.get("figures") else None
 
 

@@ -8,9 +8,9 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from k3pipe.bench.repeats import RepeatStats
-from k3pipe.report.analysis import ALPHA, Analysis
+from k3pipe.report.analysis import Analysis, NoiseRow, Row
 from k3pipe.report.collect import StudyData
 
 __all__ = ["Document", "Section", "Table", "build_document", "cell_text", "num", "to_html", "to_markdown"]
@@ -49,7 +49,16 @@ def num(v: float | None, digits: int = 1) -> str:
     return f"{v:,.{digits}f}"
 
 
-def cell_text(s: RepeatStats | None) -> str:
+class _Interval(Protocol):
+    @property
+    def mean(self) -> float: ...
+    @property
+    def ci_low(self) -> float | None: ...
+    @property
+    def ci_high(self) -> float | None: ...
+
+
+def cell_text(s: _Interval | None) -> str:
     if s is None:
         return "-"
     if s.ci_low is None or s.ci_high is None:
@@ -61,37 +70,140 @@ def _direction(higher: bool) -> str:
     return "higher is better" if higher else "lower is better"
 
 
-_HEADLINE = ("duration_s", "steady_decode_tps", "output_throughput_tps", "ttft_ms_p50", "tpot_ms_p50")
+def _ranking(row: Row, baseline: str | None) -> str:
+    """Every ranked arm of a decision row, best first, each with its verdict against the best (and
+    against the baseline, when there is one and it is not the best)."""
+    if not row.ranking:
+        return "-"
+    best = row.ranking[0]
+    unit = row.metric.unit
+    parts = [f"{best} {num(row.cells[best].mean)} {unit} (best)"]
+    for arm in row.ranking[1:]:
+        pair = row.pair(best, arm)
+        said = pair.against(best) if pair is not None else "not compared"
+        if baseline and baseline not in (best, arm) and baseline in row.cells:
+            base = row.pair(baseline, arm)
+            if base is not None:
+                said += f"; against the baseline {baseline}: {base.against(baseline)}"
+        parts.append(f"{arm} {num(row.cells[arm].mean)} {unit}: {said}")
+    if baseline and baseline in row.ranking[1:]:
+        pass  # the baseline's own line already says how it stands against the best
+    return "; ".join(parts)
 
 
-def _answer(analysis: Analysis) -> list[Block]:
-    """One line per headline metric: who leads at each input length, by how much, and whether the
-    difference stands after the correction (or could not be tested)."""
+def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
+    """Per workload and decision figure: every arm ranked with its verdict against the best."""
     lines: list[Block] = []
-    for key in _HEADLINE:
-        rows = sorted(
-            (r for r in analysis.rows if r.metric.key == key and r.leader), key=lambda r: r.input_tokens
-        )
-        if not rows:
-            continue
-        parts = []
-        for r in rows:
-            pair = next((v for v in r.verdicts if v.leader == r.leader), None)
-            if pair is None or not pair.tested:
-                how = "one repeat: no test"
-            elif pair.different:
-                how = f"significant, p_adj={pair.p_adjusted:.2g}"
-            else:
-                how = "within noise"
-            parts.append(f"{r.leader} leads at {r.input_tokens:,} tokens ({r.ratio:.2f}x, {how})")
-        lines.append(f"**{rows[0].metric.label}**: " + "; ".join(parts) + ".")
+    decision = [r for r in analysis.rows if r.decision]
+    if not decision:
+        return lines
+    shapes = {c.workload: c for c in data.cells}
+    for workload in dict.fromkeys(r.workload for r in decision):
+        cell = shapes[workload]
+        load = (f"concurrency {cell.concurrency}" if cell.load == "concurrency"
+                else f"{cell.load} at {cell.rate_rps} req/s")  # fmt: skip
+        head = f"**{workload}** ({cell.input_tokens:,} in / {cell.output_tokens:,} out, {load})"
+        for r in (r for r in decision if r.workload == workload):
+            if len(r.ranking) < 2:
+                why = "bursty client timing" if r.bursty else "fewer than two arms measured it"
+                lines.append(f"{head}, {r.metric.label}: not ranked ({why}).")
+                continue
+            lines.append(f"{head}, {r.metric.label}: {_ranking(r, analysis.baseline)}.")
     for f in analysis.flips:
-        if f.metric.key in _HEADLINE:
+        if f.metric.key in analysis.decision_metrics:
             lines.append(
-                f"**{f.metric.label}**: the lead flips from {f.before} to {f.after} at about "
+                f"**{f.metric.label}** ({f.shape}): the lead flips from {f.before} to {f.after} at about "
                 f"{f.at_tokens:,.0f} input tokens (interpolated)."
             )
+    if not analysis.restart_noise_measured:
+        lines.append(
+            "Some arms were launched once: their intervals hold the repeat-to-repeat noise of that one "
+            "launch, not the noise of restarting the engine (set `launches: 2` or more on the arms)."
+        )
     return lines
+
+
+def _noise_section(data: StudyData, analysis: Analysis) -> Section | None:
+    if not analysis.noise:
+        return None
+    table = Table(
+        ["workload", "metric", "launches x repeats per arm", "restart noise (CV)", "repeat noise (CV)",
+         "restart share", "df (launches, repeats)", "smallest difference it could see"],
+        [],
+    )  # fmt: skip
+    for n in analysis.noise:
+        table.rows.append(_noise_row(n, analysis))
+    return Section(
+        "Noise: restart and repeat",
+        [
+            "Each decision figure's variance split into the engine's restarts (between launches) and its "
+            "repeats (within a launch), on the log scale, pooled over the arms (one-way ANOVA per arm); "
+            "restart noise needs an arm launched twice or more. The last column: the smallest true "
+            f"difference a comparison of this workload would have found with {analysis.design.power:.0%} "
+            f"probability at the decision's level (alpha {analysis.design.alpha:g} over "
+            f"{analysis.design.tests} comparison(s)); the range spans the workload's pairs of arms.",
+            table,
+        ],
+    )
+
+
+def _noise_row(n: NoiseRow, analysis: Analysis) -> list[str]:
+    shape = ", ".join(f"{a} {n.launches[a]}x{n.repeats[a] // max(1, n.launches[a])}" for a in n.launches)
+    c = n.components
+    if c is None:
+        cells = ["-", "-", "-", "-"]
+    else:
+        measured = c.df_between > 0
+        cells = [
+            f"{c.between_cv:.1%}" if measured else "not measured",
+            f"{c.within_cv:.1%}",
+            f"{c.between_share:.0%}" if measured and c.between_share is not None else "-",
+            f"{c.df_between}, {c.df_within}",
+        ]
+    mde = "-"
+    if n.mde is not None:
+        lo, hi = n.mde
+        mde = f"{lo:.0%}" if round(lo, 2) == round(hi, 2) else f"{lo:.0%} to {hi:.0%}"
+    return [n.workload, n.metric.label, shape, *cells, mde]
+
+
+def _calibration_section(analysis: Analysis) -> Section | None:
+    if analysis.calibration is None:
+        return None
+    base, copy = analysis.calibration
+    rows = [r for r in analysis.rows if r.calibration is not None]
+    if not rows:
+        return Section("Calibration: A/A", [f"{base} and its copy {copy} share no measured cell."])
+    table = Table(["workload", "metric", base, copy, "verdict"], [])
+    reach = 0.0
+    alarms = []
+    for r in rows:
+        v = r.calibration
+        assert v is not None
+        table.rows.append(
+            [r.workload, r.metric.label, cell_text(r.cells.get(base)), cell_text(r.cells.get(copy)), v.text()]
+        )
+        if v.ci is not None:
+            reach = max(reach, v.ci[1] - 1, 1 - 1 / v.ci[0] if v.ci[0] > 0 else 0.0)
+        if v.different:
+            alarms.append(f"{r.metric.label} in {r.workload}")
+            table.flagged.add(len(table.rows) - 1)
+    design = analysis.calibration_design
+    blocks: list[Block] = [
+        f"The baseline {base} run twice, as {base} and {copy} (identical configurations, launched like "
+        f"every arm), compared as any pair is, at alpha {design.alpha if design else 0:g} over "
+        f"{design.tests if design else 0} comparison(s) of their own. Their intervals reach "
+        f"+-{reach:.1%}: a difference between arms smaller than that is within what launching the same "
+        "configuration again does.",
+        table,
+    ]
+    if alarms:
+        blocks.append(
+            "**The A/A found a difference** (" + "; ".join(alarms) + "): two launches of one configuration "
+            "differ by more than the noise model allows (a drift over time, an engine or node state that "
+            "persists over a launch). Treat the study's verdicts of that size as unproven."
+        )
+    return Section("Calibration: A/A", blocks)
 
 
 def _beside_reference(data: StudyData, analysis: Analysis) -> Section | None:
@@ -127,31 +239,42 @@ def _beside_reference(data: StudyData, analysis: Analysis) -> Section | None:
 
 
 def build_document(data: StudyData, analysis: Analysis) -> Document:
-    arms = [a.name for a in data.arms]
+    arms = data.arm_names
     failed = [a for a in data.arms if a.status != "FINISHED"]
-    head = [
-        f"Study run `{data.run_id}` of experiment **{data.name}** ({data.status}); arms: "
-        + ", ".join(f"{a.name} ({a.engine}, {a.status})" for a in data.arms)
-        + "."
-    ]
+    launched = ", ".join(
+        f"{name} ({runs[0].engine}, "
+        + (f"{len(runs)} launches: " + "/".join(r.status for r in runs) if len(runs) > 1 else runs[0].status)
+        + ")"
+        for name in arms
+        if (runs := data.launches_of(name))
+    )
+    head = [f"Study run `{data.run_id}` of experiment **{data.name}** ({data.status}); arms: {launched}."]
     for a in failed:
         head.append(
-            f"**Arm {a.name} did not finish ({a.status})**: {a.error or 'see its MLflow run'} "
+            f"**Arm {data.label(a)} did not finish ({a.status})**: {a.error or 'see its MLflow run'} "
             f"(run `{a.run_id}`); its cells below hold what it measured before it stopped, if anything."
         )
     sections = [Section("Study", head)]
-    answer = _answer(analysis)
+    answer = _answer(data, analysis)
     if answer:
         sections.append(Section("The answer", answer))
 
     results = Table(["workload", "input tokens", "metric", *arms, "leader", "ratio", "verdict"], [])
     for r in analysis.rows:
-        verdicts = "; ".join(v.text() for v in r.verdicts) or "-"
+        if r.decision:
+            best = r.ranking[0] if r.ranking else None
+            verdicts = (
+                "; ".join(f"{a}: {p.against(best)}" for a in r.ranking[1:] if best and (p := r.pair(best, a)))
+                or "-"
+            )
+        else:
+            verdicts = "descriptive (not a decision metric): no verdict"
+        kind = "decision" if r.decision else "descriptive"
         results.rows.append(
             [
                 r.workload,
                 f"{r.input_tokens:,}",
-                f"{r.metric.label} ({r.metric.unit}, {_direction(r.metric.higher_is_better)})",
+                f"{r.metric.label} ({r.metric.unit}, {_direction(r.metric.higher_is_better)}; {kind})",
                 *("bursty" if a in r.bursty else cell_text(r.cells.get(a)) for a in arms),
                 r.leader or "-",
                 f"{r.ratio:.2f}x" if r.ratio is not None else "-",
@@ -162,30 +285,49 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         Section(
             "Results",
             [
-                "Each cell: the mean over the workload's repeats, with its 95% confidence interval in "
-                "brackets when there are repeats. Ratio: the leader over the runner-up. 'bursty': the "
-                "client's stream came in bursts, so its TPOT and ITL timed delivery, not decoding (the "
-                "engine's own figures are in the arm's MLflow run); such a cell is not ranked.",
+                "Each cell: the geometric mean of the arm's launch means (a launch's mean over its repeats), "
+                "with its 95% interval in brackets (from the spread between launches when the arm was "
+                "launched twice or more, else between the one launch's repeats). Ratio: the leader over the "
+                "runner-up. Verdicts, on decision metrics only: each arm against the best, at the "
+                f"decision's level ({analysis.design.confidence:.2%} intervals; see 'How the numbers are "
+                "made'). 'bursty': the client's stream came in bursts, so its TPOT and ITL timed delivery, "
+                "not decoding (the engine's own figures are in the arm's MLflow run); such a cell is not "
+                "ranked.",
                 results,
             ],
         )
     )
+    for extra in (_calibration_section(analysis), _noise_section(data, analysis)):
+        if extra is not None:
+            sections.append(extra)
 
     if analysis.degradations:
-        metrics = list(dict.fromkeys(d.metric.label for d in analysis.degradations))
-        deg = Table(["metric", "from -> to (input tokens)", *arms], [])
-        for label in metrics:
-            found = {d.arm: d for d in analysis.degradations if d.metric.label == label}
-            any_d = next(iter(found.values()))
+        deg = Table(["metric", "workloads share", "from -> to (input tokens)", *arms], [])
+        keys = list(dict.fromkeys((d.metric.label, d.shape, d.short, d.long) for d in analysis.degradations))
+        for label, shape, short, long in keys:
+            found = {
+                d.arm: d
+                for d in analysis.degradations
+                if (d.metric.label, d.shape, d.short, d.long) == (label, shape, short, long)
+            }
             deg.rows.append(
-                [label, f"{any_d.short:,} -> {any_d.long:,}",
+                [label, shape, f"{short:,} -> {long:,}",
                  *(f"{found[a].factor:.2f}x" if a in found else "-" for a in arms)]
             )  # fmt: skip
         sections.append(
             Section(
                 "Degradation with input length",
                 ["How many times worse each arm is at the longest input than at the shortest "
-                 "(throughput: the slow-down, short / long).", deg],
+                 "(throughput: the slow-down, short / long), between workloads that differ in input "
+                 "length alone (the second column: what they share); geometric means.", deg],
+            )
+        )  # fmt: skip
+    else:
+        sections.append(
+            Section(
+                "Degradation with input length",
+                ["No two workloads differ in input length alone (same output length, load and dataset), "
+                 "so no degradation with input length is computed."],
             )
         )  # fmt: skip
 
@@ -194,8 +336,8 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         sections.append(beside)
 
     flips = [
-        f"{f.metric.label}: {f.before} leads up to about {f.at_tokens:,.0f} input tokens, {f.after} "
-        f"beyond (interpolated between the measured {f.between[0]:,} and {f.between[1]:,})"
+        f"{f.metric.label} ({f.shape}): {f.before} leads up to about {f.at_tokens:,.0f} input tokens, "
+        f"{f.after} beyond (interpolated between the measured {f.between[0]:,} and {f.between[1]:,})"
         for f in analysis.flips
     ]
     sections.append(
@@ -239,13 +381,13 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
     cold = Table(["arm", "cold start (s)", "phases (s)"], [])
     for a in data.arms:
         phases = ", ".join(f"{p} {s:.1f}" for p, s in sorted(a.phases.items(), key=lambda kv: -kv[1])) or "-"
-        cold.rows.append([a.name, num(a.cold_start_s), phases])
+        cold.rows.append([data.label(a), num(a.cold_start_s), phases])
     sections.append(Section("Cold start", [cold]))
 
     spec = Table(
         ["arm", "workload", "acceptance length (engine /metrics)", "acceptance rate", "engine log mean"], []
     )
-    for a in data.arms:
+    for a in (data.launches_of(name)[0] for name in arms):
         for cell in (c for c in data.cells if c.arm == a.name):
             length = cell.mean("engine_spec_mean_acceptance_length")
             rate = cell.mean("engine_spec_acceptance_rate")
@@ -270,14 +412,14 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             if f.get("severity") != "info"
         ]
         items += [f"[engine log] {w}" for w in a.warnings]
-        findings.append(f"**{a.name}**: " + (" / ".join(items) if items else "no findings"))
+        findings.append(f"**{data.label(a)}**: " + (" / ".join(items) if items else "no findings"))
     sections.append(Section("Findings per arm", findings))
 
     if any(a.stages for a in data.arms) or data.metrics:
         stage_names = sorted({s for a in data.arms for s in a.stages})
         stages = Table(["arm", *(f"{s} (s)" for s in stage_names)], [])
         for a in data.arms:
-            stages.rows.append([a.name, *(num(a.stages.get(s)) for s in stage_names)])
+            stages.rows.append([data.label(a), *(num(a.stages.get(s)) for s in stage_names)])
         m = data.metrics
         sections.append(
             Section(
@@ -292,12 +434,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         Section(
             "How the numbers are made",
             [
-                "Verdicts: Welch's t-test on the repeats of the two cells; the p-values of all "
-                f"{analysis.tests} tests of this report corrected together with Holm-Bonferroni "
-                f"(family-wise error rate {ALPHA:.0%}); 'no difference within noise' when the corrected "
-                "p-value is not below it. Ratio intervals: the delta method on the log ratio with "
-                "Welch-Satterthwaite degrees of freedom. A workload with one repeat gets no test. "
-                "Flips: linear interpolation between measured input lengths, labelled as such."
+                _method(analysis),
+                "Flips and degradation: between workloads that differ in input length alone; flips are "
+                "a linear interpolation between measured input lengths, labelled as such.",
             ],
         )
     )
@@ -309,6 +448,26 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             "distributions.png": "TTFT and ITL distributions per arm and workload",
             "cold_start.png": "Cold start by phase, per arm",
         },
+    )
+
+
+def _method(analysis: Analysis) -> str:
+    d = analysis.design
+    metrics = ", ".join(analysis.decision_metrics)
+    return (
+        f"Verdicts rest on the decision metrics ({metrics}); every other figure is descriptive. Each is "
+        "compared on the log of the ratio of two arms' geometric means (so a figure and its reciprocal, "
+        "end-to-end time and throughput, cannot disagree). A cell's variance comes from the spread of its "
+        "launch means when the arm was launched twice or more (restart and repeat noise both in it), "
+        "else from its one launch's repeats (restart noise not in it, said beside each such verdict); "
+        "balanced pairs pool their two variances (Student's t), others use Welch's. "
+        f"Every pair of arms on every decision metric and workload is one comparison: {d.tests} in all, "
+        f"sharing a family-wise error rate of {d.alpha:g} (Bonferroni: each interval is the two-sided "
+        f"{d.confidence:.2%} interval). A verdict is read off the interval printed beside it: it excludes "
+        f"no change, so one arm is better by the amount shown; or it lies within +-{d.margin:.0%} (the "
+        "equivalence margin, two one-sided tests), so the arms are equivalent; or neither, inconclusive, "
+        "with the smallest difference the comparison would have found with "
+        f"{d.power:.0%} probability (noncentral t). docs/measurement.md, 'Verdicts', states the model."
     )
 
 

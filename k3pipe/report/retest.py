@@ -2,14 +2,16 @@
 
 A retest (:mod:`k3pipe.retest`) records the baseline and every variant as studies nested under one
 parent run. Here each variant's cell (an arm on a workload) meets the baseline's cell of the same arm
-and workload, metric by metric (the study report's table metrics):
+and workload, figure by figure (the study report's table figures and the decision's), with the
+statistics of :mod:`k3pipe.stats` (docs/measurement.md, "Verdicts"):
 
-- the change is the variant's mean over the baseline's (``x 0.88``: 12% lower), with the 95% interval
-  of that ratio by the delta method on its log (as the study report's ratios);
-- the verdict is Welch's t-test on the two cells' repeats, every test of the retest corrected together
-  with Holm-Bonferroni: **better** or **worse** (in the metric's own direction) when the corrected
-  p-value is below 0.05, otherwise **no difference within noise**; a cell with one repeat gets
-  **one repeat: no test**;
+- the change is the variant's geometric mean over the baseline's (``+12.3%``), on the log scale;
+- on the decision metrics (the baseline experiment's ``decision.metrics``) every comparison of the
+  retest shares the family-wise error rate (Bonferroni), and each verdict is read off its interval at
+  that level: **better** or **worse** (in the figure's own direction), **equivalent** within the
+  margin, or **inconclusive** (with the smallest difference the data could have shown); a cell of one
+  launch with one repeat gets **no test**;
+- every other figure is **descriptive**: its change with a 95% interval, no verdict;
 - the client's TPOT and ITL of a cell whose stream came in bursts are not judged (as in the study
   report), and a cell the baseline does not have (another workload name) is listed as not comparable.
 """
@@ -23,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3pipe.bench.repeats import RepeatStats
+from k3pipe import stats
 from k3pipe.compare import find_run
 from k3pipe.errors import TrackingError
-from k3pipe.report.analysis import ALPHA, TABLE_METRICS, Metric, holm, is_bursty, ratio_interval, welch
+from k3pipe.figures import DEFAULT_DECISION, figure
+from k3pipe.report.analysis import TABLE_METRICS, CellStat, Metric, design_of, is_bursty
 from k3pipe.report.collect import STUDY_KIND, StudyData, collect
 from k3pipe.report.render import Document, Section, Table, build_document, cell_text, to_html, to_markdown
 from k3pipe.tracking import Tracker
@@ -52,7 +55,9 @@ BASELINE = "baseline"
 VARIANTS_FILE = "variants.json"
 """On the retest's run: each variant's description and the changes it makes."""
 
-BETTER, WORSE, SAME, NO_TEST = "better", "worse", "no difference within noise", "one repeat: no test"
+BETTER, WORSE, EQUIVALENT, INCONCLUSIVE = "better", "worse", "equivalent", "inconclusive"
+NO_TEST, DESCRIPTIVE = "no test (a single value)", "descriptive"
+LABELS = (BETTER, WORSE, EQUIVALENT, INCONCLUSIVE, NO_TEST)
 
 
 @dataclass
@@ -84,59 +89,86 @@ class VariantVerdict:
     workload: str
     input_tokens: int
     metric: Metric
-    baseline: RepeatStats
-    value: RepeatStats
-    ci: tuple[float, float] | None
-    """95% interval of value.mean / baseline.mean."""
-    p_value: float | None
-    p_adjusted: float | None = None
+    baseline: CellStat
+    value: CellStat
+    decision: bool
+    outcome: stats.Verdict | None = None
+    """The decision's verdict (decision figures; set once the family's size is known)."""
 
     @property
     def ratio(self) -> float:
-        return self.value.mean / self.baseline.mean if self.baseline.mean else math.inf
+        """The variant over the baseline (geometric means)."""
+        return math.exp(self.value.estimate.log_mean - self.baseline.estimate.log_mean)
+
+    @property
+    def comparison(self) -> stats.Comparison:
+        return stats.compare(self.value.estimate, self.baseline.estimate)
+
+    @property
+    def ci(self) -> tuple[float, float] | None:
+        """The interval of ``ratio``: at the decision's level for a decision figure, else 95%."""
+        confidence = self.outcome.confidence if self.outcome is not None else 0.95
+        ci = self.comparison.interval(confidence)
+        return (math.exp(ci[0]), math.exp(ci[1])) if ci else None
 
     @property
     def verdict(self) -> str:
-        if self.p_value is None:
+        if not self.decision:
+            return DESCRIPTIVE
+        v = self.outcome
+        if v is None or v.outcome == "untested":
             return NO_TEST
-        if self.p_adjusted is None or self.p_adjusted >= ALPHA:
-            return SAME
-        return BETTER if self.metric.better(self.value.mean, self.baseline.mean) else WORSE
+        if v.outcome == "different":
+            return BETTER if v.leader == self.variant else WORSE
+        return EQUIVALENT if v.outcome == "equivalent" else INCONCLUSIVE
 
     def change_text(self) -> str:
-        pct = (self.ratio - 1) * 100
-        ci = f" [{(self.ci[0] - 1) * 100:+.1f}%, {(self.ci[1] - 1) * 100:+.1f}%]" if self.ci else ""
-        return f"{pct:+.1f}%{ci}"
+        ci = f" [{stats.signed_pct(self.ci[0])}, {stats.signed_pct(self.ci[1])}]" if self.ci else ""
+        return f"{stats.signed_pct(self.ratio)}{ci}"
 
     def text(self) -> str:
-        p = f", p_adj={self.p_adjusted:.2g}" if self.p_adjusted is not None else ""
-        return f"{self.verdict} ({self.change_text()}{p})"
+        v = self.outcome
+        label = self.verdict
+        if label == EQUIVALENT and v is not None:
+            label = f"equivalent within +-{v.margin:.0%}"
+        elif label == INCONCLUSIVE and v is not None and v.mde is not None:
+            label = f"inconclusive: differences below {v.mde:.0%} cannot be seen with this data"
+        notes = ""
+        if v is not None and v.outcome != "untested" and not v.restart_noise_measured:
+            notes = "; restart noise not measured"
+        return f"{label} ({self.change_text()}{notes})"
 
 
 def judge_variants(data: RetestData) -> list[VariantVerdict]:
-    """Every (variant, arm, workload, metric) both sides measured, judged; Holm over all of them."""
+    """Every (variant, arm, workload, figure) both sides measured; the decision figures judged under
+    one design shared by all of them."""
+    decision_keys = tuple(data.baseline.decision.get("metrics") or DEFAULT_DECISION)
+    metrics = [*TABLE_METRICS, *(figure(k) for k in decision_keys if k not in {m.key for m in TABLE_METRICS})]
     verdicts: list[VariantVerdict] = []
     for name, study in data.variants.items():
         for cell in sorted(study.cells, key=lambda c: (c.arm, c.input_tokens, c.workload)):
             base = data.baseline.cell(cell.arm, cell.workload)
             if base is None:
                 continue
-            for metric in TABLE_METRICS:
-                a, b = base.values.get(metric.key), cell.values.get(metric.key)
-                if not a or not b or is_bursty(base, metric) or is_bursty(cell, metric):
+            for metric in metrics:
+                if is_bursty(base, metric) or is_bursty(cell, metric):
                     continue
-                sa, sb = RepeatStats.of(a), RepeatStats.of(b)
-                if sa.mean <= 0 or sb.mean <= 0:
+                sa, sb = (
+                    stats.estimate(base.by_launch(metric.key)),
+                    stats.estimate(cell.by_launch(metric.key)),
+                )
+                if sa is None or sb is None:
                     continue  # a figure that could not be measured is judged against nothing
                 verdicts.append(
                     VariantVerdict(
-                        name, cell.arm, cell.workload, cell.input_tokens, metric, sa, sb,
-                        ratio_interval(sa, sb), welch(sa.values, sb.values),
+                        name, cell.arm, cell.workload, cell.input_tokens, metric, CellStat(sa), CellStat(sb),
+                        metric.key in decision_keys,
                     )
-                )
-    tested = [v for v in verdicts if v.p_value is not None]
-    for v, adjusted in zip(tested, holm([v.p_value for v in tested if v.p_value is not None]), strict=True):
-        v.p_adjusted = adjusted
+                )  # fmt: skip
+    judged = [v for v in verdicts if v.decision]
+    design = design_of(data.baseline.decision, len(judged))
+    for v in judged:
+        v.outcome = stats.decide(v.comparison, design, v.metric.higher_is_better, (v.variant, BASELINE))
     return verdicts
 
 
@@ -170,26 +202,30 @@ def _answer(data: RetestData, verdicts: Sequence[VariantVerdict]) -> list[str]:
                 )
                 more = f" and {len(hits) - 4} more" if len(hits) > 4 else ""
                 parts.append(f"{label} on {shown}{more}")
-        same = sum(v.verdict == SAME for v in mine)
-        untested = sum(v.verdict == NO_TEST for v in mine)
-        if same:
-            parts.append(f"{same} figure(s) with no difference within noise")
-        if untested:
-            parts.append(f"{untested} figure(s) not tested (one repeat)")
+        for label, said in ((EQUIVALENT, "equivalent within the margin"), (INCONCLUSIVE, "inconclusive"),
+                            (NO_TEST, "not tested (a single value)")):  # fmt: skip
+            n = sum(v.verdict == label for v in mine)
+            if n:
+                parts.append(f"{n} decision figure(s) {said}")
         lines.append(f"{head}: " + "; ".join(parts) + ".")
     return lines
 
 
 def verdict_rows(verdicts: Sequence[VariantVerdict]) -> Table:
-    headers = ["variant", "arm", "workload", "metric", "baseline", "variant value", "change [95% CI]",
+    headers = ["variant", "arm", "workload", "metric", "baseline", "variant value", "change [interval]",
                "verdict"]  # fmt: skip
     rows, flagged = [], set()
     for i, v in enumerate(verdicts):
         rows.append(
             [
-                v.variant, v.arm, v.workload, f"{v.metric.label} ({v.metric.unit})",
-                cell_text(v.baseline), cell_text(v.value), v.change_text(),
-                v.verdict + (f" (p_adj={v.p_adjusted:.2g})" if v.p_adjusted is not None else ""),
+                v.variant,
+                v.arm,
+                v.workload,
+                f"{v.metric.label} ({v.metric.unit}; {'decision' if v.decision else 'descriptive'})",
+                cell_text(v.baseline),
+                cell_text(v.value),
+                v.change_text(),
+                v.text(),
             ]
         )
         if v.verdict == WORSE:
@@ -202,12 +238,18 @@ def build_retest_document(
 ) -> Document:
     """The retest's report: the answer per variant, what each changed, the verdict table, the
     baseline's own results table and where each study's full report is."""
-    tests = sum(v.p_value is not None for v in verdicts)
+    judged = [v for v in verdicts if v.outcome is not None]
+    design = design_of(data.baseline.decision, len(judged))
     method = (
-        f"Each variant's cell against the baseline's cell of the same arm and workload: the change is "
-        f"the variant's mean over the baseline's, with its 95% interval; the verdict is Welch's t-test on "
-        f"the repeats, Holm-Bonferroni over all {tests} test(s) of this retest, at {ALPHA:g}. "
-        "'better' and 'worse' follow each metric's direction (lower time, higher throughput)."
+        "Each variant's cell against the baseline's cell of the same arm and workload: the change is the "
+        "variant's geometric mean over the baseline's. On the decision metrics ("
+        + ", ".join(data.baseline.decision.get("metrics") or DEFAULT_DECISION)
+        + f") the {design.tests} comparison(s) of this retest share a family-wise error rate of "
+        f"{design.alpha:g} (Bonferroni: {design.confidence:.2%} intervals, shown beside each verdict): "
+        "'better'/'worse' in each figure's own direction when the interval excludes no change, "
+        f"'equivalent' when it lies within +-{design.margin:.0%}, else 'inconclusive' with the smallest "
+        f"difference it could have found at {design.power:.0%} power. Other figures are descriptive "
+        "(95% intervals, no verdict). docs/measurement.md, 'Verdicts', states the model."
     )
     sections = [
         Section("The answer", _answer(data, verdicts)),
@@ -231,13 +273,14 @@ def build_retest_document(
 
 
 def summary(verdicts: Sequence[VariantVerdict]) -> Mapping[str, dict[str, int]]:
-    """variant -> how many figures were better, worse, within noise, untested."""
+    """variant -> how many decision figures were better, worse, equivalent, inconclusive, untested."""
     out: dict[str, dict[str, int]] = {}
     for v in verdicts:
-        counts = out.setdefault(v.variant, {BETTER: 0, WORSE: 0, SAME: 0, NO_TEST: 0})
+        if not v.decision:
+            continue
+        counts = out.setdefault(v.variant, dict.fromkeys(LABELS, 0))
         counts[v.verdict] += 1
     return out
-
 
 
 def collect_retest(tracker: Tracker, ref: str) -> RetestData:
@@ -309,9 +352,7 @@ class RetestReport:
         lines = [str(b).replace("**", "") for b in answer.blocks]
         lines.append("")
         for v in self.verdicts:
-            lines.append(
-                f"{v.variant:<24} {v.arm:<10} {v.workload:<16} {v.metric.label:<34} {v.text()}"
-            )
+            lines.append(f"{v.variant:<24} {v.arm:<10} {v.workload:<16} {v.metric.label:<34} {v.text()}")
         return "\n".join(lines)
 
     def description(self) -> str:
@@ -360,7 +401,8 @@ def publish_retest(tracker: Tracker, report: RetestReport, out_dir: Path) -> dic
     for path in paths.values():
         tracker.log_file(report.data.run_id, path, "report")
     tracker.describe(report.data.run_id, report.description())
-    short = {BETTER: "better", WORSE: "worse", SAME: "within_noise", NO_TEST: "untested"}
+    short = {BETTER: "better", WORSE: "worse", EQUIVALENT: "equivalent", INCONCLUSIVE: "inconclusive",
+             NO_TEST: "untested"}  # fmt: skip
     counts = {
         f"verdict.{variant}.{short[label]}": float(n)
         for variant, per in summary(report.verdicts).items()

@@ -1,0 +1,60 @@
+"""The figures a report ranks arms on: each one's key (the summary metric's name in MLflow), label,
+unit and direction. The report's table shows :data:`TABLE_FIGURES`; an experiment's decision
+(``decision.metrics``) may name any figure of :data:`FIGURES`; :data:`DEFAULT_DECISION` is what it
+rests on when it names none."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_DECISION", "FIGURES", "TABLE_FIGURES", "Figure", "figure"]
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    throughput: bool = False
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.higher_is_better else a < b
+
+
+TABLE_FIGURES: tuple[Figure, ...] = (
+    Figure("duration_s", "end-to-end time", "s", higher_is_better=False),
+    Figure("output_throughput_tps", "decode throughput, client", "tok/s", True, throughput=True),
+    Figure("engine_generation_tps", "decode throughput, engine /metrics", "tok/s", True, throughput=True),
+    Figure("steady_decode_tps", "steady decode throughput", "tok/s", True, throughput=True),
+    Figure("ttft_ms_p50", "TTFT p50, first delta", "ms", higher_is_better=False),
+    Figure("content_ttft_ms_p50", "TTFT p50, first content", "ms", higher_is_better=False),
+    Figure("tpot_ms_p50", "TPOT p50", "ms", higher_is_better=False),
+    Figure("itl_ms_p50", "ITL p50", "ms", higher_is_better=False),
+)
+
+FIGURES: tuple[Figure, ...] = (
+    *TABLE_FIGURES,
+    Figure("ttft_ms_p90", "TTFT p90, first delta", "ms", higher_is_better=False),
+    Figure("ttft_ms_p99", "TTFT p99, first delta", "ms", higher_is_better=False),
+    Figure("tpot_ms_p90", "TPOT p90", "ms", higher_is_better=False),
+    Figure("e2e_ms_p50", "request latency p50", "ms", higher_is_better=False),
+    Figure("e2e_ms_p90", "request latency p90", "ms", higher_is_better=False),
+    Figure("request_throughput_rps", "request throughput", "req/s", True, throughput=True),
+    Figure("goodput_rps", "goodput (requests within the SLO)", "req/s", True, throughput=True),
+    Figure("engine_itl_ms_p50", "ITL p50, engine /metrics", "ms", higher_is_better=False),
+)
+
+DEFAULT_DECISION: tuple[str, ...] = ("output_throughput_tps", "ttft_ms_p50", "tpot_ms_p50")
+"""What the verdicts rest on unless the experiment says otherwise: throughput (end-to-end time is the
+same window the other way round), the first token's wait, and the pace after it."""
+
+_BY_KEY = {f.key: f for f in FIGURES}
+
+
+def figure(key: str) -> Figure:
+    """The figure named ``key`` (KeyError names the known ones)."""
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"{key!r} is not a figure the report knows; one of: {', '.join(_BY_KEY)}") from None
