@@ -114,10 +114,12 @@ def run_study(
         before_s=before, say=logger.info, warn=logger.error,
     ).execute()  # fmt: skip
     outcomes = [o.as_dict() for o in outcome.arms]
-    rows = [row for o in outcomes for row in o.get("workloads", [])]
+    # speculation is judged on each arm's first launch (the judge pairs one run per arm)
+    first = [o for o in outcomes if o.get("launch", 1) == 1]
+    rows = [row for o in first for row in o.get("workloads", [])]
     if any(speculation_setting(spec.arm(name)) for name in selected):
         try:
-            _judge_speculation(spec, outcomes, rows, tracker)
+            _judge_speculation(spec, first, rows, tracker)
         except Exception as exc:  # an analysis after the fact: the report comes first
             logger.warning("speculation could not be judged: %s: %s", type(exc).__name__, exc)
     _report_needs_mlflow(tracker, run_id)

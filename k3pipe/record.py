@@ -139,8 +139,10 @@ class ArmRecorder:
     ) -> None:
         self.tracker = tracker
         self.plan = plan
+        launches = int((tags or {}).get("k3pipe.launches", "1"))
+        launch = (tags or {}).get("k3pipe.launch", "1")
         self.run_id = tracker.start_run(
-            f"{plan.experiment}/{plan.arm}",
+            f"{plan.experiment}/{plan.arm}" + (f"#{launch}" if launches > 1 else ""),
             tags={
                 "k3pipe.experiment": plan.experiment,
                 "k3pipe.arm": plan.arm,

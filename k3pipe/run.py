@@ -222,6 +222,7 @@ class ArmOutcome(BaseModel):
     error: str | None = None
     workloads: list[dict[str, Any]] = Field(default_factory=list)
     engine_log_spec_accept_length_mean: float | None = None
+    launch: int = Field(default=1, description="Which launch of the arm this was (a study's launches: N).")
 
     def as_dict(self) -> dict[str, Any]:
         """The flow's outcome dict (keys of None values left out, as before)."""

@@ -2,6 +2,12 @@
 GPUs are exclusive), under one parent MLflow run (study -> arm -> workload -> repeat), every arm
 sending the same prompts.
 
+An arm with ``launches: N`` is launched N times, each launch an arm run of its own (tagged
+``k3pipe.launch``) running every workload; the launches of all arms are interleaved (A B, B A, A B
+...: :func:`k3pipe.stats.interleaved_order`), so that a drift over the study's time favours no arm.
+With ``decision.calibration`` the baseline's A/A copy (``<arm>-aa``) runs right after it, launched
+like it.
+
 While one arm runs, the next arms' inputs are already being fetched: the models only they need (a
 draft) in one background lane, their images in another, in arm order. Each arm waits only for what
 is still missing when its turn comes. The study's run records each stage's time (``stage.<arm>.*``),
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3pipe import stats
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.launchers.factory import pull_image
@@ -38,7 +45,17 @@ from k3pipe.sources.images import ImageRecord
 from k3pipe.specs import ArmSpec, ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.tracking import Tracker
 
-__all__ = ["Study", "StudyOutcome", "StudySteps", "describe_study", "models_of", "start_study"]
+__all__ = [
+    "Study",
+    "StudyOutcome",
+    "StudySteps",
+    "describe_study",
+    "launch_order",
+    "models_of",
+    "stage_prefix",
+    "start_study",
+    "study_arm_names",
+]
 
 log = logging.getLogger("k3pipe.study")
 _PLACEHOLDER = re.compile(r"\{models\.([A-Za-z0-9_-]+)\}")
@@ -63,18 +80,43 @@ def models_of(arm: ArmSpec) -> list[str]:
     return ["model", *dict.fromkeys(names)]
 
 
+def study_arm_names(spec: ExperimentSpec, selected: Iterable[str] | None = None) -> list[str]:
+    """The arms a study of ``spec`` runs, in order: ``selected`` (default every arm) and, with
+    ``decision.calibration``, the baseline's A/A copy right after the baseline."""
+    names = list(selected) if selected else [a.name for a in spec.arms]
+    copy = spec.calibration_arm_name
+    if spec.decision.calibration and spec.baseline_arm in names and copy not in names:
+        names.insert(names.index(spec.baseline_arm) + 1, copy)
+    return names
+
+
+def launch_order(spec: ExperimentSpec, names: list[str]) -> list[tuple[str, int]]:
+    """(arm, launch number) in the order a study launches them (interleaved rounds)."""
+    return stats.interleaved_order(names, [spec.arm(n).launches for n in names])
+
+
 def describe_study(spec: ExperimentSpec) -> list[str]:
     """What a study of ``spec`` runs, in order: the arms one after another, each on every workload,
     and which models each needs (those beyond the first are fetched while an earlier arm runs)."""
+    names = study_arm_names(spec)
+    order = launch_order(spec, names)
     lines = [
-        f"study {spec.name}: {len(spec.arms)} arm(s) x {len(spec.workloads)} workload(s), arms one after "
+        f"study {spec.name}: {len(names)} arm(s) x {len(spec.workloads)} workload(s), arms one after "
         "another on the node, every arm sending the same prompts"
     ]
-    for i, arm in enumerate(spec.arms, 1):
+    for i, name in enumerate(names, 1):
+        arm = spec.arm(name)
         needs = models_of(arm)
         extra = f"; also needs {', '.join(needs[1:])}" if len(needs) > 1 else ""
         image = f", image {arm.engine.image}" if arm.launcher.pins_image else ""
-        lines.append(f"  {i}. {arm.name}: {arm.engine.kind} on launcher {arm.launcher.kind}{image}{extra}")
+        times = f", launched {arm.launches} times" if arm.launches > 1 else ""
+        copy = spec.decision.calibration and name == spec.calibration_arm_name
+        aa = " (A/A copy of the baseline)" if copy else ""
+        lines.append(
+            f"  {i}. {arm.name}{aa}: {arm.engine.kind} on launcher {arm.launcher.kind}{image}{times}{extra}"
+        )
+    if len(order) > len(names):
+        lines.append("  launch order: " + " ".join(f"{a}#{k}" for a, k in order))
     for w in spec.workloads:
         load = f"{w.concurrency} streams" if w.load == "concurrency" else f"{w.load} at {w.rate_rps} req/s"
         lines.append(
@@ -83,6 +125,11 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
             f"{w.repeats} repeat(s)"
         )
     return lines
+
+
+def stage_prefix(arm: str, launch: int = 1) -> str:
+    """The study run's metric prefix of an arm launch's stages (``stage.a.``, ``stage.a.launch2.``)."""
+    return f"stage.{arm}" if launch == 1 else f"stage.{arm}.launch{launch}"
 
 
 @dataclass
@@ -197,16 +244,23 @@ class Study:
 
     def execute(self) -> StudyOutcome:
         outcome = StudyOutcome(self.run_id)
-        names = self.arms or [a.name for a in self.spec.arms]
+        names = study_arm_names(self.spec, self.arms)
         arms = [self.spec.arm(n) for n in names]
+        order = launch_order(self.spec, names)
+        if len(order) > len(names):
+            self.say("launch order: " + " ".join(f"{a}#{k}" for a, k in order))
+            self.tracker.log_params(self.run_id, {"launch_order": " ".join(f"{a}#{k}" for a, k in order)})
         start = time.perf_counter()
         status = "KILLED"
         models_pool = ThreadPoolExecutor(1, thread_name_prefix="k3pipe-models")
         images_pool = ThreadPoolExecutor(1, thread_name_prefix="k3pipe-images")
         try:
             model_futures, image_futures = self._prefetch(arms, models_pool, images_pool)
-            for arm in arms:
-                outcome.arms.append(self._arm(arm, model_futures, image_futures, outcome.stages))
+            for name, launch in order:
+                arm = self.spec.arm(name)
+                outcome.arms.append(
+                    self._arm(arm, model_futures, image_futures, outcome.stages, launch, arm.launches)
+                )
             status = "FINISHED"
         finally:
             models_pool.shutdown(wait=False, cancel_futures=True)
@@ -220,8 +274,11 @@ class Study:
         model_futures: Mapping[str, Future[ModelRecord]],
         image_futures: Mapping[str, Future[ImageRecord]],
         stages: dict[str, float],
+        launch: int = 1,
+        launches: int = 1,
     ) -> ArmOutcome:
-        prefix = f"stage.{arm.name}"
+        prefix = stage_prefix(arm.name, launch)
+        tags = {**self.tags, "k3pipe.launch": str(launch), "k3pipe.launches": str(launches)}
         waited = time.perf_counter()
         models: dict[str, ModelRecord] = {}
         try:
@@ -237,9 +294,9 @@ class Study:
             error = scrub(f"{type(exc).__name__}: {exc}")
             self.warn(f"arm {arm.name}: its models could not be had: {error}")
             run_id = record_failed_arm(
-                self.tracker, self.spec.name, arm.name, arm.engine.kind, error, self.tags, self.run_id
+                self.tracker, self.spec.name, arm.name, arm.engine.kind, error, tags, self.run_id
             )
-            return ArmOutcome(arm=arm.name, mlflow_run_id=run_id, status="FAILED", error=error)
+            return ArmOutcome(arm=arm.name, mlflow_run_id=run_id, status="FAILED", error=error, launch=launch)
         waits = [time.perf_counter() - waited]
 
         def image(plan: ArmPlan) -> ImageRecord:
@@ -251,15 +308,17 @@ class Study:
             stages[f"{prefix}.image_pull_s"] = record.duration_s
             return record
 
-        self.say(f"arm {arm.name}: starting ({len(self.spec.workloads)} workload(s))")
+        which = f" launch {launch} of {launches}" if launches > 1 else ""
+        self.say(f"arm {arm.name}{which}: starting ({len(self.spec.workloads)} workload(s))")
         began = time.perf_counter()
         run = ArmRun(
             self.spec, arm.name, models, self.prompts, self.tracker, self.settings, self.findings,
-            self.experiment_file, self.steps.arm, tags=dict(self.tags), labels=dict(self.labels),
+            self.experiment_file, self.steps.arm, tags=tags, labels=dict(self.labels),
             params=dict(self.params), parent_run_id=self.run_id, image_source=image, say=self.say,
             warn=self.warn,
         )  # fmt: skip
         result = run.execute()
+        result.launch = launch
         waited_s = sum(waits)
         stages[f"{prefix}.input_wait_s"] = waited_s
         stages[f"{prefix}.run_s"] = time.perf_counter() - began - (waits[1] if len(waits) > 1 else 0.0)

@@ -138,6 +138,57 @@ def test_the_next_arms_model_is_fetched_while_an_arm_runs(  # type: ignore[no-un
     assert [p.sha256 for p in records["first"].prompts] == [p.sha256 for p in records["second"].prompts]
 
 
+def test_launches_are_interleaved_and_merged_into_one_cell(  # type: ignore[no-untyped-def]
+    servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two arms launched twice each, with an A/A copy of the baseline: the launches run A A' B B A' A
+    ... in interleaved rounds, each an arm run tagged with its launch; the report merges an arm's
+    launches into one cell whose interval comes from its launch means, and states the A/A."""
+    fast, slow = servers
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    spec = parse_experiment(
+        _experiment(
+            [{**_arm("fast", fast.base_url), "launches": 2}, {**_arm("slow", slow.base_url), "launches": 2}],
+            decision={"calibration": True, "metrics": ["output_throughput_tps", "ttft_ms_p50"]},
+        )
+    )
+    settings = Settings()
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "study", tmp_path / "artifacts")
+    models = {"model": fetch_model(spec.model, settings.home_dir)}
+    prompts = prepare_prompts(spec.workloads, TINY_MODEL, settings.home_dir)
+    run_id = start_study(tracker, spec, "study.yaml")
+    outcome = Study(spec, run_id, tracker, settings, models, prompts).execute()
+
+    order = [(o.arm, o.launch) for o in outcome.arms]
+    assert order == [("fast", 1), ("fast-aa", 1), ("slow", 1), ("slow", 2), ("fast-aa", 2), ("fast", 2)]
+    assert all(o.status == "FINISHED" for o in outcome.arms)
+    study_run = tracker.client.get_run(run_id)
+    assert study_run.data.params["launch_order"] == "fast#1 fast-aa#1 slow#1 slow#2 fast-aa#2 fast#2"
+    runs = sorted(tracker.children(run_id), key=lambda r: r.info.start_time)
+    assert [(r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]) for r in runs] == [
+        (a, str(k)) for a, k in order
+    ]
+    assert runs[0].info.run_name == "study-test/fast#1"
+    assert "stage.fast.launch2.run_s" in study_run.data.metrics
+
+    report = build_report(tracker, run_id)
+    cell = report.data.cell("fast", "in32")
+    assert cell is not None
+    assert cell.launches == 2
+    assert len(cell.values["output_throughput_tps"]) == 4  # 2 launches x 2 repeats
+    row = next(
+        r for r in report.analysis.rows if r.workload == "in32" and r.metric.key == "output_throughput_tps"
+    )
+    assert row.cells["fast"].estimate.basis == "launches"
+    assert row.ranking == ["fast", "slow"]
+    assert report.analysis.calibration == ("fast", "fast-aa")
+    assert row.calibration is not None
+    md = report.markdown
+    assert "## Calibration: A/A" in md
+    assert "## Noise: restart and repeat" in md
+    assert "fast #2" in md  # the cold-start table names each launch
+
+
 @pytest.mark.flow
 def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: ignore[no-untyped-def]
     prefect_harness: None, servers, tmp_path: Path
@@ -180,7 +231,12 @@ def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: i
     assert Path(result["report"]["html"]).is_file()
     study_note = tracker.client.get_run(study_run.info.run_id).data.tags["mlflow.note.content"]
     assert study_note.startswith("Study of experiment **study-test**")
-    assert "- **end-to-end time**: fast leads at 32 tokens" in study_note
+    line = next(
+        ln for ln in study_note.splitlines() if ln.startswith("- **in32**") and "decode throughput" in ln
+    )
+    assert "fast" in line
+    assert "(best)" in line
+    assert "slow" in line
 
     # the same report again, from MLflow alone
     report = build_report(tracker, study_run.info.run_id[:10])

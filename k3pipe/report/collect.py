@@ -208,10 +208,12 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         if not arm_run.data.tags.get("k3pipe.arm"):
             continue
         arm = _arm(tracker, arm_run)
+        prefix = f"stage.{arm.name}." if arm.launch == 1 else f"stage.{arm.name}.launch{arm.launch}."
         arm.stages = {
-            k.removeprefix(f"stage.{arm.name}.").removesuffix("_s"): v
+            k.removeprefix(prefix).removesuffix("_s"): v
             for k, v in run.data.metrics.items()
-            if k.startswith(f"stage.{arm.name}.")
+            # launch 1's prefix is also the start of the later launches' keys
+            if k.startswith(prefix) and (arm.launch > 1 or not k.startswith(f"stage.{arm.name}.launch"))
         }
         arms.append(arm)
         for wl in tracker.children(arm_run.info.run_id):
