@@ -478,17 +478,18 @@ def rerun(
     settings = Settings()
     prepare_prefect_env(settings, "flows.benchmark")
     from flows.benchmark import rerun as rerun_flow
+    from k3pipe.bench.repeats import Comparison
 
     outcomes = _run_flow(lambda: rerun_flow(run_id, allow_drift=allow_drift))
     _print_outcomes(outcomes)
     for o in outcomes:
         for v in o.get("verdicts", []):
             print(f"\n{o['arm']} / {v['workload']}: {v['verdict']}  (rerun of {o['rerun_of'][:12]})")
-            print(f"  {'metric':<24}{'original':>12}{'rerun':>12}{'change':>10}{'p (Welch)':>12}")
-            for c in v["metrics"]:
-                change = f"{c['relative_change']:+.1%}" if c["relative_change"] is not None else "n/a"
-                p = f"{c['p_value']:.3g}" if c["p_value"] is not None else "n/a"
-                print(f"  {c['metric']:<24}{c['mean_a']:>12.3f}{c['mean_b']:>12.3f}{change:>10}{p:>12}")
+            print(f"  {'metric':<28}{'original':>12}{'rerun':>12}  {'change [interval]':<28}verdict")
+            for raw in v["metrics"]:
+                c = Comparison.model_validate(raw)
+                change = c.change_text()
+                print(f"  {c.metric:<28}{c.mean_a:>12.3f}{c.mean_b:>12.3f}  {change:<28}{c.verdict()}")
 
 
 def _print_outcomes(outcomes: list[dict]) -> None:
@@ -664,7 +665,8 @@ def compare_cmd(
     workload: Annotated[str | None, typer.Option(help="Workload name, when the ids are engine runs.")] = None,
     metric: Annotated[list[str] | None, typer.Option(help="Metric to compare (repeatable).")] = None,
 ) -> None:
-    """Is workload B different from workload A? Welch's t-test over their repeats, per metric."""
+    """Is workload B different from workload A, equivalent, or can the data not tell? Per metric, over
+    their repeats (docs/measurement.md, 'Verdicts')."""
     from k3pipe.compare import DEFAULT_METRICS, compare_workloads, resolve_workload_run
     from k3pipe.tracking import Tracker
 
@@ -680,12 +682,13 @@ def compare_cmd(
     if not rows:
         _fail(K3pipeError("the two runs share none of the metrics asked for"))
     print(f"A: {a.info.run_name} ({a.info.run_id[:12]})   B: {b.info.run_name} ({b.info.run_id[:12]})")
-    print(f"{'metric':<24}{'mean A':>12}{'mean B':>12}{'change':>10}{'p (Welch)':>12}  verdict")
+    print(
+        f"B against A on the log ratio of geometric means; {len(rows)} comparison(s) share alpha 0.05 "
+        f"({rows[0].confidence:.2%} intervals)"
+    )
+    print(f"{'metric':<24}{'mean A':>12}{'mean B':>12}  {'change [interval]':<28}verdict")
     for c in rows:
-        change = f"{c.relative_change:+.1%}" if c.relative_change is not None else "n/a"
-        p = f"{c.p_value:.3g}" if c.p_value is not None else "n/a"
-        verdict = "different" if c.different else "within noise" if c.p_value is not None else "needs repeats"
-        print(f"{c.metric:<24}{c.mean_a:>12.3f}{c.mean_b:>12.3f}{change:>10}{p:>12}  {verdict}")
+        print(f"{c.metric:<24}{c.mean_a:>12.3f}{c.mean_b:>12.3f}  {c.change_text():<28}{c.verdict()}")
 
 
 @app.command()

@@ -1,9 +1,10 @@
 """Compare two recorded workloads: are their figures different, or within noise?
 
 A workload recorded with ``repeats: N`` keeps its per-repeat values in ``repeats.json``; two such
-workloads are compared metric by metric with Welch's t-test (``k3pipe.bench.repeats.compare``). A
-workload with a single repeat has no spread, so its figures are shown without a verdict: rerun it
-with ``repeats`` to tell a difference from noise.
+workloads are compared metric by metric (``k3pipe.bench.repeats.compare``: the log ratio of their
+geometric means, the metrics compared together sharing alpha, each verdict different, equivalent
+within 5% or inconclusive). A workload with a single repeat has no spread, so its figures are shown
+without a verdict: rerun it with ``repeats`` to tell a difference from noise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from k3pipe.bench.repeats import Comparison, compare
 from k3pipe.errors import TrackingError
+from k3pipe.stats import Design
 from k3pipe.tracking import Tracker
 
 __all__ = [
@@ -104,7 +106,13 @@ def compare_workloads(
 ) -> list[Comparison]:
     """Metric by metric, workload B against workload A (metrics either lacks are left out)."""
     a, b = workload_values(tracker, run_a), workload_values(tracker, run_b)
-    return [compare(m, a[m], b[m]) for m in metrics if a.get(m) and b.get(m)]
+    shared = [m for m in metrics if _positive(a.get(m)) and _positive(b.get(m))]
+    design = Design(tests=max(1, len(shared)))
+    return [compare(m, a[m], b[m], design) for m in shared]
+
+
+def _positive(values: Sequence[float] | None) -> bool:
+    return any(v > 0 for v in values or [])
 
 
 def find_run(tracker: Tracker, run_ref: str) -> Any:

@@ -27,6 +27,7 @@ from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
 from k3pipe.secrets import REDACTED
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel
+from k3pipe.stats import Design
 from k3pipe.tracking import Tracker
 
 __all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict"]
@@ -224,14 +225,17 @@ class WorkloadVerdict:
 
     @property
     def summary(self) -> str:
-        tested = [c for c in self.rows if c.p_value is not None]
-        different = [c.metric for c in tested if c.different]
-        where = "" if self.basis == "repeats" else " (single runs: Welch's test over their requests)"
+        tested = [c for c in self.rows if c.outcome != "untested"]
+        where = "" if self.basis == "repeats" else " (single runs: over their requests, a rough test)"
+        if not tested:
+            return "no verdict: neither repeats nor per-request figures to test"
+        different = [f"{c.metric} {c.change_text()}" for c in tested if c.different]
         if different:
             return "different: " + ", ".join(different) + where
-        if tested:
-            return "no difference within noise" + where
-        return "no verdict: neither repeats nor per-request figures to test"
+        if all(c.outcome == "equivalent" for c in tested):
+            return f"equivalent within +-{tested[0].margin:.0%} on every figure" + where
+        parts = [f"{c.metric} {c.verdict()}" for c in tested]
+        return "no difference shown: " + "; ".join(parts) + where
 
 
 def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[WorkloadVerdict]:
@@ -242,14 +246,12 @@ def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[Workloa
     for name in sorted(k for k in a if k and k in b):
         rows = compare_workloads(tracker, a[name], b[name], DEFAULT_METRICS)
         basis = "repeats"
-        if not any(c.p_value is not None for c in rows):
+        if not any(c.outcome != "untested" for c in rows):
             # single runs: their requests are the samples (per-request TTFT, TPOT, E2E)
             ra, rb = request_values(tracker, a[name]), request_values(tracker, b[name])
-            tested = [
-                compare(f"{m} (per request)", ra[m], rb[m])
-                for m in ra
-                if len(ra[m]) > 1 and len(rb.get(m, [])) > 1
-            ]
+            names = [m for m in ra if len(ra[m]) > 1 and len(rb.get(m, [])) > 1]
+            design = Design(tests=max(1, len(names)))
+            tested = [compare(f"{m} (per request)", ra[m], rb[m], design) for m in names]
             if tested:
                 rows, basis = tested + rows, "requests"
         out.append(WorkloadVerdict(name, a[name].info.run_id, b[name].info.run_id, rows, basis))

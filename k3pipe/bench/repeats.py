@@ -6,9 +6,12 @@ module gives, per metric, the mean, the sample standard deviation (``ddof=1``) a
 confidence interval of the mean from Student's t distribution with N - 1 degrees of freedom:
 ``mean +/- t(0.975, N-1) * std / sqrt(N)``. With one repeat std and the interval are undefined (None).
 
-:func:`compare` says whether two sets of repeats differ in a metric: Welch's t-test (unequal
-variances), different when its two-sided p-value is below ``alpha``. Overlapping intervals are not
-the test (two 95% intervals can overlap while the means differ at 5%).
+:func:`compare` says how two sets of repeats stand on a metric, with the statistics of the study
+report (:mod:`k3pipe.stats`, docs/measurement.md "Verdicts"): on the log of the ratio of their
+geometric means, an interval at the level of the family of comparisons made together, and one of
+three outcomes read off it: different, equivalent within the margin, or inconclusive (with the
+smallest difference the data could have shown). Overlapping 95% intervals of the two means are not
+that test.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy import stats
+
+from k3pipe.stats import Design, decide, estimate
+from k3pipe.stats import compare as stats_compare
 
 __all__ = ["Comparison", "RepeatStats", "aggregate_repeats", "compare"]
 
@@ -53,16 +59,43 @@ class RepeatStats(BaseModel):
 
 
 class Comparison(BaseModel):
-    """Two sets of repeats compared on one metric."""
+    """Two sets of repeats compared on one metric (B against A)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     metric: str
-    mean_a: float
-    mean_b: float
-    relative_change: float | None = Field(description="(mean_b - mean_a) / mean_a; None when mean_a is 0.")
-    p_value: float | None = Field(description="Welch's t-test, two-sided; None with fewer than 2 repeats.")
-    different: bool = Field(description="p_value < alpha.")
+    mean_a: float = Field(description="A's geometric mean.")
+    mean_b: float = Field(description="B's geometric mean.")
+    relative_change: float = Field(description="B over A, minus 1 (geometric means).")
+    interval: tuple[float, float] | None = Field(
+        description="The interval of relative_change at `confidence` (None: a single value on a side)."
+    )
+    confidence: float = Field(description="The interval's coverage: 1 - alpha / (comparisons made together).")
+    outcome: str = Field(description="different, equivalent, inconclusive or untested.")
+    margin: float = Field(description="The equivalence margin (0.05: +-5%).")
+    mde: float | None = Field(description="The smallest difference this comparison would have found (80%).")
+
+    @property
+    def different(self) -> bool:
+        return self.outcome == "different"
+
+    def verdict(self) -> str:
+        """'different', 'equivalent within +-5%', 'inconclusive (below 12% cannot be seen)' or
+        'needs repeats'."""
+        if self.outcome == "untested":
+            return "needs repeats"
+        if self.outcome == "equivalent":
+            return f"equivalent within +-{self.margin:.0%}"
+        if self.outcome == "inconclusive":
+            seen = f"{self.mde:.0%}" if self.mde is not None and self.mde < 10 else "any size"
+            return f"inconclusive (below {seen} cannot be seen)"
+        return "different"
+
+    def change_text(self) -> str:
+        ci = ""
+        if self.interval is not None:
+            ci = f" [{self.interval[0]:+.1%}, {self.interval[1]:+.1%}]"
+        return f"{self.relative_change:+.1%}{ci}"
 
 
 def aggregate_repeats(per_repeat: Sequence[Mapping[str, float]]) -> dict[str, RepeatStats]:
@@ -72,22 +105,26 @@ def aggregate_repeats(per_repeat: Sequence[Mapping[str, float]]) -> dict[str, Re
     return {name: RepeatStats.of([m[name] for m in per_repeat if name in m]) for name in names}
 
 
-def compare(metric: str, a: Sequence[float], b: Sequence[float], alpha: float = 1 - CONFIDENCE) -> Comparison:
-    """Whether two sets of per-repeat values of ``metric`` differ (Welch's t-test at ``alpha``)."""
+def compare(metric: str, a: Sequence[float], b: Sequence[float], design: Design | None = None) -> Comparison:
+    """How B's values of ``metric`` stand against A's (each one launch's repeats), under ``design``
+    (default: one comparison at alpha 0.05, margin 5%). Values that are not positive are left out."""
     if not a or not b:
         raise ValueError(f"{metric}: both sides need at least one value (got {len(a)} and {len(b)})")
-    mean_a, mean_b = float(np.mean(a)), float(np.mean(b))
-    p: float | None = None
-    if len(a) >= 2 and len(b) >= 2:
-        if np.std(a) == 0 and np.std(b) == 0:
-            p = 1.0 if mean_a == mean_b else 0.0
-        else:
-            p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    design = design or Design()
+    ea, eb = estimate([list(a)]), estimate([list(b)])
+    if ea is None or eb is None:
+        raise ValueError(f"{metric}: no positive value on one side, nothing to compare")
+    comparison = stats_compare(eb, ea)
+    verdict = decide(comparison, design, True, ("B", "A"))
+    ci = comparison.interval(design.confidence)
     return Comparison(
         metric=metric,
-        mean_a=mean_a,
-        mean_b=mean_b,
-        relative_change=(mean_b - mean_a) / mean_a if mean_a else None,
-        p_value=p,
-        different=p is not None and p < alpha,
+        mean_a=ea.mean,
+        mean_b=eb.mean,
+        relative_change=math.expm1(comparison.diff),
+        interval=(math.expm1(ci[0]), math.expm1(ci[1])) if ci else None,
+        confidence=design.confidence,
+        outcome=verdict.outcome,
+        margin=design.margin,
+        mde=verdict.mde,
     )

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats, compare
+from k3pipe.stats import Design
 
 
 def test_mean_std_and_t_interval() -> None:
@@ -39,23 +40,37 @@ def test_compare_tells_different_from_noise() -> None:
     noise = [100.2, 99.1, 101.3, 99.8, 100.1]
     d = compare("ttft_ms_p50", a, clearly_slower)
     assert d.different
-    assert d.p_value is not None
-    assert d.p_value < 1e-6
-    assert d.relative_change == pytest.approx(0.1)
+    assert d.relative_change == pytest.approx(0.1, abs=0.001)  # geometric means
+    assert d.interval is not None
+    assert d.interval[0] > 0
     same = compare("ttft_ms_p50", a, noise)
     assert not same.different
-    assert same.p_value is not None
-    assert same.p_value > 0.5
+    assert same.outcome == "equivalent"  # +-1% noise, 5 repeats: inside the 5% margin
+    assert same.verdict() == "equivalent within +-5%"
+    wide = compare("ttft_ms_p50", [100.0, 130.0, 80.0], [90.0, 140.0, 105.0])
+    assert wide.outcome == "inconclusive"
+    assert wide.verdict().startswith("inconclusive (below ")
+
+
+def test_compare_shares_alpha_with_the_metrics_compared_together() -> None:
+    a, b = [100.0, 101.0, 99.0], [103.0, 104.0, 102.0]
+    alone = compare("x", a, b)
+    among_ten = compare("x", a, b, Design(tests=10))
+    assert among_ten.confidence == pytest.approx(0.995)
+    assert alone.interval is not None
+    assert among_ten.interval is not None
+    assert among_ten.interval[1] - among_ten.interval[0] > alone.interval[1] - alone.interval[0]
 
 
 def test_compare_needs_two_repeats_for_a_verdict() -> None:
-    d = compare("x", [1.0], [2.0, 2.1])
-    assert d.p_value is None
+    d = compare("x", [1.0], [2.0])
+    assert d.outcome == "untested"
+    assert d.verdict() == "needs repeats"
     assert not d.different
     with pytest.raises(ValueError, match="both sides"):
         compare("x", [], [1.0])
 
 
 def test_compare_constant_values() -> None:
-    assert compare("x", [1.0, 1.0], [1.0, 1.0]).p_value == 1.0
+    assert compare("x", [1.0, 1.0], [1.0, 1.0]).outcome == "equivalent"
     assert compare("x", [1.0, 1.0], [2.0, 2.0]).different
