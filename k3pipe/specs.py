@@ -955,6 +955,31 @@ class ReferenceSpec(_Spec):
     )
 
 
+class UntilSpec(_Spec):
+    """Launches added until the decision is reached: after the planned launches, a round that
+    launches every arm once more (continuing the interleaved order) is added while some decision
+    comparison is neither decided (different, or equivalent) nor within +-``ci_pct``, until an arm
+    would exceed ``max_launches`` or ``budget_s`` would be overrun. Each round is a look at the data;
+    the family-wise error rate is spent over the looks (docs/measurement.md, "Adding launches")."""
+
+    ci_pct: float = _finite(
+        default=5.0,
+        gt=0,
+        le=100,
+        description="Stop once every undecided comparison's interval is within +-ci_pct (percent).",
+    )
+    max_launches: int = _count(
+        ge=2, le=MAX_LAUNCHES, description="The most launches an arm gets (the planned ones included)."
+    )
+    budget_s: float | None = _finite(
+        default=None,
+        gt=0,
+        le=MAX_DURATION_S,
+        description="Add no round that would end later than this many seconds after the study began "
+        "(judged by the slowest round so far). None: no time limit.",
+    )
+
+
 DECISION_METRICS = tuple(f.key for f in FIGURES)
 """The figures a decision may rest on (k3pipe.figures.FIGURES)."""
 
@@ -995,6 +1020,10 @@ class DecisionSpec(_Spec):
     baseline: str | None = Field(
         default=None,
         description="An arm every other arm is also judged against (beside the best); None: the best only.",
+    )
+    until: UntilSpec | None = Field(
+        default=None,
+        description="Add launches until the decision is reached (or a budget is spent); None: as planned.",
     )
     calibration: bool = Field(
         default=False,
@@ -1117,6 +1146,13 @@ class ExperimentSpec(_Spec):
             raise ValueError(
                 f"decision.baseline {baseline!r} is not an arm of the experiment; its arms: "
                 + ", ".join(a.name for a in self.arms)
+            )
+        until = self.decision.until
+        if until is not None and until.max_launches < max(a.launches for a in self.arms):
+            raise ValueError(
+                f"decision.until.max_launches ({until.max_launches}) is below the launches an arm "
+                f"already plans ({max(a.launches for a in self.arms)}): raise max_launches, or lower "
+                "that arm's launches"
             )
         if self.decision.calibration:
             copy = self.calibration_arm_name

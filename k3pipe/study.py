@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -125,6 +126,33 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
             f"{w.repeats} repeat(s)"
         )
     return lines
+
+
+def decision_reached(tracker: Tracker, run_id: str, ci_pct: float, alpha: float) -> tuple[bool, str]:
+    """Whether every decision comparison of the study so far is decided (different, or equivalent)
+    or has an interval within +-``ci_pct`` at this look's ``alpha``; and why, in words."""
+    from k3pipe.report.analysis import analyse
+    from k3pipe.report.collect import collect
+
+    data = collect(tracker, run_id)
+    data.look = {"alpha": alpha}
+    analysis = analyse(data)
+    pairs = [v for r in analysis.rows if r.decision for v in r.verdicts]
+    if not pairs:
+        return False, "no decision comparison could be made yet"
+    bound = math.log1p(ci_pct / 100)
+    open_ = []
+    for v in pairs:
+        if v.outcome in ("different", "equivalent"):
+            continue
+        ci = v.ci
+        if ci is not None and (math.log(ci[1]) - math.log(ci[0])) / 2 <= bound:
+            continue
+        open_.append(f"{v.metric} {v.a}/{v.b} in {v.workload}")
+    if not open_:
+        return True, f"every decision comparison decided or within +-{ci_pct:g}% ({len(pairs)} in all)"
+    shown = ", ".join(open_[:3]) + (f" and {len(open_) - 3} more" if len(open_) > 3 else "")
+    return False, f"{len(open_)} of {len(pairs)} comparisons open ({shown})"
 
 
 def stage_prefix(arm: str, launch: int = 1) -> str:
@@ -247,6 +275,8 @@ class Study:
         names = study_arm_names(self.spec, self.arms)
         arms = [self.spec.arm(n) for n in names]
         order = launch_order(self.spec, names)
+        until = self.spec.decision.until
+        most = {n: max(self.spec.arm(n).launches, until.max_launches if until else 0) for n in names}
         if len(order) > len(names):
             self.say("launch order: " + " ".join(f"{a}#{k}" for a, k in order))
             self.tracker.log_params(self.run_id, {"launch_order": " ".join(f"{a}#{k}" for a, k in order)})
@@ -256,17 +286,73 @@ class Study:
         images_pool = ThreadPoolExecutor(1, thread_name_prefix="k3pipe-images")
         try:
             model_futures, image_futures = self._prefetch(arms, models_pool, images_pool)
-            for name, launch in order:
-                arm = self.spec.arm(name)
-                outcome.arms.append(
-                    self._arm(arm, model_futures, image_futures, outcome.stages, launch, arm.launches)
-                )
+
+            def launch_all(launches: list[tuple[str, int]]) -> None:
+                for name, launch in launches:
+                    arm = self.spec.arm(name)
+                    outcome.arms.append(
+                        self._arm(arm, model_futures, image_futures, outcome.stages, launch, most[name])
+                    )
+
+            launch_all(order)
+            if until is not None:
+                self._until(names, order, launch_all, start)
             status = "FINISHED"
         finally:
             models_pool.shutdown(wait=False, cancel_futures=True)
             images_pool.shutdown(wait=False, cancel_futures=True)
             self._close(outcome, time.perf_counter() - start, status)
         return outcome
+
+    def _until(
+        self,
+        names: list[str],
+        done: list[tuple[str, int]],
+        launch_all: Callable[[list[tuple[str, int]]], None],
+        start: float,
+    ) -> None:
+        """Rounds of one more launch per arm while the decision is not reached (``decision.until``),
+        each round a look at the data with its share of alpha (:func:`k3pipe.stats.spend_alpha`)."""
+        until = self.spec.decision.until
+        assert until is not None
+        planned = {n: self.spec.arm(n).launches for n in names}
+        rounds = until.max_launches - max(planned.values())
+        shares = stats.spend_alpha(self.spec.decision.alpha, rounds + 1)
+        ran = list(done)
+        round_s = [time.perf_counter() - start]
+        for look in range(rounds + 1):
+            self._note_look(look + 1, rounds + 1, shares[look])
+            reached, why = decision_reached(self.tracker, self.run_id, until.ci_pct, shares[look])
+            if reached or look == rounds:
+                stop = why if reached else f"the most launches ({until.max_launches} per arm) ran; {why}"
+                self.say(f"decision: stopping at look {look + 1} of at most {rounds + 1}: {stop}")
+                self.tracker.set_tags(self.run_id, {"k3pipe.decision.stopped": stop})
+                return
+            elapsed = time.perf_counter() - start
+            if until.budget_s is not None and elapsed + max(round_s) > until.budget_s:
+                stop = (
+                    f"budget: another round (about {max(round_s):.0f} s) would end after budget_s "
+                    f"{until.budget_s:g} s ({elapsed:.0f} s spent); {why}"
+                )
+                self.say(f"decision: stopping at look {look + 1} of at most {rounds + 1}: {stop}")
+                self.tracker.set_tags(self.run_id, {"k3pipe.decision.stopped": stop})
+                return
+            self.say(f"decision: not reached at look {look + 1} ({why}): one more launch of every arm")
+            counts = {n: planned[n] + look + 1 for n in names}
+            full = stats.interleaved_order(names, [counts[n] for n in names])
+            extra = [pair for pair in full if pair not in ran]
+            began = time.perf_counter()
+            launch_all(extra)
+            ran.extend(extra)
+            round_s.append(time.perf_counter() - began)
+
+    def _note_look(self, look: int, looks: int, alpha: float) -> None:
+        """Where the study stands among its looks: the report's verdicts use this look's alpha."""
+        self.tracker.set_tags(
+            self.run_id,
+            {"k3pipe.decision.look": str(look), "k3pipe.decision.looks": str(looks),
+             "k3pipe.decision.alpha": repr(alpha)},
+        )  # fmt: skip
 
     def _arm(
         self,

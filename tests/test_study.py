@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from k3pipe import stats
 from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.experiment import parse_experiment
 from k3pipe.report import build_report
@@ -187,6 +188,63 @@ def test_launches_are_interleaved_and_merged_into_one_cell(  # type: ignore[no-u
     assert "## Calibration: A/A" in md
     assert "## Noise: restart and repeat" in md
     assert "fast #2" in md  # the cold-start table names each launch
+
+
+def _run_study(spec: Any, tmp_path: Path) -> tuple[Tracker, str, Any]:
+    settings = Settings()
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "study", tmp_path / "artifacts")
+    models = {"model": fetch_model(spec.model, settings.home_dir)}
+    prompts = prepare_prompts(spec.workloads, TINY_MODEL, settings.home_dir)
+    run_id = start_study(tracker, spec, "study.yaml")
+    return tracker, run_id, Study(spec, run_id, tracker, settings, models, prompts).execute()
+
+
+def test_until_adds_rounds_of_launches_while_the_decision_is_open(  # type: ignore[no-untyped-def]
+    servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An A/A under a decision that cannot be reached (a margin of 0.001%, intervals of 0.01%): a
+    round of one more launch per arm is added at each look, up to max_launches, each look with its
+    share of alpha, and the report says where and why it stopped."""
+    fast, _ = servers
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    workload = {**WORKLOADS[0], "repeats": 2}
+    spec = parse_experiment(
+        {
+            **_experiment([_arm("a", fast.base_url), _arm("b", fast.base_url)]),
+            "workloads": [workload],
+            "decision": {"metrics": ["output_throughput_tps"], "margin_pct": 0.001,
+                         "until": {"ci_pct": 0.01, "max_launches": 3}},
+        }
+    )  # fmt: skip
+    tracker, run_id, outcome = _run_study(spec, tmp_path)
+    assert [(o.arm, o.launch) for o in outcome.arms] == [
+        ("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)
+    ]  # fmt: skip
+    tags = tracker.client.get_run(run_id).data.tags
+    assert (tags["k3pipe.decision.look"], tags["k3pipe.decision.looks"]) == ("3", "3")
+    assert tags["k3pipe.decision.stopped"].startswith("the most launches (3 per arm) ran")
+    report = build_report(tracker, run_id)
+    assert report.analysis.design.alpha == pytest.approx(stats.spend_alpha(0.05, 3)[2])
+    assert "stopped at look 3 of at most 3" in report.markdown
+
+
+def test_until_stops_at_once_when_the_decision_is_reached(  # type: ignore[no-untyped-def]
+    servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, slow = servers
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    spec = parse_experiment(
+        {
+            **_experiment([_arm("fast", fast.base_url), _arm("slow", slow.base_url)]),
+            "workloads": [{**WORKLOADS[0], "repeats": 3}],
+            "decision": {"metrics": ["output_throughput_tps"], "until": {"max_launches": 4}},
+        }
+    )
+    tracker, run_id, outcome = _run_study(spec, tmp_path)
+    assert [(o.arm, o.launch) for o in outcome.arms] == [("fast", 1), ("slow", 1)]
+    tags = tracker.client.get_run(run_id).data.tags
+    assert tags["k3pipe.decision.look"] == "1"
+    assert tags["k3pipe.decision.stopped"].startswith("every decision comparison decided")
 
 
 @pytest.mark.flow

@@ -267,6 +267,8 @@ class Analysis:
     calibration_design: stats.Design | None = None
     baseline: str | None = None
     decision_metrics: tuple[str, ...] = DEFAULT_DECISION
+    look: dict[str, Any] = field(default_factory=dict)
+    """Where a study that added launches stopped (StudyData.look)."""
 
     @property
     def tests(self) -> int:
@@ -278,11 +280,13 @@ class Analysis:
         return all(c.launches >= 2 for r in self.rows if r.decision for c in r.cells.values())
 
 
-def design_of(decision: dict[str, Any], tests: int) -> stats.Design:
+def design_of(decision: dict[str, Any], tests: int, look: dict[str, Any] | None = None) -> stats.Design:
     """The :class:`~k3pipe.stats.Design` of an experiment's ``decision`` (defaults where it says
-    nothing) shared by ``tests`` comparisons."""
+    nothing) shared by ``tests`` comparisons; at a ``look`` of a study that added launches, that
+    look's share of alpha."""
+    alpha = (look or {}).get("alpha") or decision.get("alpha", stats.DEFAULT_ALPHA)
     return stats.Design(
-        alpha=float(decision.get("alpha", stats.DEFAULT_ALPHA)),
+        alpha=float(alpha),
         margin=float(decision.get("margin_pct", stats.DEFAULT_MARGIN * 100)) / 100,
         power=float(decision.get("power", stats.DEFAULT_POWER)),
         tests=max(1, tests),
@@ -327,11 +331,11 @@ def _rows(data: StudyData, arms: list[str], decision: Sequence[str], copy: str |
 
 
 def _judge(
-    rows: list[Row], decision: dict[str, Any], calibration: tuple[str, str] | None
+    rows: list[Row], decision: dict[str, Any], calibration: tuple[str, str] | None, look: dict[str, Any]
 ) -> tuple[stats.Design, stats.Design | None]:
     """Every pair of ranked arms on every decision row, under one design; the A/A apart."""
     pairs = [(row, a, b) for row in rows if row.decision for a, b in itertools.combinations(row.ranking, 2)]
-    design = design_of(decision, len(pairs))
+    design = design_of(decision, len(pairs), look)
     for row, a, b in pairs:
         comparison = stats.compare(row.cells[a].estimate, row.cells[b].estimate)
         verdict = stats.decide(comparison, design, row.metric.higher_is_better, (a, b))
@@ -340,7 +344,7 @@ def _judge(
         return design, None
     base, copy = calibration
     aa = [r for r in rows if r.decision and base in r.cells and copy in r.cells]
-    aa_design = design_of(decision, len(aa))
+    aa_design = design_of(decision, len(aa), look)
     for row in aa:
         comparison = stats.compare(row.cells[base].estimate, row.cells[copy].estimate)
         verdict = stats.decide(comparison, aa_design, row.metric.higher_is_better, (base, copy))
@@ -536,7 +540,7 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
     calibration = data.calibration
     copy = calibration[1] if calibration else None
     rows = _rows(data, arms, metrics, copy)
-    design, aa_design = _judge(rows, decision, calibration)
+    design, aa_design = _judge(rows, decision, calibration, data.look)
     main_arms = [a for a in arms if a != copy]
     degradations = _degradations(data, main_arms)
     return Analysis(
@@ -551,4 +555,5 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
         calibration_design=aa_design,
         baseline=decision.get("baseline"),
         decision_metrics=metrics,
+        look=dict(data.look),
     )

@@ -112,6 +112,13 @@ class StudyData(BaseModel):
     decision: dict[str, Any] = Field(
         default_factory=dict, description="The experiment's 'decision' (metrics, alpha, margin ...), if any."
     )
+    look: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Where a study that added launches (decision.until) stopped: look, looks, alpha (this look's "
+            "share of the family-wise error rate) and why it stopped."
+        ),
+    )
 
     def cell(self, arm: str, workload: str) -> CellData | None:
         return next((c for c in self.cells if c.arm == arm and c.workload == workload), None)
@@ -253,7 +260,19 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         metrics=dict(run.data.metrics),
         reference=_reference(experiment),
         decision=experiment.get("decision") or {},
+        look=_look(run.data.tags),
     )
+
+
+def _look(tags: dict[str, str]) -> dict[str, Any]:
+    if "k3pipe.decision.alpha" not in tags:
+        return {}
+    return {
+        "look": int(tags.get("k3pipe.decision.look", "1")),
+        "looks": int(tags.get("k3pipe.decision.looks", "1")),
+        "alpha": float(tags["k3pipe.decision.alpha"]),
+        "stopped": tags.get("k3pipe.decision.stopped", ""),
+    }
 
 
 def _experiment(tracker: Tracker, run_id: str) -> dict[str, Any]:

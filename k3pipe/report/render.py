@@ -468,6 +468,20 @@ def _method(analysis: Analysis) -> str:
         "equivalence margin, two one-sided tests), so the arms are equivalent; or neither, inconclusive, "
         "with the smallest difference the comparison would have found with "
         f"{d.power:.0%} probability (noncentral t). docs/measurement.md, 'Verdicts', states the model."
+        + _looks(analysis)
+    )
+
+
+def _looks(analysis: Analysis) -> str:
+    look = analysis.look
+    if not look:
+        return ""
+    return (
+        f" This study added launches until its decision was reached (decision.until): it stopped at look "
+        f"{look['look']} of at most {look['looks']} ({look.get('stopped') or 'reason not recorded'}). "
+        f"Each look may use its share of the family-wise error rate (O'Brien-Fleming spending, whose shares "
+        f"sum to the decision's alpha: adding data until a verdict comes keeps the error rate), and "
+        f"this one's is {look['alpha']:.4g}: the alpha above."
     )
 
 
