@@ -341,10 +341,25 @@ def retest(
         raise typer.Exit(1)
 
 
-def _tracker(settings: Settings) -> Any:
+def _tracker(settings: Settings, artifact_root: Path | None = None) -> Any:
+    """The tracker of K3PIPE_HOME's (or MLFLOW_TRACKING_URI's) store; ``artifact_root``: read the
+    runs' artifacts from there (a store moved from another machine, ``--artifact-root``)."""
     from k3pipe.tracking import Tracker
 
-    return Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    return Tracker(
+        settings.tracking_uri(),
+        settings.mlflow_experiment,
+        settings.artifact_root(),
+        read_artifacts_from=artifact_root,
+    )
+
+
+ARTIFACT_ROOT_HELP = (
+    "Read the runs' artifacts from this directory instead of where the MLflow store records them (a "
+    "store brought from another machine, e.g. a GPU node's record): a run recorded at "
+    "<recorded root>/<run_id>/artifacts is read from DIR/<run_id>/artifacts (DIR: the copy of the "
+    "recorded root, the record's mlflow/artifacts)."
+)
 
 
 def _print_study(settings: Settings, result: dict) -> None:
@@ -373,18 +388,34 @@ def report(
     attach: Annotated[
         bool, typer.Option(help="Also attach the regenerated report to the study's run.")
     ] = False,
+    artifact_root: Annotated[
+        Path | None, typer.Option("--artifact-root", metavar="DIR", help=ARTIFACT_ROOT_HELP)
+    ] = None,
 ) -> None:
     """Regenerate a study's (or a retest's) report from MLflow alone: print its table, write
-    Markdown and HTML."""
+    Markdown and HTML. A study whose artifacts (each workload's repeats, each run's requests) cannot
+    be read is an error, never a report of single repeats."""
     from flows.study import report_dir
     from k3pipe.compare import find_run
     from k3pipe.report import build_report, publish
     from k3pipe.report.retest import RETEST_KIND
 
+    if attach and artifact_root is not None:
+        # MLflow writes a run's artifacts where its record says: the other machine's path, not DIR
+        _fail(
+            K3pipeError(
+                f"--attach cannot be used with --artifact-root {artifact_root}: MLflow would write the "
+                "report to the artifact location the store records for the study's run (the other "
+                "machine's path), not into the moved copy; leave out --attach (the report is written "
+                "under --out), or attach it where the store's recorded paths exist"
+            )
+        )
     settings = Settings()
     try:
-        tracker = _tracker(settings)
-        if find_run(tracker, study_run).data.tags.get("k3pipe.kind") == RETEST_KIND:
+        tracker = _tracker(settings, artifact_root)
+        run = find_run(tracker, study_run)
+        tracker.check_artifact_root(run.info.run_id)
+        if run.data.tags.get("k3pipe.kind") == RETEST_KIND:
             _retest_report(settings, tracker, study_run, out, attach)
             return
         rep = build_report(tracker, study_run)
@@ -664,17 +695,22 @@ def compare_cmd(
     run_b: Annotated[str, typer.Argument(help="The run to compare against RUN_A.")],
     workload: Annotated[str | None, typer.Option(help="Workload name, when the ids are engine runs.")] = None,
     metric: Annotated[list[str] | None, typer.Option(help="Metric to compare (repeatable).")] = None,
+    artifact_root: Annotated[
+        Path | None, typer.Option("--artifact-root", metavar="DIR", help=ARTIFACT_ROOT_HELP)
+    ] = None,
 ) -> None:
     """Is workload B different from workload A, equivalent, or can the data not tell? Per metric, over
-    their repeats (docs/measurement.md, 'Verdicts')."""
+    their repeats (docs/measurement.md, 'Verdicts'). A workload of repeats whose repeats.json cannot be
+    read is an error, never one repeat."""
     from k3pipe.compare import DEFAULT_METRICS, compare_workloads, resolve_workload_run
-    from k3pipe.tracking import Tracker
 
     settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
     try:
+        tracker = _tracker(settings, artifact_root)
         a = resolve_workload_run(tracker, run_a, workload)
         b = resolve_workload_run(tracker, run_b, workload)
+        for run in (a, b):
+            tracker.check_artifact_root(run.info.run_id)
         rows = compare_workloads(tracker, a, b, metric or DEFAULT_METRICS)
     except K3pipeError as exc:
         _fail(exc)

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3pipe.bench.repeats import Comparison, compare
-from k3pipe.errors import TrackingError
+from k3pipe.errors import ArtifactMissingError, TrackingError
 from k3pipe.stats import Design
 from k3pipe.tracking import Tracker
 
 __all__ = [
     "DEFAULT_METRICS",
+    "REPEATS_FILE",
     "REQUEST_METRICS",
     "compare_workloads",
     "find_run",
@@ -39,6 +40,8 @@ DEFAULT_METRICS = (
     "goodput_rps",
     "slo_attainment_pct",
 )
+REPEATS_FILE = "repeats.json"
+"""A workload run's values in each of its repeats (k3pipe.record writes it when repeats > 1)."""
 
 
 def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = None) -> Any:
@@ -71,12 +74,41 @@ def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = 
 
 
 def workload_values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
-    """Per metric, its value in each repeat (one value for a workload run without repeats)."""
-    data = tracker.read_artifact(run.info.run_id, "repeats.json")
+    """Per metric, its value in each repeat (one value for a workload run without repeats).
+
+    A workload recorded with ``repeats`` above 1 (its param ``workload.repeats``) has them in
+    repeats.json, never read as one repeat from its means: a FINISHED one lacking it raises
+    ``ArtifactMissingError``; one that ended early without it (its process died before the statistics
+    were logged, k3pipe.record) has no values. An artifact store that cannot be read (a store moved
+    from another machine, read without ``--artifact-root``) raises ``ArtifactStoreError``.
+    """
+    repeats = _repeats(run)
+    data = None
+    if repeats != 1:  # one repeat: its metrics are its values, and it has no repeats.json to read
+        try:
+            data = tracker.find_artifact(run.info.run_id, REPEATS_FILE)
+            if data is None and repeats > 1 and run.info.status == "FINISHED":
+                data = tracker.read_artifact(run.info.run_id, REPEATS_FILE, required=True)  # raises
+        except ArtifactMissingError as exc:
+            tags = run.data.tags
+            raise exc.context(
+                f"workload {tags.get('k3pipe.workload', '?')} of arm {tags.get('k3pipe.arm', '?')} "
+                f"({run.info.status}, "
+                + (f"{repeats} repeats" if repeats > 1 else "repeats not recorded")
+                + ")"
+            ) from exc
     if data is None:
-        return {k: [v] for k, v in run.data.metrics.items()}
+        return {} if repeats > 1 else {k: [float(v)] for k, v in run.data.metrics.items()}
     stats = json.loads(data)
     return {k: [float(x) for x in v["values"]] for k, v in stats.items()}
+
+
+def _repeats(run: Any) -> int:
+    """The workload's ``repeats`` as recorded (its param); 0 when not recorded."""
+    try:
+        return int(float(run.data.params.get("workload.repeats", "0")))
+    except ValueError:
+        return 0
 
 
 # per-request figures (requests.parquet columns) a single run can be tested on: its requests are the

@@ -17,8 +17,10 @@ MLflow.
     │   ├── EndpointAuthError       401/403: key, base URL path or one of the three settings
     │   └── ModelNotServedError     the model id is not listed by /v1/models
     ├── BenchmarkError        a workload could not run at all (single requests fail as records)
-    ├── TrackingError         MLflow could not record the run
-    │   └── TrackingUnreachableError  the tracking server does not answer at the start of a run
+    ├── TrackingError         MLflow could not record the run (or read it back)
+    │   ├── TrackingUnreachableError  the tracking server does not answer at the start of a run
+    │   └── ArtifactMissingError      a run lacks an artifact that must be read (repeats.json ...)
+    │       └── ArtifactStoreError          the run's artifact store cannot be read at all (moved?)
     ├── RunFailedError        an arm (or a study of a retest) did not finish; each is recorded
     └── StackError            the team stack (PostgreSQL, MLflow, Prefect, worker) could not start or stop
 """
@@ -30,6 +32,8 @@ from typing import Any
 from k3pipe.secrets import scrub
 
 __all__ = [
+    "ArtifactMissingError",
+    "ArtifactStoreError",
     "BenchmarkError",
     "EndpointAuthError",
     "EngineLostError",
@@ -126,6 +130,37 @@ def first_line(exc: BaseException | str) -> str:
 
 class TrackingUnreachableError(TrackingError):
     """The MLflow tracking server did not answer when a run started (the message says how to go on)."""
+
+
+class ArtifactMissingError(TrackingError):
+    """An artifact that must be read is not there: the run's artifacts are listed and it is not among
+    them. ``run_id``, ``artifact`` (its path in the run), ``root`` (the artifact root it was looked
+    for under) and ``location`` (the run's artifact directory or URI) say where it was looked for."""
+
+    def __init__(self, message: str, *, run_id: str, artifact: str, root: str, location: str) -> None:
+        super().__init__(message)
+        self.run_id, self.artifact, self.root, self.location = run_id, artifact, root, location
+
+    def _fields(self) -> dict[str, str]:
+        keys = ("run_id", "artifact", "root", "location")
+        return {key: getattr(self, key) for key in keys}
+
+    def context(self, what: str) -> ArtifactMissingError:
+        """The same error, its message led by what needed the artifact (a workload, its requests)."""
+        return type(self)(f"{what}: {self}", **self._fields())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), str(self), self._fields())
+
+
+class ArtifactStoreError(ArtifactMissingError):
+    """The run's artifacts cannot be read at all: the artifact root its MLflow record names does not
+    exist here (a store brought from another machine: read it with ``--artifact-root``) or cannot be
+    listed. Not the same as a run that has no such artifact."""
+
+
+def _rebuild(cls: type[ArtifactMissingError], message: str, fields: dict[str, str]) -> ArtifactMissingError:
+    return cls(message, **fields)
 
 
 class RerunError(K3pipeError):

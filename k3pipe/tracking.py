@@ -14,6 +14,14 @@ while MLflow is down gets a local id (32 hex digits, as MLflow's) that sync maps
 gives it, translating references to it (a child's ``mlflow.parentRunId``, tags, params, text
 artifacts). Runs the tracker opened and did not end are ended when it is closed or garbage
 collected, and at the process's exit: ``KILLED`` (``FAILED`` after an uncaught exception).
+
+Reading artifacts back tells "this run has no such artifact" (its artifacts are listed, the file is
+not among them: :meth:`Tracker.find_artifact` gives None) from "the artifact store cannot be read"
+(the root the run's record names does not exist here, or cannot be listed: ``ArtifactStoreError``).
+A store brought from another machine (a GPU node's tarball) records that machine's paths; a tracker
+made with ``read_artifacts_from=DIR`` reads each run's artifacts from ``DIR/<run_id>/artifacts``: DIR
+takes the place of the part of the recorded artifact URI before ``<run_id>/artifacts`` (the
+experiment's artifact location; in k3pipe's own stores K3PIPE_HOME/mlflow/artifacts).
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
+from urllib.parse import unquote, urlparse
 
 import httpx
 import pandas as pd
@@ -42,7 +51,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from k3pipe import secrets as _secrets
-from k3pipe.errors import TrackingError, TrackingUnreachableError
+from k3pipe.errors import ArtifactMissingError, ArtifactStoreError, TrackingError, TrackingUnreachableError
 from k3pipe.procs import file_lock
 from k3pipe.provenance import git_commit
 from k3pipe.settings import Settings, apply_mlflow_client_defaults
@@ -484,6 +493,32 @@ class _Writer:
         self.close("FAILED" if failed else "KILLED")
 
 
+def _local_path(uri: str) -> Path | None:
+    """The local path a ``file:`` URI or a plain path names; None for a remote store (http, s3 ...)."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    return Path(uri) if parsed.scheme == "" else None
+
+
+_MOVED_STORE_HINT = (
+    "a store brought from another machine (a GPU node's record) is read with --artifact-root DIR "
+    "(`k3pipe report`, `k3pipe compare`): DIR is the copy of its artifact root, the directory that holds "
+    "<run_id>/artifacts/ (the record's mlflow/artifacts); otherwise check the store"
+)
+
+
+class _Place(NamedTuple):
+    """Where a run's artifacts are read: ``root`` (shown) is the artifact root, ``location`` (shown)
+    the run's own artifact directory or URI; ``root_dir`` and ``run_dir`` the local directories,
+    None for a remote store."""
+
+    root: str
+    location: str
+    root_dir: Path | None
+    run_dir: Path | None
+
+
 class Tracker:
     """Records runs in MLflow (SQLite in K3PIPE_HOME by default, any tracking URI otherwise)."""
 
@@ -497,13 +532,28 @@ class Tracker:
         spool_dir: Path | None = None,
         allow_spool: bool | None = None,
         settings: Settings | None = None,
+        read_artifacts_from: Path | None = None,
     ) -> None:
         """``spool_dir`` (default K3PIPE_HOME/spool) keeps every write until MLflow has it;
         ``allow_spool`` (default the setting ``allow_spool``): a tracking server that does not
         answer now is no error, the run is recorded into the spool. Without it, such a server raises
-        :class:`TrackingUnreachableError` within seconds."""
+        :class:`TrackingUnreachableError` within seconds. ``read_artifacts_from``: read every run's
+        artifacts from ``DIR/<run_id>/artifacts`` instead of where the store records them (a store
+        moved from another machine); such a tracker writes no artifact."""
         settings = settings or Settings()
         self.tracking_uri = tracking_uri
+        self.read_artifacts_from: Path | None = None
+        if read_artifacts_from is not None:
+            moved = read_artifacts_from.expanduser().resolve()
+            if not moved.is_dir():
+                raise TrackingError(
+                    f"artifact root {moved} (--artifact-root) "
+                    + ("is not a directory" if moved.exists() else "does not exist")
+                    + ": give the directory that holds the moved store's <run_id>/artifacts/ "
+                    "(the copy of the artifact root it records; in a GPU node's record, mlflow/artifacts)"
+                )
+            self.read_artifacts_from = moved
+        self._artifact_uris: dict[str, str] = {}
         _secrets.register_all(secrets)
         # the first use of a new SQLite store creates its tables: several first runs at once on one
         # K3PIPE_HOME raced on that and broke the store for good; one process at a time does it
@@ -659,6 +709,13 @@ class Tracker:
 
     def _put_artifact(self, run_id: str, content: Path | bytes, artifact_file: str, text: bool) -> None:
         """An artifact into the spool (a copy of the file, or the bytes), then to MLflow."""
+        if self.read_artifacts_from is not None:
+            # MLflow writes where the run's record says, which is not where this tracker reads
+            raise TrackingError(
+                f"cannot write artifact {artifact_file} of run {run_id}: this tracker reads the artifacts "
+                f"of a moved store from {self.read_artifacts_from}, and MLflow would write it to the "
+                "location the store records for the run, not there"
+            )
         parent = str(Path(artifact_file).parent)
         data = {"dir": None if parent == "." else parent, "text": text}
         self._writer.write(run_id, "artifact", data, content, Path(artifact_file).name)
@@ -681,14 +738,144 @@ class Tracker:
             return
         self.log_text(run_id, text, name)
 
-    def read_artifact(self, run_id: str, artifact_file: str) -> bytes | None:
-        """The bytes of one of the run's artifacts; None when the run has no such artifact."""
-        with tempfile.TemporaryDirectory() as tmp:
+    def read_artifact(self, run_id: str, artifact_file: str, *, required: bool = False) -> bytes | None:
+        """The bytes of one of the run's artifacts; None when the run has no such artifact, or when
+        its artifacts cannot be read at all. ``required``: raise instead, ``ArtifactMissingError``
+        when the run has no such artifact (naming what it has), ``ArtifactStoreError`` when its
+        artifact store cannot be read; see :meth:`find_artifact` for the two apart."""
+        if not required:
             try:
-                path = self.client.download_artifacts(self.mlflow_id(run_id), artifact_file, tmp)
-            except (MlflowException, OSError):
+                return self.find_artifact(run_id, artifact_file)
+            except (TrackingError, MlflowException, OSError):
                 return None
-            return Path(path).read_bytes()
+        data = self.find_artifact(run_id, artifact_file)
+        if data is None:
+            mlflow_id, place = self.mlflow_id(run_id), self._place(run_id)
+            raise ArtifactMissingError(
+                f"run {mlflow_id} has no artifact {artifact_file}: {self._holds(run_id, place)}; "
+                f"{_MOVED_STORE_HINT}",
+                run_id=mlflow_id, artifact=artifact_file, root=place.root, location=place.location,
+            )  # fmt: skip
+        return data
+
+    def find_artifact(self, run_id: str, artifact_file: str) -> bytes | None:
+        """The bytes of one of the run's artifacts; None when the run's artifacts can be read and
+        this is not among them (a local run that logged no artifact has no directory of its own:
+        none). ``ArtifactStoreError`` when they cannot be read: the artifact root does not exist
+        here (a store moved from another machine, see ``read_artifacts_from``), or the run's
+        artifacts cannot be listed or read."""
+        mlflow_id = self.mlflow_id(run_id)
+        place = self._place(run_id)
+
+        def unreadable(why: str) -> ArtifactStoreError:
+            return ArtifactStoreError(
+                f"the artifacts of run {mlflow_id} cannot be read ({artifact_file} among them): {why}; "
+                f"{_MOVED_STORE_HINT}",
+                run_id=mlflow_id, artifact=artifact_file, root=place.root, location=place.location,
+            )  # fmt: skip
+
+        if place.root_dir is None or place.run_dir is None:  # a remote store: ask it
+            parent = os.path.dirname(artifact_file) or None
+            try:
+                listed = {f.path for f in self.client.list_artifacts(mlflow_id, parent)}
+            except Exception as exc:
+                raise unreadable(f"listing {place.location} failed: {exc}") from exc
+            if artifact_file not in listed:
+                return None
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    return Path(self.client.download_artifacts(mlflow_id, artifact_file, tmp)).read_bytes()
+                except Exception as exc:
+                    raise unreadable(f"downloading it from {place.location} failed: {exc}") from exc
+        if not place.root_dir.is_dir():
+            moved = self.read_artifacts_from is not None
+            raise unreadable(
+                f"the artifact root {place.root_dir} "
+                + ("(--artifact-root) " if moved else f"that the MLflow store records ({place.location}) ")
+                + ("is not a directory" if place.root_dir.exists() else "does not exist on this machine")
+            )
+        try:
+            if not place.run_dir.is_dir():
+                return None
+            os.listdir(place.run_dir)  # a directory that cannot be listed is not an absent file
+            target = place.run_dir / artifact_file
+            return target.read_bytes() if target.is_file() else None
+        except OSError as exc:
+            raise unreadable(f"{place.run_dir}: {exc}") from exc
+
+    def _place(self, run_id: str) -> _Place:
+        """Where the run's artifacts are read (the recorded URI, or its place under
+        ``read_artifacts_from``)."""
+        mlflow_id = self.mlflow_id(run_id)
+        uri = self._artifact_uris.get(mlflow_id)
+        if uri is None:
+            try:
+                uri = str(self.client.get_run(mlflow_id).info.artifact_uri)
+            except MlflowException as exc:
+                raise TrackingError(f"no MLflow run {mlflow_id} in {self.tracking_uri}: {exc}") from exc
+            self._artifact_uris[mlflow_id] = uri
+        recorded = uri.rstrip("/")
+        tail = f"/{mlflow_id}/artifacts"
+        root = recorded.removesuffix(tail) if recorded.endswith(tail) else None
+        if self.read_artifacts_from is not None:
+            if root is None:
+                moved = self.read_artifacts_from
+                raise ArtifactStoreError(
+                    f"run {mlflow_id}'s recorded artifact location {uri} does not end in "
+                    f"<run_id>/artifacts, so it has no place under --artifact-root {moved}",
+                    run_id=mlflow_id,
+                    artifact="",
+                    root=str(moved),
+                    location=uri,
+                )
+            moved_dir = self.read_artifacts_from / mlflow_id / "artifacts"
+            return _Place(str(self.read_artifacts_from), str(moved_dir), self.read_artifacts_from, moved_dir)
+        run_dir = _local_path(recorded)
+        if run_dir is None:
+            return _Place(root or recorded, uri, None, None)
+        root_dir = (_local_path(root) if root is not None else None) or run_dir
+        return _Place(str(root_dir), str(run_dir), root_dir, run_dir)
+
+    def _holds(self, run_id: str, place: _Place) -> str:
+        """What the run's artifact directory holds, for a message."""
+        try:
+            if place.run_dir is not None:
+                if not place.run_dir.is_dir():
+                    return f"it has no artifact directory ({place.run_dir} does not exist)"
+                names = sorted(p.name + ("/" if p.is_dir() else "") for p in place.run_dir.iterdir())
+            else:
+                names = sorted(f.path for f in self.client.list_artifacts(self.mlflow_id(run_id)))
+        except Exception as exc:
+            return f"its artifacts at {place.location} cannot be listed ({exc})"
+        shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+        return f"its artifacts at {place.location} are {shown or 'none'}"
+
+    def check_artifact_root(self, run_id: str) -> None:
+        """With ``read_artifacts_from``: ``ArtifactStoreError`` unless that directory holds the
+        artifacts of the run or of a run nested under it (a study's arms, workloads and repeats; a
+        retest's studies). Without it, nothing to check."""
+        moved = self.read_artifacts_from
+        if moved is None:
+            return
+        top = self.mlflow_id(run_id)
+        todo, looked = [top], 0
+        while todo:
+            current = todo.pop(0)
+            looked += 1
+            if (moved / current / "artifacts").is_dir():
+                return
+            todo += [child.info.run_id for child in self.children(current)]
+        run = self.client.get_run(top)
+        hint = ""
+        if (moved / str(run.info.experiment_id) / top).is_dir():  # MLflow's default layout
+            hint = f" ({moved / str(run.info.experiment_id)} holds it: give that directory)"
+        recorded = run.info.artifact_uri.rstrip("/").removesuffix(f"/{top}/artifacts")
+        raise ArtifactStoreError(
+            f"--artifact-root {moved} holds the artifacts of none of the {looked} run(s) of {top} "
+            f"(looked for {moved}/<run_id>/artifacts){hint}: give the directory that holds them, the copy "
+            f"of the artifact root the store records ({recorded}; in a GPU node's record, mlflow/artifacts)",
+            run_id=top, artifact="", root=str(moved), location=str(moved / top / "artifacts"),
+        )  # fmt: skip
 
     def log_frame(self, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
         """Log a table as parquet; text columns are scrubbed of secrets first."""

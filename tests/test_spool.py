@@ -26,7 +26,7 @@ import yaml
 from mlflow import MlflowClient
 
 from k3pipe.bench.prompts import prepare_prompts
-from k3pipe.errors import TrackingUnreachableError
+from k3pipe.errors import ArtifactMissingError, ArtifactStoreError, TrackingUnreachableError
 from k3pipe.experiment import parse_experiment
 from k3pipe.run import ArmRun, ArmSteps
 from k3pipe.settings import Settings
@@ -489,6 +489,30 @@ def test_a_hung_server_costs_one_timeout_then_writes_go_to_the_spool(
     assert len(client.get_metric_history(run, "during")) == 1
     assert len(client.get_metric_history(run, "tick")) == 20
     assert client.get_run(run).info.status == "FINISHED"
+    tracker.close()
+
+
+def test_a_servers_artifacts_absent_or_unreadable(mlflow_server: MlflowServer) -> None:
+    """Through the server's proxied artifact store (mlflow-artifacts:/...), as `k3pipe report` reads
+    a team stack's runs: an artifact the run has, one it lacks (None; required: the error names what
+    it has), and, the server gone, artifacts that cannot be listed: an error, not an absent file."""
+    mlflow_server.start()
+    tracker = Tracker(mlflow_server.uri, "spool-test")
+    run = tracker.start_run("reader")
+    tracker.log_text(run, "hello", "notes/hello.txt")
+    tracker.end_run(run)
+    assert tracker.find_artifact(run, "notes/hello.txt") == b"hello"
+    assert tracker.find_artifact(run, "notes/other.txt") is None
+    assert tracker.find_artifact(run, "repeats.json") is None
+    absent = r"has no artifact repeats\.json: its artifacts at mlflow-artifacts:\S+ are notes"
+    with pytest.raises(ArtifactMissingError, match=absent):
+        tracker.read_artifact(run, "repeats.json", required=True)
+    mlflow_server.kill()
+    t0 = time.monotonic()
+    with pytest.raises(ArtifactStoreError, match=r"cannot be read \(repeats\.json among them\): listing "):
+        tracker.find_artifact(run, "repeats.json")
+    assert tracker.read_artifact(run, "notes/hello.txt") is None  # the other callers' read: as it was
+    assert time.monotonic() - t0 < 60  # k3pipe's short retry budget, twice
     tracker.close()
 
 

@@ -118,12 +118,14 @@ def build_report(tracker: Tracker, study_ref: str, claims: list[dict[str, Any]] 
     from k3pipe.report.plots import plot_all
 
     data = collect(tracker, study_ref)
-    recorded = tracker.read_artifact(data.run_id, CLAIMS_FILE)
-    all_claims = [*(json.loads(recorded) if recorded else []), *(claims or [])]
     frames: dict[tuple[str, str], pd.DataFrame] = {}
     order = {a.name: i for i, a in enumerate(data.arms)}
     for cell in sorted(data.cells, key=lambda c: (order.get(c.arm, len(order)), c.input_tokens)):
         frames.update(_with_steady(tracker, cell))
+    # after the cells' own artifacts, whose errors name the workload; a store that cannot be read
+    # raises here too rather than lose the claims
+    recorded = tracker.find_artifact(data.run_id, CLAIMS_FILE)
+    all_claims = [*(json.loads(recorded) if recorded else []), *(claims or [])]
     analysis = analyse(data, all_claims)
     document = build_document(data, analysis)
     return Report(data, analysis, document, plot_all(analysis, data, frames))

@@ -272,8 +272,8 @@ class Analysis:
 
     @property
     def tests(self) -> int:
-        """How many comparisons the family-wise error rate is shared by."""
-        return self.design.tests
+        """How many comparisons the family-wise error rate is shared by (0: none could be tested)."""
+        return sum(v.tested for r in self.rows for v in r.verdicts)
 
     @property
     def restart_noise_measured(self) -> bool:
@@ -333,9 +333,12 @@ def _rows(data: StudyData, arms: list[str], decision: Sequence[str], copy: str |
 def _judge(
     rows: list[Row], decision: dict[str, Any], calibration: tuple[str, str] | None, look: dict[str, Any]
 ) -> tuple[stats.Design, stats.Design | None]:
-    """Every pair of ranked arms on every decision row, under one design; the A/A apart."""
+    """Every pair of ranked arms on every decision row, under one design; the A/A apart. A pair with a
+    single value on a side cannot be tested and does not count in the family (which pairs can be
+    tested follows from how many launches and repeats ran, not from what they measured)."""
     pairs = [(row, a, b) for row in rows if row.decision for a, b in itertools.combinations(row.ranking, 2)]
-    design = design_of(decision, len(pairs), look)
+    testable = sum(_testable(row, a, b) for row, a, b in pairs)
+    design = design_of(decision, testable, look)
     for row, a, b in pairs:
         comparison = stats.compare(row.cells[a].estimate, row.cells[b].estimate)
         verdict = stats.decide(comparison, design, row.metric.higher_is_better, (a, b))
@@ -344,12 +347,16 @@ def _judge(
         return design, None
     base, copy = calibration
     aa = [r for r in rows if r.decision and base in r.cells and copy in r.cells]
-    aa_design = design_of(decision, len(aa), look)
+    aa_design = design_of(decision, sum(_testable(r, base, copy) for r in aa), look)
     for row in aa:
         comparison = stats.compare(row.cells[base].estimate, row.cells[copy].estimate)
         verdict = stats.decide(comparison, aa_design, row.metric.higher_is_better, (base, copy))
         row.calibration = PairVerdict(row.workload, row.metric.key, base, copy, verdict)
     return design, aa_design
+
+
+def _testable(row: Row, a: str, b: str) -> bool:
+    return row.cells[a].estimate.var is not None and row.cells[b].estimate.var is not None
 
 
 def _noise(data: StudyData, rows: list[Row], arms: list[str]) -> list[NoiseRow]:

@@ -11,8 +11,8 @@ from typing import Any
 import pandas as pd
 from pydantic import BaseModel, Field
 
-from k3pipe.compare import find_run
-from k3pipe.errors import TrackingError
+from k3pipe.compare import find_run, workload_values
+from k3pipe.errors import ArtifactMissingError, TrackingError
 from k3pipe.specs import CALIBRATION_SUFFIX
 from k3pipe.tracking import Tracker
 
@@ -169,10 +169,8 @@ def _float(params: dict[str, str], key: str) -> float | None:
 
 
 def _values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
-    text = tracker.read_artifact(run.info.run_id, "repeats.json")
-    if text is None:
-        return {k: [float(v)] for k, v in run.data.metrics.items()}
-    return {k: [float(x) for x in v["values"]] for k, v in json.loads(text).items()}
+    # a workload of repeats must have its repeats.json read, never its means taken for one repeat
+    return workload_values(tracker, run)
 
 
 def _arm(tracker: Tracker, run: Any) -> ArmData:
@@ -292,12 +290,24 @@ def _reference(experiment: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def requests_frame(tracker: Tracker, cell: CellData) -> pd.DataFrame | None:
-    """The cell's measured, successful requests over all its repeats (None: none recorded)."""
+    """The cell's measured, successful requests over all its repeats (None: none recorded).
+
+    k3pipe.record tags a run ``k3pipe.client_timing`` right after it logged its requests.parquet
+    (FINISHED or not), so a run with that tag lacking the file raises ``ArtifactMissingError``; one
+    without it ended before its requests were logged (FAILED or KILLED) and has none. An artifact
+    store that cannot be read raises ``ArtifactStoreError``."""
     frames = []
     for run_id in cell.request_runs:
-        data = tracker.read_artifact(run_id, "requests.parquet")
+        try:
+            data = tracker.find_artifact(run_id, "requests.parquet")
+            if data is None and "k3pipe.client_timing" in tracker.client.get_run(run_id).data.tags:
+                data = tracker.read_artifact(run_id, "requests.parquet", required=True)  # raises
+        except ArtifactMissingError as exc:
+            raise exc.context(f"the requests of workload {cell.workload} of arm {cell.arm}") from exc
         if data is not None:
-            frames.append(pd.read_parquet(io.BytesIO(data)))
+            frame = pd.read_parquet(io.BytesIO(data))
+            if len(frame):  # a run that sent no request wrote a table without columns
+                frames.append(frame)
     if not frames:
         return None
     frame = pd.concat(frames, ignore_index=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 from k3pipe import stats
 from k3pipe.compare import find_run
-from k3pipe.errors import TrackingError
+from k3pipe.errors import ArtifactMissingError, TrackingError
 from k3pipe.figures import DEFAULT_DECISION, figure
 from k3pipe.report.analysis import TABLE_METRICS, CellStat, Metric, design_of, is_bursty
 from k3pipe.report.collect import STUDY_KIND, StudyData, collect
@@ -292,13 +292,18 @@ def collect_retest(tracker: Tracker, ref: str) -> RetestData:
             f"run {run.info.run_id} is not a retest's run (tag k3pipe.kind is {tags.get('k3pipe.kind')!r}); "
             "give the id `k3pipe retest` printed, or find it with `k3pipe runs`"
         )
-    recorded = tracker.read_artifact(run.info.run_id, VARIANTS_FILE)
-    meta: dict[str, Any] = json.loads(recorded) if recorded else {}
     studies: dict[str, StudyData] = {}
     for child in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
         label = child.data.tags.get("k3pipe.variant")
         if child.data.tags.get("k3pipe.kind") == STUDY_KIND and label:
             studies[label] = collect(tracker, child.info.run_id)
+    # after the studies, whose errors name the workload; an artifact store that cannot be read raises
+    # (ArtifactStoreError) rather than lose what each variant changes
+    try:
+        recorded = tracker.find_artifact(run.info.run_id, VARIANTS_FILE)
+    except ArtifactMissingError as exc:
+        raise exc.context(f"retest {run.info.run_id}'s variants") from exc
+    meta: dict[str, Any] = json.loads(recorded) if recorded else {}
     failed = {
         label: (tags.get(f"k3pipe.failed.{label}") or f"its study ended {s.status} with no cell recorded")
         for label, s in studies.items()
