@@ -24,6 +24,13 @@
 #                                         CPUs 8-15, k3pipe's client in 1, 2, 4, 8 processes on CPUs 0-7
 #                                         and `vllm bench serve` (the vLLM venv), each swept to its highest
 #                                         event rate within 1 ms; shards-sweep.{json,md,log} into $OUT
+#   scripts/gpu-node.sh detach SUB [ARGS] SUB (run, bench, sweep) in a session of its own (setsid) from a
+#                                         node-local copy of this repo ($K3PIPE_HOME/detached-repo): it
+#                                         outlives the call (a device call ends at 10 minutes) while the node
+#                                         stays warm; its output in node-logs/detached.log
+#   scripts/gpu-node.sh wait [--max S]    follow the detached job (new lines of its log) until it ends or S
+#                                         seconds (default 540) pass; exit 0 when it ended with status 0,
+#                                         3 while it still runs, 1 when it failed
 #   scripts/gpu-node.sh collect           nvidia-smi, the node's logs and the MLflow store (sqlite db +
 #                                         artifacts) as one tar.gz split into parts of 15 MiB, plus
 #                                         summary.txt, into $OUT (at most 5 files, under 64 MiB)
@@ -612,6 +619,63 @@ src.close()
     say "collected into $OUT: $(cd "$OUT" && find . -maxdepth 1 -type f -printf '%f ' | sort)"
 }
 
+# --- detach / wait: a job longer than one device call ---------------------------------------------------
+
+DETACHED_REPO=$K3PIPE_HOME/detached-repo
+
+cmd_detach() {
+    local sub=${1:-}
+    case $sub in run | bench | sweep) ;; *) die "detach runs run, bench or sweep, not '$sub'" ;; esac
+    if [ -f "$NODE_LOGS/detached.pid" ] && kill -0 "$(cat "$NODE_LOGS/detached.pid")" 2>/dev/null; then
+        die "a detached job is still running (pid $(cat "$NODE_LOGS/detached.pid")): scripts/gpu-node.sh wait"
+    fi
+    # the call's repo copy is replaced by the next call's: the job runs from a node-local copy
+    rm -rf "$DETACHED_REPO"
+    mkdir -p "$DETACHED_REPO"
+    (cd "$REPO" && tar --exclude=./.gpu --exclude=./.git --exclude=./.venv --exclude=./.k3pipe -cf - .) | (cd "$DETACHED_REPO" && tar -xf -)
+    rm -f "$NODE_LOGS/detached.rc"
+    : > "$NODE_LOGS/detached.log"
+    # setsid: a session of its own, which the call's end does not kill; the status lands in detached.rc
+    setsid bash -c '"$@"; echo $? > "'"$NODE_LOGS"'/detached.rc"' detached \
+        env K3PIPE_HOME="$K3PIPE_HOME" bash "$DETACHED_REPO/scripts/gpu-node.sh" "$@" \
+        > "$NODE_LOGS/detached.log" 2>&1 < /dev/null &
+    echo $! > "$NODE_LOGS/detached.pid"
+    say "detached: $* (pid $!, log $NODE_LOGS/detached.log); follow it with: scripts/gpu-node.sh wait"
+    sleep 2
+    tail -n 5 "$NODE_LOGS/detached.log" || true
+}
+
+cmd_wait() {
+    local max=540 pid seen=0 lines t0
+    if [ "${1:-}" = "--max" ]; then
+        max=$2
+        shift 2
+    fi
+    [ -f "$NODE_LOGS/detached.pid" ] || die "no detached job on this node (scripts/gpu-node.sh detach ...)"
+    pid=$(cat "$NODE_LOGS/detached.pid")
+    t0=$(date +%s)
+    while :; do
+        lines=$(wc -l < "$NODE_LOGS/detached.log")
+        if [ "$lines" -gt "$seen" ]; then
+            sed -n "$((seen + 1)),${lines}p" "$NODE_LOGS/detached.log"
+            seen=$lines
+        fi
+        if [ -f "$NODE_LOGS/detached.rc" ] || ! kill -0 "$pid" 2>/dev/null; then
+            break
+        fi
+        if [ $(($(date +%s) - t0)) -ge "$max" ]; then
+            say "detached job (pid $pid) still running after ${max} s of waiting: call wait again (within 30 s)"
+            exit 3
+        fi
+        sleep 5
+    done
+    sed -n "$((seen + 1)),\$p" "$NODE_LOGS/detached.log"
+    local rc
+    rc=$(cat "$NODE_LOGS/detached.rc" 2>/dev/null || echo "unknown (the job ended without a status)")
+    say "detached job ended: status $rc"
+    [ "$rc" = 0 ] || exit 1
+}
+
 # --- main -------------------------------------------------------------------------------------------
 
 sub=${1:-}
@@ -619,9 +683,9 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 [ -n "$sub" ] || { usage; exit 2; }
 shift
 case $sub in
-    facts | stash | install | model | run | bench | sweep | collect) ;;
+    facts | stash | install | model | run | bench | sweep | detach | wait | collect) ;;
     -h | --help | help) usage; exit 0 ;;
-    *) die "unknown subcommand '$sub' (facts, stash, install, model, run, bench, sweep, collect)" ;;
+    *) die "unknown subcommand '$sub' (facts, stash, install, model, run, bench, sweep, detach, wait, collect)" ;;
 esac
 mkdir -p "$NODE_LOGS"
 COLLECT_WORK=""
