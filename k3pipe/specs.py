@@ -73,6 +73,7 @@ MAX_WORKLOAD_PROMPTS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000_000
 MAX_CONCURRENCY = 100_000
 MAX_RATE_RPS = 100_000.0
+MAX_WARMUP_TOLERANCE_PCT = 50.0
 MAX_DURATION_S = 7 * 86_400.0
 MAX_REQUEST_TIMEOUT_S = 86_400.0
 MIN_METRICS_INTERVAL_S = 0.05
@@ -98,6 +99,7 @@ LIMIT_REASONS: dict[str, str] = {
     ),
     "warmup_requests": "all prompts of every workload are built in memory before the engine starts",
     "repeats": "each repeat builds prompts of its own in memory before the engine starts",
+    "warmup_tolerance_pct": "rates further apart than that do not agree: the engine is not steady",
     "concurrency": "each request in flight holds a connection of a client process",
     "rate_rps": "the client cannot send faster",
     "processes": "each client process is a Python interpreter with its own connections",
@@ -657,6 +659,11 @@ class WorkloadSpec(_Spec):
     Under ``constant`` and ``poisson``, ``concurrency`` caps the requests in flight: a request due
     while the cap is reached waits for a slot, and that wait shows as send lag in the summary.
 
+    Before its measured requests each repeat sends ``warmup_requests`` warm-up requests at
+    ``concurrency`` (not measured, all ended before the measured phase opens); with ``warmup:
+    steady`` in waves of ``concurrency`` until two consecutive waves' output rates agree within
+    ``warmup_tolerance_pct``, ``warmup_requests`` being the most (docs/measurement.md, "Warm-up").
+
     Every workload's prompts are built in memory before the first launch, so a workload holds at
     most ``MAX_WORKLOAD_PROMPTS`` prompts (``(warmup_requests + num_requests) x repeats``).
     """
@@ -717,7 +724,32 @@ class WorkloadSpec(_Spec):
         description="Measured requests (the most sent when duration_s bounds the run).",
     )
     warmup_requests: int = _count(
-        default=0, ge=0, le=MAX_REQUESTS, description="Requests sent first and not measured."
+        default=0,
+        ge=0,
+        le=MAX_REQUESTS,
+        description=(
+            "Requests sent first, at concurrency, and not measured (each repeat's first prompts): "
+            "all of them under warmup 'fixed', the most under warmup 'steady'."
+        ),
+    )
+    warmup: Literal["fixed", "steady"] = Field(
+        default="fixed",
+        description=(
+            "'fixed': send warmup_requests warm-up requests. 'steady': send them in waves of "
+            "concurrency (each wave ends before the next is sent) until two consecutive waves' "
+            "output rates agree within warmup_tolerance_pct, at most warmup_requests // concurrency "
+            "waves (docs/measurement.md, 'Warm-up')."
+        ),
+    )
+    warmup_tolerance_pct: float = _finite(
+        default=5.0,
+        gt=0,
+        le=MAX_WARMUP_TOLERANCE_PCT,
+        description=(
+            "Two consecutive warm-up waves agree when the later's output rate is within this many "
+            "percent of the earlier's: warmup 'steady' stops there; under 'fixed' it only judges "
+            "whether the warm-up ended steady (metric warmup_steady)."
+        ),
     )
     seed: int = _count(
         default=0,
@@ -777,6 +809,13 @@ class WorkloadSpec(_Spec):
             raise ValueError(
                 "rate_rps is only used by load 'constant' or 'poisson'; "
                 "remove it or set load (the default, 'concurrency', sends at fixed concurrency)"
+            )
+        if self.warmup == "steady" and self.warmup_requests < 2 * self.concurrency:
+            raise ValueError(
+                f"warmup 'steady' compares consecutive waves of concurrency ({self.concurrency}) "
+                f"warm-up requests, so warmup_requests (the most it sends, {self.warmup_requests}) must "
+                f"allow two waves at least: set warmup_requests to {2 * self.concurrency} or more, or "
+                "warmup to 'fixed'"
             )
         if isinstance(self.dataset, SharedPrefixDataset) and self.dataset.prefix_tokens >= self.input_tokens:
             raise ValueError(

@@ -15,7 +15,7 @@ from k3pipe import run
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.bench.session import WorkloadOutcome
-from k3pipe.bench.summary import client_note, summary_line, timing_note
+from k3pipe.bench.summary import client_note, summary_line, timing_note, warmup_note
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import ModelSourceError
@@ -222,13 +222,18 @@ def benchmark_task(
     launcher: Launcher | None = None,
 ) -> WorkloadOutcome:
     logger = get_run_logger()
+    warmup = (
+        f"+{workload.warmup_requests} warm-up"
+        if workload.warmup == "fixed"
+        else f"+ warm-up until steady within {workload.warmup_tolerance_pct:g}%, "
+        f"at most {workload.warmup_requests}"
+    )
     logger.info(
-        "%s%s: %d requests (+%d warm-up), %s dataset, %d in / %d out tokens, %s load, "
-        "concurrency %d, seed %d",
+        "%s%s: %d requests (%s), %s dataset, %d in / %d out tokens, %s load, concurrency %d, seed %d",
         workload.name,
         f" (repeat {repeat + 1}/{workload.repeats})" if workload.repeats > 1 else "",
         workload.num_requests,
-        workload.warmup_requests,
+        warmup,
         workload.dataset.kind,
         workload.input_tokens,
         workload.output_tokens,
@@ -243,7 +248,7 @@ def benchmark_task(
         logger.error("%s: ended early: %s", workload.name, outcome.engine_lost)
     m = outcome.metrics()
     logger.info(summary_line(workload.name, m, outcome.summary.itl_basis))
-    for note in (timing_note(m), client_note(m)):
+    for note in (timing_note(m), client_note(m), warmup_note(m, workload.warmup)):
         if note:
             logger.warning("%s: %s", workload.name, note)
     for d in outcome.discrepancies:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -38,7 +39,8 @@ WORKLOADS = [
         "output_tokens": 16,
         "concurrency": 3,
         "num_requests": 6,
-        "warmup_requests": 1,
+        "warmup": "steady",  # waves of 3 until two agree within 5%, at most 3 waves
+        "warmup_requests": 9,
         "seed": 4,
         "dataset": {"kind": "shared_prefix", "prefix_tokens": 384, "groups": 2},
         "repeats": 2,
@@ -99,7 +101,11 @@ def _stopped_before_launch(
 
 
 def test_flow_records_everything_in_mlflow(
-    prefect_harness: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    prefect_harness: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     require_engine()
     from flows.benchmark import benchmark
@@ -207,7 +213,27 @@ def test_flow_records_everything_in_mlflow(
                 child.info.run_id, "requests.parquet", str(tmp_path / spec["name"])
             )
         )
-        assert len(frame) == spec["num_requests"] + spec["warmup_requests"]
+        # the warm-up as recorded: a fixed one sends all its requests, a steady one two waves or more
+        sent = m["warmup_requests"]
+        assert len(frame) == spec["num_requests"] + sent
+        assert int(frame["warmup"].sum()) == sent
+        if spec.get("warmup") == "steady":
+            assert sent in (6, 9)
+            assert m["warmup_waves"] == sent / spec["concurrency"]
+            assert "warmup_last_change_pct" in m
+            assert m["warmup_steady"] == 1.0 or sent == 9  # it stops early only when steady
+            summary = tracker.client.download_artifacts(
+                child.info.run_id, "summary.json", str(tmp_path / f"{spec['name']}-summary")
+            )
+            warmup = json.loads(Path(summary).read_text())["warmup"]
+            assert (warmup["mode"], warmup["requests_sent"]) == ("steady", sent)
+            assert [w["requests"] for w in warmup["waves"]] == [spec["concurrency"]] * int(m["warmup_waves"])
+        else:
+            assert sent == spec["warmup_requests"]
+        # the measured phase opened with `concurrency` requests at once: their TTFT beside the rest's
+        assert m["first_wave_ttft_ratio"] == pytest.approx(
+            m["ttft_ms_p50_first_wave"] / m["ttft_ms_p50_after_first_wave"]
+        )
         assert (frame["first_chunk_tokens"] >= 1).all()
         # the engine's own figures over exactly the measured window (a scrape opens it after warm-up)
         assert m["engine_generation_tokens"] == spec["num_requests"] * spec["output_tokens"]
@@ -216,6 +242,7 @@ def test_flow_records_everything_in_mlflow(
         child_artifacts = {a.path for a in tracker.client.list_artifacts(child.info.run_id)}
         assert "engine_metrics.parquet" in child_artifacts
     assert len(digests) == 3  # each repeat draws its own prompts
+    assert 0 <= stats_run.data.metrics["warmup_steady"] <= 1  # the share of repeats that were steady
     assert metrics["in64-out16.ttft_ms_p50"] == children["in64-out16"].data.metrics["ttft_ms_p50"]
     assert metrics["in512-out16.ttft_ms_p50"] == pytest.approx(
         sum(r.data.metrics["ttft_ms_p50"] for r in repeats) / 2
@@ -226,6 +253,11 @@ def test_flow_records_everything_in_mlflow(
         if path.is_file():
             assert key.encode() not in path.read_bytes(), f"key leaked into {path}"
     assert key not in caplog.text
+    # the flow's log (Prefect's console handler, on stderr) says what the warm-up did
+    err = capfd.readouterr().err
+    assert "in512-out16 (repeat 1/2): 6 requests (+ warm-up until steady within 5%, at most 9)" in err
+    assert re.search(r"in512-out16: .*warm-up [69] requests \([23] waves\): (steady|NOT steady)", err)
+    assert re.search(r"in64-out16: .*first wave ttft p50 x[0-9.]+ the rest's", err)
 
 
 def test_preflight_error_stops_before_launch(prefect_harness: None, tmp_path: Path) -> None:

@@ -279,3 +279,60 @@ def test_a_key_pasted_as_the_gateways_variable_is_refused_masked() -> None:
     assert key not in str(info.value)
     assert "it looks like a key" in str(info.value)
     assert "gateway.api_key_env" in str(info.value)
+
+
+def test_warmup_defaults_keep_a_fixed_count() -> None:
+    w = parse_experiment(_minimal()).workloads[0]
+    assert (w.warmup, w.warmup_requests, w.warmup_tolerance_pct) == ("fixed", 0, 5.0)
+
+
+def test_a_steady_warmup_takes_its_most_and_tolerance() -> None:
+    data = _minimal()
+    data["workloads"][0].update(
+        {"concurrency": 8, "warmup": "steady", "warmup_requests": 64, "warmup_tolerance_pct": 3}
+    )
+    w = parse_experiment(data).workloads[0]
+    assert (w.warmup, w.warmup_requests, w.warmup_tolerance_pct) == ("steady", 64, 3.0)
+    assert w.prompt_count == 64 + 16  # the most warm-up prompts are drawn, used or not
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        (
+            {"warmup": "steady", "concurrency": 8, "warmup_requests": 10},
+            [
+                "workloads[0]",
+                "warmup 'steady' compares consecutive waves of concurrency (8)",
+                "warmup_requests (the most it sends, 10)",
+                "set warmup_requests to 16 or more",
+            ],
+        ),
+        (
+            {"warmup": "steady"},  # warmup_requests defaults to 0
+            ["warmup_requests (the most it sends, 0)", "set warmup_requests to 2 or more"],
+        ),
+        (
+            {"warmup": "until-steady"},
+            ["workloads[0].warmup", "expected 'fixed' or 'steady'", "'until-steady'"],
+        ),
+        (
+            {"warmup_tolerance_pct": 0},
+            ["workloads[0].warmup_tolerance_pct", "must be greater than 0", "(got 0)"],
+        ),
+        (
+            {"warmup_tolerance_pct": 80},
+            ["workloads[0].warmup_tolerance_pct", "must be at most 50", "do not agree", "(got 80)"],
+        ),
+        ({"warmup_tolerance_pct": "5"}, ["workloads[0].warmup_tolerance_pct", "'5'"]),
+        ({"warmup": {"until": "steady"}}, ["workloads[0].warmup"]),
+    ],
+)
+def test_a_bad_warmup_is_refused_naming_field_and_value(
+    tmp_path: Path, fields: dict, says: list[str]
+) -> None:
+    data = _minimal()
+    data["workloads"][0].update(fields)
+    message = _error(data, tmp_path)
+    missing = [s for s in says if s not in message]
+    assert not missing, message

@@ -44,6 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from k3pipe.bench.datasets import Prompt
 from k3pipe.bench.transport import HttpxSSE, SSEPool, SSESender, TransportError
+from k3pipe.bench.warmup import WarmupReport, agree, warmup_report
+from k3pipe.bench.warmup import waves as warmup_waves
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import WorkloadSpec
 
@@ -305,6 +307,20 @@ class WorkloadResult(BaseModel):
     client_load: list[ClientLoad] = Field(
         default_factory=list, description="How busy each client process was (one per process)."
     )
+    warmup: WarmupReport | None = Field(
+        default=None,
+        description=(
+            "The warm-up's waves and whether it ended steady (k3pipe.bench.warmup); None from a "
+            "client process that sent no warm-up."
+        ),
+    )
+    opening_wave: int | None = Field(
+        default=None,
+        description=(
+            "Measured requests the measured phase sent at once as it opened, with nothing in flight "
+            "(load 'concurrency': its concurrency); None under a schedule ('constant', 'poisson')."
+        ),
+    )
 
     @property
     def duration_s(self) -> float:
@@ -331,6 +347,11 @@ async def run_workload(
     The first ``workload.warmup_requests`` prompts are warm-up requests, sent first at
     ``workload.concurrency`` whatever the load and recorded with ``warmup=True``; the next
     ``workload.num_requests`` prompts are the measured ones. ``prompts`` must hold at least that many.
+    Under ``workload.warmup == "steady"`` the warm-up goes out in waves of ``concurrency`` (one wave
+    in flight at a time) and stops as soon as a wave's output rate agrees with the previous wave's
+    within ``workload.warmup_tolerance_pct`` (:mod:`k3pipe.bench.warmup`), or after
+    ``warmup_requests // concurrency`` waves; the warm-up prompts it did not need are not sent. The
+    result's ``warmup`` says what the warm-up did, under either setting.
     Measured requests go out as ``workload.load`` says: ``concurrency`` keeps ``concurrency`` in
     flight; ``constant`` and ``poisson`` send at the times of :func:`schedule_offsets` after the
     start of the measured phase, with at most ``concurrency`` in flight (a due request waits for a
@@ -427,6 +448,7 @@ async def _run(
     warmup_n, measured_n = workload.warmup_requests, workload.num_requests
     total = warmup_n + measured_n
     progress = _Progress(total, on_progress)
+    concurrency = workload.concurrency
     slots = share.slots if share.slots is not None else workload.concurrency
 
     # Every body is serialized before the first request: JSON-encoding a 200K-token prompt takes
@@ -458,9 +480,20 @@ async def _run(
     measured: list[RequestRecord] = []
     wall0, perf0 = time.time(), time.perf_counter()
     probe = _LoopProbe()
+    warm: list[RequestRecord] = []
+    report: WarmupReport | None = None
     try:
-        warm_up = range(warmup_n) if share.warmup else range(0)
-        warm = await _pool(warm_up, workload.concurrency, lambda i: one(i, True), abort=abort)
+        if share.warmup and workload.warmup == "steady":
+            warm = await _steady_warmup(workload, lambda i: one(i, True), abort)
+            progress.total -= warmup_n - len(warm)  # the warm-up prompts it did not need
+        elif share.warmup:
+            warm = await _pool(range(warmup_n), concurrency, lambda i: one(i, True), abort=abort)
+        if share.warmup:
+            report = warmup_report(
+                warm, workload.warmup, concurrency, workload.warmup_tolerance_pct, warmup_n
+            )
+            _log_warmup(workload.name, report)
+        # the warm-up has ended: nothing of it is in flight from here on
         if on_measured_start is not None and not abort.is_set():
             await on_measured_start()
         if share.start is not None and not abort.is_set():
@@ -514,6 +547,7 @@ async def _run(
                 requests_planned=measured_n,
                 aborted=abort.reason,
                 client_load=load,
+                warmup=report,
             )
     # a share's own count says nothing of the workload's: the processes' results are merged first
     stopped = share.whole and len(measured) < measured_n and not abort.is_set()
@@ -528,6 +562,7 @@ async def _run(
             started_at_unix_s=wall0,
             requests_planned=measured_n,
             client_load=load,
+            warmup=report,
         )
     t_start = min(r.t_send for r in measured)
     return WorkloadResult(
@@ -540,6 +575,47 @@ async def _run(
         stopped_by_duration=stopped,
         aborted=abort.reason,
         client_load=load,
+        warmup=report,
+        opening_wave=concurrency if workload.load == "concurrency" else None,
+    )
+
+
+async def _steady_warmup(
+    workload: WorkloadSpec, send: Callable[[int], Awaitable[RequestRecord]], abort: Abort
+) -> list[RequestRecord]:
+    """Warm-up waves of ``concurrency`` requests (prompts 0, 1, ... in order), each sent at once and
+    ended before the next, until a wave's output rate agrees with the previous wave's within
+    ``warmup_tolerance_pct``, or ``warmup_requests // concurrency`` waves have gone out."""
+    c = workload.concurrency
+    records: list[RequestRecord] = []
+    for k in range(workload.warmup_requests // c):
+        if abort.is_set():
+            break
+        records += await _pool(range(k * c, (k + 1) * c), c, send, abort=abort)
+        last = warmup_waves(records[-2 * c :], c)[-1]  # this wave, against the one before it
+        if agree(last.change_pct, workload.warmup_tolerance_pct):
+            break
+    return records
+
+
+def _log_warmup(name: str, report: WarmupReport) -> None:
+    if not report.requests_sent:
+        return
+    rates = ", ".join("n/a" if w.output_tps is None else f"{w.output_tps:.0f}" for w in report.waves)
+    change = "n/a" if report.last_change_pct is None else f"{report.last_change_pct:+.1f}%"
+    verdict = {True: "steady", False: "NOT steady", None: "too few full waves to judge"}
+    log.info(
+        "workload %s: warm-up (%s) sent %d of %d requests in %d wave(s); wave output rates %s tok/s; "
+        "last change %s (tolerance %g%%): %s",
+        name,
+        report.mode,
+        report.requests_sent,
+        report.requests_planned,
+        len(report.waves),
+        rates,
+        change,
+        report.tolerance_pct,
+        verdict[report.steady],
     )
 
 

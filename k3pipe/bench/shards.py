@@ -5,7 +5,8 @@ the stamps (docs/performance.md); an engine on a real GPU streams more. :func:`r
 processes (``multiprocessing`` spawn), each with its own event loop and connection pool, running
 :func:`k3pipe.bench.client.run_workload` on its :class:`~k3pipe.bench.client.Share`:
 
-- the warm-up requests go out from process 0, at the workload's concurrency, before anything else;
+- the warm-up requests go out from process 0, at the workload's concurrency, before anything else
+  (under ``warmup: steady`` in waves until the rate is steady: the others wait for it all the same);
 - every process then waits for the one start time the parent sets once all are ready (and after
   ``on_measured_start``, with nothing in flight), on the system-wide monotonic clock that
   ``time.perf_counter`` reads on Linux (``CLOCK_MONOTONIC``): stamps of all processes compare;
@@ -368,10 +369,12 @@ def _merge(workload: WorkloadSpec, results: dict[int, dict[str, Any] | str], abo
     records: list[RequestRecord] = sorted((r for p in parts for r in p.records), key=lambda r: r.index)
     measured = [r for r in records if not r.warmup]
     reason = abort.reason or next((p.aborted for p in parts if p.aborted), None)
+    warmup = next((p.warmup for p in parts if p.warmup is not None), None)  # process 0's
     if not measured:
         first = min(parts, key=lambda p: p.t_start)
         load = sorted((c for p in parts for c in p.client_load), key=lambda c: c.process)
-        return first.model_copy(update={"records": records, "aborted": reason, "client_load": load})
+        update = {"records": records, "aborted": reason, "client_load": load, "warmup": warmup}
+        return first.model_copy(update=update)
     earliest = min((p for p in parts if any(not r.warmup for r in p.records)), key=lambda p: p.t_start)
     stopped = len(measured) < workload.num_requests and reason is None
     report_end(workload, measured, stopped)
@@ -385,4 +388,6 @@ def _merge(workload: WorkloadSpec, results: dict[int, dict[str, Any] | str], abo
         requests_planned=workload.num_requests,
         stopped_by_duration=stopped,
         aborted=reason,
+        warmup=warmup,
+        opening_wave=workload.concurrency if workload.load == "concurrency" else None,
     )

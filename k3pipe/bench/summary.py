@@ -44,6 +44,14 @@ ITL then measure delivery, not decoding (on a starved machine vLLM's API server 
 streams at once): they are kept, flagged (``client_timing_bursty``), and the engine's own ITL from
 ``/metrics`` is the figure to read (see ``timing_note``).
 
+The warm-up (before the window, not measured) is described by its waves (``k3pipe.bench.warmup``):
+``warmup`` holds each wave's output rate and whether the last two full waves agreed
+(``warmup_steady``). Under load ``concurrency`` the measured phase opens with ``concurrency`` requests
+sent at once and nothing in flight: ``ttft_ms_p50_first_wave`` is the TTFT p50 of those first
+``concurrency`` measured requests (send order, successful ones), ``ttft_ms_p50_after_first_wave``
+that of the rest, and ``first_wave_ttft_ratio`` the first over the second (the opening burst of
+prefills, stated; the other figures still cover every measured request).
+
 Throughput is cross-checked against its physical ceiling (field-notes rule 2): a server cannot emit
 more than ``max_tokens`` per request, so ``sum(max_tokens) / window`` bounds any honest output
 throughput; a figure above it means the token count or the window is wrong.
@@ -61,6 +69,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.bench.client import RequestRecord, WorkloadResult
+from k3pipe.bench.warmup import WarmupReport
 from k3pipe.specs import SLOSpec
 
 __all__ = [
@@ -76,6 +85,7 @@ __all__ = [
     "summarize",
     "summary_line",
     "timing_note",
+    "warmup_note",
 ]
 
 # Relative slack before a throughput counts as above its ceiling (float noise, rounding of claims).
@@ -139,6 +149,12 @@ class WorkloadSummary(BaseModel):
     completed: int = Field(description="Measured requests that succeeded.")
     failed: int = Field(description="Measured requests that failed.")
     warmup_requests: int = Field(description="Warm-up requests sent before the window (not measured).")
+    warmup: WarmupReport | None = Field(
+        default=None,
+        description=(
+            "The warm-up's waves, their output rates and whether it ended steady (k3pipe.bench.warmup)."
+        ),
+    )
     duration_s: float = Field(description="Measured window: first measured send to last measured end.")
     request_throughput_rps: float | None = Field(description="completed / duration_s.")
     input_tokens_total: int = Field(description="Client-side prompt tokens of completed requests.")
@@ -161,6 +177,19 @@ class WorkloadSummary(BaseModel):
     )
     throughput_exceeds_bound: bool = Field(description="output_throughput_tps above its ceiling.")
     ttft_ms: LatencyStats | None = Field(description="Time to first token-bearing delta.")
+    ttft_ms_p50_first_wave: float | None = Field(
+        default=None,
+        description=(
+            "Load 'concurrency': TTFT p50 of the measured phase's opening wave (its first concurrency "
+            "requests in send order, sent at once with nothing in flight), successful ones."
+        ),
+    )
+    ttft_ms_p50_after_first_wave: float | None = Field(
+        default=None, description="Load 'concurrency': TTFT p50 of the successful measured requests after it."
+    )
+    first_wave_ttft_ratio: float | None = Field(
+        default=None, description="ttft_ms_p50_first_wave / ttft_ms_p50_after_first_wave."
+    )
     content_ttft_ms: LatencyStats | None = Field(description="Time to first non-empty content.")
     tpot_ms: LatencyStats | None = Field(description="Time per output token after the first chunk.")
     tpot_k1_assumed: bool = Field(
@@ -272,6 +301,10 @@ class WorkloadSummary(BaseModel):
             "client_cpu_max_pct": self.client_cpu_max_pct,
             "client_cpu_per_event_us": self.client_cpu_per_event_us,
             "client_loop_lag_ms_p99": self.client_loop_lag_ms_p99,
+            "ttft_ms_p50_first_wave": self.ttft_ms_p50_first_wave,
+            "ttft_ms_p50_after_first_wave": self.ttft_ms_p50_after_first_wave,
+            "first_wave_ttft_ratio": self.first_wave_ttft_ratio,
+            **_warmup_metrics(self.warmup),
         }
         optional.update(
             {f"slo_{k}_attainment_pct": v for k, v in self.slo_attainment_by_objective_pct.items()}
@@ -291,6 +324,34 @@ class WorkloadSummary(BaseModel):
         return out
 
 
+def _warmup_metrics(report: WarmupReport | None) -> dict[str, float | None]:
+    """``warmup_waves``, ``warmup_steady`` (1/0), ``warmup_last_change_pct`` and
+    ``warmup_last_wave_tps`` (the last full wave's output rate); none without a warm-up."""
+    if report is None or not report.waves:
+        return {}
+    full = [w for w in report.waves if w.requests == report.concurrency]
+    return {
+        "warmup_waves": float(len(report.waves)),
+        "warmup_steady": None if report.steady is None else float(report.steady),
+        "warmup_last_change_pct": report.last_change_pct,
+        "warmup_last_wave_tps": full[-1].output_tps if full else None,
+    }
+
+
+def _first_wave(measured: Sequence[RequestRecord], size: int | None) -> tuple[float | None, float | None]:
+    """TTFT p50 (ms) of the successful requests among the first ``size`` measured ones in send
+    order, and of the successful ones after them; None where there are none (or ``size`` is None)."""
+    if size is None:
+        return None, None
+    order = sorted(measured, key=lambda r: (r.t_send, r.index))
+
+    def p50(records: Sequence[RequestRecord]) -> float | None:
+        values = _present(_ttft_ms(r) for r in records if r.ok)
+        return float(np.percentile(values, 50)) if values else None
+
+    return p50(order[:size]), p50(order[size:])
+
+
 def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSummary:
     """Summarize the measured requests of ``result`` (warm-up and failed requests excluded), with
     goodput and attainment against ``slo`` when given."""
@@ -306,12 +367,14 @@ def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSum
     bound_tps = bound_total / duration_s if duration_s > 0 else None
     usage_inputs = [r.usage_prompt_tokens for r in ok]
     burst = _burstiness(ok)
+    first_wave, after_first_wave = _first_wave(measured, result.opening_wave)
     return WorkloadSummary(
         workload=result.workload,
         requests=len(measured),
         completed=len(ok),
         failed=len(measured) - len(ok),
         warmup_requests=len(result.records) - len(measured),
+        warmup=result.warmup,
         duration_s=duration_s,
         request_throughput_rps=len(ok) / duration_s if duration_s > 0 else None,
         input_tokens_total=sum(r.prompt_tokens for r in ok),
@@ -331,6 +394,11 @@ def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSum
             and output_tps > bound_tps * (1 + _BOUND_TOLERANCE)
         ),
         ttft_ms=LatencyStats.of(_present(_ttft_ms(r) for r in ok)),
+        ttft_ms_p50_first_wave=first_wave,
+        ttft_ms_p50_after_first_wave=after_first_wave,
+        first_wave_ttft_ratio=(
+            first_wave / after_first_wave if first_wave is not None and after_first_wave else None
+        ),
         content_ttft_ms=LatencyStats.of(_present(_content_ttft_ms(r) for r in ok)),
         tpot_ms=LatencyStats.of(_present(_tpot_ms(r) for r in ok)),
         tpot_k1_assumed=any(r.chunk_tokens is None and _tpot_ms(r) is not None for r in ok),
@@ -487,9 +555,46 @@ def summary_line(workload: str, metrics: Mapping[str, float], itl_basis: str | N
     ]
     if metrics.get("slo_attainment_pct") is not None:
         parts.append(f"SLO attainment {metrics['slo_attainment_pct']:.1f}%")
+    if metrics.get("first_wave_ttft_ratio") is not None:
+        parts.append(f"first wave ttft p50 x{metrics['first_wave_ttft_ratio']:.2f} the rest's")
+    warmup = _warmup_words(metrics)
+    if warmup:
+        parts.append(warmup)
     if metrics.get("client_saturated"):
         parts.append("CLIENT SATURATED")
     return f"{workload}: " + ", ".join(parts)
+
+
+def warmup_note(metrics: Mapping[str, float], mode: str = "steady") -> str | None:
+    """What to say when a workload's warm-up ended with its rate still changing (``warmup_steady``
+    0), so that the first measured requests may still be warming the engine; None otherwise.
+    ``mode`` is the workload's ``warmup`` setting (the advice differs)."""
+    if metrics.get("warmup_steady") != 0.0:
+        return None
+    change = metrics.get("warmup_last_change_pct")
+    sent = int(metrics.get("warmup_requests") or 0)
+    what = "its last wave's output rate changed by " + ("?" if change is None else f"{change:+.1f}%")
+    advice = (
+        "raise warmup_requests (the most a steady warm-up sends)"
+        if mode == "steady"
+        else "set warmup: steady (warmup_requests then is the most it sends)"
+    )
+    return (
+        f"the warm-up ({sent} requests) did not reach a steady rate: {what}, beyond "
+        f"warmup_tolerance_pct; the first measured requests may still be warming the engine: {advice}"
+    )
+
+
+def _warmup_words(metrics: Mapping[str, float]) -> str | None:
+    """``warm-up 48 requests (6 waves): steady, last wave +1.2%`` (or ``NOT steady``); None when the
+    warm-up had fewer than two full waves to judge (a short fixed one, or none)."""
+    steady = metrics.get("warmup_steady")
+    if steady is None:
+        return None
+    sent, waves = int(metrics.get("warmup_requests") or 0), int(metrics.get("warmup_waves") or 0)
+    change = metrics.get("warmup_last_change_pct")
+    last = "" if change is None else f", last wave {change:+.1f}%"
+    return f"warm-up {sent} requests ({waves} waves): {'steady' if steady else 'NOT steady'}{last}"
 
 
 def _pct(value: float | None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -459,3 +460,165 @@ def test_a_real_sglang_stream_is_read_token_by_token(capture: str, api: str, chu
     assert len(rec.chunk_times) == len(chunks)
     assert rec.finish_reason == "length"
     assert rec.saw_done
+
+
+# --- the warm-up: waves until the rate is steady (docs/measurement.md, "Warm-up") ---
+
+# A scripted request takes about 0.06 + 7 x 0.03 = 0.27 s times its wave's factor (8 tokens): wave
+# rates are known up to the client's overhead, a few ms of each wave's span.
+_WAVE = 4
+
+
+def _paced(factor: Callable[[int], float]) -> Callable[[Received], Script]:
+    """A server whose request n (arrival order) takes ``factor(n // 4)`` times the base time."""
+
+    def script(req: Received) -> Script:
+        f = factor(req.index // _WAVE)
+        return Script(first_token_delay_s=0.06 * f, inter_token_s=0.03 * f)
+
+    return script
+
+
+def _steady(**overrides: object) -> WorkloadSpec:
+    fields: dict[str, object] = {
+        "warmup": "steady",
+        "concurrency": _WAVE,
+        "num_requests": 4,
+        "output_tokens": 8,
+        "warmup_tolerance_pct": 15.0,
+    }
+    return workload(**{**fields, **overrides})
+
+
+def _expected_changes(factors: list[float]) -> list[float | None]:
+    """Wave k's rate change when its requests take factors[k] times the base time."""
+    return [None] + [100.0 * (before / f - 1.0) for before, f in pairwise(factors)]
+
+
+def _check_waves(result: WorkloadResult, server: ScriptedOpenAI, factors: list[float]) -> None:
+    """The warm-up went out in waves of 4, one at a time, and each wave's change is the scripted one."""
+    report = result.warmup
+    assert report is not None
+    warm = sorted((r for r in result.records if r.warmup), key=lambda r: r.t_send)
+    blocks = [warm[k : k + _WAVE] for k in range(0, len(warm), _WAVE)]
+    for before, block in pairwise(blocks):
+        assert min(r.t_send for r in block) >= max(r.t_end for r in before)  # one wave in flight at a time
+    assert [r.index for r in warm] == sorted(r.index for r in warm)  # the first prompts, in order
+    assert all(r.ok for r in warm)
+    assert [w.requests for w in report.waves] == [_WAVE] * len(factors)
+    assert [w.output_tokens for w in report.waves] == [_WAVE * 8] * len(factors)
+    for k, (wave, truth) in enumerate(zip(report.waves, _expected_changes(factors), strict=True)):
+        if truth is None:
+            assert wave.change_pct is None
+        elif k == 1:
+            # the first wave also carries the first requests' own costs on both sides (10-80 ms,
+            # more in a fresh process): against it only agreement or the direction is certain
+            assert wave.change_pct is not None
+            if truth == 0:
+                assert abs(wave.change_pct) <= 15.0
+            else:
+                assert wave.change_pct * truth > 0
+                assert abs(wave.change_pct) > 15.0
+        else:
+            assert wave.change_pct == pytest.approx(truth, abs=10.0)
+    # nothing of the warm-up was in flight when the measured phase opened
+    assert max(r.t_end for r in warm) <= result.t_start
+    assert len(server.requests) == len(warm) + 4
+
+
+def test_a_steady_warmup_stops_once_the_rate_has_settled(server: ScriptedOpenAI) -> None:
+    """The server speeds up over its first 12 requests (waves at 4x, 2.5x, 1.6x the base time: rate
+    +60%, +56%, +60% wave on wave) and holds from request 12 on. Waves 4 and 5 are the first two to
+    agree (0% against a 15% tolerance): the warm-up stops after 5 waves, 20 of at most 48 requests,
+    neither before the rate settled nor at the maximum."""
+    factors = [4.0, 2.5, 1.6, 1.0, 1.0]
+    server.script = _paced(lambda wave: factors[wave] if wave < 3 else 1.0)
+    result = run(server.base_url, _steady(warmup_requests=48))
+    _check_waves(result, server, factors)
+    report = result.warmup
+    assert report is not None
+    assert (report.mode, report.requests_planned, report.requests_sent) == ("steady", 48, 20)
+    assert report.steady is True
+    measured = [r for r in result.records if not r.warmup]
+    assert [r.index for r in measured] == [48, 49, 50, 51]  # prompts 20-47 were not needed
+    assert {req.body["messages"][0]["content"] for req in server.requests[20:]} == {
+        f"prompt {i}" for i in range(48, 52)
+    }
+    m = summarize(result).metrics()
+    assert (m["warmup_requests"], m["warmup_waves"], m["warmup_steady"]) == (20, 5, 1.0)
+    assert abs(m["warmup_last_change_pct"]) <= 15.0
+    assert m["warmup_last_wave_tps"] == pytest.approx(report.waves[-1].output_tps)
+
+
+def test_a_warmup_that_never_settles_stops_at_the_most_and_says_so(server: ScriptedOpenAI) -> None:
+    """Waves alternate between 1x and 1.6x the base time (+-37..60% wave on wave): no two agree, so
+    the warm-up sends its most, 22 // 4 = 5 whole waves (20 requests; prompts 20 and 21 unused), and
+    is recorded not steady."""
+    factors = [1.0, 1.6, 1.0, 1.6, 1.0]
+    server.script = _paced(lambda wave: 1.6 if wave % 2 else 1.0)
+    result = run(server.base_url, _steady(warmup_requests=22))
+    _check_waves(result, server, factors)
+    report = result.warmup
+    assert report is not None
+    assert report.requests_sent == 20
+    assert report.steady is False
+    assert [r.index for r in result.records if not r.warmup] == [22, 23, 24, 25]
+    m = summarize(result).metrics()
+    assert m["warmup_steady"] == 0.0
+    assert m["warmup_last_change_pct"] == pytest.approx(60.0, abs=10.0)
+
+
+def test_an_engine_steady_from_the_start_takes_two_waves(server: ScriptedOpenAI) -> None:
+    server.script = _paced(lambda wave: 1.0)
+    result = run(server.base_url, _steady(warmup_requests=40, load="constant", rate_rps=40.0))
+    _check_waves(result, server, [1.0, 1.0])
+    report = result.warmup
+    assert report is not None
+    assert (report.requests_sent, report.steady) == (8, True)
+    # the warm-up ran at concurrency whatever the load; the schedule started after it
+    measured = [r for r in result.records if not r.warmup]
+    assert min(r.t_scheduled for r in measured) >= max(r.t_end for r in result.records if r.warmup)
+    assert result.opening_wave is None  # a schedule opens with no burst to speak of
+
+
+def test_a_fixed_warmup_is_judged_by_the_same_waves(server: ScriptedOpenAI) -> None:
+    """warmup 'fixed' (the default) sends all its 12 requests as before, a slot taking the next as
+    its last ends; its waves are read from the records: the server slows down by 1.6x from request
+    8 on, so the last wave's rate is ~37% lower and the warm-up is recorded not steady."""
+    server.script = _paced(lambda wave: 1.6 if wave >= 2 else 1.0)
+    spec = workload(warmup_requests=12, concurrency=_WAVE, num_requests=4, output_tokens=8)
+    result = run(server.base_url, spec)
+    report = result.warmup
+    assert report is not None
+    assert (report.mode, report.requests_sent, len(report.waves)) == ("fixed", 12, 3)
+    assert report.waves[1].change_pct == pytest.approx(0.0, abs=10.0)
+    assert report.waves[2].change_pct == pytest.approx(100.0 * (1 / 1.6 - 1), abs=10.0)
+    assert report.steady is False
+    assert len(server.requests) == 16
+
+
+# --- the opening wave of the measured phase ---
+
+
+def test_the_opening_wave_ttft_is_stated_beside_the_rest(server: ScriptedOpenAI) -> None:
+    """Load concurrency 4, no warm-up: the server answers its first 4 requests (the measured phase's
+    opening wave, sent at once) after 240 ms, the 8 after them after 80 ms. The first-wave TTFT p50,
+    the rest's and their ratio match the server's own stamps; TTFT p50 over all stays as defined."""
+    server.script = lambda req: Script(first_token_delay_s=0.24 if req.index < 4 else 0.08)
+    result = run(server.base_url, workload(concurrency=4, num_requests=12, output_tokens=2))
+    assert result.opening_wave == 4
+    records = sorted(result.records, key=lambda r: r.t_send)
+    by_prompt = {req.body["messages"][0]["content"]: req for req in server.requests}
+    true_ttft = [(by_prompt[f"prompt {r.index}"].first_sent("content") - r.t_send) * 1000 for r in records]
+    first, rest = float(np.median(true_ttft[:4])), float(np.median(true_ttft[4:]))
+    s = summarize(result)
+    assert s.ttft_ms_p50_first_wave == pytest.approx(first, abs=SLACK_S * 1000)
+    assert s.ttft_ms_p50_after_first_wave == pytest.approx(rest, abs=SLACK_S * 1000)
+    assert s.ttft_ms_p50_first_wave == pytest.approx(240.0, abs=SLACK_S * 1000)
+    assert s.ttft_ms_p50_after_first_wave == pytest.approx(80.0, abs=SLACK_S * 1000)
+    assert s.first_wave_ttft_ratio == pytest.approx(s.ttft_ms_p50_first_wave / s.ttft_ms_p50_after_first_wave)
+    assert s.first_wave_ttft_ratio == pytest.approx(3.0, rel=0.3)
+    assert s.ttft_ms is not None
+    assert s.ttft_ms.p50 == pytest.approx(float(np.median(true_ttft)), abs=SLACK_S * 1000)
+    m = s.metrics()
+    assert m["first_wave_ttft_ratio"] == s.first_wave_ttft_ratio
