@@ -119,10 +119,15 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
     if len(order) > len(names):
         lines.append("  launch order: " + " ".join(f"{a}#{k}" for a, k in order))
     for w in spec.workloads:
+        warmup = (
+            f"warm-up until steady, at most {w.warmup_requests}"
+            if w.warmup == "steady"
+            else f"{w.warmup_requests} warm-up"
+        )
         load = f"{w.concurrency} streams" if w.load == "concurrency" else f"{w.load} at {w.rate_rps} req/s"
         lines.append(
             f"  workload {w.name}: {w.input_tokens:,} in / {w.output_tokens:,} out tokens, {load}, "
-            f"{w.num_requests} requests (+{w.warmup_requests} warm-up), {w.dataset.kind} prompts, "
+            f"{w.num_requests} requests (+{warmup}), {w.dataset.kind} prompts, "
             f"{w.repeats} repeat(s)"
         )
     return lines
