@@ -63,8 +63,10 @@ __all__ = [
     "compare",
     "components",
     "decide",
+    "detectable",
     "estimate",
     "interleaved_order",
+    "launches_needed",
     "mde",
     "planned_power",
     "power",
@@ -322,8 +324,8 @@ class Verdict:
         lead = f"{self.leader} ahead by {pct(self.advantage)} {ci}"
         if self.outcome == "equivalent":
             return f"equivalent within +-{self.margin:.0%} ({lead}){noise}"
-        seen = f"{self.mde:.0%}" if self.mde is not None and self.mde < 10 else "any size"
-        return f"inconclusive: differences below {seen} cannot be seen with this data ({lead}){noise}"
+        below = detectable(self.mde)
+        return f"inconclusive: differences below {below} cannot be seen with this data ({lead}){noise}"
 
     def interval_text(self) -> str:
         if self.interval is None:
@@ -338,6 +340,15 @@ def pct(ratio: float) -> str:
         return "inf"
     text = f"{(ratio - 1) * 100:.1f}%"
     return f"{text} ({ratio:.2f}x)" if ratio >= 2 else text
+
+
+def detectable(mde: float | None) -> str:
+    """A minimum detectable difference in words: '12%', or a factor when it is large ('5.3x')."""
+    if mde is None or math.isnan(mde):
+        return "an unknown size"
+    if math.isinf(mde):
+        return "any size"
+    return f"{mde:.0%}" if mde < 1 else f"{mde + 1:,.1f}x"
 
 
 def signed_pct(ratio: float) -> str:
@@ -395,6 +406,18 @@ def planned_power(
     if df <= 0:
         return float("nan")
     return power(math.log1p(effect), math.sqrt(unit_var * 2 / n), df, design.per_test_alpha)
+
+
+def launches_needed(
+    effect: float, between_cv: float, within_cv: float, repeats: int, design: Design, most: int = 50
+) -> int | None:
+    """The fewest launches per arm (2 or more, at most ``most``) with which a balanced comparison
+    of two arms would detect a true difference of ``effect`` (0.1: 10%) with the design's power, at
+    this restart and repeat noise and ``repeats`` repeats a launch; None when ``most`` do not."""
+    for launches in range(2, most + 1):
+        if planned_power(effect, between_cv, within_cv, launches, repeats, design) >= design.power:
+            return launches
+    return None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy import stats
 
-from k3pipe.stats import Design, decide, estimate
+from k3pipe.stats import Design, decide, detectable, estimate
 from k3pipe.stats import compare as stats_compare
 
 __all__ = ["Comparison", "RepeatStats", "aggregate_repeats", "compare"]
@@ -87,8 +87,7 @@ class Comparison(BaseModel):
         if self.outcome == "equivalent":
             return f"equivalent within +-{self.margin:.0%}"
         if self.outcome == "inconclusive":
-            seen = f"{self.mde:.0%}" if self.mde is not None and self.mde < 10 else "any size"
-            return f"inconclusive (below {seen} cannot be seen)"
+            return f"inconclusive (below {detectable(self.mde)} cannot be seen)"
         return "different"
 
     def change_text(self) -> str:

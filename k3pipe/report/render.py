@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from k3pipe import stats
 from k3pipe.report.analysis import Analysis, NoiseRow, Row
 from k3pipe.report.collect import StudyData
 
@@ -47,6 +48,10 @@ def num(v: float | None, digits: int = 1) -> str:
     if math.isinf(v):
         return "inf"
     return f"{v:,.{digits}f}"
+
+
+PLAN_EFFECT = 0.10
+"""The difference the noise section plans for: how many launches would find it."""
 
 
 class _Interval(Protocol):
@@ -128,7 +133,8 @@ def _noise_section(data: StudyData, analysis: Analysis) -> Section | None:
         return None
     table = Table(
         ["workload", "metric", "launches x repeats per arm", "restart noise (CV)", "repeat noise (CV)",
-         "restart share", "df (launches, repeats)", "smallest difference it could see"],
+         "restart share", "df (launches, repeats)", "smallest difference it could see",
+         f"launches per arm to see {PLAN_EFFECT:.0%}"],
         [],
     )  # fmt: skip
     for n in analysis.noise:
@@ -138,10 +144,14 @@ def _noise_section(data: StudyData, analysis: Analysis) -> Section | None:
         [
             "Each decision figure's variance split into the engine's restarts (between launches) and its "
             "repeats (within a launch), on the log scale, pooled over the arms (one-way ANOVA per arm); "
-            "restart noise needs an arm launched twice or more. The last column: the smallest true "
+            "restart noise needs an arm launched twice or more. 'Smallest difference it could see': the "
+            "smallest true "
             f"difference a comparison of this workload would have found with {analysis.design.power:.0%} "
             f"probability at the decision's level (alpha {analysis.design.alpha:g} over "
-            f"{analysis.design.tests} comparison(s)); the range spans the workload's pairs of arms.",
+            f"{analysis.design.tests} comparison(s)); the range spans the workload's pairs of arms. The "
+            f"last column: how many launches per arm (at this many repeats a launch) a pair would need to find a "
+            f"{PLAN_EFFECT:.0%} difference with that probability at this noise and level; '-' where restart "
+            "noise was not measured.",
             table,
         ],
     )
@@ -162,9 +172,16 @@ def _noise_row(n: NoiseRow, analysis: Analysis) -> list[str]:
         ]
     mde = "-"
     if n.mde is not None:
-        lo, hi = n.mde
-        mde = f"{lo:.0%}" if round(lo, 2) == round(hi, 2) else f"{lo:.0%} to {hi:.0%}"
-    return [n.workload, n.metric.label, shape, *cells, mde]
+        lo, hi = (stats.detectable(x) for x in n.mde)
+        mde = lo if lo == hi else f"{lo} to {hi}"
+    plan = "-"
+    if c is not None and c.df_between > 0:
+        per_launch = round(sum(n.repeats.values()) / max(1, sum(n.launches.values())))
+        needed = stats.launches_needed(
+            PLAN_EFFECT, c.between_cv, c.within_cv, max(1, per_launch), analysis.design
+        )
+        plan = str(needed) if needed is not None else "more than 50"
+    return [n.workload, n.metric.label, shape, *cells, mde, plan]
 
 
 def _calibration_section(analysis: Analysis) -> Section | None:

@@ -132,7 +132,7 @@ class VariantVerdict:
         if label == EQUIVALENT and v is not None:
             label = f"equivalent within +-{v.margin:.0%}"
         elif label == INCONCLUSIVE and v is not None and v.mde is not None:
-            label = f"inconclusive: differences below {v.mde:.0%} cannot be seen with this data"
+            label = f"inconclusive: differences below {stats.detectable(v.mde)} cannot be seen with this data"
         notes = ""
         if v is not None and v.outcome != "untested" and not v.restart_noise_measured:
             notes = "; restart noise not measured"
