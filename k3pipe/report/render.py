@@ -149,7 +149,8 @@ def _noise_section(data: StudyData, analysis: Analysis) -> Section | None:
             f"difference a comparison of this workload would have found with {analysis.design.power:.0%} "
             f"probability at the decision's level (alpha {analysis.design.alpha:g} over "
             f"{analysis.design.tests} comparison(s)); the range spans the workload's pairs of arms. The "
-            f"last column: how many launches per arm (at this many repeats a launch) a pair would need to find a "
+            "last column: how many launches per arm (at this many repeats a launch) a pair would need to "
+            f"find a "
             f"{PLAN_EFFECT:.0%} difference with that probability at this noise and level; '-' where restart "
             "noise was not measured.",
             table,
