@@ -296,7 +296,7 @@ def retest(
     spool: SpoolOpt = False,
 ) -> None:
     """Run the baseline and each variant as studies under one MLflow run, then judge every variant
-    against the baseline (better, worse, or no difference within noise, with the CI of the change).
+    against the baseline (better, worse, equivalent or inconclusive, with the interval of the change).
     Exit 1 when a study failed (the report judges the others). The options after --variant override
     that field in every workload, the baseline's and the variants' (recorded as override.* params)."""
     from pydantic import ValidationError
@@ -369,7 +369,8 @@ def _print_study(settings: Settings, result: dict) -> None:
     report = build_report(tracker, result["study_run_id"])
     print(report.text())
     for o in result["arms"]:
-        print(f"arm {o['arm']}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
+        launch = f" launch {o['launch']}" if report.data.launches_of(o["arm"])[1:] else ""
+        print(f"arm {o['arm']}{launch}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
     print(f"study: MLflow run id {result['study_run_id']}")
     print(f"report: {result['report']['html']} (Markdown: {result['report']['markdown']})")
 

@@ -1,6 +1,6 @@
 """The retest flow: an experiment's baseline and its variants (the study's checklist as code), each
 run as a study nested under one parent MLflow run, then every variant judged against the baseline
-(better, worse, or no difference within noise, with the 95% interval of the change), the report on
+(better, worse, equivalent within the margin or inconclusive, with the interval of the change), the report on
 the retest's run and as Prefect artifacts.
 
 prefect: python -m flows.retest experiments/demo-retest.yaml   (or `k3pipe retest`, or the deployment)

@@ -1,4 +1,4 @@
-"""Compare two recorded workloads: are their figures different, or within noise?
+"""Compare two recorded workloads: are their figures different, equivalent, or can the data not tell?
 
 A workload recorded with ``repeats: N`` keeps its per-repeat values in ``repeats.json``; two such
 workloads are compared metric by metric (``k3pipe.bench.repeats.compare``: the log ratio of their

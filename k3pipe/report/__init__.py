@@ -72,11 +72,26 @@ class Report:
         return [dict(zip(t.headers, row, strict=True)) for row in t.rows]
 
     def text(self) -> str:
-        """The results table for a terminal: one line per workload and metric."""
+        """For a terminal: the answer (every arm ranked, each verdict with its interval), the A/A's
+        verdicts when the study ran one, then the results table without its verdict column (the
+        answer says them)."""
+        lines = ["The answer:"]
+        for title in ("The answer", "Calibration: A/A"):
+            section = next((s for s in self.document.sections if s.title == title), None)
+            if section is None:
+                continue
+            if title != "The answer":
+                lines.append(f"{title}:")
+            for block in section.blocks:
+                if isinstance(block, Table):
+                    lines += [f"  {row[0]}, {row[1]}: {row[-1]}" for row in block.rows]
+                else:
+                    lines.append("  " + block.replace("**", ""))
         t = self.results_table()
         frame = pd.DataFrame(t.rows, columns=t.headers)
         frame["metric"] = frame["metric"].str.replace(r" \(.*\)$", "", regex=True)
-        return frame.drop(columns=["input tokens"]).to_string(index=False)
+        table = frame.drop(columns=["input tokens", "verdict"]).to_string(index=False)
+        return "\n".join([*lines, "", table])
 
     def write(self, out_dir: Path) -> dict[str, Path]:
         """report.md (figures beside it under plots/), report.html (self-contained), report.json."""
