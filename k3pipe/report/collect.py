@@ -146,6 +146,10 @@ class StudyData(BaseModel):
                 return (name.removesuffix(CALIBRATION_SUFFIX), name)
         return None
 
+    def cell_of(self, workload: str) -> CellData:
+        """Any arm's cell of ``workload`` (what the workload is: its lengths, load, concurrency)."""
+        return next(c for c in self.cells if c.workload == workload)
+
     def workloads(self) -> list[str]:
         """Workload names, shortest input first (the order of the study's table)."""
         seen: dict[str, int] = {}

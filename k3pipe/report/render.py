@@ -154,8 +154,25 @@ def _noise_section(data: StudyData, analysis: Analysis) -> Section | None:
             f"{PLAN_EFFECT:.0%} difference with that probability at this noise and level; '-' where restart "
             "noise was not measured.",
             table,
+            *_opening_wave(data),
         ],
     )
+
+
+def _opening_wave(data: StudyData) -> list[Block]:
+    """The measured phase of a fixed-concurrency workload opens with `concurrency` requests at once:
+    how much their TTFT differs from the rest's, per workload (the range over arms and repeats)."""
+    lines: list[Block] = []
+    for workload in data.workloads():
+        cells = [c for c in data.cells if c.workload == workload]
+        ratios = [r for c in cells for r in c.values.get("first_wave_ttft_ratio", [])]
+        if ratios:
+            lines.append(
+                f"{workload}: the measured phase opens with {data.cell_of(workload).concurrency} requests at "
+                f"once; that first wave's TTFT p50 was {min(ratios):.2f}x to {max(ratios):.2f}x the rest's "
+                "(first_wave_ttft_ratio, over arms and repeats). TTFT p50 above covers both."
+            )
+    return lines
 
 
 def _noise_row(n: NoiseRow, analysis: Analysis) -> list[str]:
