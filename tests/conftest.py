@@ -328,8 +328,10 @@ GROUP_SECONDS = {
     "tests/test_stack.py": 120,
     "tests/test_gateway.py": 110,
     "tests/test_secrets.py": 80,
+    "tests/test_verdicts_cpu.py": 420,
+    "tests/test_study.py": 240,
     "tests/test_bad_inputs.py": 75,
-    "tests/test_study.py": 60,
+    "tests/test_report_artifacts.py": 40,
 }
 
 

@@ -37,6 +37,8 @@ def _experiment(base_url: str, docs: str = "/nonexistent/k3pipe-docs") -> dict:
             {"name": "in32", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
              "warmup_requests": 0, "repeats": 3, "seed": 1},
         ],
+        # the variants change the output length: end-to-end time is what this retest decides on
+        "decision": {"metrics": ["duration_s", "output_throughput_tps"]},
         "variants": [
             {"name": "longer", "description": "four times the output",
              "arms": {"fast": {}}, "workloads": {"output_tokens": 32}},
