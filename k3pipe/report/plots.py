@@ -40,7 +40,7 @@ def _by_length(analysis: Analysis, data: StudyData) -> bytes | None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels, strict=True):
         rows = sorted((r for r in analysis.rows if r.metric.key == key), key=lambda r: r.input_tokens)
-        for arm in [a.name for a in data.arms]:
+        for arm in data.arm_names:
             pts = [(r.input_tokens, r.cells[arm]) for r in rows if arm in r.cells]
             if not pts:
                 continue
@@ -103,12 +103,12 @@ def _cold_start(data: StudyData) -> bytes | None:
     bottom = np.zeros(len(arms))
     for phase in phases:
         values = np.asarray([a.phases.get(phase, 0.0) for a in arms])
-        ax.bar([a.name for a in arms], values, bottom=bottom, label=phase)
+        ax.bar([data.label(a) for a in arms], values, bottom=bottom, label=phase)
         bottom += values
     rest = np.asarray([max(0.0, (a.cold_start_s or 0.0) - sum(a.phases.values())) for a in arms])
     if rest.any():
         ax.bar(
-            [a.name for a in arms],
+            [data.label(a) for a in arms],
             rest,
             bottom=bottom,
             label="other (not in the log's phases)",

@@ -166,7 +166,9 @@ def judge_variants(data: RetestData) -> list[VariantVerdict]:
                     )
                 )  # fmt: skip
     judged = [v for v in verdicts if v.decision]
-    design = design_of(data.baseline.decision, len(judged))
+    # a single value on a side cannot be tested: not one of the family (that follows from the design)
+    testable = sum(v.baseline.estimate.var is not None and v.value.estimate.var is not None for v in judged)
+    design = design_of(data.baseline.decision, testable)
     for v in judged:
         v.outcome = stats.decide(v.comparison, design, v.metric.higher_is_better, (v.variant, BASELINE))
     return verdicts
@@ -238,7 +240,7 @@ def build_retest_document(
 ) -> Document:
     """The retest's report: the answer per variant, what each changed, the verdict table, the
     baseline's own results table and where each study's full report is."""
-    judged = [v for v in verdicts if v.outcome is not None]
+    judged = [v for v in verdicts if v.outcome is not None and v.outcome.outcome != "untested"]
     design = design_of(data.baseline.decision, len(judged))
     method = (
         "Each variant's cell against the baseline's cell of the same arm and workload: the change is the "
