@@ -285,7 +285,8 @@ def restore_run_task(tracker: Tracker, run_id: str, home: Path, allow_drift: boo
 
 @task(name="rerun-verdict", cache_policy=NO_CACHE)
 def rerun_verdict_task(tracker: Tracker, original: str, rerun: str) -> list[dict[str, Any]]:
-    """Each workload of the rerun against the original (per metric: different, equivalent or inconclusive), in the log too."""
+    """Each workload of the rerun against the original (per metric: different, equivalent or
+    inconclusive), in the log too."""
     logger = get_run_logger()
     out = []
     for v in verdict(tracker, original, rerun):
