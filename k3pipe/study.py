@@ -118,6 +118,13 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
         )
     if len(order) > len(names):
         lines.append("  launch order: " + " ".join(f"{a}#{k}" for a, k in order))
+    until = spec.decision.until
+    if until is not None:
+        budget = f" or budget_s {until.budget_s:g} s" if until.budget_s is not None else ""
+        lines.append(
+            f"  then one more launch of every arm per round while a decision comparison is open (neither "
+            f"decided nor within +-{until.ci_pct:g}%), up to {until.max_launches} launches per arm{budget}"
+        )
     for w in spec.workloads:
         warmup = (
             f"warm-up until steady, at most {w.warmup_requests}"
