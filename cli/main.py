@@ -94,8 +94,9 @@ def render(
     """Print the study (arms in order, workloads), then per arm the engine's environment and exact
     command line."""
     from k3pipe.experiment import load_experiment
+    from k3pipe.launchers import equivalent_command
     from k3pipe.plan import plan_arm
-    from k3pipe.study import describe_study
+    from k3pipe.schedule import describe_study
     from k3pipe.variants import changes, resolve
 
     try:
@@ -129,7 +130,7 @@ def render(
                 print(f"{k}={v}")
             print(f"# {plan.launch.command_heading}")
             print(" \\\n    ".join(_groups(plan.command.redacted_argv())))
-            equivalent = plan.launch.equivalent_command(plan)
+            equivalent = equivalent_command(plan)
             if equivalent:
                 print("# the same, as one command line (an image is launched by its pinned digest)")
                 print(equivalent)
@@ -322,9 +323,7 @@ def retest(
     failed = None
     try:
         result = _run_flow(
-            lambda: retest_flow(
-                str(experiment), variants=request.variants, overrides=request.overrides
-            ),
+            lambda: retest_flow(str(experiment), variants=request.variants, overrides=request.overrides),
             keep=VariantsFailed,
         )
     except VariantsFailed as exc:

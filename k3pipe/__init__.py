@@ -2,26 +2,61 @@
 
 The library never imports Prefect; ``tasks/`` and ``flows/`` wrap it. The public surface is small:
 load and render experiments, the steps, and the error tree.
+
+The names below are loaded when first used (PEP 562): importing one module of the library
+(``k3pipe.errors``, ``k3pipe.stats``) does not load the specs, the launchers and their SDKs.
 """
 
-from k3pipe.errors import (
-    BenchmarkError,
-    EndpointAuthError,
-    HealthError,
-    K3pipeError,
-    LaunchError,
-    ModelNotServedError,
-    ModelSourceError,
-    PreflightError,
-    SpecError,
-    TrackingError,
-)
-from k3pipe.experiment import load_experiment, parse_experiment
-from k3pipe.plan import ArmPlan, plan_arm
-from k3pipe.settings import Settings
-from k3pipe.specs import ExperimentSpec, WorkloadSpec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3pipe.errors import (
+        BenchmarkError,
+        EndpointAuthError,
+        HealthError,
+        K3pipeError,
+        LaunchError,
+        ModelNotServedError,
+        ModelSourceError,
+        PreflightError,
+        SpecError,
+        TrackingError,
+    )
+    from k3pipe.experiment import load_experiment, parse_experiment
+    from k3pipe.plan import ArmPlan, plan_arm
+    from k3pipe.settings import Settings
+    from k3pipe.specs import ExperimentSpec, WorkloadSpec
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_HOMES = {
+    **dict.fromkeys(
+        (
+            "BenchmarkError",
+            "EndpointAuthError",
+            "HealthError",
+            "K3pipeError",
+            "LaunchError",
+            "ModelNotServedError",
+            "ModelSourceError",
+            "PreflightError",
+            "SpecError",
+            "TrackingError",
+        ),
+        "k3pipe.errors",
+    ),
+    "load_experiment": "k3pipe.experiment",
+    "parse_experiment": "k3pipe.experiment",
+    "ArmPlan": "k3pipe.plan",
+    "plan_arm": "k3pipe.plan",
+    "Settings": "k3pipe.settings",
+    "ExperimentSpec": "k3pipe.specs",
+    "WorkloadSpec": "k3pipe.specs",
+}
 
 __all__ = [
     "ArmPlan",
@@ -43,3 +78,16 @@ __all__ = [
     "parse_experiment",
     "plan_arm",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'k3pipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from k3pipe import secrets
 from k3pipe.engines import engine_kinds
 from k3pipe.errors import SpecError
-from k3pipe.launchers.kinds import LAUNCHER_SPECS
+from k3pipe.launchers.specs import LAUNCHER_SPECS
 from k3pipe.settings import env_value
 from k3pipe.specs import (
     LIMIT_REASONS,

@@ -27,6 +27,7 @@ from k3pipe.coldstart import ColdStart
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
+from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
 from k3pipe.node import NodeInfo, gpu_memory_frame
 from k3pipe.observe import EngineLogFacts, phase_table
@@ -291,7 +292,7 @@ class ArmRecorder:
                 "image.digest": image.digest,
                 "image.pinned": image.pinned,
                 "image.pulled": image.pulled,
-                "docker_run": plan.launch.equivalent_command(plan, image.pinned),
+                "docker_run": equivalent_command(plan, image.pinned),
             },
         )
         self.tracker.log_metrics(self.run_id, {"image_pull_s": image.duration_s})

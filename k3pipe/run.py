@@ -33,7 +33,7 @@ from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import EngineLostError, SpecError
 from k3pipe.health import EndpointCheck, check_endpoint, engine_version, gate_target, wait_ready
-from k3pipe.launchers import Launcher
+from k3pipe.launchers.base import Launcher
 from k3pipe.launchers.factory import launch_engine, pull_image
 from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
 from k3pipe.plan import ArmPlan, plan_arm

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from k3pipe import secrets
 from k3pipe.errors import SpecError
 from k3pipe.figures import DEFAULT_DECISION, FIGURES
-from k3pipe.launchers.base import check_http_url as _check_base_url
-from k3pipe.launchers.kinds import LauncherSpec, ProcessLauncherSpec
+from k3pipe.launchers.specs import LauncherSpec, ProcessLauncherSpec
+from k3pipe.launchers.specs import check_http_url as _check_base_url
 from k3pipe.procs import parse_cpu_list
 
 __all__ = [
@@ -359,8 +359,6 @@ class HardwareSpec(_Spec):
     gpu_memory_gib: float = _finite(
         gt=0, le=MAX_GPU_MEMORY_GIB, description="Memory visible per accelerator, in GiB."
     )
-
-
 
 
 def _check_key_env(value: str | None, field: str) -> str | None:
@@ -911,6 +909,8 @@ def _repeated(names: list[str]) -> list[str]:
 
 
 MAX_CLIENT_PROCESSES = 256
+
+
 class ClientSpec(_Spec):
     """How k3pipe's load generator runs: its processes, their CPUs and priority (what was used is
     recorded with every workload: client_load.json, client_* metrics)."""

@@ -65,7 +65,6 @@ __all__ = [
     "decide",
     "detectable",
     "estimate",
-    "interleaved_order",
     "launches_needed",
     "mde",
     "planned_power",
@@ -480,19 +479,6 @@ def components(cells: Sequence[Sequence[Sequence[float]]]) -> Components | None:
         n0 = n0_weighted / df_b
         between = max(0.0, (ss_b / df_b - within) / n0)
     return Components(between, within, df_b, df_w)
-
-
-def interleaved_order(arms: Sequence[str], launches: Sequence[int]) -> list[tuple[str, int]]:
-    """The launch order of arms launched ``launches[i]`` times each: rounds, every other round
-    reversed (A B, B A, A B ...), so that a drift over time favours no arm. Returns (arm, launch
-    number from 1) pairs; an arm with fewer launches drops out of later rounds."""
-    if len(arms) != len(launches):
-        raise ValueError("one launch count per arm")
-    order: list[tuple[str, int]] = []
-    for r in range(max(launches, default=0)):
-        round_ = [(a, r + 1) for a, n in zip(arms, launches, strict=True) if n > r]
-        order.extend(round_ if r % 2 == 0 else reversed(round_))
-    return order
 
 
 def spend_alpha(alpha: float, looks: int) -> list[float]:

@@ -4,7 +4,7 @@ sending the same prompts.
 
 An arm with ``launches: N`` is launched N times, each launch an arm run of its own (tagged
 ``k3pipe.launch``) running every workload; the launches of all arms are interleaved (A B, B A, A B
-...: :func:`k3pipe.stats.interleaved_order`), so that a drift over the study's time favours no arm.
+...: :func:`k3pipe.schedule.interleaved_order`), so that a drift over the study's time favours no arm.
 With ``decision.calibration`` the baseline's A/A copy (``<arm>-aa``) runs right after it, launched
 like it.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +38,7 @@ from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import record_failed_arm
 from k3pipe.report.collect import STUDY_KIND
 from k3pipe.run import ArmOutcome, ArmRun, ArmSteps
+from k3pipe.schedule import interleaved_order, launch_order, models_of, study_arm_names
 from k3pipe.secrets import redact_data, scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
@@ -50,94 +50,11 @@ __all__ = [
     "Study",
     "StudyOutcome",
     "StudySteps",
-    "describe_study",
-    "launch_order",
-    "models_of",
     "stage_prefix",
     "start_study",
-    "study_arm_names",
 ]
 
 log = logging.getLogger("k3pipe.study")
-_PLACEHOLDER = re.compile(r"\{models\.([A-Za-z0-9_-]+)\}")
-
-
-def models_of(arm: ArmSpec) -> list[str]:
-    """The models an arm needs: 'model' and every extra model its arguments name ('{models.NAME}')."""
-    names: list[str] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, str):
-            names.extend(_PLACEHOLDER.findall(value))
-        elif isinstance(value, Mapping):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                walk(v)
-
-    walk(arm.engine.args)
-    walk(arm.engine.env)
-    return ["model", *dict.fromkeys(names)]
-
-
-def study_arm_names(spec: ExperimentSpec, selected: Iterable[str] | None = None) -> list[str]:
-    """The arms a study of ``spec`` runs, in order: ``selected`` (default every arm) and, with
-    ``decision.calibration``, the baseline's A/A copy right after the baseline."""
-    names = list(selected) if selected else [a.name for a in spec.arms]
-    copy = spec.calibration_arm_name
-    if spec.decision.calibration and spec.baseline_arm in names and copy not in names:
-        names.insert(names.index(spec.baseline_arm) + 1, copy)
-    return names
-
-
-def launch_order(spec: ExperimentSpec, names: list[str]) -> list[tuple[str, int]]:
-    """(arm, launch number) in the order a study launches them (interleaved rounds)."""
-    return stats.interleaved_order(names, [spec.arm(n).launches for n in names])
-
-
-def describe_study(spec: ExperimentSpec) -> list[str]:
-    """What a study of ``spec`` runs, in order: the arms one after another, each on every workload,
-    and which models each needs (those beyond the first are fetched while an earlier arm runs)."""
-    names = study_arm_names(spec)
-    order = launch_order(spec, names)
-    lines = [
-        f"study {spec.name}: {len(names)} arm(s) x {len(spec.workloads)} workload(s), arms one after "
-        "another on the node, every arm sending the same prompts"
-    ]
-    for i, name in enumerate(names, 1):
-        arm = spec.arm(name)
-        needs = models_of(arm)
-        extra = f"; also needs {', '.join(needs[1:])}" if len(needs) > 1 else ""
-        image = f", image {arm.engine.image}" if arm.launcher.pins_image else ""
-        times = f", launched {arm.launches} times" if arm.launches > 1 else ""
-        copy = spec.decision.calibration and name == spec.calibration_arm_name
-        aa = " (A/A copy of the baseline)" if copy else ""
-        lines.append(
-            f"  {i}. {arm.name}{aa}: {arm.engine.kind} on launcher {arm.launcher.kind}{image}{times}{extra}"
-        )
-    if len(order) > len(names):
-        lines.append("  launch order: " + " ".join(f"{a}#{k}" for a, k in order))
-    until = spec.decision.until
-    if until is not None:
-        budget = f" or budget_s {until.budget_s:g} s" if until.budget_s is not None else ""
-        lines.append(
-            f"  then one more launch of every arm per round while a decision comparison is open (neither "
-            f"decided nor within +-{until.ci_pct:g}%), up to {until.max_launches} launches per arm{budget}"
-        )
-    for w in spec.workloads:
-        warmup = (
-            f"warm-up until steady, at most {w.warmup_requests}"
-            if w.warmup == "steady"
-            else f"{w.warmup_requests} warm-up"
-        )
-        load = f"{w.concurrency} streams" if w.load == "concurrency" else f"{w.load} at {w.rate_rps} req/s"
-        lines.append(
-            f"  workload {w.name}: {w.input_tokens:,} in / {w.output_tokens:,} out tokens, {load}, "
-            f"{w.num_requests} requests (+{warmup}), {w.dataset.kind} prompts, "
-            f"{w.repeats} repeat(s)"
-        )
-    return lines
 
 
 def decision_reached(tracker: Tracker, run_id: str, ci_pct: float, alpha: float) -> tuple[bool, str]:
@@ -351,7 +268,7 @@ class Study:
                 return
             self.say(f"decision: not reached at look {look + 1} ({why}): one more launch of every arm")
             counts = {n: planned[n] + look + 1 for n in names}
-            full = stats.interleaved_order(names, [counts[n] for n in names])
+            full = interleaved_order(names, [counts[n] for n in names])
             extra = [pair for pair in full if pair not in ran]
             began = time.perf_counter()
             launch_all(extra)

@@ -21,7 +21,8 @@ from k3pipe.engines.base import Finding
 from k3pipe.errors import ModelSourceError
 from k3pipe.experiment import load_experiment
 from k3pipe.health import EndpointCheck, engine_version, wait_ready
-from k3pipe.launchers import Launcher, connect, reap_orphans
+from k3pipe.launchers.base import Launcher
+from k3pipe.launchers.docker import connect, reap_orphans
 from k3pipe.launchers.factory import pull_image
 from k3pipe.node import NodeInfo
 from k3pipe.params import RunRequest

@@ -111,7 +111,7 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEng
     require_engine()
     from k3pipe.experiment import parse_experiment
     from k3pipe.health import wait_until_healthy
-    from k3pipe.launchers import ProcessLauncher
+    from k3pipe.launchers.process import ProcessLauncher
     from k3pipe.plan import plan_arm
 
     port = free_port()
@@ -290,6 +290,8 @@ UNIT_MODULES = frozenset(
         "tests/test_scrubber.py",
         "tests/test_specs.py",
         "tests/test_stats.py",
+        "tests/test_schedule.py",
+        "tests/test_layers.py",
         "tests/test_variants.py",
     }
 )
@@ -328,7 +330,7 @@ GROUP_SECONDS = {
     "tests/test_stack.py": 120,
     "tests/test_gateway.py": 110,
     "tests/test_secrets.py": 80,
-    "tests/test_verdicts_cpu.py": 420,
+    "tests/test_verdicts_cpu.py": 600,
     "tests/test_study.py": 240,
     "tests/test_bad_inputs.py": 75,
     "tests/test_report_artifacts.py": 40,

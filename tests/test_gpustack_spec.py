@@ -13,7 +13,8 @@ import yaml
 from k3pipe import secrets
 from k3pipe.errors import SpecError
 from k3pipe.experiment import load_experiment, parse_experiment
-from k3pipe.launchers.gpustack import Deployment, GpustackLauncherSpec
+from k3pipe.launchers.gpustack import Deployment
+from k3pipe.launchers.specs import GpustackLauncherSpec
 from k3pipe.plan import plan_arm
 
 REPO = Path(__file__).resolve().parents[1]

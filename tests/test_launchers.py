@@ -12,7 +12,8 @@ import pytest
 
 from k3pipe.errors import LaunchError
 from k3pipe.health import wait_until_healthy
-from k3pipe.launchers import ExternalLauncher, ProcessLauncher
+from k3pipe.launchers.external import ExternalLauncher
+from k3pipe.launchers.process import ProcessLauncher
 
 # A stand-in engine: prints, starts a child in its group, optionally ignores SIGTERM, then sleeps.
 ENGINE = textwrap.dedent(
@@ -138,14 +139,14 @@ def test_stop_before_start_and_external() -> None:
 
 def test_launcher_cpus_pin_the_engine_and_every_process_it_starts(tmp_path: Path) -> None:
     """launcher.cpus: the engine runs under taskset on those CPUs, and so does the child it starts."""
-    from k3pipe.launchers.process import ProcessLauncherSpec
+    from k3pipe.launchers.specs import ProcessLauncherSpec
 
     cpu = sorted(os.sched_getaffinity(0))[-1]
     spec = ProcessLauncherSpec(cpus=str(cpu))
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
     launcher = ProcessLauncher(
-        spec._pinned([sys.executable, str(script)]),
+        spec.pinned([sys.executable, str(script)]),
         dict(os.environ),
         tmp_path / "engine.log",
         stop_timeout_s=5,

@@ -248,7 +248,9 @@ def test_docker_run_takes_a_reference_from_the_callers_environment(monkeypatch: 
     data["arms"][0]["launcher"] = {"kind": "docker"}
     spec = parse_experiment(data)
     plan = plan_arm(spec, spec.arms[0], Path("/h"))
-    line = plan.launch.equivalent_command(plan, "img@sha256:0")
+    from k3pipe.launchers import equivalent_command
+
+    line = equivalent_command(plan, "img@sha256:0")
     assert line is not None
     assert " -e HF_TOKEN " in line
     assert "-e 'OTHER_TOKEN={env.HF_TOKEN}'" in line

@@ -256,16 +256,6 @@ def test_variance_components_match_a_mixed_model() -> None:
     assert comp.between == pytest.approx(float(fit.cov_re.iloc[0, 0]), rel=1e-3)
 
 
-def test_interleaved_order_balances_drift() -> None:
-    order = stats.interleaved_order(["a", "b"], [3, 3])
-    assert order == [("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
-    # a linear drift over the six slots: each arm's mean slot is the same after an even number of rounds
-    four = stats.interleaved_order(["a", "b"], [4, 4])
-    slots = {arm: [i for i, (x, _) in enumerate(four) if x == arm] for arm in "ab"}
-    assert np.mean(slots["a"]) == np.mean(slots["b"])
-    assert stats.interleaved_order(["a", "b", "c"], [1, 2, 1]) == [("a", 1), ("b", 1), ("c", 1), ("b", 2)]
-
-
 def test_alpha_spending_sums_to_alpha_and_keeps_the_rate_under_optional_stopping() -> None:
     shares = stats.spend_alpha(0.05, 4)
     assert sum(shares) == pytest.approx(0.05)

@@ -19,9 +19,10 @@ from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.experiment import parse_experiment
 from k3pipe.report import build_report
 from k3pipe.rerun import read_record
+from k3pipe.schedule import models_of
 from k3pipe.settings import Settings
 from k3pipe.sources import fetch_model
-from k3pipe.study import Study, StudySteps, models_of, start_study
+from k3pipe.study import Study, StudySteps, start_study
 from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI

@@ -15,9 +15,10 @@ Typical use::
 The measurement rules each module follows are in its docstring; docs/measurement.md gathers them.
 """
 
-from k3pipe.bench.client import RequestRecord, WorkloadResult, run_workload
+from k3pipe.bench.client import WorkloadResult, run_workload
 from k3pipe.bench.corpora import PromptSet, build_prompts
 from k3pipe.bench.datasets import Prompt, load_tokenizer, random_prompts, shared_prefix_prompts
+from k3pipe.bench.records import RequestRecord
 from k3pipe.bench.summary import (
     LatencyStats,
     ThroughputCheck,

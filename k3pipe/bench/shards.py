@@ -41,8 +41,9 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from k3pipe.bench.client import Abort, RequestRecord, Share, WorkloadResult, report_end, run_workload
+from k3pipe.bench.client import Abort, Share, WorkloadResult, report_end, run_workload
 from k3pipe.bench.datasets import Prompt
+from k3pipe.bench.records import RequestRecord
 from k3pipe.errors import BenchmarkError
 from k3pipe.procs import parse_cpu_list
 from k3pipe.specs import ClientSpec, WorkloadSpec

@@ -68,7 +68,8 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
-from k3pipe.bench.client import RequestRecord, WorkloadResult
+from k3pipe.bench.client import WorkloadResult
+from k3pipe.bench.records import RequestRecord
 from k3pipe.bench.warmup import WarmupReport
 from k3pipe.specs import SLOSpec
 

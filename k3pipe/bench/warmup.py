@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-if TYPE_CHECKING:  # client imports this module: at run time the records are only read
-    from k3pipe.bench.client import RequestRecord
+if TYPE_CHECKING:
+    from k3pipe.bench.records import RequestRecord
 
 __all__ = ["WarmupReport", "WarmupWave", "agree", "change_pct", "warmup_report", "waves"]
 

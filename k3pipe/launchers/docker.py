@@ -10,40 +10,36 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import re
 import shlex
 import threading
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
 from docker.types import DeviceRequest, Mount
-from pydantic import Field, field_validator
 
 from k3pipe.errors import LaunchError, SpecError
-from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
+from k3pipe.launchers.base import Launcher, tail_file
+from k3pipe.launchers.specs import DockerLauncherSpec
 from k3pipe.procs import alive, proc_stat
 from k3pipe.secrets import scrub
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
-    from k3pipe.specs import EndpointSpec, EngineSpec
 
 __all__ = [
     "FLOW_RUN_LABEL",
     "MANAGED_LABEL",
     "OWNER_LABEL",
     "DockerLauncher",
-    "DockerLauncherSpec",
     "connect",
     "reap_orphans",
 ]
 
 MANAGED_LABEL = "k3pipe.managed"
-_SIZE = re.compile(r"[0-9]+[bkmgBKMG]?")  # what docker's --shm-size takes
 FLOW_RUN_LABEL = "k3pipe.flow_run_id"
 OWNER_LABEL = "k3pipe.owner"
 """The k3pipe process that started the container: 'BOOT_ID:PID:START_TICKS' of this host."""
@@ -72,6 +68,7 @@ def _owner_gone(label: str | None) -> bool | None:
     if not pid.isdigit():
         return None
     return not alive(int(pid), int(start) if start.isdigit() else None)
+
 
 _LIVE: weakref.WeakSet[DockerLauncher] = weakref.WeakSet()
 
@@ -294,164 +291,72 @@ def reap_orphans(
     return removed
 
 
-class DockerLauncherSpec(LauncherSpecBase):
-    """``launcher.kind: docker``: the engine in a container from ``engine.image`` (pulled and pinned
-    to its digest first), models mounted read-only under ``model_mount``, the compile cache
-    read-write; the arguments go to the image's entrypoint."""
+def writable_mounts(spec: DockerLauncherSpec, plan: ArmPlan) -> dict[str, str]:
+    """Host directory -> container path, mounted read-write: the compile cache k3pipe keeps."""
+    cache = plan.compile_cache
+    if cache is None or cache.source != "k3pipe" or not cache.host_dir:
+        return {}
+    return {cache.host_dir: cache.dir}
 
-    kind: Literal["docker"] = Field(description="docker: a container from engine.image.")
-    gpus: int | list[str] | None = Field(
-        default=None,
-        description="GPUs to request, a count (e.g. 8) or device ids (['0','1']); none if unset.",
+
+def equivalent_command(spec: DockerLauncherSpec, plan: ArmPlan, image: str | None = None) -> str:
+    """The ``docker run`` command line (secrets redacted), for humans and the record."""
+    parts = ["docker", "run", "--rm", "--network", spec.network]
+    if spec.ipc:
+        parts += ["--ipc", spec.ipc]
+    if spec.shm_size:
+        parts += ["--shm-size", spec.shm_size]
+    if spec.init:
+        parts.append("--init")
+    if isinstance(spec.gpus, int):
+        parts += ["--gpus", str(spec.gpus)]
+    elif spec.gpus:
+        parts += ["--gpus", f'"device={",".join(spec.gpus)}"']
+    for host, container in plan.mounts.items():
+        parts += ["-v", f"{host}:{container}:ro"]
+    writable = writable_mounts(spec, plan)
+    for host, container in writable.items():
+        parts += ["-v", f"{host}:{container}"]
+    if writable and plan.compile_cache is not None:
+        parts += ["-e", f"{plan.compile_cache.var}={plan.compile_cache.dir}"]
+    for key, value in plan.command.redacted_env().items():
+        # '-e NAME' takes NAME from the caller's environment: {env.NAME} exactly, never its value
+        parts += ["-e", key if value == f"{{env.{key}}}" else f"{key}={value}"]
+    parts.append(image or plan.image or "IMAGE")
+    return shlex.join(parts) + " " + shlex.join(plan.command.redacted_argv())
+
+
+def build(
+    spec: DockerLauncherSpec,
+    plan: ArmPlan,
+    log_path: Path,
+    env: Mapping[str, str],
+    base_env: Mapping[str, str],
+    image: str | None,
+    labels: Mapping[str, str],
+    home: Path | None = None,
+) -> Launcher:
+    """A container launcher for ``plan`` from the pinned ``image``."""
+    if image is None:
+        raise SpecError(f"arm {plan.arm!r}: the docker launcher needs the resolved image (pull step)")
+    return DockerLauncher(
+        connect(),
+        image,
+        plan.command.argv,
+        env,
+        log_path,
+        labels={
+            "k3pipe.experiment": plan.experiment,
+            "k3pipe.arm": plan.arm,
+            "k3pipe.engine": plan.engine,
+            **labels,
+        },
+        mounts=plan.mounts,
+        writable_mounts=writable_mounts(spec, plan),
+        gpus=spec.gpus,
+        ipc=spec.ipc,
+        shm_size=spec.shm_size,
+        network=spec.network,
+        init=spec.init,
+        stop_timeout_s=spec.stop_timeout_s,
     )
-
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _gpus(cls, value: Any) -> Any:
-        """One message for every wrong shape (a count, or a list of ids; ids may be written as numbers)."""
-        if value is None:
-            return None
-        shape = (
-            "gpus must be a count of GPUs (a whole number, e.g. 8) or a list of device ids "
-            "(e.g. ['0', '1']), or left out for none"
-        )
-        if isinstance(value, bool) or not isinstance(value, int | list):
-            raise ValueError(shape)
-        if isinstance(value, int):
-            if not 1 <= value <= 1024:
-                raise ValueError(f"{shape}; a count is from 1 to 1024")
-            return value
-        if not value or any(
-            isinstance(g, bool) or not isinstance(g, int | str) or str(g).strip() == "" for g in value
-        ):
-            raise ValueError(f"{shape}; the list holds {len(value)} item(s), each must be an id such as '0'")
-        return [str(g) for g in value]
-
-    ipc: str | None = Field(default="host", description="IPC namespace ('host' for NCCL).")
-    shm_size: str | None = Field(default=None, description="/dev/shm size, e.g. '32g'.")
-    network: str = Field(
-        default="host", description="Network mode; 'host' so the engine binds the host's port."
-    )
-    model_mount: str = Field(
-        default="/models", description="Where model directories are mounted (read-only)."
-    )
-
-    @field_validator("model_mount")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if (
-            not value.startswith("/")
-            or ".." in value.split("/")
-            or ":" in value
-            or any(c.isspace() for c in value)
-        ):
-            raise ValueError(
-                f"model_mount {value!r} must be an absolute path in the container without ':', spaces "
-                "or '..', e.g. '/models'"
-            )
-        return value
-
-    @field_validator("shm_size")
-    @classmethod
-    def _size(cls, value: str | None) -> str | None:
-        if value is not None and not _SIZE.fullmatch(value):
-            raise ValueError(f"shm_size {value!r} must be a size such as '32g', '512m' or '1073741824'")
-        return value
-
-    init: bool = Field(default=True, description="Run an init process as PID 1 (reaps zombies).")
-    pull: Literal["if-missing", "always", "never"] = Field(
-        default="if-missing",
-        description="Pull the image always, only when its digest is not present, or never.",
-    )
-
-    pins_image: ClassVar[bool] = True
-    leaves_orphans: ClassVar[bool] = True
-    command_heading: ClassVar[str] = "command (arguments to the image's entrypoint)"
-
-    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
-        if not engine.image:
-            return "launcher.kind 'docker' needs engine.image"
-        return None
-
-    def cache_factors(self, engine: EngineSpec) -> dict[str, Any]:
-        return {"executable": None, "image": engine.image}
-
-    def engine_cache_dir(self, host_dir: str, engine_mount: str) -> str:
-        return engine_mount
-
-    def host_view(self, engine_path: str) -> str | None:
-        return None  # a path inside the container
-
-    def place_models(self, dirs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-        inside, mounts = {}, {}
-        for key, host_dir in dirs.items():
-            target = f"{self.model_mount.rstrip('/')}/{key.removeprefix('models.')}"
-            mounts[host_dir] = target
-            inside[key] = target
-        return inside, mounts
-
-    def writable_mounts(self, plan: ArmPlan) -> dict[str, str]:
-        cache = plan.compile_cache
-        if cache is None or cache.source != "k3pipe" or not cache.host_dir:
-            return {}
-        return {cache.host_dir: cache.dir}
-
-    def equivalent_command(self, plan: ArmPlan, image: str | None = None) -> str:
-        """The ``docker run`` command line (secrets redacted), for humans and the record."""
-        parts = ["docker", "run", "--rm", "--network", self.network]
-        if self.ipc:
-            parts += ["--ipc", self.ipc]
-        if self.shm_size:
-            parts += ["--shm-size", self.shm_size]
-        if self.init:
-            parts.append("--init")
-        if isinstance(self.gpus, int):
-            parts += ["--gpus", str(self.gpus)]
-        elif self.gpus:
-            parts += ["--gpus", f'"device={",".join(self.gpus)}"']
-        for host, container in plan.mounts.items():
-            parts += ["-v", f"{host}:{container}:ro"]
-        writable = self.writable_mounts(plan)
-        for host, container in writable.items():
-            parts += ["-v", f"{host}:{container}"]
-        if writable and plan.compile_cache is not None:
-            parts += ["-e", f"{plan.compile_cache.var}={plan.compile_cache.dir}"]
-        for key, value in plan.command.redacted_env().items():
-            # '-e NAME' takes NAME from the caller's environment: {env.NAME} exactly, never its value
-            parts += ["-e", key if value == f"{{env.{key}}}" else f"{key}={value}"]
-        parts.append(image or plan.image or "IMAGE")
-        return shlex.join(parts) + " " + shlex.join(plan.command.redacted_argv())
-
-    def build(
-        self,
-        plan: ArmPlan,
-        log_path: Path,
-        env: Mapping[str, str],
-        base_env: Mapping[str, str],
-        image: str | None,
-        labels: Mapping[str, str],
-        home: Path | None = None,
-    ) -> Launcher:
-        if image is None:
-            raise SpecError(f"arm {plan.arm!r}: the docker launcher needs the resolved image (pull step)")
-        return DockerLauncher(
-            connect(),
-            image,
-            plan.command.argv,
-            env,
-            log_path,
-            labels={
-                "k3pipe.experiment": plan.experiment,
-                "k3pipe.arm": plan.arm,
-                "k3pipe.engine": plan.engine,
-                **labels,
-            },
-            mounts=plan.mounts,
-            writable_mounts=self.writable_mounts(plan),
-            gpus=self.gpus,
-            ipc=self.ipc,
-            shm_size=self.shm_size,
-            network=self.network,
-            init=self.init,
-            stop_timeout_s=self.stop_timeout_s,
-        )

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING
 
-from pydantic import Field
-
-from k3pipe.launchers.base import Launcher, LauncherSpecBase
+from k3pipe.launchers.base import Launcher
+from k3pipe.launchers.specs import ExternalLauncherSpec
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
-    from k3pipe.specs import EndpointSpec, EngineSpec
 
-__all__ = ["ExternalLauncher", "ExternalLauncherSpec"]
+__all__ = ["ExternalLauncher", "build"]
 
 
 class ExternalLauncher:
@@ -42,31 +40,15 @@ class ExternalLauncher:
         return None
 
 
-class ExternalLauncherSpec(LauncherSpecBase):
-    """``launcher.kind: external``: an endpoint that is already up at ``endpoint.base_url``; k3pipe
-    starts, stops and probes nothing of it (its node is not this one)."""
-
-    kind: Literal["external"] = Field(description="external: an endpoint already running.")
-
-    starts_engine: ClassVar[bool] = False
-    runs_here: ClassVar[bool] = False
-
-    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
-        if not endpoint.base_url:
-            return "launcher.kind 'external' needs endpoint.base_url (the running endpoint)"
-        return None
-
-    def host_view(self, engine_path: str) -> str | None:
-        return None
-
-    def build(
-        self,
-        plan: ArmPlan,
-        log_path: Path,
-        env: Mapping[str, str],
-        base_env: Mapping[str, str],
-        image: str | None,
-        labels: Mapping[str, str],
-        home: Path | None = None,
-    ) -> Launcher:
-        return ExternalLauncher()
+def build(
+    spec: ExternalLauncherSpec,
+    plan: ArmPlan,
+    log_path: Path,
+    env: Mapping[str, str],
+    base_env: Mapping[str, str],
+    image: str | None,
+    labels: Mapping[str, str],
+    home: Path | None = None,
+) -> Launcher:
+    """Nothing to start: the endpoint is up."""
+    return ExternalLauncher()

@@ -13,8 +13,9 @@ from k3pipe.coldstart import ensure_compile_cache
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import RenderedCommand
 from k3pipe.errors import LaunchError, SpecError
+from k3pipe.launchers import build_launcher
 from k3pipe.launchers.base import Launcher
-from k3pipe.launchers.docker import DockerLauncherSpec, connect
+from k3pipe.launchers.specs import DockerLauncherSpec
 from k3pipe.plan import ArmPlan
 from k3pipe.procs import listening
 from k3pipe.secrets import UnsetVariable, register
@@ -52,6 +53,7 @@ def _resolved(plan: ArmPlan, env: dict[str, str]) -> tuple[RenderedCommand, dict
     except UnsetVariable as exc:  # set while we looked: the same error as above
         raise SpecError(f"arm {plan.arm!r}: {{env.{exc.name}}} is not set in k3pipe's environment") from exc
 
+
 Progress = Callable[[str], None]
 
 
@@ -77,7 +79,7 @@ def launch_engine(
         env[key_var] = api_key.get_secret_value()
     launch_plan = plan.model_copy(update={"command": command})
     base_env = settings.process_env()
-    launcher = plan.launch.build(
+    launcher = build_launcher(
         launch_plan, log_path, env, base_env, image, dict(labels or {}), home=settings.home_dir
     )
     _port_is_free(plan)
@@ -105,4 +107,6 @@ def pull_image(plan: ArmPlan, progress: Progress | None = None) -> ImageRecord:
     spec = plan.launch
     if not plan.image or not isinstance(spec, DockerLauncherSpec):
         raise SpecError(f"arm {plan.arm!r}: only the docker launcher pulls an image (engine.image)")
+    from k3pipe.launchers.docker import connect
+
     return resolve_image(connect(), plan.image, spec.pull, progress=progress)

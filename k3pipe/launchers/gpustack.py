@@ -46,30 +46,26 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from pydantic import Field, field_validator, model_validator
 
 from k3pipe import secrets
 from k3pipe.engines import get_engine
 from k3pipe.errors import LaunchError
-from k3pipe.launchers.base import Binding, Gateway, Launcher, LauncherSpecBase, check_http_url, tail_file
+from k3pipe.launchers.base import Launcher, tail_file
+from k3pipe.launchers.specs import MODEL_PATH, GpustackLauncherSpec
 from k3pipe.secrets import scrub
 from k3pipe.settings import env_value
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
-    from k3pipe.specs import EndpointSpec, EngineSpec
 
-__all__ = ["GpustackLauncher", "GpustackLauncherSpec"]
+__all__ = ["GpustackLauncher", "build"]
 
 log = logging.getLogger("k3pipe.launchers.gpustack")
 
 API = "/v2"
-MODEL_PATH = "{{model_path}}"
-PORT = "{{port}}"
-MODEL_NAME = "{{model_name}}"
 _FAILED = ("error", "unreachable")
 
 # Deployments still up at interpreter exit are deleted, as the process launcher ends its groups.
@@ -82,147 +78,25 @@ def _stop_all() -> None:
         launcher.stop()
 
 
-def _custom(value: str) -> str:
-    # GPUStack refuses a custom backend or version whose name lacks the suffix
-    if not value.endswith("-custom"):
-        raise ValueError(f"{value!r} must end with '-custom' (GPUStack's rule for custom backends)")
-    return value
-
-
-class GpustackLauncherSpec(LauncherSpecBase):
-    """``launcher.kind: gpustack``: the engine's image and command registered as a GPUStack custom
-    backend, deployed as one replica on the chosen worker and GPUs, benchmarked through GPUStack's
-    OpenAI-compatible gateway with the GPUStack key, and deleted at the end of the arm."""
-
-    kind: Literal["gpustack"] = Field(description="gpustack: a deployment on a GPUStack cluster.")
-    host: str = Field(
-        default="0.0.0.0",
-        description="Address the engine binds to on the worker (GPUStack's proxy reaches it there).",
-    )
-    server_url: str = Field(description="The GPUStack server, e.g. 'http://gpustack.example:80'.")
-    api_key_env: str = Field(
-        description="NAME of the environment variable holding the GPUStack API key (never the key)."
-    )
-    backend: str = Field(description="The custom backend's name (GPUStack: ends in '-custom').")
-    backend_version: str = Field(
-        description="The backend version registered with this arm's image and command (ends in '-custom')."
-    )
-    worker: str | int | None = Field(
-        default=None, description="The worker (its name or id) to deploy on (default: GPUStack picks)."
-    )
-    gpus: list[int] | None = Field(
-        default=None,
-        min_length=1,
-        description="GPU indexes on that worker (needs worker; default: GPUStack picks).",
-    )
-    device: str = Field(default="cuda", pattern=r"^[a-z]+$", description="The GPUs' device type.")
-    cluster_id: int | None = Field(default=None, ge=1, description="GPUStack cluster (default: its own).")
-    model_name: str | None = Field(
-        default=None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="The deployment's name, the model id requests send (default: k3pipe-EXPERIMENT-ARM).",
-    )
-    model_path: str | None = Field(
-        default=None,
-        description="The model's directory on the worker (default: k3pipe's model directory, shared).",
-    )
-    restart_on_error: Literal[False] = Field(
-        default=False,
-        description="Always false: a crashed engine fails the run instead of restarting in a loop.",
-    )
-    poll_s: float = Field(
-        default=2.0, strict=True, gt=0, le=60, description="How often the instance's state is read."
-    )
-    request_timeout_s: float = Field(
-        default=30.0, strict=True, gt=0, le=600, description="Longest wait for one GPUStack API call."
-    )
-
-    starts_engine: ClassVar[bool] = True
-    runs_here: ClassVar[bool] = False
-    engine_checks_key: ClassVar[bool] = False
-    # a deployment left by a killed run is deleted by the next start of the same arm (same name)
-    leaves_orphans: ClassVar[bool] = False
-    command_heading: ClassVar[str] = "run command (GPUStack custom backend)"
-
-    @field_validator("server_url")
-    @classmethod
-    def _server(cls, value: str) -> str:
-        credentials = secrets.url_credentials(value)
-        if credentials:
-            secrets.register_all(v for _, v in credentials)
-            raise ValueError(
-                f"server_url {secrets.scrub_url(value)!r} carries credentials: name the variable "
-                "holding the key in launcher.api_key_env instead"
-            )
-        return check_http_url(value)
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_variable(cls, value: str) -> str:
-        return secrets.check_key_variable(value, "launcher.api_key_env", "GPUSTACK_API_KEY")
-
-    @field_validator("backend", "backend_version")
-    @classmethod
-    def _custom_suffix(cls, value: str) -> str:
-        return _custom(value)
-
-    @model_validator(mode="after")
-    def _gpus_need_worker(self) -> GpustackLauncherSpec:
-        if self.gpus is not None and self.worker is None:
-            raise ValueError(
-                f"gpus {self.gpus} are indexes on one worker: name it in launcher.worker (name or id)"
-            )
-        return self
-
-    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
-        if not engine.image:
-            return "launcher.kind 'gpustack' needs engine.image (the custom backend's image)"
-        for name in ("base_url", "api_key_env", "model"):
-            if getattr(endpoint, name) is not None:
-                return (
-                    f"launcher.kind 'gpustack' sets endpoint.{name} itself (GPUStack's gateway): "
-                    f"remove endpoint.{name}; set launcher.server_url, launcher.api_key_env, "
-                    "launcher.model_name"
-                )
-        return None
-
-    def binding(self, default_port: int, served_name: str | None) -> Binding:
-        # GPUStack assigns the port and serves the model under the deployment's name
-        return Binding(self.host, PORT, MODEL_NAME)
-
-    def deployment(self, experiment: str, arm: str) -> str:
-        """The deployment's name: the model id of requests through the gateway."""
-        return self.model_name or f"k3pipe-{experiment}-{arm}"
-
-    def gateway(self, experiment: str, arm: str) -> Gateway | None:
-        return Gateway(f"{self.server_url}/v1", self.deployment(experiment, arm), self.api_key_env)
-
-    def place_models(self, dirs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-        # GPUStack puts the deployment's local_path where {{model_path}} names it; other models
-        # (a draft) must be at the same path on the worker
-        return {**dirs, "model": MODEL_PATH}, {self.model_path or dirs["model"]: MODEL_PATH}
-
-    def host_view(self, engine_path: str) -> str | None:
-        return None if "{{" in engine_path else engine_path
-
-    def build(
-        self,
-        plan: ArmPlan,
-        log_path: Path,
-        env: Mapping[str, str],
-        base_env: Mapping[str, str],
-        image: str | None,
-        labels: Mapping[str, str],
-        home: Path | None = None,
-    ) -> Launcher:
-        key = env_value(self.api_key_env)
-        if not key:
-            raise LaunchError(
-                f"arm {plan.arm!r}: launcher.api_key_env names {self.api_key_env}, which is not set; "
-                f"export {self.api_key_env}=<a GPUStack API key> and start the run again"
-            )
-        secrets.register(key)
-        return GpustackLauncher(self, Deployment.of(plan, dict(env)), key, log_path)
+def build(
+    spec: GpustackLauncherSpec,
+    plan: ArmPlan,
+    log_path: Path,
+    env: Mapping[str, str],
+    base_env: Mapping[str, str],
+    image: str | None,
+    labels: Mapping[str, str],
+    home: Path | None = None,
+) -> Launcher:
+    """A GPUStack deployment launcher for ``plan``; the GPUStack key from ``launcher.api_key_env``."""
+    key = env_value(spec.api_key_env)
+    if not key:
+        raise LaunchError(
+            f"arm {plan.arm!r}: launcher.api_key_env names {spec.api_key_env}, which is not set; "
+            f"export {spec.api_key_env}=<a GPUStack API key> and start the run again"
+        )
+    secrets.register(key)
+    return GpustackLauncher(spec, Deployment.of(plan, dict(env)), key, log_path)
 
 
 @dataclass(frozen=True)
@@ -496,9 +370,12 @@ class GpustackLauncher:
     def _stream(self, instance_id: int, out: Any, skip: int) -> int:
         seen = 0
         path = f"/model-instances/{instance_id}/logs"
-        with contextlib.suppress(httpx.HTTPError), self.api.client.stream(
-            "GET", path, params={"follow": "true"}, timeout=httpx.Timeout(10.0, read=None)
-        ) as resp:
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            self.api.client.stream(
+                "GET", path, params={"follow": "true"}, timeout=httpx.Timeout(10.0, read=None)
+            ) as resp,
+        ):
             if resp.status_code != 200:
                 return skip
             for line in resp.iter_lines():

@@ -18,20 +18,18 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, ClassVar, Literal
-
-from pydantic import Field, field_validator
+from typing import IO, TYPE_CHECKING
 
 from k3pipe.errors import LaunchError
-from k3pipe.launchers.base import Launcher, LauncherSpecBase, tail_file
-from k3pipe.procs import GroupRegistry, parse_cpu_list
+from k3pipe.launchers.base import Launcher, tail_file
+from k3pipe.launchers.specs import ProcessLauncherSpec
+from k3pipe.procs import GroupRegistry
 from k3pipe.secrets import scrub
 
 if TYPE_CHECKING:
     from k3pipe.plan import ArmPlan
-    from k3pipe.specs import EndpointSpec, EngineSpec
 
-__all__ = ["ProcessLauncher", "ProcessLauncherSpec"]
+__all__ = ["ProcessLauncher", "build", "equivalent_command"]
 
 # Launchers still running at interpreter exit are stopped, so an interrupted run leaves no engine
 # behind even when the caller's own cleanup never ran.
@@ -171,69 +169,34 @@ def _pump(source: IO[bytes], log: IO[bytes]) -> None:
             log.flush()
 
 
-class ProcessLauncherSpec(LauncherSpecBase):
-    """``launcher.kind: process``: the engine's command (``engine.executable`` + arguments) as a local
-    process group, its output in the arm's log file."""
-
-    kind: Literal["process"] = Field(
-        default="process", description="process: a local process group (docker, external: see those)."
-    )
-
-    cpus: str | None = Field(
-        default=None,
-        description=(
-            "CPUs the engine's process group runs on, taskset-style ('8-15'); the client keeps off them "
-            "(None: any)."
-        ),
-    )
-
-    probes_interpreter: ClassVar[bool] = True
-
-    @field_validator("cpus")
-    @classmethod
-    def _cpus(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_cpu_list(value, "launcher.cpus")
-        return value
-
-    def arm_problem(self, engine: EngineSpec, endpoint: EndpointSpec) -> str | None:
-        if not engine.executable:
-            return "launcher.kind 'process' needs engine.executable (the command that starts it)"
+def equivalent_command(spec: ProcessLauncherSpec, plan: ArmPlan, image: str | None = None) -> str | None:
+    """The command pinned to ``launcher.cpus`` (taskset), secrets redacted; None when not pinned."""
+    if spec.cpus is None:
         return None
+    return shlex.join(spec.pinned(plan.command.redacted_argv()))
 
-    def engine_cpus(self) -> list[int] | None:
-        return parse_cpu_list(self.cpus) if self.cpus is not None else None
 
-    def _pinned(self, argv: list[str]) -> list[str]:
-        """``argv`` run on ``cpus`` (util-linux taskset: the engine and every process it starts
-        inherit the affinity from its first instruction)."""
-        return ["taskset", "--cpu-list", self.cpus, *argv] if self.cpus is not None else list(argv)
-
-    def equivalent_command(self, plan: ArmPlan, image: str | None = None) -> str | None:
-        if self.cpus is None:
-            return None
-        return shlex.join(self._pinned(plan.command.redacted_argv()))
-
-    def build(
-        self,
-        plan: ArmPlan,
-        log_path: Path,
-        env: Mapping[str, str],
-        base_env: Mapping[str, str],
-        image: str | None,
-        labels: Mapping[str, str],
-        home: Path | None = None,
-    ) -> Launcher:
-        return ProcessLauncher(
-            self._pinned(plan.command.argv),
-            {**base_env, **env},
-            log_path,
-            stop_timeout_s=self.stop_timeout_s,
-            registry=GroupRegistry(home) if home is not None else None,
-            name=f"{plan.experiment}/{plan.arm}",
-            port=_port_of(plan.base_url),
-            labels=labels,
-        )
+def build(
+    spec: ProcessLauncherSpec,
+    plan: ArmPlan,
+    log_path: Path,
+    env: Mapping[str, str],
+    base_env: Mapping[str, str],
+    image: str | None,
+    labels: Mapping[str, str],
+    home: Path | None = None,
+) -> Launcher:
+    """A process-group launcher for ``plan``, registered in ``home`` when given."""
+    return ProcessLauncher(
+        spec.pinned(plan.command.argv),
+        {**base_env, **env},
+        log_path,
+        stop_timeout_s=spec.stop_timeout_s,
+        registry=GroupRegistry(home) if home is not None else None,
+        name=f"{plan.experiment}/{plan.arm}",
+        port=_port_of(plan.base_url),
+        labels=labels,
+    )
 
 
 def _port_of(url: str) -> int | None:

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from k3pipe.bench.shards import STREAMS_PER_PROCESS, client_layout
-from k3pipe.launchers.process import ProcessLauncherSpec
+from k3pipe.launchers.specs import ProcessLauncherSpec
 from k3pipe.procs import parse_cpu_list
 from k3pipe.specs import ClientSpec
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from k3pipe.coldstart import ensure_compile_cache, marker_path, read_cold_start
 from k3pipe.experiment import parse_experiment
+from k3pipe.launchers import equivalent_command, writable_mounts
 from k3pipe.plan import ArmPlan, plan_arm
 from tests.engines.helpers import FIXTURES
 
@@ -107,7 +108,7 @@ def test_spec_cache_root_wins_and_is_recorded() -> None:
     assert cache.source == "spec"
     assert cache.dir == cache.host_dir == "/h/cache/mine"
     assert p.engine_env()["VLLM_CACHE_ROOT"] == "/h/cache/mine"
-    assert p.launch.writable_mounts(p) == {}
+    assert writable_mounts(p) == {}
     # the variable itself is not part of the key
     assert cache.key == key()
 
@@ -118,9 +119,9 @@ def test_docker_arm_mounts_the_cache() -> None:
     assert cache is not None
     assert cache.dir == "/k3pipe/cache/vllm"
     assert cache.host_dir == f"/h/cache/vllm/{cache.key}"
-    assert p.launch.writable_mounts(p) == {cache.host_dir: "/k3pipe/cache/vllm"}
+    assert writable_mounts(p) == {cache.host_dir: "/k3pipe/cache/vllm"}
     assert p.engine_env()["VLLM_CACHE_ROOT"] == "/k3pipe/cache/vllm"
-    run = p.launch.equivalent_command(p)
+    run = equivalent_command(p)
     assert f"-v {cache.host_dir}:/k3pipe/cache/vllm -e VLLM_CACHE_ROOT=/k3pipe/cache/vllm" in run
     assert cache.factors["image"] == "vllm/vllm-openai:v0.22.0"
     assert cache.factors["executable"] is None
