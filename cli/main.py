@@ -765,7 +765,7 @@ def bundle(
     ] = None,
 ) -> None:
     """Bundle every wheel an air-gapped node lacks: parts, manifest.json and install.sh."""
-    from k3pipe.bundle import BundleRequest, Target, build_bundle
+    from ops.bundle import BundleRequest, Target, build_bundle
 
     try:
         here = Target.this_machine()

@@ -1,4 +1,4 @@
-"""`k3pipe stack up|down|status|env`: the team stack (k3pipe.stack) from the command line."""
+"""`k3pipe stack up|down|status|env`: the team stack (ops.stack) from the command line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from k3pipe.errors import K3pipeError
 from k3pipe.settings import Settings
 
 if TYPE_CHECKING:
-    from k3pipe.stack import StackConfig
+    from ops.stack import StackConfig
 
 stack_app = typer.Typer(
     help="The team stack on 127.0.0.1: PostgreSQL, MLflow on it, Prefect, the k3pipe work pool, a worker.",
@@ -25,7 +25,7 @@ _CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def _config() -> StackConfig:
-    from k3pipe.stack import StackConfig
+    from ops.stack import StackConfig
 
     project = _CHECKOUT if (_CHECKOUT / "prefect.yaml").is_file() else Path.cwd()
     try:
@@ -52,7 +52,7 @@ def _say(line: str) -> None:
 @stack_app.command("up")
 def up_cmd() -> None:
     """Start what is not running and wait until each service is ready (a running one is left as is)."""
-    from k3pipe.stack import up
+    from ops.stack import up
 
     config = _config()
     start = time.monotonic()
@@ -66,7 +66,7 @@ def up_cmd() -> None:
 @stack_app.command("down")
 def down_cmd() -> None:
     """Stop exactly what `stack up` started (its recorded process groups), worker first."""
-    from k3pipe.stack import down
+    from ops.stack import down
 
     config = _config()
     try:
@@ -79,7 +79,7 @@ def down_cmd() -> None:
 def status_cmd() -> None:
     """Each service (running, pid, URL, log), then the lines that point a shell at the stack.
     Exit code 1 when a service that should run is not running."""
-    from k3pipe.stack import env_lines, status
+    from ops.stack import env_lines, status
 
     config = _config()
     try:
@@ -109,7 +109,7 @@ def status_cmd() -> None:
 @stack_app.command("env")
 def env_cmd() -> None:
     """The export lines for MLFLOW_TRACKING_URI and PREFECT_API_URL: eval "$(k3pipe stack env)"."""
-    from k3pipe.stack import env_lines
+    from ops.stack import env_lines
 
     config = _config()
     try:

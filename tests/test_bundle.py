@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from k3pipe.bundle import (
+from ops.bundle import (
     INSTALL_SH,
     PIPELINE_SMOKE_IMPORTS,
     BundleError,

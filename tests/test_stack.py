@@ -24,8 +24,8 @@ import psycopg2
 import pytest
 
 from k3pipe.settings import Settings
-from k3pipe.stack import StackConfig, load_state
 from k3pipe.tracking import Tracker
+from ops.stack import StackConfig, load_state
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.flow
