@@ -303,7 +303,9 @@ UNIT_MODULES = frozenset(
 # time is waiting on servers, engines and timeouts. A group stays on one worker: a module (its module
 # fixtures are made once), or all of tests/docker/ (one dockerd; a test there asserts that no managed
 # container is left). xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node
-# ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does.
+# ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does, by overriding
+# LoadScopeScheduling._split_scope: a private method, so pytest-xdist is pinned (pyproject.toml) and
+# tests/test_public_api.py checks the pin and the method's shape.
 SERIAL_PATHS = (
     "tests/bench/",
     "tests/test_gpu_clients.py",

@@ -100,3 +100,23 @@ def test_the_fast_tier_names_modules_that_exist() -> None:
 
     missing = sorted(m for m in UNIT_MODULES if not (REPO / m).is_file())
     assert missing == [], f"conftest.UNIT_MODULES names files that are gone: {missing}"
+
+
+def test_the_test_scheduler_rests_on_the_pinned_xdist() -> None:
+    """tests/conftest.py groups tests by overriding xdist's private LoadScopeScheduling._split_scope:
+    the version installed is the one pinned, and the method still takes a node id and returns the
+    scope, which the override maps to a group (a module, or all of tests/docker/)."""
+    import inspect
+    import tomllib
+    from importlib.metadata import version
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.conftest import REPO, group_of
+
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    (pin,) = [d for d in dev if d.startswith("pytest-xdist")]
+    assert pin == f"pytest-xdist=={version('pytest-xdist')}"
+    assert list(inspect.signature(LoadScopeScheduling._split_scope).parameters) == ["self", "nodeid"]
+    assert group_of("tests/docker/test_images.py") == "tests/docker"
+    assert group_of("tests/test_flow.py") == "tests/test_flow.py"
