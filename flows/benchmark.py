@@ -20,9 +20,10 @@ from prefect.states import Crashed
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError, PreflightError, RunFailedError, SpecError, first_line
+from k3pipe.errors import RunFailedError, SpecError, first_line
+from k3pipe.jobs.prepare import PrepareSteps, prepare
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
-from k3pipe.record import close_abandoned, record_preflight_stop, record_speculation, summary_table
+from k3pipe.record import close_abandoned, record_speculation, summary_table
 from k3pipe.rerun import RerunInputs
 from k3pipe.run import ArmRun, ArmSteps
 from k3pipe.secrets import scrub
@@ -137,22 +138,20 @@ def _run_arm(
     return run.execute().as_dict()
 
 
-def _stop_on_errors(
-    findings: list[Finding],
-    spec: ExperimentSpec,
-    arms: list[str],
-    tracker: Tracker,
-    parent_id: str | None = None,
-) -> None:
-    """Preflight errors end the flow before any launch; each arm's run records why."""
-    errors = [f for f in findings if f.severity == "error" and f.arm in (None, *arms)]
-    if not errors:
-        return
-    for arm in arms:
-        tags = {"prefect.flow_run_id": _flow_run_id()}
-        record_preflight_stop(tracker, spec.name, arm, findings, tags, parent_id)
-    summary = "; ".join(f"[{f.arm or 'experiment'}] {f.message}" for f in errors)
-    raise PreflightError(f"preflight found {len(errors)} error(s), nothing was launched: {summary}")
+def _prepare_steps(home: Path, tracker: Tracker) -> PrepareSteps:
+    """The preparation's steps as Prefect tasks (k3pipe.jobs.prepare runs the sequence)."""
+    return PrepareSteps(
+        preflight=preflight_task,
+        reap_orphans=lambda containers: reap_orphans_task(
+            _flow_run_is_running, home, containers, _closer(tracker)
+        ),
+        fetch_model=fetch_model_task,
+        prompts=prepare_prompts_task,
+    )
+
+
+def _flow_tags() -> dict[str, str]:
+    return {"prefect.flow_run_id": _flow_run_id()}
 
 
 def _judge_speculation(
@@ -225,28 +224,14 @@ def benchmark(
         spec, experiment = load_experiment_task(request), request.source
         selected = request.arm_names(spec)  # unknown arm names fail before anything starts
         params = overrides.params()
-    # preflight before the (possibly hours-long) download, and again with the model's config.json
-    _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker)
-    containers = any(spec.arm(name).launcher.leaves_orphans for name in selected)
-    reap_orphans_task(_flow_run_is_running, home, containers, _closer(tracker))
-    if rerun is not None:
-        models = rerun.models
-    else:
-        models = {"model": fetch_model_task("model", spec.model, home)}
-        for name, extra in spec.extra_models.items():
-            models[name] = fetch_model_task(name, extra, home)
-    findings = preflight_task(spec, "model", models["model"].path)
-    _stop_on_errors(findings, spec, selected, tracker)
+    # preflight before the (possibly hours-long) download, and again with the model's config.json;
     # every workload's prompts before any launch: a dataset that cannot give them fails the flow here
-    if rerun is not None:
-        prompts = rerun.prompts
-    else:
-        try:
-            prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
-        except BenchmarkError as exc:
-            dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
-            _stop_on_errors([dataset_error], spec, selected, tracker)
-            raise
+    prepared = prepare(
+        spec, selected, tracker, home, _prepare_steps(home, tracker), tags=_flow_tags(),
+        models=rerun.models if rerun is not None else None,
+        prompts=rerun.prompts if rerun is not None else None,
+    )  # fmt: skip
+    models, findings, prompts = prepared.models, prepared.findings, prepared.prompts
     outcomes = []
     for name in selected:
         outcomes.append(

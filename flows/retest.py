@@ -14,11 +14,12 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from flows.benchmark import _flow_run_id, _stop_on_errors, note_flow_run
+from flows.benchmark import _flow_run_id, _flow_tags, _prepare_steps, note_flow_run
 from flows.secrecy import guard, scrubbed_flow
 from flows.study import ArmsFailed, _report_needs_mlflow, run_study
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import RunFailedError
+from k3pipe.jobs.prepare import check_spec
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
 from k3pipe.secrets import scrub
@@ -27,7 +28,6 @@ from k3pipe.tracking import Tracker
 from tasks.steps import (
     fetch_model_task,
     load_experiment_task,
-    preflight_task,
     prepare_prompts_task,
     retest_report_task,
 )
@@ -93,9 +93,9 @@ def retest(
     try:
         # every study's own checks before anything is fetched or launched: a variant that cannot run
         # must not be found out after the baseline's hours
+        steps = _prepare_steps(home, tracker)
         for t in targets:
-            arms = [a.name for a in t.spec.arms]
-            _stop_on_errors(preflight_task(t.spec, "spec"), t.spec, arms, tracker, run_id)
+            check_spec(t.spec, [a.name for a in t.spec.arms], tracker, steps, _flow_tags(), run_id)
         model = fetch_model_task("model", spec.model, home)
         prompts: dict[str, dict[str, list[PromptSet]]] = {}
         for t in targets:

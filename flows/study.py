@@ -16,18 +16,17 @@ from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.benchmark import (
-    _closer,
     _flow_run_id,
-    _flow_run_is_running,
+    _flow_tags,
     _judge_speculation,
+    _prepare_steps,
     _steps,
-    _stop_on_errors,
     note_flow_run,
 )
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError, RunFailedError, TrackingError, first_line
+from k3pipe.errors import RunFailedError, TrackingError, first_line
+from k3pipe.jobs.prepare import check_spec, prepare
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
@@ -39,10 +38,7 @@ from k3pipe.tracking import Tracker
 from tasks.steps import (
     fetch_model_task,
     load_experiment_task,
-    preflight_task,
-    prepare_prompts_task,
     pull_image_task,
-    reap_orphans_task,
     report_task,
 )
 
@@ -84,21 +80,15 @@ def run_study(
     run_id = start_study(tracker, spec, experiment, tags, params, parent_id=parent_run_id)
     logger.info("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(selected))
     try:
-        _stop_on_errors(preflight_task(spec, "spec"), spec, selected, tracker, run_id)
-        containers = any(spec.arm(name).launcher.leaves_orphans for name in selected)
-        reap_orphans_task(_flow_run_is_running, home, containers, _closer(tracker))
         # the first model now (the prompts are drawn with its tokenizer); the others in the background
+        steps_before = _prepare_steps(home, tracker)
+        check_spec(spec, selected, tracker, steps_before, _flow_tags(), run_id)
         began = time.perf_counter()
-        models = dict(models) if models else {"model": fetch_model_task("model", spec.model, home)}
-        findings = preflight_task(spec, "model", models["model"].path)
-        _stop_on_errors(findings, spec, selected, tracker, run_id)
-        if prompts is None:
-            try:
-                prompts = prepare_prompts_task(spec, Path(models["model"].path), home)
-            except BenchmarkError as exc:
-                dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
-                _stop_on_errors([dataset_error], spec, selected, tracker, run_id)
-                raise
+        prepared = prepare(
+            spec, selected, tracker, home, steps_before, tags=_flow_tags(), parent_id=run_id,
+            models=models, prompts=prompts, extra_models=False, spec_checked=True,
+        )  # fmt: skip
+        models, findings, prompts = prepared.models, prepared.findings, prepared.prompts
         before = time.perf_counter() - began
     except BaseException:
         tracker.end_run(run_id, "FAILED")

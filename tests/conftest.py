@@ -292,6 +292,7 @@ UNIT_MODULES = frozenset(
         "tests/test_stats.py",
         "tests/test_schedule.py",
         "tests/test_layers.py",
+        "tests/test_prepare.py",
         "tests/test_variants.py",
     }
 )

@@ -1,0 +1,136 @@
+"""An experiment's preparation, the one sequence every job runs before it launches anything: preflight
+of the spec (before a possibly hours-long download), leftovers of killed runs reaped, the models
+fetched, preflight again with the model's ``config.json``, and every workload's prompts drawn with its
+tokenizer. Errors stop the job here, before any engine starts, and each arm's MLflow run records why
+(:func:`stop_on_errors`).
+
+The steps are a :class:`PrepareSteps`: :meth:`PrepareSteps.library` calls the library, a flow passes
+its Prefect tasks (same signatures), as :class:`k3pipe.run.ArmSteps` does for an arm's lifetime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.engines.base import Finding
+from k3pipe.errors import BenchmarkError, PreflightError
+from k3pipe.record import record_preflight_stop
+from k3pipe.sources import ModelRecord
+from k3pipe.specs import ExperimentSpec
+from k3pipe.tracking import Tracker
+
+__all__ = ["PrepareSteps", "Prepared", "check_spec", "prepare", "stop_on_errors"]
+
+
+@dataclass(frozen=True)
+class PrepareSteps:
+    """What preparing calls: ``preflight(spec, stage, model_dir=None)``, ``reap_orphans(containers)``
+    (the caller binds how it tells a live run and closes a dead one's records), ``fetch_model(name,
+    model_spec, home)`` and ``prompts(spec, model_dir, home)``."""
+
+    preflight: Callable[..., list[Finding]]
+    reap_orphans: Callable[[bool], Any]
+    fetch_model: Callable[[str, Any, Path], ModelRecord]
+    prompts: Callable[[ExperimentSpec, Path, Path], dict[str, list[PromptSet]]]
+
+    @classmethod
+    def library(cls, home: Path) -> PrepareSteps:
+        """The library's own steps (no Prefect): orphans of this home reaped without closing records."""
+        from k3pipe.bench.prompts import prepare_prompts
+        from k3pipe.preflight import preflight
+        from k3pipe.procs import GroupRegistry
+        from k3pipe.sources import fetch_model
+
+        return cls(
+            preflight=lambda spec, stage, model_dir=None: preflight(spec, model_dir=model_dir),
+            reap_orphans=lambda containers: GroupRegistry(home).reap_orphans(),
+            fetch_model=lambda name, model, where: fetch_model(model, where),
+            prompts=lambda spec, model_dir, where: prepare_prompts(spec.workloads, model_dir, where),
+        )
+
+
+@dataclass
+class Prepared:
+    """What a job launches with: every model it fetched (``model`` first), the preflight findings
+    with the model's config, and each workload's prompts per repeat."""
+
+    models: dict[str, ModelRecord]
+    findings: list[Finding] = field(default_factory=list)
+    prompts: dict[str, list[PromptSet]] = field(default_factory=dict)
+
+
+def stop_on_errors(
+    findings: list[Finding],
+    spec: ExperimentSpec,
+    arms: list[str],
+    tracker: Tracker,
+    tags: Mapping[str, str] | None = None,
+    parent_id: str | None = None,
+) -> None:
+    """Preflight errors (of the experiment, or of one of ``arms``) end the job before any launch:
+    each arm's run records the findings and why (tagged ``tags``, nested under ``parent_id``), then
+    :class:`~k3pipe.errors.PreflightError` names every error."""
+    errors = [f for f in findings if f.severity == "error" and f.arm in (None, *arms)]
+    if not errors:
+        return
+    for arm in arms:
+        record_preflight_stop(tracker, spec.name, arm, findings, dict(tags or {}), parent_id)
+    summary = "; ".join(f"[{f.arm or 'experiment'}] {f.message}" for f in errors)
+    raise PreflightError(f"preflight found {len(errors)} error(s), nothing was launched: {summary}")
+
+
+def check_spec(
+    spec: ExperimentSpec,
+    arms: list[str],
+    tracker: Tracker,
+    steps: PrepareSteps,
+    tags: Mapping[str, str] | None = None,
+    parent_id: str | None = None,
+) -> None:
+    """Preflight of the spec alone (nothing fetched yet); stops on its errors."""
+    stop_on_errors(steps.preflight(spec, "spec"), spec, arms, tracker, tags, parent_id)
+
+
+def prepare(
+    spec: ExperimentSpec,
+    arms: list[str],
+    tracker: Tracker,
+    home: Path,
+    steps: PrepareSteps,
+    *,
+    tags: Mapping[str, str] | None = None,
+    parent_id: str | None = None,
+    models: Mapping[str, ModelRecord] | None = None,
+    prompts: dict[str, list[PromptSet]] | None = None,
+    extra_models: bool = True,
+    spec_checked: bool = False,
+) -> Prepared:
+    """The sequence for ``arms`` of ``spec``: preflight of the spec (unless ``spec_checked``), the
+    orphans reaped, the models (``models`` given are used as they are; else ``model`` and, with
+    ``extra_models``, every extra model), preflight with the model's config, the prompts (unless
+    given). A preflight error, or a dataset that cannot give its prompts, stops it as
+    :func:`stop_on_errors` says."""
+    if not spec_checked:
+        check_spec(spec, arms, tracker, steps, tags, parent_id)
+    steps.reap_orphans(any(spec.arm(name).launcher.leaves_orphans for name in arms))
+    if models:
+        have = dict(models)
+    else:
+        have = {"model": steps.fetch_model("model", spec.model, home)}
+        if extra_models:
+            for name, extra in spec.extra_models.items():
+                have[name] = steps.fetch_model(name, extra, home)
+    findings = steps.preflight(spec, "model", have["model"].path)
+    stop_on_errors(findings, spec, arms, tracker, tags, parent_id)
+    if prompts is None:
+        try:
+            prompts = steps.prompts(spec, Path(have["model"].path), home)
+        except BenchmarkError as exc:
+            dataset_error = Finding(severity="error", rule="dataset", arm=None, message=str(exc))
+            stop_on_errors([dataset_error], spec, arms, tracker, tags, parent_id)
+            raise
+    return Prepared(have, findings, prompts)
