@@ -18,7 +18,7 @@ from flows.benchmark import _flow_run_id, _flow_tags, _prepare_steps, note_flow_
 from flows.secrecy import guard, scrubbed_flow
 from flows.study import ArmsFailed, _report_needs_mlflow, run_study
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.errors import RunFailedError
+from k3pipe.errors import PartlyFailedError
 from k3pipe.jobs.prepare import check_spec
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
@@ -33,12 +33,8 @@ from tasks.steps import (
 )
 
 
-class VariantsFailed(RunFailedError):
+class VariantsFailed(PartlyFailedError):
     """Some study of the retest did not finish; raised after the report (``result`` is the flow's)."""
-
-    def __init__(self, message: str, result: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.result = result
 
 
 def retest_dir(settings: Settings, experiment: str, run_id: str) -> Path:

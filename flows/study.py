@@ -25,7 +25,7 @@ from flows.benchmark import (
 )
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.errors import RunFailedError, TrackingError, first_line
+from k3pipe.errors import PartlyFailedError, TrackingError, first_line
 from k3pipe.jobs.prepare import check_spec, prepare
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.secrets import scrub
@@ -43,12 +43,8 @@ from tasks.steps import (
 )
 
 
-class ArmsFailed(RunFailedError):
-    """Some arm did not finish; raised after the report, which ``result`` (the flow's) points to."""
-
-    def __init__(self, message: str, result: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.result = result
+class ArmsFailed(PartlyFailedError):
+    """Some arm of the study did not finish; raised after the report (``result`` is the flow's)."""
 
 
 def report_dir(settings: Settings, experiment: str, run_id: str) -> Path:

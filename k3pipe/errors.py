@@ -122,6 +122,15 @@ class RunFailedError(K3pipeError, RuntimeError):
     and where its record is. Raised after everything that could run has run and been recorded."""
 
 
+class PartlyFailedError(RunFailedError):
+    """Part of a job did not finish (an arm of a study, a study of a retest); raised after the report,
+    which ``result`` (the job's result, report paths included) points to."""
+
+    def __init__(self, message: str, result: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 def first_line(exc: BaseException | str) -> str:
     """An error's first line (its log tail and details stay in the record)."""
     text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
