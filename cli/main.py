@@ -395,9 +395,8 @@ def report(
     """Regenerate a study's (or a retest's) report from MLflow alone: print its table, write
     Markdown and HTML. A study whose artifacts (each workload's repeats, each run's requests) cannot
     be read is an error, never a report of single repeats."""
-    from flows.study import report_dir
     from k3pipe.compare import find_run
-    from k3pipe.report import build_report, publish
+    from k3pipe.report import build_report, publish, report_dir
     from k3pipe.report.retest import RETEST_KIND
 
     if attach and artifact_root is not None:
@@ -419,7 +418,7 @@ def report(
             _retest_report(settings, tracker, study_run, out, attach)
             return
         rep = build_report(tracker, study_run)
-        target = out or report_dir(settings, rep.data.name, rep.data.run_id)
+        target = out or report_dir(settings.home_dir, rep.data.name, rep.data.run_id)
         paths = publish(tracker, rep, target) if attach else rep.write(target)
     except K3pipeError as exc:
         _fail(exc)
@@ -434,11 +433,11 @@ def report(
 
 
 def _retest_report(settings: Settings, tracker: Any, ref: str, out: Path | None, attach: bool) -> None:
-    from flows.retest import retest_dir
+    from k3pipe.report import retest_dir
     from k3pipe.report.retest import build_retest_report, publish_retest
 
     rep = build_retest_report(tracker, ref)
-    target = out or retest_dir(settings, rep.data.name, rep.data.run_id)
+    target = out or retest_dir(settings.home_dir, rep.data.name, rep.data.run_id)
     paths = publish_retest(tracker, rep, target) if attach else rep.write(target)
     print(rep.text())
     print(f"report: {paths['html']} (Markdown: {paths['markdown']})")

@@ -21,6 +21,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import PartlyFailedError
 from k3pipe.jobs.prepare import check_spec
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
+from k3pipe.report import retest_dir
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
 from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
@@ -35,11 +36,6 @@ from tasks.steps import (
 
 class VariantsFailed(PartlyFailedError):
     """Some study of the retest did not finish; raised after the report (``result`` is the flow's)."""
-
-
-def retest_dir(settings: Settings, experiment: str, run_id: str) -> Path:
-    """Where a retest's report is written on this machine."""
-    return settings.home_dir / "reports" / f"{experiment}-retest-{run_id[:8]}"
 
 
 @scrubbed_flow("retest")
@@ -121,7 +117,7 @@ def retest(
             tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
         tracker.end_run(run_id, status)
     _report_needs_mlflow(tracker, run_id)
-    paths = retest_report_task(tracker, run_id, retest_dir(settings, spec.name, run_id))
+    paths = retest_report_task(tracker, run_id, retest_dir(settings.home_dir, spec.name, run_id))
     logger.info("MLflow run of the retest: %s", tracker.run_link(run_id))
     result = {"retest_run_id": run_id, "studies": studies, "failed": failed, "report": paths}
     if failed:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger
@@ -28,6 +27,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import PartlyFailedError, TrackingError, first_line
 from k3pipe.jobs.prepare import check_spec, prepare
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
+from k3pipe.report import report_dir
 from k3pipe.secrets import scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord
@@ -45,11 +45,6 @@ from tasks.steps import (
 
 class ArmsFailed(PartlyFailedError):
     """Some arm of the study did not finish; raised after the report (``result`` is the flow's)."""
-
-
-def report_dir(settings: Settings, experiment: str, run_id: str) -> Path:
-    """Where a study's report is written on this machine."""
-    return settings.home_dir / "reports" / f"{experiment}-{run_id[:8]}"
 
 
 def run_study(
@@ -109,7 +104,7 @@ def run_study(
         except Exception as exc:  # an analysis after the fact: the report comes first
             logger.warning("speculation could not be judged: %s: %s", type(exc).__name__, exc)
     _report_needs_mlflow(tracker, run_id)
-    paths = report_task(tracker, run_id, report_dir(settings, spec.name, run_id))
+    paths = report_task(tracker, run_id, report_dir(settings.home_dir, spec.name, run_id))
     link = tracker.run_link(run_id)
     if link.startswith("http"):
         create_link_artifact(link=link, link_text=f"MLflow run of study {spec.name}", key="mlflow-study")

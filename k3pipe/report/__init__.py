@@ -23,7 +23,7 @@ from k3pipe.report.render import Document, Table, build_document, to_html, to_ma
 from k3pipe.report.steady import steady_decode_tps
 from k3pipe.tracking import Tracker
 
-__all__ = ["CLAIMS_FILE", "STUDY_KIND", "Report", "build_report", "publish"]
+__all__ = ["CLAIMS_FILE", "STUDY_KIND", "Report", "build_report", "publish", "report_dir", "retest_dir"]
 
 CLAIMS_FILE = "claims.json"
 
@@ -144,6 +144,16 @@ def build_report(tracker: Tracker, study_ref: str, claims: list[dict[str, Any]] 
     analysis = analyse(data, all_claims)
     document = build_document(data, analysis)
     return Report(data, analysis, document, plot_all(analysis, data, frames))
+
+
+def report_dir(home: Path, experiment: str, run_id: str) -> Path:
+    """Where a study's report is written on this machine (``home``: K3PIPE_HOME)."""
+    return home / "reports" / f"{experiment}-{run_id[:8]}"
+
+
+def retest_dir(home: Path, experiment: str, run_id: str) -> Path:
+    """Where a retest's report is written on this machine (``home``: K3PIPE_HOME)."""
+    return home / "reports" / f"{experiment}-retest-{run_id[:8]}"
 
 
 def publish(tracker: Tracker, report: Report, out_dir: Path) -> dict[str, Path]:
