@@ -143,7 +143,8 @@ class ArmRecorder:
         launches = int((tags or {}).get("k3pipe.launches", "1"))
         launch = (tags or {}).get("k3pipe.launch", "1")
         self.run_id = tracker.start_run(
-            f"{plan.experiment}/{plan.arm}" + (f"#{launch}" if launches > 1 else ""),
+            f"{plan.experiment}/{plan.arm}"
+            + ("#prime" if launch == "0" else f"#{launch}" if launches > 1 else ""),
             tags={
                 "k3pipe.experiment": plan.experiment,
                 "k3pipe.arm": plan.arm,

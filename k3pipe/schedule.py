@@ -11,7 +11,14 @@ from typing import Any
 
 from k3pipe.specs import ArmSpec, ExperimentSpec
 
-__all__ = ["describe_study", "interleaved_order", "launch_order", "models_of", "study_arm_names"]
+__all__ = [
+    "describe_study",
+    "interleaved_order",
+    "launch_order",
+    "models_of",
+    "prime_order",
+    "study_arm_names",
+]
 
 _PLACEHOLDER = re.compile(r"\{models\.([A-Za-z0-9_-]+)\}")
 
@@ -50,6 +57,15 @@ def launch_order(spec: ExperimentSpec, names: list[str]) -> list[tuple[str, int]
     return interleaved_order(names, [spec.arm(n).launches for n in names])
 
 
+def prime_order(spec: ExperimentSpec, names: list[str]) -> list[str]:
+    """The arms a study launches once before its measured launches (``decision.prime``), in order:
+    every arm of ``names`` but the A/A copy, whose configuration is its baseline's."""
+    if not spec.decision.prime:
+        return []
+    copy = spec.calibration_arm_name if spec.decision.calibration else None
+    return [n for n in names if n != copy or spec.baseline_arm not in names]
+
+
 def describe_study(spec: ExperimentSpec) -> list[str]:
     """What a study of ``spec`` runs, in order: the arms one after another, each on every workload,
     and which models each needs (those beyond the first are fetched while an earlier arm runs)."""
@@ -69,6 +85,12 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
         aa = " (A/A copy of the baseline)" if copy else ""
         lines.append(
             f"  {i}. {arm.name}{aa}: {arm.engine.kind} on launcher {arm.launcher.kind}{image}{times}{extra}"
+        )
+    primed = prime_order(spec, names)
+    if primed:
+        lines.append(
+            f"  first, each of {', '.join(primed)} launched once to fill the node's caches (each workload "
+            "once; recorded, left out of the verdicts)"
         )
     if len(order) > len(names):
         lines.append("  launch order: " + " ".join(f"{a}#{k}" for a, k in order))

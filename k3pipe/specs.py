@@ -1064,6 +1064,16 @@ class DecisionSpec(_Spec):
         default=None,
         description="Add launches until the decision is reached (or a budget is spent); None: as planned.",
     )
+    prime: bool = Field(
+        default=False,
+        strict=True,
+        description=(
+            "Launch every arm once before the measured launches, to fill the node's caches (the "
+            "engine's compile cache, kernels built at first use, the model in the page cache): that "
+            "launch runs each workload once, is recorded (tagged k3pipe.prime) and is left out of the "
+            "verdicts and the noise. The A/A copy shares its baseline's priming."
+        ),
+    )
     calibration: bool = Field(
         default=False,
         strict=True,

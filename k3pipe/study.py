@@ -6,7 +6,9 @@ An arm with ``launches: N`` is launched N times, each launch an arm run of its o
 ``k3pipe.launch``) running every workload; the launches of all arms are interleaved (A B, B A, A B
 ...: :func:`k3pipe.schedule.interleaved_order`), so that a drift over the study's time favours no arm.
 With ``decision.calibration`` the baseline's A/A copy (``<arm>-aa``) runs right after it, launched
-like it.
+like it. With ``decision.prime`` every arm is first launched once more, each workload once, to fill
+the node's caches: that launch is an arm run tagged ``k3pipe.prime`` (launch 0), left out of the
+verdicts (:func:`k3pipe.report.collect.collect` keeps it apart).
 
 While one arm runs, the next arms' inputs are already being fetched: the models only they need (a
 draft) in one background lane, their images in another, in arm order. Each arm waits only for what
@@ -36,9 +38,9 @@ from k3pipe.engines.base import Finding
 from k3pipe.launchers.factory import pull_image
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import record_failed_arm
-from k3pipe.report.collect import STUDY_KIND
+from k3pipe.report.collect import PRIME_TAG, STUDY_KIND
 from k3pipe.run import ArmOutcome, ArmRun, ArmSteps
-from k3pipe.schedule import interleaved_order, launch_order, models_of, study_arm_names
+from k3pipe.schedule import interleaved_order, launch_order, models_of, prime_order, study_arm_names
 from k3pipe.secrets import redact_data, scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
@@ -50,6 +52,7 @@ __all__ = [
     "Study",
     "StudyOutcome",
     "StudySteps",
+    "primed_spec",
     "stage_prefix",
     "start_study",
 ]
@@ -85,8 +88,15 @@ def decision_reached(tracker: Tracker, run_id: str, ci_pct: float, alpha: float)
 
 
 def stage_prefix(arm: str, launch: int = 1) -> str:
-    """The study run's metric prefix of an arm launch's stages (``stage.a.``, ``stage.a.launch2.``)."""
+    """The study run's metric prefix of an arm launch's stages (``stage.a.``, ``stage.a.launch2.``;
+    a priming launch is launch 0: ``stage.a.launch0.``)."""
     return f"stage.{arm}" if launch == 1 else f"stage.{arm}.launch{launch}"
+
+
+def primed_spec(spec: ExperimentSpec) -> ExperimentSpec:
+    """``spec`` as a priming launch runs it: each workload once."""
+    once = [w.model_copy(update={"repeats": 1}) for w in spec.workloads]
+    return spec.model_copy(update={"workloads": once})
 
 
 @dataclass
@@ -142,6 +152,8 @@ class StudyOutcome:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.arms: list[ArmOutcome] = []
+        self.primes: list[ArmOutcome] = []
+        """The priming launches (``decision.prime``): not among :attr:`arms`, nor in :attr:`failed`."""
         self.stages: dict[str, float] = {}
 
     @property
@@ -223,6 +235,13 @@ class Study:
                         self._arm(arm, model_futures, image_futures, outcome.stages, launch, most[name])
                     )
 
+            for name in prime_order(self.spec, names):
+                primed = self._arm(
+                    self.spec.arm(name), model_futures, image_futures, outcome.stages, 0, most[name]
+                )
+                outcome.primes.append(primed)
+                if primed.status != "FINISHED":
+                    self.warn(f"arm {name}: its priming launch {primed.status}: {primed.error}; going on")
             launch_all(order)
             if until is not None:
                 self._until(names, order, launch_all, start)
@@ -294,6 +313,8 @@ class Study:
     ) -> ArmOutcome:
         prefix = stage_prefix(arm.name, launch)
         tags = {**self.tags, "k3pipe.launch": str(launch), "k3pipe.launches": str(launches)}
+        if launch == 0:
+            tags[PRIME_TAG] = "1"
         waited = time.perf_counter()
         models: dict[str, ModelRecord] = {}
         try:
@@ -324,10 +345,13 @@ class Study:
             return record
 
         which = f" launch {launch} of {launches}" if launches > 1 else ""
+        if launch == 0:
+            which = " priming launch (each workload once, not in the verdicts)"
         self.say(f"arm {arm.name}{which}: starting ({len(self.spec.workloads)} workload(s))")
         began = time.perf_counter()
         run = ArmRun(
-            self.spec, arm.name, models, self.prompts, self.tracker, self.settings, self.findings,
+            primed_spec(self.spec) if launch == 0 else self.spec, arm.name, models, self.prompts,
+            self.tracker, self.settings, self.findings,
             self.experiment_file, self.steps.arm, tags=tags, labels=dict(self.labels),
             params=dict(self.params), parent_run_id=self.run_id, image_source=image, say=self.say,
             warn=self.warn,

@@ -191,6 +191,46 @@ def test_launches_are_interleaved_and_merged_into_one_cell(  # type: ignore[no-u
     assert "fast #2" in md  # the cold-start table names each launch
 
 
+def test_prime_launches_every_arm_once_first_and_keeps_it_out_of_the_verdicts(  # type: ignore[no-untyped-def]
+    servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decision.prime: each arm (not the A/A copy, whose configuration is its baseline's) is launched
+    once before the measured launches, each workload once; those runs are tagged, named '#prime', and
+    the report shows them in their own section, never in a cell or a verdict."""
+    fast, slow = servers
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    spec = parse_experiment(
+        _experiment(
+            [_arm("fast", fast.base_url), _arm("slow", slow.base_url)],
+            decision={"calibration": True, "prime": True, "metrics": ["output_throughput_tps"]},
+        )
+    )
+    tracker, run_id, outcome = _run_study(spec, tmp_path)
+    assert [(o.arm, o.launch) for o in outcome.primes] == [("fast", 0), ("slow", 0)]
+    assert [(o.arm, o.launch) for o in outcome.arms] == [("fast", 1), ("fast-aa", 1), ("slow", 1)]
+    runs = sorted(tracker.children(run_id), key=lambda r: r.info.start_time)
+    assert [r.info.run_name for r in runs[:2]] == ["study-test/fast#prime", "study-test/slow#prime"]
+    assert all(r.data.tags.get("k3pipe.prime") == "1" for r in runs[:2])
+    assert not any(r.data.tags.get("k3pipe.prime") for r in runs[2:])
+    # each workload once in a priming launch, every repeat in a measured one
+    primed_workloads = tracker.children(runs[0].info.run_id)
+    assert sorted(w.data.params["workload.repeats"] for w in primed_workloads) == ["1", "1"]
+    assert "stage.fast.launch0.run_s" in tracker.client.get_run(run_id).data.metrics
+
+    report = build_report(tracker, run_id)
+    assert [a.name for a in report.data.primed] == ["fast", "slow"]
+    assert [a.name for a in report.data.arms] == ["fast", "fast-aa", "slow"]
+    cell = report.data.cell("fast", "in32")
+    assert cell is not None
+    assert len(cell.values["output_throughput_tps"]) == 2  # the measured repeats only
+    assert {(c.arm, c.workload) for c in report.data.primed_cells} == {
+        (a, w["name"]) for a in ("fast", "slow") for w in WORKLOADS
+    }
+    md = report.markdown
+    assert "## Priming launches" in md
+    assert "fast #" not in md  # one measured launch each: the priming launch is no launch of the cell
+
+
 def _run_study(spec: Any, tmp_path: Path) -> tuple[Tracker, str, Any]:
     settings = Settings()
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "study", tmp_path / "artifacts")

@@ -16,10 +16,12 @@ from k3pipe.errors import ArtifactMissingError, TrackingError
 from k3pipe.specs import CALIBRATION_SUFFIX
 from k3pipe.tracking import Tracker
 
-__all__ = ["STUDY_KIND", "ArmData", "CellData", "StudyData", "collect", "requests_frame"]
+__all__ = ["PRIME_TAG", "STUDY_KIND", "ArmData", "CellData", "StudyData", "collect", "requests_frame"]
 
 STUDY_KIND = "study"
 """The ``k3pipe.kind`` tag of a study's parent run."""
+PRIME_TAG = "k3pipe.prime"
+"""Tags the arm run of a priming launch (``decision.prime``): launch 0, kept out of the verdicts."""
 
 
 class CellData(BaseModel):
@@ -106,6 +108,13 @@ class StudyData(BaseModel):
     arms: list[ArmData]
     cells: list[CellData]
     metrics: dict[str, float] = Field(default_factory=dict, description="The study run's own metrics.")
+    primed: list[ArmData] = Field(
+        default_factory=list,
+        description="The priming launches (decision.prime): each arm's launch 0, kept out of arms and cells.",
+    )
+    primed_cells: list[CellData] = Field(
+        default_factory=list, description="What each priming launch measured (one repeat per workload)."
+    )
     reference: dict[str, Any] | None = Field(
         default=None, description="The experiment's 'reference' (a published table to show beside), if any."
     )
@@ -202,37 +211,18 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
     )
 
 
-def collect(tracker: Tracker, study_ref: str) -> StudyData:
-    """The study ``study_ref`` (its run id, or a unique prefix) as recorded in MLflow."""
-    run = find_run(tracker, study_ref)
-    if run.data.tags.get("k3pipe.kind") != STUDY_KIND:
-        raise TrackingError(
-            f"run {run.info.run_id} is not a study's run (tag k3pipe.kind is "
-            f"{run.data.tags.get('k3pipe.kind')!r}); give the id `k3pipe study` printed, or find it with "
-            "`k3pipe runs`"
-        )
-    arms: list[ArmData] = []
-    cells: list[CellData] = []
-    for arm_run in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
-        if not arm_run.data.tags.get("k3pipe.arm"):
+def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
+    """The cells of one arm run: each workload nested under it, its repeats' values."""
+    cells = []
+    for wl in tracker.children(arm_run.info.run_id):
+        name = wl.data.tags.get("k3pipe.workload")
+        if not name:
             continue
-        arm = _arm(tracker, arm_run)
-        prefix = f"stage.{arm.name}." if arm.launch == 1 else f"stage.{arm.name}.launch{arm.launch}."
-        arm.stages = {
-            k.removeprefix(prefix).removesuffix("_s"): v
-            for k, v in run.data.metrics.items()
-            # launch 1's prefix is also the start of the later launches' keys
-            if k.startswith(prefix) and (arm.launch > 1 or not k.startswith(f"stage.{arm.name}.launch"))
-        }
-        arms.append(arm)
-        for wl in tracker.children(arm_run.info.run_id):
-            name = wl.data.tags.get("k3pipe.workload")
-            if not name:
-                continue
-            repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get("k3pipe.repeat")]
-            repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
-            params = wl.data.params
-            cell = CellData(
+        repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get("k3pipe.repeat")]
+        repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
+        params = wl.data.params
+        cells.append(
+            CellData(
                 arm=arm.name,
                 engine=arm.engine,
                 workload=name,
@@ -247,6 +237,40 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
                 rate_rps=_float(params, "workload.rate_rps"),
                 dataset=params.get("workload.dataset.kind", "random"),
             )
+        )
+    return cells
+
+
+def collect(tracker: Tracker, study_ref: str) -> StudyData:
+    """The study ``study_ref`` (its run id, or a unique prefix) as recorded in MLflow."""
+    run = find_run(tracker, study_ref)
+    if run.data.tags.get("k3pipe.kind") != STUDY_KIND:
+        raise TrackingError(
+            f"run {run.info.run_id} is not a study's run (tag k3pipe.kind is "
+            f"{run.data.tags.get('k3pipe.kind')!r}); give the id `k3pipe study` printed, or find it with "
+            "`k3pipe runs`"
+        )
+    arms: list[ArmData] = []
+    cells: list[CellData] = []
+    primed: list[ArmData] = []
+    primed_cells: list[CellData] = []
+    for arm_run in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
+        if not arm_run.data.tags.get("k3pipe.arm"):
+            continue
+        arm = _arm(tracker, arm_run)
+        if arm_run.data.tags.get(PRIME_TAG):
+            primed.append(arm)
+            primed_cells.extend(_cells(tracker, arm_run, arm))
+            continue
+        prefix = f"stage.{arm.name}." if arm.launch == 1 else f"stage.{arm.name}.launch{arm.launch}."
+        arm.stages = {
+            k.removeprefix(prefix).removesuffix("_s"): v
+            for k, v in run.data.metrics.items()
+            # launch 1's prefix is also the start of the later launches' keys
+            if k.startswith(prefix) and (arm.launch > 1 or not k.startswith(f"stage.{arm.name}.launch"))
+        }
+        arms.append(arm)
+        for cell in _cells(tracker, arm_run, arm):
             earlier = next((c for c in cells if c.arm == cell.arm and c.workload == cell.workload), None)
             if earlier is None:
                 cells.append(cell)
@@ -260,6 +284,8 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         arms=arms,
         cells=cells,
         metrics=dict(run.data.metrics),
+        primed=primed,
+        primed_cells=primed_cells,
         reference=_reference(experiment),
         decision=experiment.get("decision") or {},
         look=_look(run.data.tags),

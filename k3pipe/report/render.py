@@ -418,6 +418,8 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         phases = ", ".join(f"{p} {s:.1f}" for p, s in sorted(a.phases.items(), key=lambda kv: -kv[1])) or "-"
         cold.rows.append([data.label(a), num(a.cold_start_s), phases])
     sections.append(Section("Cold start", [cold]))
+    if data.primed:
+        sections.append(_priming(data))
 
     spec = Table(
         ["arm", "workload", "acceptance length (engine /metrics)", "acceptance rate", "engine log mean"], []
@@ -484,6 +486,31 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             "cold_start.png": "Cold start by phase, per arm",
         },
     )
+
+
+def _priming(data: StudyData) -> Section:
+    """The priming launches (``decision.prime``): their cold start, and what their one repeat per
+    workload measured beside the measured launches' mean (a first launch slower than the later ones
+    is what priming keeps out of the verdicts)."""
+    columns = ["output tok/s: priming / measured", "TTFT p50 ms: priming / measured"]
+    table = Table(["arm", "cold start (s)", "workload", *columns], [])
+    for a in data.primed:
+        for p in (c for c in data.primed_cells if c.arm == a.name):
+            measured = data.cell(a.name, p.workload)
+            row = [a.name, num(a.cold_start_s), p.workload]
+            for key in ("output_throughput_tps", "ttft_ms_p50"):
+                mine, theirs = p.mean(key), measured.mean(key) if measured is not None else None
+                ratio = f" ({mine / theirs:.2f}x)" if mine is not None and theirs else ""
+                row.append(f"{num(mine)} / {num(theirs)}{ratio}")
+            table.rows.append(row)
+        if not any(c.arm == a.name for c in data.primed_cells):
+            why = f"({a.status}: {a.error or 'no workload ran'})"
+            table.rows.append([a.name, num(a.cold_start_s), why, "-", "-"])
+    intro = (
+        "Each arm was launched once before the measured launches (decision.prime), to fill the node's "
+        "caches; those launches ran each workload once and are left out of the verdicts and the noise."
+    )
+    return Section("Priming launches", [intro, table])
 
 
 def _method(analysis: Analysis) -> str:
