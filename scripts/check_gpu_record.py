@@ -37,6 +37,7 @@ import argparse
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import sys
@@ -202,8 +203,15 @@ class Store:
         self.root = root
         self.artifacts = root / "mlflow" / "artifacts"
         db = root / "mlflow" / "mlflow.db"
-        self.client = MlflowClient(tracking_uri=f"sqlite:///file:{db}?mode=ro&uri=true")
-        self.experiment = self.client.get_experiment_by_name(experiment_name)
+        # MLflow makes the parent directory of a sqlite path, relative to the working directory: for
+        # a 'file:' URI that is a stray 'file:/...' tree, made here inside the unpacked store instead
+        here = os.getcwd()
+        os.chdir(root)
+        try:
+            self.client = MlflowClient(tracking_uri=f"sqlite:///file:{db}?mode=ro&uri=true")
+            self.experiment = self.client.get_experiment_by_name(experiment_name)
+        finally:
+            os.chdir(here)
         if self.experiment is None:
             names = [e.name for e in self.client.search_experiments()]
             raise SystemExit(f"no MLflow experiment {experiment_name!r} in the store; it has {names}")
