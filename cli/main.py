@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -277,7 +278,7 @@ def study(
         )
     except ArmsFailed as exc:
         failed, result = exc, exc.result
-    _print_study(settings, result)
+    _print_study(result)
     if failed is not None:
         typer.secho(f"error: {failed}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
@@ -328,9 +329,7 @@ def retest(
         )
     except VariantsFailed as exc:
         failed, result = exc, exc.result
-    from k3pipe.report.retest import build_retest_report
-
-    print(build_retest_report(_tracker(settings), result["retest_run_id"]).text())
+    _print_report_text(result["report"])
     for label, s in result["studies"].items():
         print(f"{label}: study run id {s['study_run_id']}")
     print(f"retest: MLflow run id {result['retest_run_id']}")
@@ -361,14 +360,16 @@ ARTIFACT_ROOT_HELP = (
 )
 
 
-def _print_study(settings: Settings, result: dict) -> None:
-    from k3pipe.report import build_report
+def _print_report_text(paths: dict) -> None:
+    """The report's terminal text, as the flow wrote it (report.txt): the report is built once."""
+    print(Path(paths["text"]).read_text(), end="")
 
-    tracker = _tracker(settings)
-    report = build_report(tracker, result["study_run_id"])
-    print(report.text())
+
+def _print_study(result: dict) -> None:
+    _print_report_text(result["report"])
+    launches = Counter(o["arm"] for o in result["arms"])
     for o in result["arms"]:
-        launch = f" launch {o['launch']}" if report.data.launches_of(o["arm"])[1:] else ""
+        launch = f" launch {o.get('launch', 1)}" if launches[o["arm"]] > 1 else ""
         print(f"arm {o['arm']}{launch}: {o['status']}, MLflow run id {o['mlflow_run_id']}")
     print(f"study: MLflow run id {result['study_run_id']}")
     print(f"report: {result['report']['html']} (Markdown: {result['report']['markdown']})")

@@ -100,6 +100,7 @@ def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: igno
     artifacts = {a.path for a in tracker.client.list_artifacts(run.info.run_id, "report")}
     assert {"report/retest.md", "report/retest.html", "report/retest.json"} <= artifacts
     assert Path(result["report"]["markdown"]).read_text() == report.markdown
+    assert Path(result["report"]["text"]).read_text() == report.text() + "\n"  # what `k3pipe retest` prints
     metrics = tracker.client.get_run(run.info.run_id).data.metrics
     assert metrics["verdict.longer.worse"] >= 1
     note = tracker.client.get_run(run.info.run_id).data.tags["mlflow.note.content"]

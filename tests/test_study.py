@@ -294,8 +294,9 @@ def test_until_stops_at_once_when_the_decision_is_reached(  # type: ignore[no-un
 
 @pytest.mark.flow
 def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: ignore[no-untyped-def]
-    prefect_harness: None, servers, tmp_path: Path
+    prefect_harness: None, servers, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from cli.main import _print_study
     from flows.study import ArmsFailed, study
 
     fast, slow = servers
@@ -349,3 +350,10 @@ def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: i
     assert "Arm broken did not finish (FAILED)" in report.markdown
     assert report.analysis.tests > 0
     assert Path(result["report"]["markdown"]).read_text() == report.markdown
+    # `k3pipe study` prints the text the flow wrote, not a report built again
+    assert Path(result["report"]["text"]).read_text() == report.text() + "\n"
+    _print_study(result)
+    printed = capsys.readouterr().out
+    assert printed.startswith(report.text())
+    assert "arm broken: FAILED, MLflow run id" in printed
+    assert f"study: MLflow run id {result['study_run_id']}" in printed

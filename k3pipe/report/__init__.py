@@ -94,17 +94,20 @@ class Report:
         return "\n".join([*lines, "", table])
 
     def write(self, out_dir: Path) -> dict[str, Path]:
-        """report.md (figures beside it under plots/), report.html (self-contained), report.json."""
+        """report.md (figures beside it under plots/), report.html (self-contained), report.json,
+        report.txt (:meth:`text`, what a terminal is shown)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "plots").mkdir(exist_ok=True)
         paths = {
             "markdown": out_dir / "report.md",
             "html": out_dir / "report.html",
             "json": out_dir / "report.json",
+            "text": out_dir / "report.txt",
         }
         paths["markdown"].write_text(self.markdown)
         paths["html"].write_text(self.html)
         paths["json"].write_text(json.dumps(self.table_rows(), indent=1))
+        paths["text"].write_text(self.text() + "\n")
         for name, png in self.figures.items():
             (out_dir / "plots" / name).write_bytes(png)
         return paths

@@ -381,10 +381,12 @@ class RetestReport:
             "markdown": out_dir / "retest.md",
             "html": out_dir / "retest.html",
             "json": out_dir / "retest.json",
+            "text": out_dir / "retest.txt",
         }
         paths["markdown"].write_text(self.markdown)
         paths["html"].write_text(self.html)
         paths["json"].write_text(json.dumps(self.table_rows(), indent=1))
+        paths["text"].write_text(self.text() + "\n")
         return paths
 
 
