@@ -633,13 +633,14 @@ def runs(
     its studies)."""
     import pandas as pd
 
+    from k3pipe.history import recent_runs
     from k3pipe.tracking import Tracker
 
     settings = Settings()
     try:
         tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-        frame = tracker.recent_runs(
-            limit, engine=engine, model=model, workload=workload, since=since, variant=variant
+        frame = recent_runs(
+            tracker, limit, engine=engine, model=model, workload=workload, since=since, variant=variant
         )
     except K3pipeError as exc:
         _fail(exc)
@@ -803,8 +804,8 @@ def _tracking_ready(settings: Settings, spool: bool) -> None:
     the spool is allowed (--spool, K3PIPE_ALLOW_SPOOL); then what the spool still holds from earlier
     runs is pushed."""
     from k3pipe.errors import TrackingUnreachableError
+    from k3pipe.push import probe_tracking, unreachable_message
     from k3pipe.spool import list_sessions
-    from k3pipe.tracking import probe_tracking, unreachable_message
 
     if spool:
         os.environ["K3PIPE_ALLOW_SPOOL"] = "1"  # the flow's own Settings() reads it

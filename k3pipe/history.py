@@ -1,4 +1,6 @@
-"""A metric's history: one workload's figure across every run that measured it (runs, reruns, the
+"""What MLflow holds, looked back on. :func:`recent_runs`: the recent runs, one row per run and
+workload with the key figures, studies and retests with their arms nested (``k3pipe runs``).
+:func:`metric_history`: one workload's figure across every run that measured it (runs, reruns, the
 arms of studies and of retests' studies), oldest first, with the interval across repeats where there
 were repeats. A run of a variant (experiment ``NAME@variant``) says so in the ``variant`` column and
 is drawn as a line of its own."""
@@ -11,9 +13,9 @@ from typing import Any
 import pandas as pd
 
 from k3pipe.errors import TrackingError
-from k3pipe.tracking import Tracker
+from k3pipe.tracking import KEY_METRICS, Tracker
 
-__all__ = ["metric_history", "plot_history"]
+__all__ = ["metric_history", "plot_history", "recent_runs"]
 
 
 def metric_history(
@@ -110,3 +112,118 @@ def plot_history(frame: pd.DataFrame, metric: str, workload: str) -> bytes:
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
+
+
+def recent_runs(
+    tracker: Tracker,
+    limit: int = 20,
+    *,
+    engine: str | None = None,
+    model: str | None = None,
+    workload: str | None = None,
+    since: str | None = None,
+    variant: str | None = None,
+) -> pd.DataFrame:
+    """Recent engine runs, newest first: one row per (run, workload) with the key metrics.
+
+    Columns: run_id, name, status, start, cold_start_s, workload, then the workload's key
+    metrics (ttft_ms_p50, tpot_ms_p50, e2e_ms_p50, output_throughput_tps, failed). A run that
+    recorded no workload has one row with an empty workload. A study's run has one row
+    (workload ``(study)``), followed by its arms' rows (their names indented); a retest's run
+    one row (``(retest)``), followed by its studies, each with its arms.
+
+    Filters (all optional, combined): ``engine`` (an arm's engine kind), ``model`` (the model id
+    it served), ``workload`` (rows of that workload only), ``since`` (runs started on or after
+    this date or time, e.g. ``2026-12-01``), ``variant`` (a retest's studies of that variant, or
+    ``baseline``; runs of an experiment ``NAME@variant``); with a filter, ``limit`` counts
+    matching runs.
+    """
+    filters = []
+    if since:
+        try:
+            start_ms = int(pd.Timestamp(since).timestamp() * 1000)
+        except ValueError as exc:
+            raise TrackingError(f"--since {since!r} is not a date or time (e.g. 2026-12-01)") from exc
+        filters.append(f"attributes.start_time >= {start_ms}")
+    runs = tracker.client.search_runs(
+        [tracker.require_experiment_id()],
+        filter_string=" and ".join(filters),
+        order_by=["attributes.start_time DESC"],
+        max_results=max(limit * 10, 1000) if (engine or model or workload or variant) else limit * 10,
+    )
+
+    def wanted(run: Any) -> bool:
+        if engine and run.data.tags.get("k3pipe.engine") != engine:
+            return False
+        return not (model and model not in (run.data.params.get("model_id"), run.data.params.get("model.id")))
+
+    def of_variant(run: Any) -> bool:
+        tags = run.data.tags
+        return not variant or (
+            tags.get("k3pipe.variant") == variant or tags.get("k3pipe.experiment", "").endswith(f"@{variant}")
+        )
+
+    def study_rows(run: Any, indent: str = "") -> list[dict[str, Any]]:
+        """A study's own row, then its arms (nested runs) each as the runs they are; none when
+        the filters leave no arm row."""
+        arms = sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time)
+        found = [row for arm in arms if wanted(arm) for row in _run_rows(arm, indent=indent + "  ")]
+        found = [r for r in found if not workload or r["workload"] == workload]
+        if not found and (engine or model or workload):
+            return []
+        return [{**_run_base(run, indent), "workload": "(study)"}, *found]
+
+    rows: list[dict[str, Any]] = []
+    seen = 0
+    for run in runs:
+        if run.data.tags.get("mlflow.parentRunId"):
+            continue
+        seen += 1
+        if seen > limit:
+            break
+        kind = run.data.tags.get("k3pipe.kind")
+        if kind == "retest":
+            studies = sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time)
+            found = [row for st in studies if of_variant(st) for row in study_rows(st, indent="  ")]
+            if not found and (engine or model or workload or variant):
+                seen -= 1
+                continue
+            rows.append({**_run_base(run), "workload": "(retest)"})
+            rows.extend(found)
+            continue
+        found = (study_rows(run) if kind == "study" else _run_rows(run)) if of_variant(run) else []
+        if kind != "study":
+            found = [r for r in found if wanted(run) and (not workload or r["workload"] == workload)]
+        if not found:
+            seen -= 1
+            continue
+        rows.extend(found)
+    return pd.DataFrame(rows)
+
+
+def _run_base(run: Any, indent: str = "") -> dict[str, Any]:
+    return {
+        "run_id": run.info.run_id,
+        "name": indent + str(run.info.run_name),
+        "status": run.info.status,
+        "start": pd.Timestamp(run.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M:%S"),
+        "cold_start_s": run.data.metrics.get("cold_start_s"),
+    }
+
+
+def _run_rows(run: Any, indent: str = "") -> list[dict[str, Any]]:
+    base = _run_base(run, indent)
+    per_workload: dict[str, dict[str, float]] = {}
+    for key, value in run.data.metrics.items():
+        workload, dot, metric = key.rpartition(".")
+        if dot and metric in KEY_METRICS:
+            per_workload.setdefault(workload, {})[metric] = value
+    if not per_workload:
+        return [{**base, "workload": ""}]
+    rows = []
+    for workload, metrics in per_workload.items():
+        # bursty delivery (k3pipe.bench.summary): the client's TPOT timed delivery, not decoding
+        if metrics.pop("client_timing_bursty", 0.0) and "tpot_ms_p50" in metrics:
+            metrics["tpot_ms_p50"] = "bursty"  # type: ignore[assignment]
+        rows.append({**base, "workload": workload, **metrics})
+    return rows

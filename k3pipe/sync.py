@@ -15,9 +15,9 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
+from k3pipe.push import Pusher, is_remote, is_transient, probe_tracking
 from k3pipe.settings import apply_mlflow_client_defaults
 from k3pipe.spool import IdMap, Journal, list_sessions, try_lock, unlock
-from k3pipe.tracking import Pusher, is_remote, is_transient, probe_tracking
 
 __all__ = ["SyncReport", "sync_spool"]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from k3pipe.history import recent_runs
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
 from tests.conftest import PREFECT, REPO, RunningEngine, external_experiment, stop_group
@@ -59,7 +60,7 @@ def test_benchmark_deployment_runs_on_a_worker(
         assert "Completed" in out
         settings = Settings()
         tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
-        runs = tracker.recent_runs(5)
+        runs = recent_runs(tracker, 5)
         assert list(runs["name"]) == ["external-demo/gateway"]
         assert list(runs["workload"]) == ["w"]
         assert list(runs["status"]) == ["FINISHED"]
@@ -70,7 +71,7 @@ def test_benchmark_deployment_runs_on_a_worker(
             "deployment", "run", "rerun/rerun", "--param", f"run_id={first}", "--watch", timeout=400
         )  # fmt: skip
         assert "Completed" in out
-        reran = str(tracker.recent_runs(1)["run_id"][0])
+        reran = str(recent_runs(tracker, 1)["run_id"][0])
         # the study deployment: the same experiment as a study, its report at the end
         exp.write_text(yaml.safe_dump({**experiment, "name": "external-study"}))
         out = prefect(
@@ -89,11 +90,11 @@ def test_benchmark_deployment_runs_on_a_worker(
         stop_group(worker, signal.SIGINT)
         worker_log.close()
 
-    (retest_row, *studies) = [n for n in tracker.recent_runs(1)["name"] if not n.startswith("    ")]
+    (retest_row, *studies) = [n for n in recent_runs(tracker, 1)["name"] if not n.startswith("    ")]
     assert retest_row == "retest/external-retest"
     assert [s.strip() for s in studies] == ["study/external-retest", "study/external-retest@longer"]
     assert "retest verdicts:" in (tmp_path / "worker.log").read_text()
-    runs = tracker.recent_runs(5)[lambda f: ~f["name"].str.contains("retest")].reset_index(drop=True)
+    runs = recent_runs(tracker, 5)[lambda f: ~f["name"].str.contains("retest")].reset_index(drop=True)
     assert list(runs["name"]) == [
         "study/external-study",
         "  external-study/gateway",

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from k3pipe.errors import TrackingError
-from k3pipe.history import metric_history, plot_history
+from k3pipe.history import metric_history, plot_history, recent_runs
 from k3pipe.tracking import Tracker
 
 
@@ -55,20 +55,20 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Tracker:
 
 
 def test_runs_filters_and_a_study_with_its_arms(store: Tracker) -> None:
-    every = store.recent_runs(10)
+    every = recent_runs(store, 10)
     assert list(every["name"]) == ["study/exp", "  exp/a", "  exp/b", "exp/a", "exp/a"]
-    sglang = store.recent_runs(10, engine="sglang")
+    sglang = recent_runs(store, 10, engine="sglang")
     assert list(sglang["name"]) == ["study/exp", "  exp/b"]
-    assert list(store.recent_runs(10, model="vllm-model")["name"]) == [
+    assert list(recent_runs(store, 10, model="vllm-model")["name"]) == [
         "study/exp",
         "  exp/a",
         "exp/a",
         "exp/a",
     ]
-    assert store.recent_runs(10, workload="nope").empty
-    assert store.recent_runs(10, since="2999-01-01").empty
+    assert recent_runs(store, 10, workload="nope").empty
+    assert recent_runs(store, 10, since="2999-01-01").empty
     with pytest.raises(TrackingError, match="--since 'yesterday-ish' is not a date"):
-        store.recent_runs(10, since="yesterday-ish")
+        recent_runs(store, 10, since="yesterday-ish")
 
 
 def test_a_metric_across_runs_reruns_and_studies(store: Tracker) -> None:

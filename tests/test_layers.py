@@ -55,8 +55,8 @@ FLOORS: list[tuple[str, list[str]]] = [
     (
         "records: MLflow and the spool, what a run records, the reports",
         [
-            "k3pipe.spool", "k3pipe.tracking", "k3pipe.runrecord", "k3pipe.record", "k3pipe.compare",
-            "k3pipe.history", "k3pipe.sync", "k3pipe.report", "k3pipe.report.*",
+            "k3pipe.spool", "k3pipe.push", "k3pipe.tracking", "k3pipe.runrecord", "k3pipe.record",
+            "k3pipe.compare", "k3pipe.history", "k3pipe.sync", "k3pipe.report", "k3pipe.report.*",
         ],
     ),
     (

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from k3pipe.history import recent_runs
 from k3pipe.report.retest import build_retest_report
 from k3pipe.rerun import read_record
 from k3pipe.settings import Settings
@@ -110,15 +111,15 @@ def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: igno
         assert "report/report.md" in {a.path for a in tracker.client.list_artifacts(s.info.run_id, "report")}
 
     # browsing the history: the retest with its studies, filtered by variant
-    rows = tracker.recent_runs(5)
+    rows = recent_runs(tracker, 5)
     assert list(rows["workload"][:2]) == ["(retest)", "(study)"]
     assert rows["name"][0] == "retest/retest-test"
     assert "    retest-test@longer/fast" in set(rows["name"])
-    longer = tracker.recent_runs(5, variant="longer")
+    longer = recent_runs(tracker, 5, variant="longer")
     assert [n.strip() for n in longer["name"]] == [
         "retest/retest-test", "study/retest-test@longer", "retest-test@longer/fast",
     ]  # fmt: skip
-    assert tracker.recent_runs(5, variant="nothing-like-it").empty
+    assert recent_runs(tracker, 5, variant="nothing-like-it").empty
     from k3pipe.history import metric_history
 
     trend = metric_history(tracker, "duration_s", "in32", variant="longer")

@@ -28,12 +28,13 @@ from mlflow import MlflowClient
 from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.errors import ArtifactMissingError, ArtifactStoreError, TrackingUnreachableError
 from k3pipe.experiment import parse_experiment
+from k3pipe.push import probe_tracking
 from k3pipe.run import ArmRun, ArmSteps
 from k3pipe.settings import Settings
 from k3pipe.sources import fetch_model
 from k3pipe.spool import IdMap, Journal, SessionDir, list_sessions, new_run_id, try_lock, unlock
 from k3pipe.sync import sync_spool
-from k3pipe.tracking import Tracker, probe_tracking
+from k3pipe.tracking import Tracker
 from tests.conftest import _ISOLATED_PREFIXES, REPO, TINY_MODEL, demo_experiment, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
 

@@ -10,6 +10,7 @@ import pytest
 
 from k3pipe.bench import Prompt, PromptSet
 from k3pipe.errors import TrackingError
+from k3pipe.history import recent_runs
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker, metric_name
 
@@ -67,7 +68,7 @@ def test_recent_runs_one_row_per_workload(tracker: Tracker) -> None:
     )
     tracker.start_run("child", parent_id=first)
     second = tracker.start_run("b")
-    frame = tracker.recent_runs(10)
+    frame = recent_runs(tracker, 10)
     assert list(frame["run_id"]) == [second, first, first]
     assert list(frame["workload"]) == ["", "w1", "w2"]
     rows = frame.set_index("workload")
@@ -79,7 +80,7 @@ def test_recent_runs_one_row_per_workload(tracker: Tracker) -> None:
     assert rows.loc["w1", "tpot_ms_p50"] == 3.5
     assert rows.loc["w2", "tpot_ms_p50"] == "bursty"
     assert "client_timing_bursty" not in frame.columns
-    assert len(tracker.recent_runs(1)) == 1
+    assert len(recent_runs(tracker, 1)) == 1
 
 
 def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
