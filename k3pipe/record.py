@@ -737,7 +737,13 @@ def record_preflight_stop(
     errors = [f for f in mine if f.severity == "error"]
     tracker.log_dict(run_id, [f.model_dump() for f in mine], "preflight.json")
     tracker.log_metrics(run_id, {"preflight_errors": len(errors)})
-    tracker.set_tags(run_id, {"k3pipe.error": "preflight: " + "; ".join(f.rule for f in errors)})
+    if errors:
+        why = "preflight: " + "; ".join(f.rule for f in errors)
+    else:  # stopped by the errors of other arms: the job launches nothing when any arm has one
+        others = sorted({f.arm for f in findings if f.severity == "error" and f.arm})
+        rules = "; ".join(sorted({f.rule for f in findings if f.severity == "error"}))
+        why = f"preflight: not launched: preflight found errors in arm(s) {', '.join(others)} ({rules})"
+    tracker.set_tags(run_id, {"k3pipe.error": why})
     tracker.end_run(run_id, "FAILED")
     return run_id
 

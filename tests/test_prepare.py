@@ -108,6 +108,10 @@ def test_a_spec_error_stops_before_anything_is_fetched_and_each_arm_records_it()
     b = next(r for r in runs.runs.values() if r["name"] == "exp/b")
     assert b["tags"]["k3pipe.error"] == "preflight: r"
     assert b["metrics"] == {"preflight_errors": 1}
+    # arm a has no error of its own: its run says whose errors stopped it
+    a = next(r for r in runs.runs.values() if r["name"] == "exp/a")
+    assert a["tags"]["k3pipe.error"] == "preflight: not launched: preflight found errors in arm(s) b (r)"
+    assert a["metrics"] == {"preflight_errors": 0}
 
 
 def test_an_error_of_an_arm_not_run_does_not_stop_the_others() -> None:

@@ -175,6 +175,7 @@ def test_the_a_a_calibration_is_judged_apart_and_states_the_floor() -> None:
     text = _markdown(data)
     assert "## Calibration: A/A" in text
     assert "a difference between arms smaller than that is within what launching" in text
+    assert "each launched like every arm: 2 launches each, interleaved" in text
 
 
 def test_degradation_compares_only_workloads_that_differ_in_input_length() -> None:

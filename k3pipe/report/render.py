@@ -202,7 +202,7 @@ def _noise_row(n: NoiseRow, analysis: Analysis) -> list[str]:
     return [n.workload, n.metric.label, shape, *cells, mde, plan]
 
 
-def _calibration_section(analysis: Analysis) -> Section | None:
+def _calibration_section(data: StudyData, analysis: Analysis) -> Section | None:
     if analysis.calibration is None:
         return None
     base, copy = analysis.calibration
@@ -224,12 +224,14 @@ def _calibration_section(analysis: Analysis) -> Section | None:
             alarms.append(f"{r.metric.label} in {r.workload}")
             table.flagged.add(len(table.rows) - 1)
     design = analysis.calibration_design
+    times = max((c.launches for c in data.cells if c.arm == base), default=1)
+    launched = f": {times} launches each, interleaved" if times > 1 else ""
     blocks: list[Block] = [
-        f"The baseline {base} run twice, as {base} and {copy} (identical configurations, launched like "
-        f"every arm), compared as any pair is, at alpha {design.alpha if design else 0:g} over "
-        f"{design.tests if design else 0} comparison(s) of their own. Their intervals reach "
-        f"+-{reach:.1%}: a difference between arms smaller than that is within what launching the same "
-        "configuration again does.",
+        f"The baseline {base} run as two arms, {base} and {copy} (identical configurations, each "
+        f"launched like every arm{launched}), compared as any pair is, at alpha "
+        f"{design.alpha if design else 0:g} over {design.tests if design else 0} comparison(s) of their "
+        f"own. Their intervals reach +-{reach:.1%}: a difference between arms smaller than that is "
+        "within what launching the same configuration again does.",
         table,
     ]
     if alarms:
@@ -332,7 +334,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             ],
         )
     )
-    for extra in (_calibration_section(analysis), _noise_section(data, analysis)):
+    for extra in (_calibration_section(data, analysis), _noise_section(data, analysis)):
         if extra is not None:
             sections.append(extra)
 
