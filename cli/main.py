@@ -458,7 +458,7 @@ def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) 
 
     hide_tracebacks()
     interrupts = Interrupts(on_deadline=end_mine)
-    from flows.benchmark import started_flow_runs
+    from flows.runtime import started_flow_runs
 
     try:
         with interrupts.installed():

@@ -14,9 +14,9 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from flows.benchmark import _flow_run_id, _flow_tags, _prepare_steps, note_flow_run
+from flows.runtime import flow_run_id, flow_tags, note_flow_run, prepare_steps, report_needs_mlflow
 from flows.secrecy import guard, scrubbed_flow
-from flows.study import ArmsFailed, _report_needs_mlflow, run_study
+from flows.study import ArmsFailed, run_study
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import PartlyFailedError
 from k3pipe.jobs.prepare import check_spec
@@ -75,9 +75,7 @@ def retest(
     names = request.variant_names(spec)
     targets = retest_targets(spec, names)
     params = overrides.params()
-    run_id = start_retest(
-        tracker, spec, experiment, targets, {"prefect.flow_run_id": _flow_run_id()}, params
-    )
+    run_id = start_retest(tracker, spec, experiment, targets, {"prefect.flow_run_id": flow_run_id()}, params)
     logger.info("%s\nMLflow run of the retest: %s", "\n".join(describe_retest(spec, names)), run_id)
     studies: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
@@ -85,9 +83,9 @@ def retest(
     try:
         # every study's own checks before anything is fetched or launched: a variant that cannot run
         # must not be found out after the baseline's hours
-        steps = _prepare_steps(home, tracker)
+        steps = prepare_steps(home, tracker)
         for t in targets:
-            check_spec(t.spec, [a.name for a in t.spec.arms], tracker, steps, _flow_tags(), run_id)
+            check_spec(t.spec, [a.name for a in t.spec.arms], tracker, steps, flow_tags(), run_id)
         model = fetch_model_task("model", spec.model, home)
         prompts: dict[str, dict[str, list[PromptSet]]] = {}
         for t in targets:
@@ -116,7 +114,7 @@ def retest(
         if failed:
             tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
         tracker.end_run(run_id, status)
-    _report_needs_mlflow(tracker, run_id)
+    report_needs_mlflow(tracker, run_id)
     paths = retest_report_task(tracker, run_id, retest_dir(settings.home_dir, spec.name, run_id))
     logger.info("MLflow run of the retest: %s", tracker.run_link(run_id))
     result = {"retest_run_id": run_id, "studies": studies, "failed": failed, "report": paths}

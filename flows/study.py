@@ -14,17 +14,18 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
 
-from flows.benchmark import (
-    _flow_run_id,
-    _flow_tags,
-    _judge_speculation,
-    _prepare_steps,
-    _steps,
+from flows.runtime import (
+    arm_steps,
+    flow_run_id,
+    flow_tags,
+    judge_speculation,
     note_flow_run,
+    prepare_steps,
+    report_needs_mlflow,
 )
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.errors import PartlyFailedError, TrackingError, first_line
+from k3pipe.errors import PartlyFailedError, first_line
 from k3pipe.jobs.prepare import check_spec, prepare
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.report import report_dir
@@ -67,16 +68,16 @@ def run_study(
     logger = get_run_logger()
     home = settings.home_dir
     params = dict(params or {})
-    tags = {"prefect.flow_run_id": _flow_run_id(), **(tags or {})}
+    tags = {"prefect.flow_run_id": flow_run_id(), **(tags or {})}
     run_id = start_study(tracker, spec, experiment, tags, params, parent_id=parent_run_id)
     logger.info("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(selected))
     try:
         # the first model now (the prompts are drawn with its tokenizer); the others in the background
-        steps_before = _prepare_steps(home, tracker)
-        check_spec(spec, selected, tracker, steps_before, _flow_tags(), run_id)
+        steps_before = prepare_steps(home, tracker)
+        check_spec(spec, selected, tracker, steps_before, flow_tags(), run_id)
         began = time.perf_counter()
         prepared = prepare(
-            spec, selected, tracker, home, steps_before, tags=_flow_tags(), parent_id=run_id,
+            spec, selected, tracker, home, steps_before, tags=flow_tags(), parent_id=run_id,
             models=models, prompts=prompts, extra_models=False, spec_checked=True,
         )  # fmt: skip
         models, findings, prompts = prepared.models, prepared.findings, prepared.prompts
@@ -87,11 +88,11 @@ def run_study(
     steps = StudySteps(
         fetch_model=fetch_model_task,  # called from a background lane: still a task run of this flow
         pull_image=pull_image_task,
-        arm=_steps(),
+        arm=arm_steps(),
     )
     outcome = Study(
         spec, run_id, tracker, settings, models, prompts, findings, experiment, steps,
-        tags=tags, labels={"k3pipe.flow_run_id": _flow_run_id()}, params=params, arms=selected,
+        tags=tags, labels={"k3pipe.flow_run_id": flow_run_id()}, params=params, arms=selected,
         before_s=before, say=logger.info, warn=logger.error,
     ).execute()  # fmt: skip
     outcomes = [o.as_dict() for o in outcome.arms]
@@ -100,10 +101,10 @@ def run_study(
     rows = [row for o in first for row in o.get("workloads", [])]
     if any(speculation_setting(spec.arm(name)) for name in selected):
         try:
-            _judge_speculation(spec, first, rows, tracker)
+            judge_speculation(spec, first, rows, tracker)
         except Exception as exc:  # an analysis after the fact: the report comes first
             logger.warning("speculation could not be judged: %s: %s", type(exc).__name__, exc)
-    _report_needs_mlflow(tracker, run_id)
+    report_needs_mlflow(tracker, run_id)
     paths = report_task(tracker, run_id, report_dir(settings.home_dir, spec.name, run_id))
     link = tracker.run_link(run_id)
     if link.startswith("http"):
@@ -115,15 +116,6 @@ def run_study(
         why = f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}"
         raise ArmsFailed(scrub(why), result)
     return result
-
-
-def _report_needs_mlflow(tracker: Tracker, run_id: str) -> None:
-    """The report is built from MLflow: while it is down (the runs are in the spool) say what to do."""
-    if not tracker.online and not tracker.flush():
-        raise TrackingError(
-            f"MLflow at {tracker.tracking_uri} stopped answering during the run: every record is in the "
-            f"spool; `k3pipe sync` pushes it, then `k3pipe report {run_id}` builds the report"
-        )
 
 
 @scrubbed_flow("study")

@@ -154,6 +154,30 @@ def test_no_circle() -> None:
     assert circle(imports(modules(REPO, PACKAGES))) is None
 
 
+def private_imports(root: Path, package: str) -> list[str]:
+    """``file:line: module.name`` for each private name (``_x``) a module of ``package`` imports
+    from another module of it: what two modules share is public in one of them, or in a third."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package:
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        found.append(f"{path.relative_to(root)}:{node.lineno}: {node.module}.{alias.name}")
+    return found
+
+
+def test_the_flows_share_no_private_helpers() -> None:
+    """The flows once imported each other's private helpers; what they share lives in flows.runtime."""
+    assert private_imports(REPO, "flows") == []
+
+
+def test_the_private_import_scan_finds_one(tmp_path: Path) -> None:
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "flows" / "a.py").write_text("from flows.b import public, _private\n")
+    assert private_imports(tmp_path, "flows") == ["flows/a.py:1: flows.b._private"]
+
+
 def test_the_scan_sees_lazy_and_type_checking_imports_and_circles(tmp_path: Path) -> None:
     pkg = tmp_path / "k3pipe"
     pkg.mkdir()

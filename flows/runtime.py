@@ -1,0 +1,159 @@
+"""What the flows share on Prefect's side: the flow run's id and tags, the flow runs this process
+started (so the command that ran them can mark them Cancelled), the steps of an arm and of the
+preparation as Prefect tasks (the sequences are the library's: k3pipe.run, k3pipe.jobs.prepare), the
+closer that ends the records of a run whose process was killed, the speculation judge run after the
+arms, and the check that the report can be built from MLflow."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect import get_client
+from prefect.context import get_run_context
+from prefect.states import Crashed
+
+from k3pipe.errors import TrackingError
+from k3pipe.jobs.prepare import PrepareSteps
+from k3pipe.record import close_abandoned, record_speculation
+from k3pipe.run import ArmSteps
+from k3pipe.specs import ExperimentSpec
+from k3pipe.tracking import Tracker
+from tasks.steps import (
+    benchmark_task,
+    cold_start_task,
+    engine_version_task,
+    fetch_model_task,
+    health_gate_task,
+    judge_speculation_task,
+    plan_arm_task,
+    preflight_task,
+    prepare_prompts_task,
+    probe_node_task,
+    pull_image_task,
+    reap_orphans_task,
+    start_engine_task,
+    wait_ready_task,
+)
+
+__all__ = [
+    "arm_steps",
+    "flow_run_id",
+    "flow_tags",
+    "judge_speculation",
+    "note_flow_run",
+    "prepare_steps",
+    "report_needs_mlflow",
+    "started_flow_runs",
+]
+
+started_flow_runs: list[str] = []
+"""The ids of the flow runs this process started (each flow notes its own first), so that the
+command that ran them can mark them Cancelled when it is interrupted (cli.main)."""
+
+
+def note_flow_run() -> None:
+    """Add the current flow run to :data:`started_flow_runs`."""
+    run_id = flow_run_id()
+    if run_id != "none" and run_id not in started_flow_runs:
+        started_flow_runs.append(run_id)
+
+
+def flow_run_id() -> str:
+    try:
+        return str(get_run_context().flow_run.id)  # type: ignore[union-attr]
+    except Exception:
+        return "none"
+
+
+def _flow_run_is_running(run_id: str) -> bool:
+    """Whether a flow run (from a container's label) may still be going: True unless this Prefect
+    API shows it in a final state (a run it cannot read may be another server's, going on)."""
+    if run_id == flow_run_id():
+        return True
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(run_id)).state
+    except Exception:
+        return True
+    return state is None or not state.is_final()
+
+
+def _closer(tracker: Tracker) -> Callable[[Mapping[str, str]], None]:
+    """What ends the records of a run whose process was killed (its engine's labels name them)."""
+    why = "its k3pipe process was killed before its teardown; a later run ended its engine"
+
+    def close(labels: Mapping[str, str]) -> None:
+        run_id = labels.get("k3pipe.mlflow_run_id")
+        if run_id:
+            close_abandoned(tracker, run_id, why)
+        flow_run = labels.get("k3pipe.flow_run_id", "none")
+        if flow_run != "none":
+            with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+                state = client.read_flow_run(UUID(flow_run)).state
+                if state is None or not state.is_final():
+                    client.set_flow_run_state(UUID(flow_run), Crashed(message=why), force=True)
+
+    return close
+
+
+def arm_steps() -> ArmSteps:
+    """The arm's steps as Prefect tasks: each is a task run in the UI; the lifetime is the library's."""
+    return ArmSteps(
+        plan=plan_arm_task,
+        pull_image=pull_image_task,
+        probe_node=probe_node_task,
+        start_engine=start_engine_task,
+        wait_ready=wait_ready_task,
+        health_gate=health_gate_task,
+        engine_version=engine_version_task,
+        cold_start=cold_start_task,
+        benchmark=benchmark_task,
+    )
+
+
+def prepare_steps(home: Path, tracker: Tracker) -> PrepareSteps:
+    """The preparation's steps as Prefect tasks (k3pipe.jobs.prepare runs the sequence)."""
+    return PrepareSteps(
+        preflight=preflight_task,
+        reap_orphans=lambda containers: reap_orphans_task(
+            _flow_run_is_running, home, containers, _closer(tracker)
+        ),
+        fetch_model=fetch_model_task,
+        prompts=prepare_prompts_task,
+    )
+
+
+def flow_tags() -> dict[str, str]:
+    return {"prefect.flow_run_id": flow_run_id()}
+
+
+def judge_speculation(
+    spec: ExperimentSpec, outcomes: list[dict[str, Any]], rows: list[dict[str, Any]], tracker: Tracker
+) -> None:
+    """Speculative arms against their plain baselines, once every arm ran: findings in the log, the
+    judgement on each speculative arm's MLflow run, and its summary in that arm's outcome."""
+    log_lengths = {
+        o["arm"]: o["engine_log_spec_accept_length_mean"]
+        for o in outcomes
+        if o.get("engine_log_spec_accept_length_mean") is not None
+    }
+    report = judge_speculation_task(spec, rows, log_lengths)
+    record_speculation(tracker, {o["arm"]: o["mlflow_run_id"] for o in outcomes}, report)
+    by_arm = {a.arm: a for a in report.arms}
+    for o in outcomes:
+        judged = by_arm.get(o["arm"])
+        if judged is not None:
+            o["speculation"] = f"{judged.summary} (baseline: {judged.baseline.baseline or 'none'})"
+
+
+def report_needs_mlflow(tracker: Tracker, run_id: str) -> None:
+    """The report is built from MLflow: while it is down (the runs are in the spool) say what to do."""
+    if not tracker.online and not tracker.flush():
+        raise TrackingError(
+            f"MLflow at {tracker.tracking_uri} stopped answering during the run: every record is in the "
+            f"spool; `k3pipe sync` pushes it, then `k3pipe report {run_id}` builds the report"
+        )
