@@ -495,6 +495,13 @@ def _expected_changes(factors: list[float]) -> list[float | None]:
     return [None] + [100.0 * (before / f - 1.0) for before, f in pairwise(factors)]
 
 
+_TOWARD_ZERO = 25.0
+"""How far a measured wave-on-wave change may fall short of the scripted one: the client's fixed cost
+per wave (tens of ms on a loaded 2-core machine, beside waves of 0.24-0.38 s) adds to both waves and
+pulls the change toward 0 (a scripted +60% was measured +45% under load); nothing pushes it past the
+scripted one by more than timer noise."""
+
+
 def _check_waves(result: WorkloadResult, server: ScriptedOpenAI, factors: list[float]) -> None:
     """The warm-up went out in waves of 4, one at a time, and each wave's change is the scripted one."""
     report = result.warmup
@@ -519,8 +526,12 @@ def _check_waves(result: WorkloadResult, server: ScriptedOpenAI, factors: list[f
             else:
                 assert wave.change_pct * truth > 0
                 assert abs(wave.change_pct) > 15.0
+        elif truth == 0:
+            assert wave.change_pct == pytest.approx(0.0, abs=10.0)
         else:
-            assert wave.change_pct == pytest.approx(truth, abs=10.0)
+            assert wave.change_pct is not None
+            assert wave.change_pct * truth > 0
+            assert abs(truth) - _TOWARD_ZERO <= abs(wave.change_pct) <= abs(truth) + 10.0
     # nothing of the warm-up was in flight when the measured phase opened
     assert max(r.t_end for r in warm) <= result.t_start
     assert len(server.requests) == len(warm) + 4
@@ -565,7 +576,7 @@ def test_a_warmup_that_never_settles_stops_at_the_most_and_says_so(server: Scrip
     assert [r.index for r in result.records if not r.warmup] == [22, 23, 24, 25]
     m = summarize(result).metrics()
     assert m["warmup_steady"] == 0.0
-    assert m["warmup_last_change_pct"] == pytest.approx(60.0, abs=10.0)
+    assert 60.0 - _TOWARD_ZERO <= m["warmup_last_change_pct"] <= 70.0  # the last wave's, +60% as scripted
 
 
 def test_an_engine_steady_from_the_start_takes_two_waves(server: ScriptedOpenAI) -> None:
