@@ -252,6 +252,55 @@ def test_steady_decode_counts_only_time_without_prefill() -> None:
     assert steady_decode_tps(late) == pytest.approx(6 / 2.0)
 
 
+def _engine_requests(
+    slots: int, streams: int, requests: int, lengths: list[int], step_s: float = 0.005
+) -> pd.DataFrame:
+    """The client's stamps of a simulated engine that decodes ``slots`` sequences a step (one token
+    each per ``step_s``), driven by ``streams`` closed-loop clients: a request sent at the end of a
+    step is admitted at the next step with a free slot, its first token at that step's end."""
+    sent: dict[int, float] = {i: 0.0 for i in range(min(streams, requests))}
+    waiting = list(sent)
+    running: dict[int, list[float]] = {}
+    rows: dict[int, dict] = {}
+    nxt, step = len(sent), 0
+    while waiting or running:
+        while waiting and len(running) < slots:
+            running[waiting.pop(0)] = []
+        end = (step + 1) * step_s
+        for i in list(running):
+            running[i].append(end)
+            if len(running[i]) == lengths[i]:
+                times = running.pop(i)
+                rows[i] = {
+                    "t_send_s": sent[i],
+                    "t_first_delta_s": times[0],
+                    "t_end_s": end,
+                    "chunk_times_s": json.dumps(times),
+                    "chunk_tokens": json.dumps([1] * len(times)),
+                }
+                if nxt < requests:
+                    sent[nxt] = end
+                    waiting.append(nxt)
+                    nxt += 1
+        step += 1
+    return pd.DataFrame([rows[i] for i in sorted(rows)])
+
+
+def test_steady_decode_is_the_full_batch_never_the_drain() -> None:
+    """The s64/s56 pair of the H200 (docs/gpu.md): an engine taking all 64 streams decodes them in
+    lockstep; one taking 56 always leaves requests waiting until the end, so its only time without
+    a waiting request is the drain, which is not its steady decode."""
+    full = 64 / 0.005
+    lockstep = _engine_requests(64, 64, 192, [32] * 192)
+    assert steady_decode_tps(lockstep) == pytest.approx(full)
+    # 56 slots for 64 streams: the batch is full only while others wait, then it drains: no figure
+    assert steady_decode_tps(_engine_requests(56, 64, 192, [32] * 192)) is None
+    # the last wave ends one stream at a time (lengths 32..95): the drain's shrinking batch is left
+    # out (without the floor the figure would fall to about half the full batch's rate)
+    draining = _engine_requests(64, 64, 192, [32] * 128 + [32 + i for i in range(64)])
+    assert 0.9 * full <= steady_decode_tps(draining) <= full
+
+
 def test_the_published_table_stands_beside_the_cells() -> None:
     """An experiment's 'reference' (here: the field notes' steady decode) is shown beside the arms'
     means and intervals, the crossover of the DCP study as the two arms' leads at 64K and 200K."""

@@ -472,7 +472,8 @@ def _bounds(data: StudyData, arms: list[str], claims: Iterable[dict[str, Any]]) 
             out.append(
                 BoundCheck(
                     cell.arm, cell.workload, "steady decode throughput", steady, None,
-                    "no tokens / wall ceiling: a rate over the time no request was in prefill",
+                    "no tokens / wall ceiling: a rate over the time the full batch decoded and no "
+                    "request waited",
                 )
             )  # fmt: skip
     for claim in claims:
