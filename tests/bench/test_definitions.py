@@ -495,15 +495,27 @@ def _expected_changes(factors: list[float]) -> list[float | None]:
     return [None] + [100.0 * (before / f - 1.0) for before, f in pairwise(factors)]
 
 
-_TOWARD_ZERO = 25.0
-"""How far a measured wave-on-wave change may fall short of the scripted one: the client's fixed cost
-per wave (tens of ms on a loaded 2-core machine, beside waves of 0.24-0.38 s) adds to both waves and
-pulls the change toward 0 (a scripted +60% was measured +45% under load); nothing pushes it past the
-scripted one by more than timer noise."""
+_SERVED_SLACK = 12.0
+"""How far the client's wave-on-wave change may stray from the one the server served (percentage
+points). The server's own spans (first request received to last token sent) are the truth: on a loaded
+2-core machine its sleeps overshoot the script (a scripted +60% was served as +35%), which the client
+must see, not correct. What is left is the client's fixed cost per wave on both ends (its send before
+the server's receive, its read after the last chunk), a few ms beside waves of 0.27-0.43 s."""
+
+
+def _served_changes(server: ScriptedOpenAI, blocks: list[list[RequestRecord]]) -> list[float | None]:
+    """Each wave's rate change as the server served it, from its own stamps."""
+    by_prompt = {req.body["messages"][0]["content"]: req for req in server.requests}
+    spans = []
+    for block in blocks:
+        served = [by_prompt[f"prompt {r.index}"] for r in block]
+        spans.append(max(token_stamps(q)[-1] for q in served) - min(q.t_received for q in served))
+    # the same tokens per wave, so rate_after / rate_before = span_before / span_after
+    return [None] + [100.0 * (before / after - 1.0) for before, after in pairwise(spans)]
 
 
 def _check_waves(result: WorkloadResult, server: ScriptedOpenAI, factors: list[float]) -> None:
-    """The warm-up went out in waves of 4, one at a time, and each wave's change is the scripted one."""
+    """The warm-up went out in waves of 4, one at a time, and each wave's change is the one served."""
     report = result.warmup
     assert report is not None
     warm = sorted((r for r in result.records if r.warmup), key=lambda r: r.t_send)
@@ -514,24 +526,28 @@ def _check_waves(result: WorkloadResult, server: ScriptedOpenAI, factors: list[f
     assert all(r.ok for r in warm)
     assert [w.requests for w in report.waves] == [_WAVE] * len(factors)
     assert [w.output_tokens for w in report.waves] == [_WAVE * 8] * len(factors)
-    for k, (wave, truth) in enumerate(zip(report.waves, _expected_changes(factors), strict=True)):
+    served = _served_changes(server, blocks)
+    for k, (wave, truth, real) in enumerate(
+        zip(report.waves, _expected_changes(factors), served, strict=True)
+    ):
         if truth is None:
             assert wave.change_pct is None
-        elif k == 1:
+            continue
+        assert wave.change_pct is not None
+        assert real is not None
+        if k == 1:
             # the first wave also carries the first requests' own costs on both sides (10-80 ms,
             # more in a fresh process): against it only agreement or the direction is certain
-            assert wave.change_pct is not None
             if truth == 0:
                 assert abs(wave.change_pct) <= 15.0
             else:
                 assert wave.change_pct * truth > 0
                 assert abs(wave.change_pct) > 15.0
-        elif truth == 0:
-            assert wave.change_pct == pytest.approx(0.0, abs=10.0)
-        else:
-            assert wave.change_pct is not None
-            assert wave.change_pct * truth > 0
-            assert abs(truth) - _TOWARD_ZERO <= abs(wave.change_pct) <= abs(truth) + 10.0
+            continue
+        if truth != 0:
+            assert real * truth > 0  # the server did slow down or speed up as scripted
+        assert wave.change_pct == pytest.approx(real, abs=_SERVED_SLACK)
+
     # nothing of the warm-up was in flight when the measured phase opened
     assert max(r.t_end for r in warm) <= result.t_start
     assert len(server.requests) == len(warm) + 4
@@ -576,7 +592,8 @@ def test_a_warmup_that_never_settles_stops_at_the_most_and_says_so(server: Scrip
     assert [r.index for r in result.records if not r.warmup] == [22, 23, 24, 25]
     m = summarize(result).metrics()
     assert m["warmup_steady"] == 0.0
-    assert 60.0 - _TOWARD_ZERO <= m["warmup_last_change_pct"] <= 70.0  # the last wave's, +60% as scripted
+    assert m["warmup_last_change_pct"] == report.waves[-1].change_pct  # the last wave's
+    assert m["warmup_last_change_pct"] > 15.0  # faster again (+60% as scripted), past the tolerance
 
 
 def test_an_engine_steady_from_the_start_takes_two_waves(server: ScriptedOpenAI) -> None:
