@@ -267,8 +267,8 @@ def study(
     )
     _tracking_ready(settings, spool)
     prepare_prefect_env(settings, "flows.study")
-    from flows.study import ArmsFailed
     from flows.study import study as study_flow
+    from k3pipe.jobs.study import ArmsFailed
 
     failed = None
     try:
@@ -318,8 +318,8 @@ def retest(
         _fail(exc)
     _tracking_ready(settings, spool)
     prepare_prefect_env(settings, "flows.retest")
-    from flows.retest import VariantsFailed
     from flows.retest import retest as retest_flow
+    from k3pipe.jobs.retest import VariantsFailed
 
     failed = None
     try:

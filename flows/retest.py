@@ -1,7 +1,7 @@
 """The retest flow: an experiment's baseline and its variants (the study's checklist as code), each
-run as a study nested under one parent MLflow run, then every variant judged against the baseline
-(better, worse, equivalent within the margin or inconclusive, with the interval of the change), the report on
-the retest's run and as Prefect artifacts.
+run as a study nested under one parent MLflow run, then every variant judged against the baseline,
+the report on the retest's run and as Prefect artifacts. The body is the library's
+(k3pipe.jobs.retest); this is its Prefect shell.
 
 prefect: python -m flows.retest experiments/demo-retest.yaml   (or `k3pipe retest`, or the deployment)
 """
@@ -9,33 +9,15 @@ prefect: python -m flows.retest experiments/demo-retest.yaml   (or `k3pipe retes
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger
-
-from flows.runtime import flow_run_id, flow_tags, note_flow_run, prepare_steps, report_needs_mlflow
+from flows.runtime import flow_job, note_flow_run
 from flows.secrecy import guard, scrubbed_flow
-from flows.study import ArmsFailed, run_study
-from k3pipe.bench.corpora import PromptSet
-from k3pipe.errors import PartlyFailedError
-from k3pipe.jobs.prepare import check_spec
+from k3pipe.jobs import retest as job
+from k3pipe.jobs.retest import VariantsFailed
 from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
-from k3pipe.report import retest_dir
-from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
-from k3pipe.secrets import scrub
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
-from tasks.steps import (
-    fetch_model_task,
-    load_experiment_task,
-    prepare_prompts_task,
-    retest_report_task,
-)
 
-
-class VariantsFailed(PartlyFailedError):
-    """Some study of the retest did not finish; raised after the report (``result`` is the flow's)."""
+__all__ = ["VariantsFailed", "retest"]  # the flow raises the job's VariantsFailed
 
 
 @scrubbed_flow("retest")
@@ -64,70 +46,10 @@ def retest(
     """
     note_flow_run()
     guard()
-    logger = get_run_logger()
-    settings = Settings()
-    home = settings.home_dir
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
     request = RunRequest(
         experiment=experiment, experiment_yaml=experiment_yaml, variants=variants, overrides=overrides
     )
-    spec, experiment = load_experiment_task(request), request.source
-    names = request.variant_names(spec)
-    targets = retest_targets(spec, names)
-    params = overrides.params()
-    run_id = start_retest(tracker, spec, experiment, targets, {"prefect.flow_run_id": flow_run_id()}, params)
-    logger.info("%s\nMLflow run of the retest: %s", "\n".join(describe_retest(spec, names)), run_id)
-    studies: dict[str, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    status = "KILLED"
-    try:
-        # every study's own checks before anything is fetched or launched: a variant that cannot run
-        # must not be found out after the baseline's hours
-        steps = prepare_steps(home, tracker)
-        for t in targets:
-            check_spec(t.spec, [a.name for a in t.spec.arms], tracker, steps, flow_tags(), run_id)
-        model = fetch_model_task("model", spec.model, home)
-        prompts: dict[str, dict[str, list[PromptSet]]] = {}
-        for t in targets:
-            key = workloads_key(t.spec)
-            try:
-                if key not in prompts:
-                    prompts[key] = prepare_prompts_task(t.spec, Path(model.path), home)
-                studies[t.label] = run_study(
-                    t.spec, experiment, [a.name for a in t.spec.arms], tracker, settings,
-                    parent_run_id=run_id, tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
-                    models={"model": model}, prompts=prompts[key], params=params,
-                )  # fmt: skip
-            except ArmsFailed as exc:
-                studies[t.label] = exc.result
-                failed[t.label] = str(exc)
-            except Exception as exc:  # this study could not run: the others still can
-                failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")
-                logger.error("retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
-            if t.label in failed:
-                tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
-        status = "FINISHED"
-    except Exception:
-        status = "FAILED"
-        raise
-    finally:
-        if failed:
-            tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
-        tracker.end_run(run_id, status)
-    report_needs_mlflow(tracker, run_id)
-    paths = retest_report_task(tracker, run_id, retest_dir(settings.home_dir, spec.name, run_id))
-    logger.info("MLflow run of the retest: %s", tracker.run_link(run_id))
-    result = {"retest_run_id": run_id, "studies": studies, "failed": failed, "report": paths}
-    if failed:
-        details = "; ".join(f"{label}: {why}" for label, why in failed.items())
-        raise VariantsFailed(
-            scrub(
-                f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
-                f"the report judges the others: {paths['html']}"
-            ),
-            result,
-        )
-    return result
+    return job.retest(request, flow_job()).as_dict()
 
 
 if __name__ == "__main__":

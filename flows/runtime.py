@@ -1,26 +1,25 @@
-"""What the flows share on Prefect's side: the flow run's id and tags, the flow runs this process
-started (so the command that ran them can mark them Cancelled), the steps of an arm and of the
-preparation as Prefect tasks (the sequences are the library's: k3pipe.run, k3pipe.jobs.prepare), the
-closer that ends the records of a run whose process was killed, the speculation judge run after the
-arms, and the check that the report can be built from MLflow."""
+"""What the flows share on Prefect's side: the flow run's job (:func:`flow_job`: the steps as Prefect
+tasks, the flow's logger, artifacts; the sequences are the library's, k3pipe.jobs and k3pipe.run),
+the flow runs this process started (so the command that ran them can mark them Cancelled), and the
+closer that ends the records of a run whose process was killed."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 from uuid import UUID
 
-from prefect import get_client
+from prefect import get_client, get_run_logger
+from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from prefect.states import Crashed
 
-from k3pipe.errors import TrackingError
 from k3pipe.jobs.prepare import PrepareSteps
-from k3pipe.record import close_abandoned, record_speculation
+from k3pipe.jobs.steps import Job, JobSteps
+from k3pipe.record import close_abandoned
 from k3pipe.run import ArmSteps
-from k3pipe.specs import ExperimentSpec
+from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
 from tasks.steps import (
     benchmark_task,
@@ -29,24 +28,27 @@ from tasks.steps import (
     fetch_model_task,
     health_gate_task,
     judge_speculation_task,
+    load_experiment_task,
     plan_arm_task,
     preflight_task,
     prepare_prompts_task,
     probe_node_task,
     pull_image_task,
     reap_orphans_task,
+    report_task,
+    rerun_verdict_task,
+    restore_run_task,
+    retest_report_task,
     start_engine_task,
     wait_ready_task,
 )
 
 __all__ = [
     "arm_steps",
+    "flow_job",
     "flow_run_id",
-    "flow_tags",
-    "judge_speculation",
     "note_flow_run",
     "prepare_steps",
-    "report_needs_mlflow",
     "started_flow_runs",
 ]
 
@@ -127,33 +129,24 @@ def prepare_steps(home: Path, tracker: Tracker) -> PrepareSteps:
     )
 
 
-def flow_tags() -> dict[str, str]:
-    return {"prefect.flow_run_id": flow_run_id()}
-
-
-def judge_speculation(
-    spec: ExperimentSpec, outcomes: list[dict[str, Any]], rows: list[dict[str, Any]], tracker: Tracker
-) -> None:
-    """Speculative arms against their plain baselines, once every arm ran: findings in the log, the
-    judgement on each speculative arm's MLflow run, and its summary in that arm's outcome."""
-    log_lengths = {
-        o["arm"]: o["engine_log_spec_accept_length_mean"]
-        for o in outcomes
-        if o.get("engine_log_spec_accept_length_mean") is not None
-    }
-    report = judge_speculation_task(spec, rows, log_lengths)
-    record_speculation(tracker, {o["arm"]: o["mlflow_run_id"] for o in outcomes}, report)
-    by_arm = {a.arm: a for a in report.arms}
-    for o in outcomes:
-        judged = by_arm.get(o["arm"])
-        if judged is not None:
-            o["speculation"] = f"{judged.summary} (baseline: {judged.baseline.baseline or 'none'})"
-
-
-def report_needs_mlflow(tracker: Tracker, run_id: str) -> None:
-    """The report is built from MLflow: while it is down (the runs are in the spool) say what to do."""
-    if not tracker.online and not tracker.flush():
-        raise TrackingError(
-            f"MLflow at {tracker.tracking_uri} stopped answering during the run: every record is in the "
-            f"spool; `k3pipe sync` pushes it, then `k3pipe report {run_id}` builds the report"
-        )
+def flow_job() -> Job:
+    """The job of the running flow: its settings and tracker, the steps as Prefect tasks, the flow's
+    logger, links and tables published as Prefect artifacts, the flow run's id on every record."""
+    logger = get_run_logger()
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+    steps = JobSteps(
+        load_experiment=load_experiment_task,
+        prepare=prepare_steps(settings.home_dir, tracker),
+        arm=arm_steps(),
+        judge_speculation=judge_speculation_task,
+        restore_run=restore_run_task,
+        rerun_verdict=rerun_verdict_task,
+        report=report_task,
+        retest_report=retest_report_task,
+    )
+    return Job(
+        settings, tracker, steps, flow_run_id(), say=logger.info, note=logger.warning, warn=logger.error,
+        link=lambda url, text, key: create_link_artifact(link=url, link_text=text, key=key),
+        table=lambda rows, key, what: create_table_artifact(table=rows, key=key, description=what),
+    )  # fmt: skip

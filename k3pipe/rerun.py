@@ -30,7 +30,7 @@ from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.stats import Design
 from k3pipe.tracking import Tracker
 
-__all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict"]
+__all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict", "verdict_rows"]
 
 RERUN_TAG = "k3pipe.rerun_of"
 Progress = Callable[[str], None]
@@ -255,4 +255,24 @@ def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[Workloa
             if tested:
                 rows, basis = tested + rows, "requests"
         out.append(WorkloadVerdict(name, a[name].info.run_id, b[name].info.run_id, rows, basis))
+    return out
+
+
+def verdict_rows(
+    tracker: Tracker, original_arm: str, rerun_arm: str, say: Progress | None = None
+) -> list[dict[str, Any]]:
+    """:func:`verdict` as the rerun's outcome keeps it (one dict per workload), each said to ``say``."""
+    out = []
+    for v in verdict(tracker, original_arm, rerun_arm):
+        if say is not None:
+            say(f"rerun verdict, {v.workload}: {v.summary}")
+        out.append(
+            {
+                "workload": v.workload,
+                "verdict": v.summary,
+                "original": v.original,
+                "rerun": v.rerun,
+                "metrics": [c.model_dump() for c in v.rows],
+            }
+        )
     return out

@@ -31,7 +31,7 @@ from k3pipe.preflight import preflight
 from k3pipe.procs import GroupRegistry
 from k3pipe.report import build_report, publish
 from k3pipe.report.retest import build_retest_report, publish_retest
-from k3pipe.rerun import RerunInputs, restore, verdict
+from k3pipe.rerun import RerunInputs, restore, verdict_rows
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
@@ -288,20 +288,7 @@ def restore_run_task(tracker: Tracker, run_id: str, home: Path, allow_drift: boo
 def rerun_verdict_task(tracker: Tracker, original: str, rerun: str) -> list[dict[str, Any]]:
     """Each workload of the rerun against the original (per metric: different, equivalent or
     inconclusive), in the log too."""
-    logger = get_run_logger()
-    out = []
-    for v in verdict(tracker, original, rerun):
-        logger.info("rerun verdict, %s: %s", v.workload, v.summary)
-        out.append(
-            {
-                "workload": v.workload,
-                "verdict": v.summary,
-                "original": v.original,
-                "rerun": v.rerun,
-                "metrics": [c.model_dump() for c in v.rows],
-            }
-        )
-    return out
+    return verdict_rows(tracker, original, rerun, say=get_run_logger().info)
 
 
 @task(name="report", cache_policy=NO_CACHE)

@@ -1,0 +1,112 @@
+"""The retest job: an experiment's baseline and its variants (the study's checklist as code), each run
+as a study nested under one parent MLflow run, then every variant judged against the baseline (better,
+worse, equivalent within the margin or inconclusive, with the interval of the change) in the
+retest's report. ``flows/retest.py`` runs it with its Prefect tasks; :meth:`Job.library` without.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.errors import PartlyFailedError
+from k3pipe.jobs.prepare import check_spec
+from k3pipe.jobs.steps import Job, report_needs_mlflow
+from k3pipe.jobs.study import ArmsFailed, StudyRequest, run_study
+from k3pipe.params import RunRequest
+from k3pipe.report import retest_dir
+from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
+from k3pipe.secrets import scrub
+
+__all__ = ["RetestResult", "VariantsFailed", "retest"]
+
+
+class VariantsFailed(PartlyFailedError):
+    """Some study of the retest did not finish; raised after the report (``result`` is the retest's)."""
+
+
+@dataclass
+class RetestResult:
+    """The retest's MLflow run, each study's result by label (baseline, variants), why each failed
+    study failed, and the report's paths."""
+
+    retest_run_id: str
+    studies: dict[str, dict[str, Any]]
+    failed: dict[str, str]
+    report: dict[str, str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "retest_run_id": self.retest_run_id,
+            "studies": self.studies,
+            "failed": self.failed,
+            "report": self.report,
+        }
+
+
+def retest(request: RunRequest, job: Job) -> RetestResult:
+    """The baseline, then each variant (the request's, or all of them), each a study under the
+    retest's run; then the report. A study that fails is recorded and the others still run; then
+    :class:`VariantsFailed` is raised after the report, naming it."""
+    tracker = job.tracker
+    spec = job.steps.load_experiment(request)
+    names = request.variant_names(spec)
+    targets = retest_targets(spec, names)
+    params = request.overrides.params()
+    run_id = start_retest(tracker, spec, request.source, targets, job.tags, params)
+    job.say("%s\nMLflow run of the retest: %s", "\n".join(describe_retest(spec, names)), run_id)
+    studies: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    status = "KILLED"
+    try:
+        # every study's own checks before anything is fetched or launched: a variant that cannot run
+        # must not be found out after the baseline's hours
+        for t in targets:
+            check_spec(t.spec, [a.name for a in t.spec.arms], tracker, job.steps.prepare, job.tags, run_id)
+        model = job.steps.prepare.fetch_model("model", spec.model, job.home)
+        prompts: dict[str, dict[str, list[PromptSet]]] = {}
+        for t in targets:
+            key = workloads_key(t.spec)
+            try:
+                if key not in prompts:
+                    prompts[key] = job.steps.prepare.prompts(t.spec, Path(model.path), job.home)
+                studies[t.label] = run_study(
+                    StudyRequest(
+                        t.spec, request.source, [a.name for a in t.spec.arms], params=params,
+                        parent_run_id=run_id, models={"model": model}, prompts=prompts[key],
+                        tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
+                    ),
+                    job,
+                ).as_dict()  # fmt: skip
+            except ArmsFailed as exc:
+                studies[t.label] = exc.result
+                failed[t.label] = str(exc)
+            except Exception as exc:  # this study could not run: the others still can
+                failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")
+                job.warn("retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
+            if t.label in failed:
+                tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
+        status = "FINISHED"
+    except Exception:
+        status = "FAILED"
+        raise
+    finally:
+        if failed:
+            tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
+        tracker.end_run(run_id, status)
+    report_needs_mlflow(tracker, run_id)
+    paths = job.steps.retest_report(tracker, run_id, retest_dir(job.home, spec.name, run_id))
+    job.say("MLflow run of the retest: %s", tracker.run_link(run_id))
+    result = RetestResult(run_id, studies, failed, paths)
+    if failed:
+        details = "; ".join(f"{label}: {why}" for label, why in failed.items())
+        raise VariantsFailed(
+            scrub(
+                f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
+                f"the report judges the others: {paths['html']}"
+            ),
+            result.as_dict(),
+        )
+    return result

@@ -1,0 +1,111 @@
+"""The study job: every arm x every workload of an experiment under one parent MLflow run (the arms
+nested under it, the next arm's inputs fetched while one arm runs), then the study's report, built
+once, here. ``flows/study.py`` runs it with its Prefect tasks; :meth:`Job.library` runs it without.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.errors import PartlyFailedError, first_line
+from k3pipe.jobs.prepare import check_spec, prepare
+from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
+from k3pipe.params import RunRequest
+from k3pipe.report import report_dir
+from k3pipe.secrets import scrub
+from k3pipe.sources import ModelRecord
+from k3pipe.specs import ExperimentSpec
+from k3pipe.speculation import speculation_setting
+from k3pipe.study import Study, StudySteps, start_study
+
+__all__ = ["ArmsFailed", "StudyRequest", "StudyResult", "run_study", "study"]
+
+
+class ArmsFailed(PartlyFailedError):
+    """Some arm of the study did not finish; raised after the report (``result`` is the study's)."""
+
+
+@dataclass
+class StudyRequest:
+    """A study of ``spec``'s ``arms``: ``experiment`` names where the spec came from (a file, or
+    inline YAML); ``params`` go on its run and its arms' (the overrides); nested under
+    ``parent_run_id`` with ``tags`` when it is part of a retest; ``models`` and ``prompts`` given
+    when the caller already has them (a retest's variants share them)."""
+
+    spec: ExperimentSpec
+    experiment: str
+    arms: list[str]
+    params: dict[str, Any] = field(default_factory=dict)
+    parent_run_id: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    models: dict[str, ModelRecord] | None = None
+    prompts: dict[str, list[PromptSet]] | None = None
+
+
+@dataclass
+class StudyResult:
+    """The study's MLflow run, each launch's outcome (arm, launch, status, run id, workload rows)
+    and the report's paths (markdown, html, text, plots)."""
+
+    study_run_id: str
+    arms: list[dict[str, Any]]
+    report: dict[str, str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"study_run_id": self.study_run_id, "arms": self.arms, "report": self.report}
+
+
+def study(request: RunRequest, job: Job) -> StudyResult:
+    """The study of a run request: its experiment loaded (overrides laid over), its arms named."""
+    spec = job.steps.load_experiment(request)
+    selected = request.arm_names(spec)  # unknown arm names fail before anything starts
+    return run_study(StudyRequest(spec, request.source, selected, params=request.overrides.params()), job)
+
+
+def run_study(request: StudyRequest, job: Job) -> StudyResult:
+    """The study's run, preflight, the first model and the prompts (unless given), the arms, the
+    report. Raises :class:`ArmsFailed` after the report when an arm failed."""
+    spec, tracker = request.spec, job.tracker
+    tags = {**job.tags, **request.tags}
+    run_id = start_study(
+        tracker, spec, request.experiment, tags, request.params, parent_id=request.parent_run_id
+    )
+    job.say("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(request.arms))
+    try:
+        # the first model now (the prompts are drawn with its tokenizer); the others in the background
+        check_spec(spec, request.arms, tracker, job.steps.prepare, job.tags, run_id)
+        began = time.perf_counter()
+        prepared = prepare(
+            spec, request.arms, tracker, job.home, job.steps.prepare, tags=job.tags, parent_id=run_id,
+            models=request.models, prompts=request.prompts, extra_models=False, spec_checked=True,
+        )  # fmt: skip
+        before = time.perf_counter() - began
+    except BaseException:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    steps = StudySteps(
+        fetch_model=job.steps.prepare.fetch_model,  # from a background lane: still a task of this flow
+        pull_image=job.steps.arm.pull_image,
+        arm=job.steps.arm,
+    )
+    outcome = Study(
+        spec, run_id, tracker, job.settings, prepared.models, prepared.prompts, prepared.findings,
+        request.experiment, steps, tags=tags, labels=job.labels, params=dict(request.params),
+        arms=request.arms, before_s=before, say=job.say, warn=job.warn,
+    ).execute()  # fmt: skip
+    outcomes = [o.as_dict() for o in outcome.arms]
+    if any(speculation_setting(spec.arm(name)) for name in request.arms):
+        # judged on each arm's first launch (the judge pairs one run per arm)
+        judge_speculation(job, spec, [o for o in outcomes if o.get("launch", 1) == 1])
+    report_needs_mlflow(tracker, run_id)
+    paths = job.steps.report(tracker, run_id, report_dir(job.home, spec.name, run_id))
+    job.publish_link(run_id, f"MLflow run of study {spec.name}", "mlflow-study")
+    result = StudyResult(run_id, outcomes, paths)
+    if outcome.failed:
+        details = "; ".join(f"{o.arm}: {first_line(o.error or o.status)}" for o in outcome.failed)
+        why = f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}"
+        raise ArmsFailed(scrub(why), result.as_dict())
+    return result

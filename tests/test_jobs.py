@@ -1,0 +1,121 @@
+"""The jobs without Prefect: a study and a benchmark run from the library alone
+(``Job.library()``, the library's steps), typed request in, typed result out, the same records a flow
+makes, the report built once. The arms are `external` endpoints served by the scripted OpenAI server
+(tests/scripted_openai.py: real HTTP and SSE), the MLflow store a real SQLite one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from k3pipe.errors import SpecError
+from k3pipe.jobs.benchmark import BenchmarkRequest, benchmark
+from k3pipe.jobs.steps import Job
+from k3pipe.jobs.study import ArmsFailed, study
+from k3pipe.params import Overrides, RunRequest
+from k3pipe.settings import Settings
+from k3pipe.tracking import Tracker
+from tests.conftest import TINY_MODEL, free_port
+from tests.scripted_openai import Script, ScriptedOpenAI
+
+
+def _experiment(arms: dict[str, str]) -> str:
+    return yaml.safe_dump(
+        {
+            "name": "jobs-test",
+            "model": {"source": "local", "path": str(TINY_MODEL)},
+            "arms": [
+                {"name": name, "engine": {"kind": "vllm"}, "launcher": {"kind": "external"},
+                 "endpoint": {"base_url": url, "model": "m"}}
+                for name, url in arms.items()
+            ],
+            "workloads": [
+                {"name": "in32", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
+                 "warmup_requests": 0, "repeats": 2, "seed": 1}
+            ],
+        }
+    )  # fmt: skip
+
+
+@pytest.fixture
+def fast() -> Any:
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    with ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as server:
+        yield server
+
+
+def _job(tmp_path: Path, published: dict[str, list[Any]]) -> Job:
+    """The library's job on a SQLite store, its reports and tables noted in ``published``."""
+    settings = Settings()
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "jobs", tmp_path / "artifacts")
+    job = Job.library(settings, tracker)
+    reports: list[str] = published.setdefault("reports", [])
+    tables: list[Any] = published.setdefault("tables", [])
+    report = job.steps.report
+
+    def counted(tracker: Tracker, run_id: str, out: Path) -> dict[str, str]:
+        reports.append(run_id)
+        return report(tracker, run_id, out)
+
+    job = job.with_steps(report=counted)
+    return Job(
+        job.settings, job.tracker, job.steps, table=lambda rows, key, what: tables.append((rows, key, what))
+    )
+
+
+def test_a_study_from_the_library_alone_records_reports_once_and_names_the_failed_arm(
+    fast: ScriptedOpenAI, tmp_path: Path
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: the arm's health gate fails
+    published: dict[str, list[Any]] = {}
+    job = _job(tmp_path, published)
+    request = RunRequest(experiment_yaml=_experiment({"a": fast.base_url, "broken": dead}))
+    with pytest.raises(ArmsFailed, match="broken") as failed:
+        study(request, job)
+    result = failed.value.result
+    assert [(o["arm"], o["status"]) for o in result["arms"]] == [("a", "FINISHED"), ("broken", "FAILED")]
+    assert published["reports"] == [result["study_run_id"]]  # built once, by the job
+    assert Path(result["report"]["html"]).is_file()
+    assert Path(result["report"]["html"]).parent.name == f"jobs-test-{result['study_run_id'][:8]}"
+    run = job.tracker.client.get_run(result["study_run_id"])
+    assert run.data.tags["k3pipe.kind"] == "study"
+    assert run.data.tags["prefect.flow_run_id"] == "none"  # no flow: said so, not left out
+    arms = {r.data.tags["k3pipe.arm"]: r for r in job.tracker.children(result["study_run_id"])}
+    assert arms["a"].info.status == "FINISHED"
+    assert arms["broken"].info.status == "FAILED"
+
+
+def test_a_benchmark_from_the_library_alone_publishes_its_table(fast: ScriptedOpenAI, tmp_path: Path) -> None:
+    published: dict[str, list[Any]] = {}
+    job = _job(tmp_path, published)
+    run = RunRequest(
+        experiment_yaml=_experiment({"a": fast.base_url, "b": fast.base_url}),
+        arms=["b"],
+        overrides=Overrides(repeats=1),
+    )
+    outcomes = benchmark(BenchmarkRequest(run=run), job)
+    assert [(o["arm"], o["status"]) for o in outcomes] == [("b", "FINISHED")]
+    assert published["reports"] == []  # a benchmark has no study report
+    ((rows, key, what),) = published["tables"]
+    assert key == "benchmark-summary"
+    assert what == "jobs-test: workload summaries"
+    assert [r["workload"] for r in rows] == ["in32"]
+    arm_run = job.tracker.client.get_run(outcomes[0]["mlflow_run_id"])
+    assert arm_run.data.params["override.repeats"] == "1"
+    assert len(job.tracker.children(arm_run.info.run_id)) == 1  # one workload, one repeat
+
+
+def test_a_benchmark_request_is_a_run_or_a_rerun_never_both() -> None:
+    run = RunRequest(experiment="experiments/demo-cpu.yaml", arms=["vllm-cpu"])
+    with pytest.raises(
+        SpecError, match=r"rerun_of runs an arm again exactly as recorded.*arms \['vllm-cpu'\]"
+    ):
+        BenchmarkRequest(run=run, rerun_of="abc123")
+    with pytest.raises(SpecError, match="needs an experiment"):
+        BenchmarkRequest()
+    plain = RunRequest(experiment="experiments/demo-cpu.yaml")
+    assert BenchmarkRequest(run=plain, rerun_of="abc123").rerun_of == "abc123"
