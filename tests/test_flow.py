@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -100,12 +101,36 @@ def _stopped_before_launch(
     return run, tracker
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def prefect_log() -> Any:
+    """What the flow logs through Prefect's loggers, read from the loggers themselves: Prefect's
+    console handler binds sys.stderr when Prefect is first imported, which in a suite may be inside
+    another test's capture, so that stderr is no place to read it from (it failed so after
+    tests/test_bad_inputs.py)."""
+    handler = _Lines()
+    prefect = logging.getLogger("prefect")
+    prefect.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        prefect.removeHandler(handler)
+
+
 def test_flow_records_everything_in_mlflow(
     prefect_harness: None,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    capfd: pytest.CaptureFixture[str],
+    prefect_log: list[str],
 ) -> None:
     require_engine()
     from flows.benchmark import benchmark
@@ -253,8 +278,8 @@ def test_flow_records_everything_in_mlflow(
         if path.is_file():
             assert key.encode() not in path.read_bytes(), f"key leaked into {path}"
     assert key not in caplog.text
-    # the flow's log (Prefect's console handler, on stderr) says what the warm-up did
-    err = capfd.readouterr().err
+    # the flow's log says what the warm-up did
+    err = "\n".join(prefect_log)
     assert "in512-out16 (repeat 1/2): 6 requests (+ warm-up until steady within 5%, at most 9)" in err
     assert re.search(r"in512-out16: .*warm-up [69] requests \([23] waves\): (steady|NOT steady)", err)
     assert re.search(r"in64-out16: .*first wave ttft p50 x[0-9.]+ the rest's", err)
