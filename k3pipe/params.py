@@ -40,8 +40,8 @@ OVERRIDE_PARAM_PREFIX = "override."
 # The descriptions of the request's fields, which the flows take as flat parameters. Prefect 3.9.1
 # takes a flat parameter's description from the flow's docstring (its Google-style ``Args:``
 # section): one given as ``Annotated[str, Field(description=...)]`` is dropped from the schema (its
-# constraints are kept). The flows' docstrings repeat these words; tests/test_schedules.py compares
-# the deployed schema with them. A model's fields (Overrides) keep their Field descriptions.
+# constraints are kept). The flows' docstrings repeat these words; tests/integration/test_schedules.py
+# compares the deployed schema with them. A model's fields (Overrides) keep their Field descriptions.
 EXPERIMENT_HELP = (
     "Experiment YAML file on the worker, relative to the checkout the deployment runs from "
     "(e.g. experiments/demo-study.yaml). Not read when experiment_yaml is set."

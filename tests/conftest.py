@@ -1,14 +1,18 @@
-"""Shared fixtures: an isolated environment per test, and the real vLLM engine once per session."""
+"""Shared fixtures: an isolated environment per test, the real vLLM engine once per session, the
+benchmark tests' tokenizers and scripted server; the tiers (a test's folder) and their order."""
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from tests.scripted_openai import ScriptedOpenAI
 
 REPO = Path(__file__).resolve().parents[1]
 # The engine's venv and the tiny model are built by `make` into K3PIPE_HOME; tests read them from
@@ -258,85 +265,172 @@ class CliRun:
         self.out.close()
 
 
-# The fast tier, `pytest -m unit` (under a minute, tests/test_public_api.py keeps the list true): the
-# modules whose tests need no engine, Docker, Prefect server, MLflow server or subprocess. A test in
-# one of them marked engine, flow or slow stays out of it; every other module is integration.
-UNIT_MODULES = frozenset(
-    {
-        "tests/bench/test_definitions.py",
-        "tests/bench/test_exact_server.py",
-        "tests/bench/test_layout.py",
-        "tests/bench/test_repeats.py",
-        "tests/bench/test_summary.py",
-        "tests/bench/test_transport.py",
-        "tests/bench/test_datasets.py",
-        "tests/bench/test_session.py",
-        "tests/engines/test_cold_start.py",
-        "tests/engines/test_compile_cache.py",
-        "tests/engines/test_engine_knowledge.py",
-        "tests/engines/test_engine_logs.py",
-        "tests/engines/test_preflight.py",
-        "tests/engines/test_preflight_cli.py",
-        "tests/test_bad_inputs.py",
-        "tests/test_dcp_experiment.py",
-        "tests/test_engines.py",
-        "tests/test_golden_study.py",
-        "tests/test_gpustack_spec.py",
-        "tests/test_health.py",
-        "tests/test_metrics.py",
-        "tests/test_params.py",
-        "tests/test_report.py",
-        "tests/test_report_retest.py",
-        "tests/test_scrubber.py",
-        "tests/test_specs.py",
-        "tests/test_stats.py",
-        "tests/test_schedule.py",
-        "tests/test_layers.py",
-        "tests/test_prepare.py",
-        "tests/test_variants.py",
-    }
-)
+# The benchmark tests' fixtures (tests/unit/bench/ and tests/integration/bench/ share them): tokenizers
+# trained here, and the scripted OpenAI server.
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def _corpus() -> list[str]:
+    # Text that ships with CPython: no download, and real enough for a BPE to learn merges.
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [str(p) for p in sorted(stdlib.glob("*.py"))[:30]]
+
+
+@pytest.fixture(scope="session")
+def byte_level_tokenizer() -> Tokenizer:
+    """A GPT-2-style byte-level BPE (vocab 2048) with ChatML-ish special tokens."""
+    return _byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), 2048)
+
+
+def _byte_level_bpe(pre_tokenizer: pre_tokenizers.PreTokenizer, vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_corpus(), trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def metaspace_tokenizer() -> Tokenizer:
+    """A Llama/SentencePiece-style BPE: '▁' for spaces, byte fallback, a decoder that strips the start."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=["<unk>", "<s>", "</s>", *SPECIAL_TOKENS], show_progress=False
+    )
+    tok.train(_corpus(), trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_tokenizer(metaspace_tokenizer: Tokenizer) -> Tokenizer:
+    """Llama-2's tokenizer.json shape: no pre-tokenizer, a normalizer that prepends '▁' and turns
+    spaces into '▁', so BPE runs over the whole text (the Metaspace one's vocabulary, trained on
+    words, as SentencePiece is)."""
+    tok = Tokenizer.from_str(metaspace_tokenizer.to_str())
+    tok.pre_tokenizer = None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return tok
+
+
+@pytest.fixture(scope="session")
+def regex_tokenizer() -> Tokenizer:
+    """Llama-3/Qwen/Kimi's shape: a split regex, then byte-level mapping without its own regex."""
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    split = pre_tokenizers.Split(Regex(pattern), "isolated")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return _byte_level_bpe(pre_tokenizers.Sequence([split, byte_level]), 3000)
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer() -> Tokenizer:
+    """BERT's shape: lower-casing normalizer, whitespace/punctuation pre-tokenizer, '##' pieces.
+
+    The vocabulary is built here, not trained: the WordPiece trainer is not deterministic across
+    processes. It holds every character of the corpus (alone and as '##' piece), the 2,000 commonest
+    words and the 300 commonest 2-4 letter word endings as '##' pieces.
+    """
+    words: Counter[str] = Counter()
+    chars: set[str] = set()
+    for path in _corpus():
+        text = Path(path).read_text(encoding="utf-8").lower()
+        words.update(re.findall(r"[a-z]+", text))
+        chars.update(c for c in text if not c.isspace())
+    endings: Counter[str] = Counter()
+    for word, count in words.items():
+        for k in (2, 3, 4):
+            if len(word) > k:
+                endings[word[-k:]] += count
+    special = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    ordered = sorted(chars)
+    common = [w for w, _ in sorted(words.items(), key=lambda kv: (-kv[1], kv[0])) if len(w) > 1][:2000]
+    pieces = [f"##{e}" for e, _ in sorted(endings.items(), key=lambda kv: (-kv[1], kv[0]))[:300]]
+    tokens = [*special, *ordered, *(f"##{c}" for c in ordered), *common, *pieces]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(special)
+    return tok
+
+
+@pytest.fixture(params=["byte_level", "metaspace", "sentencepiece", "regex", "wordpiece"])
+def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    """Each trained tokenizer in turn."""
+    tok: Tokenizer = request.getfixturevalue(f"{request.param}_tokenizer")
+    return tok
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedOpenAI]:
+    """A scripted vLLM-style server on 127.0.0.1, stopped after the test."""
+    with ScriptedOpenAI() as scripted:
+        yield scripted
+
+
+# A test's tier is the folder it lives in (tests/integration/test_public_api.py checks that every test
+# module lives in one); pytest_collection_modifyitems marks each test with it:
+# - tests/unit/: the fast tier, `pytest -m unit` (under a minute): no engine, Docker, Prefect or MLflow
+#   server, subprocess or browser;
+# - tests/integration/: real servers (MLflow, Prefect, PostgreSQL), command lines run as subprocesses,
+#   scripted engines (tests/scripted_openai.py, tests/docker/fake_engine.py as a process);
+# - tests/engine/: the real vLLM CPU engine (the session's `vllm_engine`, or its venv);
+# - tests/docker/: the isolated dockerd and the local registry;
+# - tests/browser/: a real browser.
+# The `engine` and `flow` marks that modules set themselves stay (`-m flow`: a Prefect flow end to
+# end, in any tier; tests/docker/test_vllm_container.py is marked `engine` too).
+TIERS = ("unit", "integration", "engine", "docker", "browser")
+
+
+def tier_of(path: str) -> str | None:
+    """The tier of a test file (a path relative to the repository): its folder under tests/."""
+    parts = path.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else None
 
 
 # `make test` runs the suite in two phases: first the tests whose figures are timings (a client's
 # error against an exact schedule, a CPU-saturation probe, a rate within 5%), alone on the machine
-# (`-m serial`); then the rest on two pytest-xdist workers (`-m "not serial" -n 2`), most of whose
-# time is waiting on servers, engines and timeouts. A group stays on one worker: a module (its module
+# (`-m serial`: each such module sets `pytestmark = pytest.mark.serial` itself, in whatever tier);
+# then the rest on two pytest-xdist workers (`-m "not serial" -n 2`), most of whose time is waiting
+# on servers, engines and timeouts. A group stays on one worker: a module (its module
 # fixtures are made once), or all of tests/docker/ (one dockerd; a test there asserts that no managed
 # container is left). xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node
 # ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does, by overriding
 # LoadScopeScheduling._split_scope: a private method, so pytest-xdist is pinned (pyproject.toml) and
-# tests/test_public_api.py checks the pin and the method's shape.
-SERIAL_PATHS = (
-    "tests/bench/",
-    "tests/test_gpu_clients.py",
-    "tests/test_sharded_flow.py",
-    "tests/test_speculation.py",
-    # beside the other worker they failed in the fresh-clone run of 2026-12-03: the retest's verdict
-    # on a variant twice as long came out 'no difference within noise', and the Prefect server's
-    # SQLite answered 503 to the second of two flow runs created back to back
-    "tests/test_retest.py",
-    "tests/test_schedules.py",
-)
+# tests/integration/test_public_api.py checks the pin and the method's shape.
 # The heaviest groups start first (seconds of one serial run, `pytest --durations`, 2026-12-03), so
 # that the two workers end at about the same time; the others follow in collection order.
 GROUP_SECONDS = {
-    "tests/test_faults.py": 620,
-    "tests/test_spool.py": 540,
-    "tests/test_flow.py": 430,
+    "tests/integration/test_faults.py": 620,
+    "tests/integration/test_spool.py": 540,
+    "tests/engine/test_flow.py": 430,
     "tests/docker": 360,
-    "tests/test_deployment.py": 220,
-    "tests/test_gpu_kit.py": 200,
-    "tests/test_bundle.py": 190,
-    "tests/test_ui.py": 150,
-    "tests/test_schedules.py": 150,
-    "tests/test_stack.py": 120,
-    "tests/test_gateway.py": 110,
-    "tests/test_secrets.py": 80,
-    "tests/test_verdicts_cpu.py": 600,
-    "tests/test_study.py": 240,
-    "tests/test_bad_inputs.py": 75,
-    "tests/test_report_artifacts.py": 40,
+    "tests/engine/test_deployment.py": 220,
+    "tests/integration/test_gpu_kit.py": 200,
+    "tests/integration/test_bundle.py": 190,
+    "tests/browser/test_ui.py": 150,
+    "tests/integration/test_schedules.py": 150,
+    "tests/integration/test_stack.py": 120,
+    "tests/engine/test_gateway.py": 110,
+    "tests/integration/test_secrets.py": 80,
+    "tests/engine/test_verdicts_cpu.py": 600,
+    "tests/integration/test_study.py": 240,
+    "tests/integration/test_bad_inputs.py": 60,  # 75 with its pure half, now tests/unit/ (about 15 s)
+    "tests/integration/test_report_artifacts.py": 40,
 }
 
 
@@ -348,11 +442,9 @@ def group_of(path: str) -> str:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        where = item.path.relative_to(REPO).as_posix()
-        if where in UNIT_MODULES and not any(item.get_closest_marker(m) for m in ("engine", "flow", "slow")):
-            item.add_marker(pytest.mark.unit)
-        if where.startswith(SERIAL_PATHS):
-            item.add_marker(pytest.mark.serial)
+        tier = tier_of(item.path.relative_to(REPO).as_posix())
+        if tier is not None:
+            item.add_marker(tier)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the order the scheduler hands groups out in
         order = {item.nodeid: i for i, item in enumerate(items)}
 
@@ -377,9 +469,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Under ``-m unit`` the other modules are not even imported (their imports cost ~10 s)."""
-    if config.getoption("markexpr") != "unit" or collection_path.suffix != ".py":
+    """Under ``-m unit`` nothing outside tests/unit/ is collected: the other tiers' modules and
+    conftest files are not even imported (their imports cost ~10 s)."""
+    if config.getoption("markexpr") != "unit":
         return None
-    if not collection_path.name.startswith("test_"):
+    try:
+        where = collection_path.resolve().relative_to(REPO / "tests").parts
+    except ValueError:
         return None
-    return collection_path.resolve().relative_to(REPO).as_posix() not in UNIT_MODULES
+    return True if where and where[0] in TIERS and where[0] != "unit" else None

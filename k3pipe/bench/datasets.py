@@ -33,7 +33,7 @@ exactly the expected ids, with at least a window of real context on each side. F
 vocabulary, at most 8192 word tokens are used (a seeded sample), which fit the tokenizer's BPE
 cache. On one core, ten 200K-token prompts take about 0.4 s with the tiny model's 2K vocabulary and
 0.75 s with a 123K one (vLLM's RandomDataset: 6.6 s and 19 s), most of it the pool's 259K words;
-encoding every prompt whole took 3 s with the 2K vocabulary. ``tests/bench/test_datasets.py``
+encoding every prompt whole took 3 s with the 2K vocabulary. ``tests/unit/bench/test_datasets.py``
 encodes every prompt whole and compares, for byte-level, Metaspace, Llama-2-normalizer, split-regex
 and WordPiece tokenizers.
 

@@ -1,7 +1,7 @@
 """Summaries of a workload's records: pure functions, no I/O.
 
 Latency statistics cover measured (non-warm-up) successful requests only. The definitions (also in
-docs/measurement.md, and held by tests/bench/test_definitions.py against scripted streams):
+docs/measurement.md, and held by tests/unit/bench/test_definitions.py against scripted streams):
 
 - ``ttft_ms``: send -> first token-bearing delta (content, reasoning or tool calls).
 - ``content_ttft_ms``: send -> first non-empty ``content``; requests that never reached content

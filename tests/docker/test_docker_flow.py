@@ -117,9 +117,9 @@ def test_flow_runs_an_sglang_container_with_its_key_and_metrics(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An SGLang arm (the scripted engine's SGLang flavour: tests/test_sglang.py says what it speaks)
-    in a container: the key reaches it as --api-key from the variable, /metrics is on, and the key is
-    in none of the records."""
+    """An SGLang arm (the scripted engine's SGLang flavour: tests/integration/test_sglang.py says what it
+    speaks) in a container: the key reaches it as --api-key from the variable, /metrics is on, and the
+    key is in none of the records."""
     from flows.benchmark import benchmark
 
     key = "sgl-docker-" + uuid.uuid4().hex

@@ -1,0 +1,1 @@
+"""Real servers (MLflow, Prefect, PostgreSQL), command lines run as subprocesses, scripted engines."""

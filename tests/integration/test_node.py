@@ -1,0 +1,321 @@
+"""The node in the record: nvidia-smi (a fake one first on PATH, printing the GPU node's real output),
+the engine interpreter's versions, GPU memory during a workload, and what MLflow gets of it all."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from k3pipe.coldstart import read_cold_start
+from k3pipe.experiment import parse_experiment
+from k3pipe.node import (
+    GpuMemorySampler,
+    comm_env,
+    engine_python,
+    gpu_memory_frame,
+    interpreter_versions,
+    nvidia_smi_report,
+    parse_cuda_version,
+    parse_gpu_query,
+    probe_node,
+)
+from k3pipe.plan import plan_arm
+from k3pipe.record import ArmRecorder
+from k3pipe.run import node_facts
+from k3pipe.settings import Settings
+from k3pipe.specs import WorkloadSpec
+from k3pipe.tracking import Tracker
+from tests.conftest import demo_experiment
+from tests.integration.test_record import outcome
+from tests.unit.engines.helpers import FIXTURES
+
+REPO = Path(__file__).resolve().parents[2]
+H200 = REPO / "tests" / "fixtures" / "node" / "nvidia-smi-h200.txt"
+TOPO = REPO / "tests" / "fixtures" / "node" / "nvidia-smi-topo-8gpu.txt"
+QUERY = "NVIDIA H200, 143771 MiB, 580.159.04"  # what the node's query answered
+
+
+def fake_nvidia_smi(bin_dir: Path, gpus: int = 1, topo: bool = True) -> Path:
+    """An ``nvidia-smi`` answering as the GPU node's did; memory.used grows by 1000 MiB a call;
+    ``topo -m`` prints an 8-GPU NVSwitch matrix (``topo``) or fails as an unknown command."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    counter = bin_dir / "calls"
+    counter.write_text("0")
+    script = bin_dir / "nvidia-smi"
+    query = "\\n".join([QUERY] * gpus)
+    script.write_text(
+        f"""#!/bin/sh
+case "$*" in
+  *--query-gpu=name,memory.total,driver_version*) printf '{query}\\n' ;;
+  *--query-gpu=memory.used*)
+    n=$(cat {counter}); n=$((n + 1)); echo $n > {counter}
+    i=0; while [ $i -lt {gpus} ]; do echo "$((n * 1000 + i)) MiB"; i=$((i + 1)); done ;;
+  "") grep -v '^#' {H200} ;;
+  "topo -m") {"grep -v '^#' " + str(TOPO) if topo else "exit 6"} ;;
+  *) exit 6 ;;
+esac
+"""
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+@pytest.fixture
+def smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    script = fake_nvidia_smi(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    return script
+
+
+@pytest.fixture
+def no_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+@pytest.fixture
+def tracker(tmp_path: Path) -> Tracker:
+    return Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
+
+
+def test_parse_the_real_outputs() -> None:
+    gpus = parse_gpu_query(QUERY + "\n")
+    assert [(g.index, g.name, g.memory_total_mib, g.driver_version) for g in gpus] == [
+        (0, "NVIDIA H200", 143771, "580.159.04")
+    ]
+    assert parse_cuda_version(H200.read_text()) == "13.0"
+    assert parse_gpu_query("") == []
+
+
+def test_report_and_probe_with_nvidia_smi(smi: Path) -> None:
+    report = nvidia_smi_report()
+    assert report is not None
+    assert "Driver Version: 580.159.04     CUDA Version: 13.0" in report
+    node = probe_node([sys.executable, "-m", "x"], "vllm", {"PATH": "/usr/bin:/bin"}, interpreter=True)
+    assert node is not None
+    params = node.params()
+    assert params["node.gpu_name"] == "NVIDIA H200"
+    assert params["node.gpu_count"] == 1
+    assert params["node.gpu_memory_mib"] == "143771"
+    assert params["node.driver_version"] == "580.159.04"
+    assert params["node.cuda_version"] == "13.0"
+    assert params["node.engine_python"] == sys.executable
+    assert params["node.python_version"] == ".".join(map(str, sys.version_info[:3]))
+    # torch and vLLM are not in k3pipe's own venv: no version, no param
+    assert "node.torch_version" not in params
+    assert "node.vllm_version" not in params
+    assert set(node.packages) == {"python", "torch", "vllm"}
+    assert "1 x NVIDIA H200 (143771 MiB), driver 580.159.04, CUDA 13.0" in node.describe()
+    assert node.topology is not None
+    assert node.topology.startswith("\tGPU0\tGPU1")
+    assert "GPU7\tNV18\tNV18" in node.topology
+    assert node.comm_env == {}  # no NCCL / symmetric-memory variable in that environment
+
+
+def test_probe_keeps_the_engines_nccl_environment(smi: Path) -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "NCCL_DEBUG": "INFO",
+        "K3PIPE_GPU_API_KEY": "not-a-comm-variable",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+    node = probe_node(["python3"], "vllm", env)
+    assert node is not None
+    assert node.comm_env == {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    }
+    assert list(node.comm_env) == sorted(node.comm_env)
+    assert comm_env(None) == {}
+
+
+def test_no_topology_when_topo_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = fake_nvidia_smi(tmp_path / "bin", topo=False)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    node = probe_node(["python3"], "vllm")
+    assert node is not None
+    assert node.topology is None
+
+
+def test_probe_skips_the_interpreter_of_docker_arms(smi: Path) -> None:
+    node = probe_node(["python3", "-m", "vllm"], "vllm")
+    assert node is not None
+    assert node.python is None
+    assert node.packages == {}
+
+
+def test_no_node_for_external_endpoints(smi: Path, tmp_path: Path) -> None:
+    data = demo_experiment(
+        8000, launcher={"kind": "external"}, endpoint={"base_url": "http://127.0.0.1:9/v1"}
+    )
+    spec = parse_experiment(data)
+    plan = plan_arm(spec, spec.arms[0], tmp_path)
+    assert not plan.launch.starts_engine
+    assert node_facts(plan, Settings(home=tmp_path)) is None
+
+
+def test_nothing_without_nvidia_smi(no_smi: None) -> None:
+    assert nvidia_smi_report() is None
+    assert probe_node([sys.executable], "vllm", interpreter=True) is None
+    with GpuMemorySampler(0.1) as sampler:
+        pass
+    assert sampler.samples == []
+    assert sampler.max_used_mib() is None
+
+
+def test_interpreter_versions_read_metadata() -> None:
+    versions = interpreter_versions(sys.executable, ["pydantic", "not_a_package_k3"])
+    import pydantic
+
+    assert versions["pydantic"] == pydantic.VERSION
+    assert versions["not_a_package_k3"] is None
+    assert interpreter_versions("/nonexistent/python", ["x"]) == {}
+
+
+def test_engine_python_behind_an_entry_point(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    python = bin_dir / "python3.12"
+    python.write_text("")
+    script = bin_dir / "vllm"
+    script.write_text(f"#!{python}\nimport sys\n")
+    script.chmod(0o755)
+    assert engine_python(str(script)) == str(python)
+    assert engine_python("vllm", path=str(bin_dir)) == str(python)
+    assert engine_python(str(python)) == str(python)
+    plain = bin_dir / "serve"
+    plain.write_text("#!/bin/sh\n")
+    (bin_dir / "python").write_text("")
+    assert engine_python(str(plain)) == str(bin_dir / "python")
+    assert engine_python("absent-k3") is None
+
+
+def test_sampler_samples_every_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = fake_nvidia_smi(tmp_path / "bin2", gpus=2)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    with GpuMemorySampler(0.1) as sampler:
+        pass
+    # one sample when it starts and one at the end, each of both GPUs
+    assert len(sampler.samples) >= 4
+    assert {s.gpu for s in sampler.samples} == {0, 1}
+    assert sampler.max_used_mib() == max(s.memory_used_mib for s in sampler.samples)
+    frame = gpu_memory_frame(sampler.samples, sampler.samples[0].t)
+    assert list(frame.columns) == ["t_s", "gpu", "memory_used_mib"]
+    assert frame["t_s"].iloc[0] == 0.0
+    with GpuMemorySampler(0.1, enabled=False) as off:
+        pass
+    assert off.samples == []
+
+
+def recorder(tracker: Tracker, tmp_path: Path) -> ArmRecorder:
+    spec = parse_experiment(demo_experiment(8999))
+    return ArmRecorder(tracker, plan_arm(spec, spec.arms[0], tmp_path, {"model": "/m"}, {"model": "d" * 64}))
+
+
+def test_node_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
+    rec = recorder(tracker, tmp_path)
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PATH": "/usr/bin:/bin"}
+    rec.log_node(probe_node([sys.executable], "vllm", env, interpreter=True))
+    rec.log_nvidia_smi_after(nvidia_smi_report())
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.params["node.gpu_name"] == "NVIDIA H200"
+    assert run.data.params["node.cuda_version"] == "13.0"
+    assert run.data.params["node.driver_version"] == "580.159.04"
+    paths = {a.path for a in tracker.client.list_artifacts(rec.run_id, "node")}
+    assert paths == {
+        "node/nvidia-smi-before.txt",
+        "node/nvidia-smi-after.txt",
+        "node/nvidia-smi-topo.txt",
+        "node/comm-env.json",
+    }
+    topo = tracker.client.download_artifacts(rec.run_id, "node/nvidia-smi-topo.txt", str(tmp_path / "dl"))
+    assert "NV18" in Path(topo).read_text()
+    facts = tracker.client.download_artifacts(rec.run_id, "node/comm-env.json", str(tmp_path / "dl"))
+    assert json.loads(Path(facts).read_text()) == {k: v for k, v in env.items() if k != "PATH"}
+
+
+def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
+    rec = recorder(tracker, tmp_path)
+    workload = WorkloadSpec(name="w", input_tokens=8, output_tokens=4, num_requests=2, warmup_requests=0)
+    with GpuMemorySampler(0.1) as sampler:
+        pass
+    measured = outcome(workload, 0, 0.05)
+    measured = type(measured)(**{**measured.__dict__, "gpu_memory": sampler.samples})
+    run_id = rec.log_workload(workload, measured)
+    run = tracker.client.get_run(run_id)
+    assert run.data.metrics["gpu_memory_used_mib_max"] == sampler.max_used_mib()
+    local = tracker.client.download_artifacts(run_id, "gpu_memory.parquet", str(tmp_path))
+    frame = pd.read_parquet(local)
+    assert len(frame) == len(sampler.samples)
+    # without samples (no nvidia-smi) neither the metric nor the series
+    other = WorkloadSpec(name="v", input_tokens=8, output_tokens=4, num_requests=2, warmup_requests=0)
+    bare = rec.log_workload(other, outcome(other, 0, 0.05))
+    assert "gpu_memory_used_mib_max" not in tracker.client.get_run(bare).data.metrics
+    assert "gpu_memory.parquet" not in {a.path for a in tracker.client.list_artifacts(bare)}
+
+
+def test_cold_start_in_mlflow(tracker: Tracker, tmp_path: Path) -> None:
+    """The phase table at finish, compile-cache params at plan time, the hit and both cold starts
+    when the engine is ready."""
+    spec = parse_experiment(
+        {
+            "name": "t",
+            "model": {"source": "local", "path": "/m"},
+            "arms": [
+                {
+                    "name": "a",
+                    "engine": {"kind": "vllm", "version": "0.22.0", "executable": ["python", "-m", "vllm"]},
+                    "launcher": {"kind": "process"},
+                }
+            ],
+            "workloads": [{"name": "w", "input_tokens": 8, "output_tokens": 4}],
+        }
+    )
+    plan = plan_arm(spec, spec.arms[0], tmp_path, {"model": "/m"}, {"model": "d" * 64})
+    assert plan.compile_cache is not None
+    cold_log = tmp_path / "cold.log"
+    cold_log.write_text((FIXTURES / "vllm" / "server-0.22.0-h200-cold.log").read_text())
+    warm_log = tmp_path / "warm.log"
+    warm_log.write_text((FIXTURES / "vllm" / "server-0.22.0-h200-warm.log").read_text())
+
+    first = ArmRecorder(tracker, plan)
+    first.log_plan(spec, "x.yaml", {})
+    first.log_cold_start(read_cold_start(plan, cold_log, 80.0, first.run_id))
+    first.finish("FINISHED", log_path=cold_log)
+    second = ArmRecorder(tracker, plan)
+    second.log_plan(spec, "x.yaml", {})
+    second.log_cold_start(read_cold_start(plan, warm_log, 40.0, second.run_id))
+    second.finish("FINISHED", log_path=warm_log)
+
+    one = tracker.client.get_run(first.run_id)
+    assert one.data.params["compile_cache.key"] == plan.compile_cache.key
+    assert one.data.params["compile_cache.dir"] == plan.compile_cache.dir
+    assert one.data.params["compile_cache.source"] == "k3pipe"
+    assert one.data.metrics["compile_cache.hit"] == 0
+    assert "compile_cache.first_cold_start_s" not in one.data.metrics
+    assert one.data.metrics["cold_start.torch_compile_s"] == 20.18
+    assert one.data.metrics["cold_start.api_ready_s"] == 92.0
+    assert one.data.metrics["cold_start.cuda_graph_capture_s"] == 3.0
+    paths = {a.path for a in tracker.client.list_artifacts(first.run_id)}
+    assert {"cold_start_phases.json", "cold_start_phases.txt", "compile_cache.json"} <= paths
+    local = tracker.client.download_artifacts(first.run_id, "cold_start_phases.json", str(tmp_path))
+    table = json.loads(Path(local).read_text())
+    assert table[0]["phase"] == "api_ready"
+
+    two = tracker.client.get_run(second.run_id)
+    assert two.data.metrics["compile_cache.hit"] == 1
+    assert two.data.metrics["compile_cache.first_cold_start_s"] == 80.0
+    assert two.data.metrics["compile_cache.warm_over_cold"] == 0.5
+    assert two.data.params["compile_cache.first_run_id"] == first.run_id
+    assert two.data.metrics["cold_start.torch_compile_s"] == 2.71

@@ -1,0 +1,125 @@
+"""The public surface is deliberate, and the library never imports Prefect."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import k3pipe
+
+
+def test_exported_names() -> None:
+    assert sorted(k3pipe.__all__) == sorted(
+        [
+            "ArmPlan",
+            "BenchmarkError",
+            "EndpointAuthError",
+            "ExperimentSpec",
+            "HealthError",
+            "K3pipeError",
+            "LaunchError",
+            "ModelNotServedError",
+            "ModelSourceError",
+            "PreflightError",
+            "Settings",
+            "SpecError",
+            "TrackingError",
+            "WorkloadSpec",
+            "__version__",
+            "load_experiment",
+            "parse_experiment",
+            "plan_arm",
+        ]
+    )
+    for name in k3pipe.__all__:
+        assert hasattr(k3pipe, name)
+
+
+def test_error_tree() -> None:
+    assert issubclass(k3pipe.EndpointAuthError, k3pipe.HealthError)
+    assert issubclass(k3pipe.ModelNotServedError, k3pipe.HealthError)
+    assert issubclass(k3pipe.PreflightError, k3pipe.SpecError)
+    for name in (
+        "SpecError",
+        "ModelSourceError",
+        "LaunchError",
+        "HealthError",
+        "BenchmarkError",
+        "TrackingError",
+    ):
+        assert issubclass(getattr(k3pipe, name), k3pipe.K3pipeError)
+
+
+def test_library_does_not_import_prefect() -> None:
+    code = (
+        "import sys, k3pipe, k3pipe.run, k3pipe.record, k3pipe.rerun, k3pipe.tracking; "
+        "print('prefect' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# what the library must never import: the orchestrator and the layers above it
+SHELL_MODULES = ("prefect", "flows", "tasks", "cli", "ops")
+
+
+def shell_imports(package: Path) -> list[str]:
+    """Every import of SHELL_MODULES in the package's files, at any depth (inside functions too)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in SHELL_MODULES:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_module_of_the_library_imports_the_shell() -> None:
+    assert shell_imports(Path(k3pipe.__file__).parent) == []
+
+
+def test_the_import_scan_sees_a_function_level_import(tmp_path: Path) -> None:
+    package = tmp_path / "lib"
+    package.mkdir()
+    (package / "ok.py").write_text("import os\nfrom k3pipe import specs\n")
+    (package / "bad.py").write_text("def f():\n    from prefect import flow\n    import flows.benchmark\n")
+    assert shell_imports(package) == ["lib/bad.py:2: prefect", "lib/bad.py:3: flows.benchmark"]
+
+
+def test_every_test_module_lives_in_a_tier_folder() -> None:
+    """A test's tier is its folder (tests/conftest.py marks it so): a module outside the tier folders
+    would be in no tier, and a group weight naming a file that is gone would weigh nothing."""
+    from tests.conftest import GROUP_SECONDS, REPO, TIERS, tier_of
+
+    modules = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "tests").rglob("test_*.py"))]
+    assert [m for m in modules if tier_of(m) is None] == [], f"move these into tests/{{{','.join(TIERS)}}}/"
+    assert sorted(g for g in GROUP_SECONDS if not (REPO / g).exists()) == []
+
+
+def test_the_test_scheduler_rests_on_the_pinned_xdist() -> None:
+    """tests/conftest.py groups tests by overriding xdist's private LoadScopeScheduling._split_scope:
+    the version installed is the one pinned, and the method still takes a node id and returns the
+    scope, which the override maps to a group (a module, or all of tests/docker/)."""
+    import inspect
+    import tomllib
+    from importlib.metadata import version
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.conftest import REPO, group_of
+
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    (pin,) = [d for d in dev if d.startswith("pytest-xdist")]
+    assert pin == f"pytest-xdist=={version('pytest-xdist')}"
+    assert list(inspect.signature(LoadScopeScheduling._split_scope).parameters) == ["self", "nodeid"]
+    assert group_of("tests/docker/test_images.py") == "tests/docker"
+    assert group_of("tests/engine/test_flow.py") == "tests/engine/test_flow.py"

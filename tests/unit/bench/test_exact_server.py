@@ -1,0 +1,62 @@
+"""benchmarks/exact_server.py with several worker processes on one port (the GPU node's benchmarks).
+
+Real processes and sockets on 127.0.0.1: the server is forked into workers that share the port
+through SO_REUSEPORT; each keeps its own records and control port, and the benchmarks' wrapper
+(``client_vs_peers.ExactServer``) merges them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+
+import client_vs_peers as bench
+
+pytestmark = pytest.mark.serial
+
+
+def _stream(client: httpx.Client, url: str, prompt: str) -> list[str]:
+    body = {"model": "exact", "prompt": prompt, "max_tokens": 3, "stream": True}
+    with client.stream("POST", url + "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_workers_share_the_port_and_their_records_are_merged(tmp_path: Path) -> None:
+    shape = bench.Shape(ttft_ms=5.0, gap_ms=2.0, output_tokens=3)
+    with (tmp_path / "server.log").open("w") as log, bench.ExactServer(None, 0, log, workers=2) as server:
+        assert len(server.controls) == 2
+        assert len(set(server.pids)) == 2
+        server.set_script(shape)
+        server.reset()
+        prompts = [f"prompt {i}" for i in range(24)]
+        for prompt in prompts:  # a new connection per request: the kernel spreads them by address
+            with httpx.Client(trust_env=False) as client:
+                events = _stream(client, server.base_url, prompt)
+            assert events[-1] == "data: [DONE]"
+            assert len(events) == 4
+        with httpx.Client(trust_env=False) as client:
+            refused = client.post(server.base_url + "/_control/reset")
+        records = server.records()
+    assert refused.status_code == 409
+    assert "control port" in refused.json()["error"]["message"]
+    assert len(records) == len(prompts)
+    assert [r["index"] for r in records] == list(range(len(prompts)))
+    assert [r["t_received"] for r in records] == sorted(r["t_received"] for r in records)
+    assert {r["worker"] for r in records} == {0, 1}  # 24 connections on one worker: p = 2**-23
+    assert len({r["connection"] for r in records}) == len(prompts)  # serials unique across workers
+    assert all(r["completed"] and len(r["due"]) == len(r["sent"]) == 3 for r in records)
+    assert all(abs((r["due"][1] - r["due"][0]) - 0.002) < 1e-9 for r in records)
+
+
+def test_a_bad_cpu_list_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    import exact_server
+
+    with pytest.raises(SystemExit):
+        exact_server.main(["--workers", "2", "--cpus", "a,b"])
+    assert "--cpus 'a,b'" in capsys.readouterr().err

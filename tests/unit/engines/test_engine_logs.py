@@ -1,0 +1,182 @@
+"""Engine log parsers against the fixture logs (tests/fixtures/engines/*/…, each citing its source)."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3pipe.engines import get_engine
+from tests.unit.engines.helpers import fixture_lines
+
+
+def test_vllm_study_log() -> None:
+    """vllm/server.log: the study's 8-GPU Kimi-K3 + DSpark launch, reconstructed from vLLM 0.32.0."""
+    facts = get_engine("vllm").parse_log(fixture_lines("vllm/server.log"))
+    assert facts.engine == "vllm"
+    assert facts.version == "0.32.0"
+    assert facts.ready
+    assert facts.ready_line == "INFO:     Application startup complete."
+    assert facts.ready_time is None  # uvicorn's line has no timestamp
+    assert facts.startup_s == 780.0  # 09:00:02 (first line) -> 09:13:02 (last stamp before readiness)
+    assert facts.kv_pool_tokens == 2_692_400
+    assert facts.kv_cache_memory_gib == 43.76
+    assert facts.max_concurrency == 2.69
+    assert facts.max_running_requests is None
+    assert facts.context_length == 1_000_000
+    assert facts.cuda_graph_capture_s == 41.0
+    assert facts.weight_load_s == 178.40  # slowest of the 8 workers (Worker_TP3)
+    # 4 "Engine 000" lines; the header comments quote the same format string and must not count
+    assert facts.decode_throughput_tps == [12.6, 289.4, 501.3, 163.2]
+    assert facts.decode_throughput_max_tps == 501.3
+    assert facts.decode_throughput_mean_tps == pytest.approx((12.6 + 289.4 + 501.3 + 163.2) / 4)
+    assert facts.spec_accept_lengths == [2.40, 2.27, 2.51, 1.15]
+    assert facts.spec_accept_length_mean == pytest.approx(8.33 / 4)
+
+
+def test_vllm_study_log_warnings() -> None:
+    facts = get_engine("vllm").parse_log(fixture_lines("vllm/server.log"))
+    joined = "\n".join(facts.warnings)
+    for text in (
+        "Unknown vLLM environment variable detected: VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION",
+        "Using a slow tokenizer",
+        "Checkpoint does not provide a q scaling factor",
+        "Using KV cache scaling factor 1.0 for fp8_e4m3",
+        "Using uncalibrated q_scale 1.0",
+    ):
+        assert text in joined
+    # each message once, though every one of the 8 workers logs it
+    assert len(facts.warnings) == len(set(facts.warnings))
+    assert sum("scaling factor 1.0" in w for w in facts.warnings) == 1
+    # derived: fusions reported on while breakable CUDA graphs force compile mode NONE
+    assert any("Enabled custom fusions: norm_quant, act_quant, allreduce_rms" in w for w in facts.warnings)
+    # derived: the KV pool took more than vLLM's own figure for the budget (the study's OOM pitfall)
+    over = [w for w in facts.warnings if "fit the gpu_memory_utilization budget" in w]
+    assert over == [
+        "k3pipe: the KV cache holds 43.76 GiB per GPU but only 38.48 GiB fit the gpu_memory_utilization "
+        "budget (vLLM's own figure): expect OOM under load; pin --kv-cache-memory-bytes 41317885440 or "
+        "lower gpu_memory_utilization"
+    ]
+    assert not any(w.startswith("#") for w in facts.warnings)
+
+
+def test_vllm_real_cpu_log() -> None:
+    """vllm/server-cpu-tiny-real.log: a verbatim vLLM 0.32.0 run on this machine."""
+    facts = get_engine("vllm").parse_log(fixture_lines("vllm/server-cpu-tiny-real.log"))
+    assert facts.version == "0.32.0"
+    assert facts.ready
+    assert facts.startup_s == 58.0  # 13:49:42 -> 13:50:40
+    assert facts.kv_pool_tokens == 1_048_576  # "CPU KV cache size: 1,048,576 tokens"
+    assert facts.max_concurrency == 256.0
+    assert facts.context_length == 4096
+    assert facts.weight_load_s == 0.01
+    assert facts.cuda_graph_capture_s is None  # --enforce-eager: nothing captured
+    assert facts.decode_throughput_tps == [13.3, 0.0]
+    assert facts.spec_accept_lengths == []
+    assert facts.spec_accept_length_mean is None
+    # fusions are reported but nothing forces compile mode NONE; the other WARNING lines (ulimit,
+    # dtype casts) do not change results
+    assert facts.warnings == []
+
+
+def test_vllm_torch_compile_log_without_readiness() -> None:
+    facts = get_engine("vllm").parse_log(fixture_lines("vllm/server-torch-compile.log"))
+    assert not facts.ready
+    assert facts.ready_line is None
+    assert facts.startup_s is None
+    assert facts.kv_pool_tokens == 1_071_872
+    assert facts.max_concurrency == 8.18
+    assert facts.cuda_graph_capture_s == 37.0
+    assert facts.decode_throughput_tps == []
+    assert facts.decode_throughput_max_tps is None
+
+
+def test_sglang_study_log() -> None:
+    """sglang/server.log: the study's TP=8 DCP=8 DSpark launch, reconstructed from SGLang 0.5.23."""
+    facts = get_engine("sglang").parse_log(fixture_lines("sglang/server.log"))
+    assert facts.engine == "sglang"
+    assert facts.ready
+    assert facts.ready_line == "[2026-11-30 11:10:12] The server is fired up and ready to roll!"
+    # not uvicorn's "Application startup complete." at 11:09:58: /health answers 503 until warm-up ends
+    assert facts.ready_time == "2026-11-30 11:10:12"
+    assert facts.startup_s == 608.0  # 11:00:04 -> 11:10:12, the field notes' ~10.2 min
+    assert facts.kv_pool_tokens == 916_672  # logical pool (per-rank rows x dcp_size)
+    assert facts.max_running_requests == 39  # squeezed from 48 by the Mamba state cache
+    assert facts.context_length == 1_000_000
+    # target verify 301.84 s + draft verify 27.93 s (the field notes' ~5.5 min)
+    assert facts.cuda_graph_capture_s == pytest.approx(329.77)
+    # slowest rank TP7: target 172.21 s + draft 10.84 s
+    assert facts.weight_load_s == pytest.approx(183.05)
+    assert facts.decode_throughput_tps == [318.74, 335.41, 352.06, 268.25]
+    assert facts.decode_throughput_max_tps == 352.06
+    assert facts.spec_accept_lengths == [1.21, 1.38, 1.55, 1.12]
+    assert facts.max_concurrency is None
+
+
+def test_sglang_study_log_warnings() -> None:
+    facts = get_engine("sglang").parse_log(fixture_lines("sglang/server.log"))
+    joined = "\n".join(facts.warnings)
+    for text in (
+        "Using FP8 KV cache but no scaling factors provided",
+        "max_running_requests is capped to 39 by the mamba state cache",
+        "KV pool holds 916672 tokens, fewer than --context-length 1000000",
+        "KDA kernel dispatcher: decode=TritonKDAKernel, verify=TritonKDAKernel",
+    ):
+        assert text in joined
+    assert sum("KV pool holds" in w for w in facts.warnings) == 1  # 8 ranks, one message
+    # derived: no "DSpark ragged-verify scheduler enabled" line (only a header comment quotes it)
+    static = [w for w in facts.warnings if "verifies statically" in w]
+    assert len(static) == 1
+    assert "full 8-token window" in static[0]
+    assert "dcp_size=8" in static[0]
+
+
+def test_ragged_verify_line_clears_static_warning() -> None:
+    lines = [
+        "[2026-11-30 11:03:52 TP0] Initialized DSpark draft runner. attention_backend=flashinfer, "
+        "model=DSparkDraftModel, gamma=7, verify_num_draft_tokens=8, query_token_num=8",
+        "[2026-11-30 11:03:52 TP0] DSpark ragged-verify scheduler enabled (mode=compact, lag=1, relay_lag=0, "
+        "sps_table=/t, graph_tier=0).",
+    ]
+    assert get_engine("sglang").parse_log(lines).warnings == []
+    assert get_engine("sglang").parse_log(lines[:1]).warnings != []
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_unrelated_lines_are_tolerated(kind: str) -> None:
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "# a comment: Avg generation throughput: 999.0 tokens/s, gen throughput (token/s): 999.00",
+        "",
+        "Loading safetensors checkpoint shards: 100% Completed | 1/1",
+    ]
+    facts = get_engine(kind).parse_log(lines)
+    assert not facts.ready
+    assert facts.decode_throughput_tps == []
+    assert facts.warnings == []
+    assert facts.kv_pool_tokens is None
+
+
+def test_readiness_patterns() -> None:
+    vllm = get_engine("vllm").readiness_pattern
+    sglang = get_engine("sglang").readiness_pattern
+    assert vllm.search("INFO:     Application startup complete.")
+    assert not vllm.search("Starting vLLM server on http://0.0.0.0:8000")
+    assert sglang.search("The server is fired up and ready to roll!")
+    assert not sglang.search("INFO:     Application startup complete.")
+
+
+def test_compile_mode_none_without_user_request_flags_fusions() -> None:
+    """Fusions + compile mode NONE in the config dump, with no 'disabled by user settings' line."""
+    fusions = "(APIServer pid=1) INFO 11-30 09:00:16 [compilation.py:317] Enabled custom fusions: norm_quant"
+    dump = (
+        "(EngineCore pid=2) INFO 11-30 09:00:31 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with "
+        "config: model='m', compilation_config={'mode': <CompilationMode.NONE: 0>, 'backend': ''}"
+    )
+    user = (
+        "(APIServer pid=1) WARNING 11-30 09:00:16 [vllm.py:1727] Inductor compilation was disabled by user "
+        "settings, optimizations settings that are only active during inductor compilation will be ignored."
+    )
+    vllm = get_engine("vllm")
+    assert any("may not take effect" in w for w in vllm.parse_log([fusions, dump]).warnings)
+    assert vllm.parse_log([fusions, dump, user]).warnings == []
+    assert vllm.parse_log([dump]).warnings == []

@@ -1,0 +1,338 @@
+"""The report's analysis on values whose answer is known (no MLflow): the H200 study's losses found,
+decision metrics judged and the rest descriptive, every arm ranked against the best and the baseline,
+launches as the unit of the interval, the A/A calibration, degradation only along input length,
+bursty client timing and zeros not ranked, steady decode from known stamps. The statistics
+themselves are held against simulated studies in tests/unit/test_stats.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from k3pipe.report.analysis import analyse
+from k3pipe.report.collect import ArmData, CellData, StudyData
+from k3pipe.report.steady import steady_decode_tps
+
+
+def _cell(
+    arm: str,
+    workload: str,
+    tokens: int,
+    launches: list[dict[str, list[float]]] | None = None,
+    concurrency: int = 4,
+    output_tokens: int = 32,
+    **values: list[float],
+) -> CellData:
+    cell = CellData(
+        arm=arm, engine="vllm", workload=workload, input_tokens=tokens, output_tokens=output_tokens,
+        concurrency=concurrency, run_id=f"{arm}-{workload}", status="FINISHED",
+        values=values or (launches[0] if launches else {}),
+    )  # fmt: skip
+    for later in (launches or [])[1:]:
+        cell.add_launch(cell.model_copy(update={"values": later, "launch_values": []}))
+    return cell
+
+
+def _study(*cells: CellData, decision: dict | None = None) -> StudyData:
+    arms = list(dict.fromkeys(c.arm for c in cells))
+    return StudyData(
+        run_id="s",
+        name="t",
+        status="FINISHED",
+        arms=[ArmData(name=a, engine="vllm", run_id=a, status="FINISHED") for a in arms],
+        cells=list(cells),
+        decision=decision or {},
+    )
+
+
+def _markdown(data: StudyData) -> str:
+    from k3pipe.report.render import build_document, to_markdown
+
+    return to_markdown(build_document(data, analyse(data)), {})
+
+
+def test_the_h200_study_losses_are_found() -> None:
+    """The H200 study of the issue (3 repeats, arms a, a-again, b-batch8 at concurrency 64): the 2.8x
+    end-to-end loss and the 7x TTFT loss, which the old report called 'no difference within noise',
+    are detected on the decision metrics, and the identical arm is not called different."""
+    tokens = 128 * 256
+    e2e = {"a": [3.1, 3.3, 3.5], "a-again": [3.9, 3.6, 2.9], "b-batch8": [9.0, 9.4, 9.8]}
+    ttft = {
+        "a": [520.0, 541.0, 560.0],
+        "a-again": [600.0, 480.0, 540.0],
+        "b-batch8": [3900.0, 3958.0, 4100.0],
+    }
+    tpot = {"a": [9.0, 9.4, 9.1], "a-again": [9.5, 9.0, 9.2], "b-batch8": [4.1, 4.0, 4.2]}
+    cells = [
+        _cell(arm, "in2048-c64", 2048, concurrency=64, output_tokens=256, duration_s=e2e[arm],
+              output_throughput_tps=[tokens / t for t in e2e[arm]], ttft_ms_p50=ttft[arm],
+              tpot_ms_p50=tpot[arm])
+        for arm in e2e
+    ]  # fmt: skip
+    analysis = analyse(_study(*cells))
+    rows = {r.metric.key: r for r in analysis.rows}
+    assert analysis.tests == 3 * 3  # three decision metrics x three pairs of arms
+    tps, first = rows["output_throughput_tps"], rows["ttft_ms_p50"]
+    assert tps.decision
+    assert first.decision
+    assert not rows["duration_s"].decision  # the same window the other way round: descriptive
+    assert tps.ranking[-1] == "b-batch8"
+    for row in (tps, first):
+        for best in ("a", "a-again"):
+            pair = row.pair(best, "b-batch8")
+            assert pair is not None
+            assert pair.different
+            assert pair.leader == best
+            assert "restart noise not measured" in pair.text()
+        aa = row.pair("a", "a-again")
+        assert aa is not None
+        assert not aa.different
+    assert tps.pair("a", "b-batch8").ratio == pytest.approx(
+        np.exp(np.mean(np.log(e2e["b-batch8"])) - np.mean(np.log(e2e["a"])))
+    )
+    # the batch8 arm decodes faster per token (fewer streams): detected the other way round
+    assert rows["tpot_ms_p50"].pair("a", "b-batch8").leader == "b-batch8"
+    text = _markdown(_study(*cells))
+    assert "no difference" not in text
+    answer = text.split("## The answer")[1].split("## Results")[0]
+    for arm in e2e:
+        assert arm in answer
+
+
+def test_a_metric_and_its_reciprocal_get_one_verdict() -> None:
+    durations = {"a": [10.0, 10.4, 9.8], "b": [10.9, 11.6, 11.1]}
+    cells = [
+        _cell(arm, "w", 64, duration_s=d, output_throughput_tps=[640.0 / t for t in d])
+        for arm, d in durations.items()
+    ]
+    analysis = analyse(_study(*cells, decision={"metrics": ["duration_s", "output_throughput_tps"]}))
+    by_time, by_tps = (
+        next(r for r in analysis.rows if r.metric.key == k).verdicts[0]
+        for k in ("duration_s", "output_throughput_tps")
+    )
+    assert (by_time.outcome, by_time.leader) == (by_tps.outcome, by_tps.leader)
+    assert by_time.ci == pytest.approx(by_tps.ci)
+
+
+def test_every_arm_is_ranked_against_the_best_and_the_baseline() -> None:
+    tps = {"fast": [120.0, 121.0, 119.0], "mid": [100.0, 101.0, 99.5], "slow": [60.0, 61.0, 59.0]}
+    cells = [_cell(a, "w", 64, output_throughput_tps=v) for a, v in tps.items()]
+    data = _study(*cells, decision={"metrics": ["output_throughput_tps"], "baseline": "mid"})
+    (row,) = [r for r in analyse(data).rows if r.decision]
+    assert row.ranking == ["fast", "mid", "slow"]
+    text = _markdown(data)
+    line = next(ln for ln in text.split("## The answer")[1].splitlines() if "decode throughput, client" in ln)
+    assert "fast" in line
+    assert "mid" in line
+    assert "slow" in line
+    assert "against the baseline mid" in line  # slow is judged against mid as well as against fast
+
+
+def test_launches_make_the_interval_and_the_noise_split() -> None:
+    """Two arms launched three times each: the cell's interval comes from its launch means, the verdict
+    says nothing of unmeasured restart noise, and the noise table splits restart from repeat noise."""
+    a = [
+        {"output_throughput_tps": v}
+        for v in ([100.0, 101.0, 99.0], [108.0, 107.0, 109.0], [95.0, 96.0, 94.0])
+    ]
+    b = [{"output_throughput_tps": v} for v in ([80.0, 81.0, 79.0], [86.0, 85.0, 87.0], [77.0, 78.0, 76.0])]
+    data = _study(_cell("a", "w", 64, launches=a), _cell("b", "w", 64, launches=b),
+                  decision={"metrics": ["output_throughput_tps"]})  # fmt: skip
+    analysis = analyse(data)
+    (row,) = [r for r in analysis.rows if r.decision]
+    assert row.cells["a"].launches == 3
+    assert row.cells["a"].estimate.basis == "launches"
+    (v,) = row.verdicts
+    assert v.different
+    assert v.verdict.restart_noise_measured
+    assert v.verdict.pooled
+    assert v.verdict.df == 4
+    (noise,) = analysis.noise
+    assert noise.components is not None
+    assert noise.components.between_share > 0.8  # the launches differ far more than their repeats
+    text = _markdown(data)
+    assert "## Noise: restart and repeat" in text
+    assert "a 3x3, b 3x3" in text
+
+
+def test_the_a_a_calibration_is_judged_apart_and_states_the_floor() -> None:
+    base = [{"ttft_ms_p50": v} for v in ([100.0, 102.0], [97.0, 99.0])]
+    copy = [{"ttft_ms_p50": v} for v in ([101.0, 99.0], [103.0, 100.0])]
+    other = [{"ttft_ms_p50": v} for v in ([150.0, 151.0], [149.0, 152.0])]
+    data = _study(_cell("a", "w", 64, launches=base), _cell("a-aa", "w", 64, launches=copy),
+                  _cell("b", "w", 64, launches=other),
+                  decision={"metrics": ["ttft_ms_p50"], "calibration": True})  # fmt: skip
+    analysis = analyse(data)
+    assert analysis.calibration == ("a", "a-aa")
+    (row,) = [r for r in analysis.rows if r.decision]
+    assert row.ranking == ["a", "b"]  # the copy is not ranked
+    assert analysis.tests == 1
+    assert row.calibration is not None
+    assert not row.calibration.different
+    text = _markdown(data)
+    assert "## Calibration: A/A" in text
+    assert "a difference between arms smaller than that is within what launching" in text
+    assert "each launched like every arm: 2 launches each, interleaved" in text
+
+
+def test_degradation_compares_only_workloads_that_differ_in_input_length() -> None:
+    cells = [
+        _cell("a", "short-c4", 1000, concurrency=4, duration_s=[10.0, 10.1]),
+        _cell("a", "long-c4", 4000, concurrency=4, duration_s=[20.0, 20.2]),
+        _cell("a", "long-c64", 8000, concurrency=64, duration_s=[90.0, 91.0]),
+    ]
+    (d,) = [d for d in analyse(_study(*cells)).degradations if d.metric.key == "duration_s"]
+    assert (d.short, d.long) == (1000, 4000)
+    assert d.factor == pytest.approx(2.0, rel=0.01)
+    assert "concurrency 4" in d.shape
+
+
+def test_bursty_client_timing_and_zeros_are_not_ranked() -> None:
+    analysis = analyse(
+        _study(
+            _cell(
+                "a", "w", 64, tpot_ms_p50=[4.0, 4.2], itl_ms_p50=[0.0, 0.0], client_timing_bursty=[0.0, 0.0]
+            ),
+            _cell(
+                "b", "w", 64, tpot_ms_p50=[0.0, 0.0], itl_ms_p50=[3.0, 3.1], client_timing_bursty=[1.0, 0.0]
+            ),
+        )
+    )
+    rows = {r.metric.key: r for r in analysis.rows}
+    assert rows["tpot_ms_p50"].bursty == {"b"}
+    assert set(rows["tpot_ms_p50"].cells) == {"a"}
+    assert rows["tpot_ms_p50"].leader is None
+    # a's ITL of 0 ms (not measured) ranks nothing against it
+    assert rows["itl_ms_p50"].leader is None
+
+
+def test_the_leader_flip_is_interpolated() -> None:
+    analysis = analyse(
+        _study(
+            _cell("a", "short", 1000, duration_s=[10.0]),
+            _cell("b", "short", 1000, duration_s=[20.0]),
+            _cell("a", "long", 3000, duration_s=[40.0]),
+            _cell("b", "long", 3000, duration_s=[30.0]),
+        )
+    )
+    (flip,) = analysis.flips
+    assert (flip.before, flip.after) == ("a", "b")
+    assert flip.at_tokens == pytest.approx(2000.0)  # -10 s at 1000, +10 s at 3000
+
+
+def test_steady_decode_counts_only_time_without_prefill() -> None:
+    # two requests: r0 prefills 0-1 s then decodes to 3 s; r1 prefills 0-2 s then decodes to 4 s.
+    # Steady (someone decodes, nobody prefills): 2-4 s. Tokens after each first chunk in it: r0's
+    # chunks at 2.5 and 3.0 (2), r1's at 2.5, 3.0, 3.5, 4.0 (4): 6 tokens in 2 s.
+    frame = pd.DataFrame(
+        {
+            "t_send_s": [0.0, 0.0],
+            "t_first_delta_s": [1.0, 2.0],
+            "t_end_s": [3.0, 4.0],
+            "chunk_times_s": [json.dumps([1.0, 1.5, 2.0, 2.5, 3.0]), json.dumps([2.0, 2.5, 3.0, 3.5, 4.0])],
+            "chunk_tokens": [json.dumps([1, 1, 1, 1, 1]), json.dumps([1, 1, 1, 1, 1])],
+        }
+    )
+    # r0's chunk at 2.0 lies on the steady set's edge: counted (inclusive), so 7 tokens
+    assert steady_decode_tps(frame) == pytest.approx(7 / 2.0)
+    # r1 sent at 1.5 s instead, first token 2.5 s: prefill 0-1 and 1.5-2.5, steady 1-1.5 and 2.5-4 (2 s);
+    # r0's chunks at 1.5, 2.5, 3.0 and r1's at 3.0, 3.5, 4.0 fall in it (2.0 is r1's prefill): 6 tokens
+    late = pd.DataFrame(
+        {
+            "t_send_s": [0.0, 1.5],
+            "t_first_delta_s": [1.0, 2.5],
+            "t_end_s": [3.0, 4.0],
+            "chunk_times_s": [json.dumps([1.0, 1.5, 2.0, 2.5, 3.0]), json.dumps([2.5, 3.0, 3.5, 4.0])],
+            "chunk_tokens": [json.dumps([1, 1, 1, 1, 1]), json.dumps([1, 1, 1, 1])],
+        }
+    )
+    assert steady_decode_tps(late) == pytest.approx(6 / 2.0)
+
+
+def _engine_requests(
+    slots: int, streams: int, requests: int, lengths: list[int], step_s: float = 0.005
+) -> pd.DataFrame:
+    """The client's stamps of a simulated engine that decodes ``slots`` sequences a step (one token
+    each per ``step_s``), driven by ``streams`` closed-loop clients: a request sent at the end of a
+    step is admitted at the next step with a free slot, its first token at that step's end."""
+    sent: dict[int, float] = {i: 0.0 for i in range(min(streams, requests))}
+    waiting = list(sent)
+    running: dict[int, list[float]] = {}
+    rows: dict[int, dict] = {}
+    nxt, step = len(sent), 0
+    while waiting or running:
+        while waiting and len(running) < slots:
+            running[waiting.pop(0)] = []
+        end = (step + 1) * step_s
+        for i in list(running):
+            running[i].append(end)
+            if len(running[i]) == lengths[i]:
+                times = running.pop(i)
+                rows[i] = {
+                    "t_send_s": sent[i],
+                    "t_first_delta_s": times[0],
+                    "t_end_s": end,
+                    "chunk_times_s": json.dumps(times),
+                    "chunk_tokens": json.dumps([1] * len(times)),
+                }
+                if nxt < requests:
+                    sent[nxt] = end
+                    waiting.append(nxt)
+                    nxt += 1
+        step += 1
+    return pd.DataFrame([rows[i] for i in sorted(rows)])
+
+
+def test_steady_decode_is_the_full_batch_never_the_drain() -> None:
+    """The s64/s56 pair of the H200 (docs/gpu.md): an engine taking all 64 streams decodes them in
+    lockstep; one taking 56 always leaves requests waiting until the end, so its only time without
+    a waiting request is the drain, which is not its steady decode."""
+    full = 64 / 0.005
+    lockstep = _engine_requests(64, 64, 192, [32] * 192)
+    assert steady_decode_tps(lockstep) == pytest.approx(full)
+    # 56 slots for 64 streams: the batch is full only while others wait, then it drains: no figure
+    assert steady_decode_tps(_engine_requests(56, 64, 192, [32] * 192)) is None
+    # the last wave ends one stream at a time (lengths 32..95): the drain's shrinking batch is left
+    # out (without the floor the figure would fall to about half the full batch's rate)
+    draining = _engine_requests(64, 64, 192, [32] * 128 + [32 + i for i in range(64)])
+    assert 0.9 * full <= steady_decode_tps(draining) <= full
+
+
+def test_the_published_table_stands_beside_the_cells() -> None:
+    """An experiment's 'reference' (here: the field notes' steady decode) is shown beside the arms'
+    means and intervals, the crossover of the DCP study as the two arms' leads at 64K and 200K."""
+    from k3pipe.report.render import build_document, to_markdown
+
+    data = _study(
+        _cell("tp8", "random-64k", 64000, steady_decode_tps=[500.0, 510.0, 505.0]),
+        _cell("dcp8", "random-64k", 64000, steady_decode_tps=[400.0, 405.0, 398.0]),
+        _cell("tp8", "random-200k", 200000, steady_decode_tps=[160.0, 165.0, 162.0]),
+        _cell("dcp8", "random-200k", 200000, steady_decode_tps=[300.0, 290.0, 295.0]),
+    )
+    data.reference = {
+        "source": "field-notes.md (8 x B300, Kimi-K3)",
+        "figures": [
+            {"workload": "random-64k", "metric": "steady_decode_tps", "arm": "study vLLM", "value": 501.0},
+            {"workload": "random-64k", "metric": "steady_decode_tps", "arm": "study SGLang", "value": 335.0},
+            {"workload": "random-200k", "metric": "steady_decode_tps", "arm": "study vLLM", "value": 163.0},
+            {"workload": "random-200k", "metric": "steady_decode_tps", "arm": "study SGLang", "value": 268.0},
+        ],
+        "notes": ["decode slow-down 64K -> 200K in the study: vLLM 3.29x, SGLang 1.25x"],
+    }
+    analysis = analyse(data)
+    (flip,) = [f for f in analysis.flips if f.metric.key == "steady_decode_tps"]
+    assert (flip.before, flip.after) == ("tp8", "dcp8")
+    text = to_markdown(build_document(data, analysis), {})
+    assert "## Beside the published table" in text
+    assert "field-notes.md (8 x B300, Kimi-K3)" in text
+    header = next(line for line in text.splitlines() if "study SGLang" in line and line.startswith("|"))
+    assert header.split("|")[4:9] == [" tp8 ", " dcp8 ", " leader ", " study vLLM ", " study SGLang "]
+    row = next(line for line in text.splitlines() if line.startswith("| random-200k") and "163" in line)
+    assert "268" in row
+    assert "dcp8" in row
+    assert "vLLM 3.29x, SGLang 1.25x" in text
+    data.reference = None
+    assert "Beside the published table" not in to_markdown(build_document(data, analyse(data)), {})
