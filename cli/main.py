@@ -185,21 +185,43 @@ SpoolOpt = Annotated[
 ]
 
 
-def _overrides(
-    repeats: int | None,
-    requests: int | None,
-    concurrency: int | None,
-    input_tokens: int | None,
-    output_tokens: int | None,
-) -> dict[str, int | None]:
-    """The override options of `run`, `study` and `retest` as the fields of k3pipe.params.Overrides."""
-    return {
-        "repeats": repeats,
-        "num_requests": requests,
-        "concurrency": concurrency,
-        "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
-    }
+# The options `run`, `study` and `retest` take after the experiment and its arms (or variants),
+# spelled once: each override (its option's name, and the field of k3pipe.params.Overrides it sets),
+# then --spool. @run_options adds them to a command.
+_OVERRIDE_OPTIONS: list[tuple[str, str, Any]] = [
+    ("repeats", "repeats", RepeatsOpt),
+    ("requests", "num_requests", RequestsOpt),
+    ("concurrency", "concurrency", ConcurrencyOpt),
+    ("input_tokens", "input_tokens", InputTokensOpt),
+    ("output_tokens", "output_tokens", OutputTokensOpt),
+]
+
+
+def run_options(command: Callable[..., None]) -> Callable[..., None]:
+    """``command(..., *, overrides, spool)`` as a typer command that takes the override options and
+    --spool after its own: ``overrides`` arrives as the fields of k3pipe.params.Overrides (None: not
+    given), ``spool`` as the flag."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name not in ("overrides", "spool")]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    added = [
+        inspect.Parameter(name, keyword, default=None, annotation=opt) for name, _, opt in _OVERRIDE_OPTIONS
+    ]
+    added.append(inspect.Parameter("spool", keyword, default=False, annotation=SpoolOpt))
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> None:
+        overrides = {field: kwargs.pop(name) for name, field, _ in _OVERRIDE_OPTIONS}
+        spool = kwargs.pop("spool")
+        command(**kwargs, overrides=overrides, spool=spool)
+
+    parameters = [*own, *added]
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    return wrapper
 
 
 def _request(experiment: Path, arms: list[str] | None, overrides: dict[str, int | None]) -> Any:
@@ -218,24 +240,18 @@ def _request(experiment: Path, arms: list[str] | None, overrides: dict[str, int 
 
 
 @app.command()
+@run_options
 def run(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
     arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
-    repeats: RepeatsOpt = None,
-    requests: RequestsOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    input_tokens: InputTokensOpt = None,
-    output_tokens: OutputTokensOpt = None,
-    spool: SpoolOpt = False,
+    *,
+    overrides: dict[str, int | None],
+    spool: bool,
 ) -> None:
     """Run the experiment through the Prefect benchmark flow and record it in MLflow; the options
     after --arm override that field in every workload (recorded as override.* params)."""
     settings = Settings()
-    request = _request(
-        experiment,
-        arm,
-        _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
-    )
+    request = _request(experiment, arm, overrides)
     _tracking_ready(settings, spool)
     prepare_prefect_env(settings, "flows.benchmark")
     from flows.benchmark import benchmark
@@ -246,25 +262,19 @@ def run(
 
 
 @app.command()
+@run_options
 def study(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
     arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
-    repeats: RepeatsOpt = None,
-    requests: RequestsOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    input_tokens: InputTokensOpt = None,
-    output_tokens: OutputTokensOpt = None,
-    spool: SpoolOpt = False,
+    *,
+    overrides: dict[str, int | None],
+    spool: bool,
 ) -> None:
     """Run every arm on every workload as one study (one parent MLflow run), then print its report's
     table and where the HTML report is. Exit 1 when an arm failed (the report covers the others).
     The options after --arm override that field in every workload (recorded as override.* params)."""
     settings = Settings()
-    request = _request(
-        experiment,
-        arm,
-        _overrides(repeats, requests, concurrency, input_tokens, output_tokens),
-    )
+    request = _request(experiment, arm, overrides)
     _tracking_ready(settings, spool)
     prepare_prefect_env(settings, "flows.study")
     from flows.study import study as study_flow
@@ -285,17 +295,15 @@ def study(
 
 
 @app.command()
+@run_options
 def retest(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file with `variants:`.")],
     variant: Annotated[
         list[str] | None, typer.Option(help="Only these variants (repeatable; default: all of them).")
     ] = None,
-    repeats: RepeatsOpt = None,
-    requests: RequestsOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    input_tokens: InputTokensOpt = None,
-    output_tokens: OutputTokensOpt = None,
-    spool: SpoolOpt = False,
+    *,
+    overrides: dict[str, int | None],
+    spool: bool,
 ) -> None:
     """Run the baseline and each variant as studies under one MLflow run, then judge every variant
     against the baseline (better, worse, equivalent or inconclusive, with the interval of the change).
@@ -307,10 +315,9 @@ def retest(
     from k3pipe.retest import retest_targets
 
     settings = Settings()
-    changed = _overrides(repeats, requests, concurrency, input_tokens, output_tokens)
     try:
         request = RunRequest(
-            experiment=str(experiment), variants=variant or None, overrides=Overrides(**changed)
+            experiment=str(experiment), variants=variant or None, overrides=Overrides(**overrides)
         )
         spec = request.load()
         retest_targets(spec, request.variant_names(spec))  # a bad file, override or name fails here
