@@ -88,15 +88,31 @@ def shots(tmp_path: Path) -> Callable[[Any, str], Path]:
     return shoot
 
 
-def _wait(what: str, check: Callable[[], Any], timeout: float = 60, every: float = 0.5) -> Any:
+def _wait(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float = 60,
+    every: float = 0.5,
+    seen: Callable[[], str] | None = None,
+) -> Any:
+    """``check()`` once it is truthy; after ``timeout`` an error that says what was awaited and,
+    with ``seen``, what there was instead."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            detail = f"; {seen()}" if seen is not None else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
         time.sleep(every)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"({path}: {exc})"
 
 
 def _text(driver: Any) -> str:
@@ -200,18 +216,29 @@ def test_a_run_started_from_the_prefect_form_lands_in_mlflow_on_postgresql(  # t
         _click_text(browser, "Submit", "button")
 
         # 2. the run completes on the worker
+        def runs() -> list[dict[str, Any]]:
+            return list(
+                httpx.post(
+                    f"{api}/flow_runs/filter",
+                    json={"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}},
+                    timeout=10,
+                ).json()
+            )
+
         def finished() -> dict[str, Any] | None:
-            runs = httpx.post(
-                f"{api}/flow_runs/filter",
-                json={"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}},
-                timeout=10,
-            ).json()
-            done = [
-                r for r in runs if r["state"] and r["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED")
-            ]
+            final = ("COMPLETED", "FAILED", "CRASHED")
+            done = [r for r in runs() if r["state"] and r["state"]["type"] in final]
             return done[0] if done else None
 
-        run = _wait("the flow run to finish on the worker", finished, timeout=420, every=2)
+        def seen() -> str:
+            states = [f"{r['name']}: {(r['state'] or {}).get('name')}" for r in runs()]
+            logs = stack.home / "stack" / "logs"
+            return (
+                f"the deployment's flow runs: {states or 'none'}\n"
+                f"worker log:\n{_tail(logs / 'worker.log')}\nprefect log:\n{_tail(logs / 'prefect.log', 15)}"
+            )
+
+        run = _wait("the flow run to finish on the worker", finished, timeout=420, every=2, seen=seen)
         assert run["state"]["type"] == "COMPLETED", run["state"]
         assert run["parameters"]["overrides"]["repeats"] == 2
         assert run["parameters"]["experiment"] == str(experiment)
