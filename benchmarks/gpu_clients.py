@@ -1405,7 +1405,16 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(results))
         return 0
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM unwinds while the measurement runs; the caller's handler is back when it returns (a
+    # test calls main() in its own process)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _measure(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _measure(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     if args.processes < 1:
