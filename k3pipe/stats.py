@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -65,6 +66,7 @@ __all__ = [
     "decide",
     "detectable",
     "estimate",
+    "exp_or_inf",
     "launches_needed",
     "mde",
     "planned_power",
@@ -150,7 +152,7 @@ class Estimate:
         if self.var is None:
             return None
         half = _t(confidence, self.df) * math.sqrt(self.var)
-        return (math.exp(self.log_mean - half), math.exp(self.log_mean + half))
+        return (exp_or_inf(self.log_mean - half), exp_or_inf(self.log_mean + half))
 
     @property
     def cv(self) -> float | None:
@@ -158,6 +160,17 @@ class Estimate:
         if self.var is None:
             return None
         return math.sqrt(math.expm1(self.var * self.n))
+
+
+_MAX_LOG = math.log(sys.float_info.max)
+
+
+def exp_or_inf(x: float, minus_one: bool = False) -> float:
+    """``exp(x)`` (``expm1`` with ``minus_one``), or inf where it would overflow: the interval of a
+    ratio at a tiny alpha over few degrees of freedom is unbounded, not an error."""
+    if x > _MAX_LOG:
+        return math.inf
+    return math.expm1(x) if minus_one else math.exp(x)
 
 
 def _positive(values: Sequence[float]) -> list[float]:
@@ -265,6 +278,8 @@ def mde(se: float, df: float, alpha: float, target: float = DEFAULT_POWER) -> fl
     crit = _t(1 - alpha, df)
     upper = se * (crit + 1)
     while power(upper, se, df, alpha) < target:
+        if upper > _MAX_LOG:  # past any ratio a float holds (a tiny alpha over few df): unbounded
+            return math.inf
         upper *= 2
     return float(optimize.brentq(lambda d: power(d, se, df, alpha) - target, 0.0, upper, xtol=1e-10))
 
@@ -295,7 +310,7 @@ class Verdict:
         this comparison would have detected with probability ``power`` at its level."""
         if self.se is None:
             return None
-        return math.expm1(mde(self.se, self.df, 1 - self.confidence, self.power))
+        return exp_or_inf(mde(self.se, self.df, 1 - self.confidence, self.power), minus_one=True)
 
     @property
     def different(self) -> bool:
@@ -323,6 +338,8 @@ class Verdict:
         lead = f"{self.leader} ahead by {pct(self.advantage)} {ci}"
         if self.outcome == "equivalent":
             return f"equivalent within +-{self.margin:.0%} ({lead}){noise}"
+        if self.mde is not None and math.isinf(self.mde):
+            return f"inconclusive: this data cannot tell a difference of any size ({lead}){noise}"
         below = detectable(self.mde)
         return f"inconclusive: differences below {below} cannot be seen with this data ({lead}){noise}"
 
@@ -375,7 +392,7 @@ def decide(
     # d's interval turned into the interval of the leader's advantage: |d| +- the same half-width
     flip = (goodness >= 0) != higher_is_better
     lo, hi = (-ci[1], -ci[0]) if flip else ci
-    interval = (math.exp(lo), math.exp(hi))
+    interval = (exp_or_inf(lo), exp_or_inf(hi))
     margin = design.log_margin
     if lo > 0:
         outcome: Outcome = "different"

@@ -77,8 +77,8 @@ def decision_reached(tracker: Tracker, run_id: str, ci_pct: float, alpha: float)
     for v in pairs:
         if v.outcome in ("different", "equivalent"):
             continue
-        ci = v.ci
-        if ci is not None and (math.log(ci[1]) - math.log(ci[0])) / 2 <= bound:
+        ci = v.ci  # its bounds 0 or inf where the interval is unbounded (a tiny alpha, few launches)
+        if ci is not None and ci[0] > 0 and math.isfinite(ci[1]) and math.log(ci[1] / ci[0]) / 2 <= bound:
             continue
         open_.append(f"{v.metric} {v.a}/{v.b} in {v.workload}")
     if not open_:

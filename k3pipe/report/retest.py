@@ -109,7 +109,7 @@ class VariantVerdict:
         """The interval of ``ratio``: at the decision's level for a decision figure, else 95%."""
         confidence = self.outcome.confidence if self.outcome is not None else 0.95
         ci = self.comparison.interval(confidence)
-        return (math.exp(ci[0]), math.exp(ci[1])) if ci else None
+        return (stats.exp_or_inf(ci[0]), stats.exp_or_inf(ci[1])) if ci else None
 
     @property
     def verdict(self) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import secrets
@@ -101,28 +100,29 @@ def _stopped_before_launch(
     return run, tracker
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
+def _flow_run_log(flow_run_id: Any) -> str:
+    """The flow run's log as Prefect's API holds it (what its UI shows), in order. Read from the
+    API, not from a handler of the test's: Prefect's logging set-up, when it runs again in this
+    process (non-incrementally after a handler it names was lost), drops every handler on its
+    loggers, and its console handler binds the sys.stderr of whichever test first imported
+    Prefect; both made this assertion order-dependent (empty after other modules in the worker)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def prefect_log() -> Any:
-    """What the flow logs through Prefect's loggers, read from the loggers themselves: Prefect's
-    console handler binds sys.stderr when Prefect is first imported, which in a suite may be inside
-    another test's capture, so that stderr is no place to read it from (it failed so after
-    tests/test_bad_inputs.py)."""
-    handler = _Lines()
-    prefect = logging.getLogger("prefect")
-    prefect.addHandler(handler)
-    try:
-        yield handler.lines
-    finally:
-        prefect.removeHandler(handler)
+    # the log worker sends in batches: what is queued goes now
+    APILogWorker.drain_all(timeout=30, at_exit=False)
+    lines: list[str] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                limit=200,
+                offset=len(lines),
+            )
+            lines.extend(log.message for log in page)
+            if len(page) < 200:
+                return "\n".join(lines)
 
 
 def test_flow_records_everything_in_mlflow(
@@ -130,7 +130,6 @@ def test_flow_records_everything_in_mlflow(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    prefect_log: list[str],
 ) -> None:
     require_engine()
     from flows.benchmark import benchmark
@@ -151,7 +150,8 @@ def test_flow_records_everything_in_mlflow(
     exp.write_text(yaml.safe_dump(data))
 
     with client_pointed_at_fake_hub({"k3pipe/tiny-llama": {"v1": files}}, monkeypatch, tmp_path) as hub:
-        outcomes = benchmark(str(exp))
+        state = benchmark(str(exp), return_state=True)
+    outcomes = state.result()
     assert any(r.query.get("FilePath") == "model.safetensors" for r in hub.requests)
 
     assert [o["status"] for o in outcomes] == ["FINISHED"]
@@ -279,7 +279,7 @@ def test_flow_records_everything_in_mlflow(
             assert key.encode() not in path.read_bytes(), f"key leaked into {path}"
     assert key not in caplog.text
     # the flow's log says what the warm-up did
-    err = "\n".join(prefect_log)
+    err = _flow_run_log(state.state_details.flow_run_id)
     assert "in512-out16 (repeat 1/2): 6 requests (+ warm-up until steady within 5%, at most 9)" in err
     assert re.search(r"in512-out16: .*warm-up [69] requests \([23] waves\): (steady|NOT steady)", err)
     assert re.search(r"in64-out16: .*first wave ttft p50 x[0-9.]+ the rest's", err)

@@ -302,3 +302,22 @@ def test_detectable_in_words() -> None:
     assert stats.detectable(0.123) == "12%"
     assert stats.detectable(4.3) == "5.3x"
     assert stats.detectable(None) == "an unknown size"
+
+
+def test_a_tiny_alpha_over_few_launches_gives_an_unbounded_interval_not_an_error() -> None:
+    """The first look of a sequential design at alpha 1e-6 may test at 1e-17: over two launches per
+    arm the ratio's interval runs past what a float holds. It is (0, inf) or the like, the verdict
+    inconclusive and its text printable; exp() overflowed here before (a study with `until`)."""
+    a = estimate([[100.0, 101.0], [104.0, 103.0]])
+    b = estimate([[90.0, 91.0], [99.0, 97.0]])
+    assert a is not None
+    assert b is not None
+    tiny = stats.spend_alpha(1e-6, 3)[0]
+    assert 0 <= tiny < 1e-12
+    v = decide(compare(a, b), Design(alpha=max(tiny, 1e-300)), higher_is_better=True, names=("A", "B"))
+    assert v.outcome == "inconclusive"
+    assert v.interval is not None
+    assert v.interval[1] == math.inf
+    assert v.mde == math.inf
+    assert v.text().startswith("inconclusive: this data cannot tell a difference of any size (A ahead by")
+    assert "+inf%]" in v.text()
