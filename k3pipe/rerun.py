@@ -222,9 +222,15 @@ class WorkloadVerdict:
     rerun: str
     rows: list[Comparison]
     basis: str = "repeats"  # or "requests": single runs, tested on their per-request figures
+    # per-request figures that could not be tested, each with why (e.g. a TPOT of 0 on every request:
+    # the tokens came in one burst, so the client saw no time between them)
+    left_out: list[str] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
+        return self._verdict() + (f"; not tested: {'; '.join(self.left_out)}" if self.left_out else "")
+
+    def _verdict(self) -> str:
         tested = [c for c in self.rows if c.outcome != "untested"]
         where = "" if self.basis == "repeats" else " (single runs: over their requests, a rough test)"
         if not tested:
@@ -245,17 +251,38 @@ def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[Workloa
     out = []
     for name in sorted(k for k in a if k and k in b):
         rows = compare_workloads(tracker, a[name], b[name], DEFAULT_METRICS)
-        basis = "repeats"
+        basis, left_out = "repeats", list[str]()
         if not any(c.outcome != "untested" for c in rows):
             # single runs: their requests are the samples (per-request TTFT, TPOT, E2E)
             ra, rb = request_values(tracker, a[name]), request_values(tracker, b[name])
-            names = [m for m in ra if len(ra[m]) > 1 and len(rb.get(m, [])) > 1]
+            names, left_out = comparable_request_metrics(ra, rb)
             design = Design(tests=max(1, len(names)))
             tested = [compare(f"{m} (per request)", ra[m], rb[m], design) for m in names]
             if tested:
                 rows, basis = tested + rows, "requests"
-        out.append(WorkloadVerdict(name, a[name].info.run_id, b[name].info.run_id, rows, basis))
+        out.append(WorkloadVerdict(name, a[name].info.run_id, b[name].info.run_id, rows, basis, left_out))
     return out
+
+
+def comparable_request_metrics(
+    a: dict[str, list[float]], b: dict[str, list[float]]
+) -> tuple[list[str], list[str]]:
+    """The per-request metrics both runs can be tested on (two or more positive values on each side:
+    the test is on logarithms), and each one left out with why. A TPOT of 0 on every request is a
+    real reading (the tokens came in one burst, as a loaded engine sends them), not a failure."""
+    names, left_out = [], []
+    for metric in a:
+        if metric not in b:
+            continue
+        counts = [sum(1 for v in side[metric] if v > 0) for side in (a, b)]
+        if min(counts) > 1:
+            names.append(metric)
+        elif max(len(a[metric]), len(b[metric])) > 1:
+            left_out.append(
+                f"{metric} per request (positive values: {counts[0]} in the original, {counts[1]} in the "
+                "rerun; a test needs 2 on each side)"
+            )
+    return names, left_out
 
 
 def verdict_rows(

@@ -32,7 +32,13 @@ def test_benchmark_deployment_runs_on_a_worker(
         out = subprocess.run(
             [PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
         )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        if out.returncode != 0:
+            log = tmp_path / "worker.log"
+            worker_tail = log.read_text(errors="replace")[-6000:] if log.exists() else "(no worker log)"
+            pytest.fail(
+                f"prefect {' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+                f"\n--- the worker's log, last 6000 characters ---\n{worker_tail}"
+            )
         return out.stdout
 
     prefect("work-pool", "create", "k3pipe", "--type", "process")
