@@ -138,13 +138,20 @@ docker:
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; [ $$status = 0 ] || scripts/docker-env.sh down; exit $$status' EXIT; \
 	$(DOCKER_UP)
 
-# Two phases (tests/conftest.py says why): the timing tests alone, then the rest on TEST_WORKERS
-# pytest-xdist workers; both run, and the first failure's status is the target's. The real vLLM's
-# image is built before them (3 minutes alone, 6 beside the other worker's tests).
+# Set-up overlaps where nothing is shared: the Docker base and test images build (Debian's mirror,
+# dockerd) while the venvs install (-j3: uv, the wheel cache); the real vLLM's image (from the engine
+# venv) builds while lint runs. Then two phases (tests/conftest.py says why): the timing tests
+# alone, then the rest on TEST_WORKERS pytest-xdist workers; both run, and the first failure's status
+# is the target's. The real vLLM's image is built before them (3 minutes alone, 6 beside the other
+# worker's tests).
 TEST_WORKERS ?= 2
-test: setup test-system lint
-	$(ON_SIGNAL_EXIT); trap 'status=$$?; scripts/docker-env.sh down; exit $$status' EXIT; \
-	$(DOCKER_UP) && scripts/build-vllm-image.sh >/dev/null && { \
+SUBMAKE = $(MAKE) --no-print-directory
+test: system test-system
+	$(ON_SIGNAL_EXIT); trap 'status=$$?; kill $$(jobs -p) 2>/dev/null; wait; scripts/docker-env.sh down; exit $$status' EXIT; \
+	{ scripts/docker-env.sh up && eval "$$(scripts/docker-env.sh env)" || exit; }; \
+	{ scripts/build-base-image.sh && scripts/build-test-image.sh; } & images=$$!; \
+	$(SUBMAKE) -j3 venv engine gateway && $(SUBMAKE) model compile && wait $$images && \
+	{ scripts/build-vllm-image.sh >/dev/null & vllm_image=$$!; $(SUBMAKE) lint && wait $$vllm_image; } && { \
 	serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
 	$(VENV)/bin/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 		--durations=40 && exit $$serial; }

@@ -48,7 +48,7 @@ def benchmark(
     guard()
     run = RunRequest(experiment=experiment, experiment_yaml=experiment_yaml, arms=arms, overrides=overrides)
     request = BenchmarkRequest(run=run, rerun_of=rerun_of, allow_drift=allow_drift)
-    return benchmark_job(request, flow_job())
+    return benchmark_job(request, flow_job()).as_list()
 
 
 @scrubbed_flow("rerun")

@@ -223,6 +223,13 @@ class ArmOutcome(BaseModel):
     workloads: list[dict[str, Any]] = Field(default_factory=list)
     engine_log_spec_accept_length_mean: float | None = None
     launch: int = Field(default=1, description="Which launch of the arm this was (a study's launches: N).")
+    speculation: str | None = Field(
+        default=None, description="A speculative arm's judgement against its plain baseline (once all ran)."
+    )
+    rerun_of: str | None = Field(default=None, description="A rerun's original arm run id.")
+    verdicts: list[dict[str, Any]] | None = Field(
+        default=None, description="A rerun's verdict per workload against the original (k3pipe.rerun)."
+    )
 
     def as_dict(self) -> dict[str, Any]:
         """The flow's outcome dict (keys of None values left out, as before)."""

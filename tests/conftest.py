@@ -412,6 +412,20 @@ def tier_of(path: str) -> str | None:
 # ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does, by overriding
 # LoadScopeScheduling._split_scope: a private method, so pytest-xdist is pinned (pyproject.toml) and
 # tests/integration/test_public_api.py checks the pin and the method's shape.
+# The modules whose tests need only a live vLLM (the session's `vllm_engine`), not a start of their
+# own, are one group: one worker starts the engine once for all of them (a cold start costs 35-45 s
+# of two busy cores). None of them is serial, so the timing phase starts no engine at all.
+# pytest_collection_modifyitems refuses a module outside this list that asks for `vllm_engine`.
+SHARED_ENGINE = "tests/engine: the shared vLLM"
+SHARED_ENGINE_MODULES = frozenset(
+    {
+        "tests/engine/bench/test_client_vllm.py",
+        "tests/engine/test_datasets_flow.py",
+        "tests/engine/test_deployment.py",
+        "tests/engine/test_engine_real.py",
+        "tests/engine/test_rerun_flow.py",
+    }
+)
 # The heaviest groups start first (seconds of one serial run, `pytest --durations`, 2026-12-03), so
 # that the two workers end at about the same time; the others follow in collection order.
 GROUP_SECONDS = {
@@ -419,7 +433,7 @@ GROUP_SECONDS = {
     "tests/integration/test_spool.py": 540,
     "tests/engine/test_flow.py": 430,
     "tests/docker": 360,
-    "tests/engine/test_deployment.py": 220,
+    SHARED_ENGINE: 330,
     "tests/integration/test_gpu_kit.py": 200,
     "tests/integration/test_bundle.py": 190,
     "tests/browser/test_ui.py": 150,
@@ -436,15 +450,23 @@ GROUP_SECONDS = {
 
 def group_of(path: str) -> str:
     """The xdist group of a test file (a path relative to the repository)."""
-    return "tests/docker" if path.startswith("tests/docker/") else path
+    if path.startswith("tests/docker/"):
+        return "tests/docker"
+    return SHARED_ENGINE if path in SHARED_ENGINE_MODULES else path
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        tier = tier_of(item.path.relative_to(REPO).as_posix())
+        path = item.path.relative_to(REPO).as_posix()
+        tier = tier_of(path)
         if tier is not None:
             item.add_marker(tier)
+        if "vllm_engine" in getattr(item, "fixturenames", ()) and path not in SHARED_ENGINE_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the session's vllm_engine: add {path} to SHARED_ENGINE_MODULES in "
+                "tests/conftest.py, so that one worker starts the engine for every module that needs it"
+            )
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the order the scheduler hands groups out in
         order = {item.nodeid: i for i, item in enumerate(items)}
 

@@ -15,11 +15,11 @@ from k3pipe.jobs.steps import Job, judge_speculation
 from k3pipe.params import RunRequest
 from k3pipe.record import summary_table
 from k3pipe.rerun import RerunInputs
-from k3pipe.run import ArmRun
+from k3pipe.run import ArmOutcome, ArmRun
 from k3pipe.secrets import scrub
 from k3pipe.speculation import speculation_setting
 
-__all__ = ["BenchmarkRequest", "benchmark"]
+__all__ = ["BenchmarkRequest", "BenchmarkResult", "benchmark"]
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,20 @@ class BenchmarkRequest:
             raise SpecError("a benchmark needs an experiment (a run request) or rerun_of (an arm's run id)")
 
 
-def benchmark(request: BenchmarkRequest, job: Job) -> list[dict[str, Any]]:
-    """Every selected arm, one after another; each arm's outcome (status, run id, workload rows; a
-    rerun's verdicts against its original). Raises :class:`RunFailedError` naming the arms that did
+@dataclass
+class BenchmarkResult:
+    """Each arm's outcome in the order the arms ran (status, MLflow run id, workload rows; a rerun's
+    original and its verdicts against it)."""
+
+    arms: list[ArmOutcome]
+
+    def as_list(self) -> list[dict[str, Any]]:
+        """What the flow returns: an outcome dict per arm."""
+        return [o.as_dict() for o in self.arms]
+
+
+def benchmark(request: BenchmarkRequest, job: Job) -> BenchmarkResult:
+    """Every selected arm, one after another. Raises :class:`RunFailedError` naming the arms that did
     not finish, after every arm ran."""
     tracker = job.tracker
     rerun: RerunInputs | None = None
@@ -75,20 +86,20 @@ def benchmark(request: BenchmarkRequest, job: Job) -> list[dict[str, Any]]:
             experiment, job.steps.arm, tags=job.tags, labels=job.labels, rerun=rerun, params=dict(params),
             say=job.say, warn=job.warn,
         )  # fmt: skip
-        outcomes.append(arm.execute().as_dict())
+        outcomes.append(arm.execute())
     if any(speculation_setting(spec.arm(name)) for name in selected):
         judge_speculation(job, spec, outcomes)
-    table = summary_table([row for o in outcomes for row in o.get("workloads", [])])
+    table = summary_table([row for o in outcomes for row in o.workloads])
     if table:
         job.table(table, "benchmark-summary", f"{spec.name}: workload summaries")
     for o in outcomes:
-        job.publish_link(o["mlflow_run_id"], f"MLflow run of {o['arm']}", f"mlflow-{o['arm']}")
+        job.publish_link(o.mlflow_run_id, f"MLflow run of {o.arm}", f"mlflow-{o.arm}")
     if rerun is not None:
         for o in outcomes:
-            o["rerun_of"] = rerun.run_id
-            o["verdicts"] = job.steps.rerun_verdict(tracker, rerun.run_id, o["mlflow_run_id"])
-    bad = [o for o in outcomes if o["status"] != "FINISHED"]
+            o.rerun_of = rerun.run_id
+            o.verdicts = job.steps.rerun_verdict(tracker, rerun.run_id, o.mlflow_run_id)
+    bad = [o for o in outcomes if o.status != "FINISHED"]
     if bad:
-        details = "; ".join(f"{o['arm']}: {first_line(o.get('error') or o['status'])}" for o in bad)
+        details = "; ".join(f"{o.arm}: {first_line(o.error or o.status)}" for o in bad)
         raise RunFailedError(scrub(f"arm(s) did not finish cleanly ({details}); see their MLflow runs"))
-    return outcomes
+    return BenchmarkResult(outcomes)

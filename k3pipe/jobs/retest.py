@@ -14,7 +14,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import PartlyFailedError
 from k3pipe.jobs.prepare import check_spec
 from k3pipe.jobs.steps import Job, report_needs_mlflow
-from k3pipe.jobs.study import ArmsFailed, StudyRequest, run_study
+from k3pipe.jobs.study import ArmsFailed, StudyRequest, StudyResult, run_study
 from k3pipe.params import RunRequest
 from k3pipe.report import retest_dir
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
@@ -33,14 +33,15 @@ class RetestResult:
     study failed, and the report's paths."""
 
     retest_run_id: str
-    studies: dict[str, dict[str, Any]]
+    studies: dict[str, StudyResult]
     failed: dict[str, str]
     report: dict[str, str]
 
     def as_dict(self) -> dict[str, Any]:
+        """What the flow returns (each study as its flow's dict)."""
         return {
             "retest_run_id": self.retest_run_id,
-            "studies": self.studies,
+            "studies": {label: s.as_dict() for label, s in self.studies.items()},
             "failed": self.failed,
             "report": self.report,
         }
@@ -57,7 +58,7 @@ def retest(request: RunRequest, job: Job) -> RetestResult:
     params = request.overrides.params()
     run_id = start_retest(tracker, spec, request.source, targets, job.tags, params)
     job.say("%s\nMLflow run of the retest: %s", "\n".join(describe_retest(spec, names)), run_id)
-    studies: dict[str, dict[str, Any]] = {}
+    studies: dict[str, StudyResult] = {}
     failed: dict[str, str] = {}
     status = "KILLED"
     try:
@@ -79,9 +80,9 @@ def retest(request: RunRequest, job: Job) -> RetestResult:
                         tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
                     ),
                     job,
-                ).as_dict()  # fmt: skip
+                )  # fmt: skip
             except ArmsFailed as exc:
-                studies[t.label] = exc.result
+                studies[t.label] = exc.study
                 failed[t.label] = str(exc)
             except Exception as exc:  # this study could not run: the others still can
                 failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")

@@ -20,7 +20,7 @@ from k3pipe.jobs.prepare import PrepareSteps
 from k3pipe.params import RunRequest
 from k3pipe.record import record_speculation
 from k3pipe.rerun import RerunInputs
-from k3pipe.run import ArmSteps
+from k3pipe.run import ArmOutcome, ArmSteps
 from k3pipe.settings import Settings
 from k3pipe.specs import ExperimentSpec
 from k3pipe.speculation import SpeculationReport
@@ -139,27 +139,27 @@ class Job:
         self.say("%s: %s", text, link)
 
 
-def judge_speculation(job: Job, spec: ExperimentSpec, outcomes: list[dict[str, Any]]) -> None:
+def judge_speculation(job: Job, spec: ExperimentSpec, outcomes: list[ArmOutcome]) -> None:
     """Speculative arms against their plain baselines, once every arm ran: findings in the log, the
     judgement on each speculative arm's MLflow run, and its summary in that arm's outcome. An
     analysis after the fact: when it cannot be made, say why and go on."""
-    rows = [row for o in outcomes for row in o.get("workloads", [])]
+    rows = [row for o in outcomes for row in o.workloads]
     log_lengths = {
-        o["arm"]: o["engine_log_spec_accept_length_mean"]
+        o.arm: o.engine_log_spec_accept_length_mean
         for o in outcomes
-        if o.get("engine_log_spec_accept_length_mean") is not None
+        if o.engine_log_spec_accept_length_mean is not None
     }
     try:
         report = job.steps.judge_speculation(spec, rows, log_lengths)
-        record_speculation(job.tracker, {o["arm"]: o["mlflow_run_id"] for o in outcomes}, report)
+        record_speculation(job.tracker, {o.arm: o.mlflow_run_id for o in outcomes}, report)
     except Exception as exc:
         job.note("speculation could not be judged: %s: %s", type(exc).__name__, exc)
         return
     by_arm = {a.arm: a for a in report.arms}
     for o in outcomes:
-        judged = by_arm.get(o["arm"])
+        judged = by_arm.get(o.arm)
         if judged is not None:
-            o["speculation"] = f"{judged.summary} (baseline: {judged.baseline.baseline or 'none'})"
+            o.speculation = f"{judged.summary} (baseline: {judged.baseline.baseline or 'none'})"
 
 
 def report_needs_mlflow(tracker: Tracker, run_id: str) -> None:

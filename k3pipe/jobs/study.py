@@ -15,6 +15,7 @@ from k3pipe.jobs.prepare import check_spec, prepare
 from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
 from k3pipe.params import RunRequest
 from k3pipe.report import report_dir
+from k3pipe.run import ArmOutcome
 from k3pipe.secrets import scrub
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
@@ -25,7 +26,12 @@ __all__ = ["ArmsFailed", "StudyRequest", "StudyResult", "run_study", "study"]
 
 
 class ArmsFailed(PartlyFailedError):
-    """Some arm of the study did not finish; raised after the report (``result`` is the study's)."""
+    """Some arm of the study did not finish; raised after the report (``study`` is the study's
+    result, ``result`` the flow's dict of it)."""
+
+    def __init__(self, message: str, study: StudyResult) -> None:
+        super().__init__(message, study.as_dict())
+        self.study = study
 
 
 @dataclass
@@ -51,11 +57,16 @@ class StudyResult:
     and the report's paths (markdown, html, text, plots)."""
 
     study_run_id: str
-    arms: list[dict[str, Any]]
+    arms: list[ArmOutcome]
     report: dict[str, str]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"study_run_id": self.study_run_id, "arms": self.arms, "report": self.report}
+        """What the flow returns (the arms as outcome dicts)."""
+        return {
+            "study_run_id": self.study_run_id,
+            "arms": [o.as_dict() for o in self.arms],
+            "report": self.report,
+        }
 
 
 def study(request: RunRequest, job: Job) -> StudyResult:
@@ -96,10 +107,10 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
         request.experiment, steps, tags=tags, labels=job.labels, params=dict(request.params),
         arms=request.arms, before_s=before, say=job.say, warn=job.warn,
     ).execute()  # fmt: skip
-    outcomes = [o.as_dict() for o in outcome.arms]
+    outcomes = list(outcome.arms)
     if any(speculation_setting(spec.arm(name)) for name in request.arms):
         # judged on each arm's first launch (the judge pairs one run per arm)
-        judge_speculation(job, spec, [o for o in outcomes if o.get("launch", 1) == 1])
+        judge_speculation(job, spec, [o for o in outcomes if o.launch == 1])
     report_needs_mlflow(tracker, run_id)
     paths = job.steps.report(tracker, run_id, report_dir(job.home, spec.name, run_id))
     job.publish_link(run_id, f"MLflow run of study {spec.name}", "mlflow-study")
@@ -107,5 +118,5 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
     if outcome.failed:
         details = "; ".join(f"{o.arm}: {first_line(o.error or o.status)}" for o in outcome.failed)
         why = f"arm(s) did not finish cleanly ({details}); the report covers the others: {paths['html']}"
-        raise ArmsFailed(scrub(why), result.as_dict())
+        raise ArmsFailed(scrub(why), result)
     return result

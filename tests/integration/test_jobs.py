@@ -76,7 +76,10 @@ def test_a_study_from_the_library_alone_records_reports_once_and_names_the_faile
     request = RunRequest(experiment_yaml=_experiment({"a": fast.base_url, "broken": dead}))
     with pytest.raises(ArmsFailed, match="broken") as failed:
         study(request, job)
-    result = failed.value.result
+    typed, result = failed.value.study, failed.value.result
+    assert [(o.arm, o.status) for o in typed.arms] == [("a", "FINISHED"), ("broken", "FAILED")]
+    assert "Connect" in (typed.arms[1].error or ""), typed.arms[1].error
+    assert result == typed.as_dict()  # the flow's dict of the same result
     assert [(o["arm"], o["status"]) for o in result["arms"]] == [("a", "FINISHED"), ("broken", "FAILED")]
     assert published["reports"] == [result["study_run_id"]]  # built once, by the job
     assert Path(result["report"]["html"]).is_file()
@@ -97,8 +100,11 @@ def test_a_benchmark_from_the_library_alone_publishes_its_table(fast: ScriptedOp
         arms=["b"],
         overrides=Overrides(repeats=1),
     )
-    outcomes = benchmark(BenchmarkRequest(run=run), job)
+    result = benchmark(BenchmarkRequest(run=run), job)
+    assert [(o.arm, o.status, o.launch) for o in result.arms] == [("b", "FINISHED", 1)]
+    outcomes = result.as_list()
     assert [(o["arm"], o["status"]) for o in outcomes] == [("b", "FINISHED")]
+    assert set(outcomes[0]).isdisjoint({"rerun_of", "verdicts", "speculation"})  # unset: left out, as before
     assert published["reports"] == []  # a benchmark has no study report
     ((rows, key, what),) = published["tables"]
     assert key == "benchmark-summary"

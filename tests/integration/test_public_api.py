@@ -98,11 +98,12 @@ def test_the_import_scan_sees_a_function_level_import(tmp_path: Path) -> None:
 def test_every_test_module_lives_in_a_tier_folder() -> None:
     """A test's tier is its folder (tests/conftest.py marks it so): a module outside the tier folders
     would be in no tier, and a group weight naming a file that is gone would weigh nothing."""
-    from tests.conftest import GROUP_SECONDS, REPO, TIERS, tier_of
+    from tests.conftest import GROUP_SECONDS, REPO, SHARED_ENGINE, SHARED_ENGINE_MODULES, TIERS, tier_of
 
     modules = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "tests").rglob("test_*.py"))]
     assert [m for m in modules if tier_of(m) is None] == [], f"move these into tests/{{{','.join(TIERS)}}}/"
-    assert sorted(g for g in GROUP_SECONDS if not (REPO / g).exists()) == []
+    assert sorted(g for g in GROUP_SECONDS if not (REPO / g).exists() and g != SHARED_ENGINE) == []
+    assert sorted(m for m in SHARED_ENGINE_MODULES if not (REPO / m).is_file()) == []
 
 
 def test_the_test_scheduler_rests_on_the_pinned_xdist() -> None:
@@ -123,3 +124,4 @@ def test_the_test_scheduler_rests_on_the_pinned_xdist() -> None:
     assert list(inspect.signature(LoadScopeScheduling._split_scope).parameters) == ["self", "nodeid"]
     assert group_of("tests/docker/test_images.py") == "tests/docker"
     assert group_of("tests/engine/test_flow.py") == "tests/engine/test_flow.py"
+    assert group_of("tests/engine/test_deployment.py") == group_of("tests/engine/test_engine_real.py")

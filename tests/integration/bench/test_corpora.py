@@ -26,8 +26,6 @@ from k3pipe.bench import PromptSet, build_prompts, random_prompts, shared_prefix
 from k3pipe.errors import BenchmarkError
 from k3pipe.specs import DocumentsDataset, RandomDataset, SharedPrefixDataset, ShareGPTDataset
 
-pytestmark = pytest.mark.serial
-
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "datasets"
 SHAREGPT = FIXTURES / "sharegpt_small.json"
 DOCUMENTS = FIXTURES / "documents"

@@ -12,8 +12,6 @@ from k3pipe.bench import load_tokenizer, random_prompts
 from tests.conftest import TINY_MODEL
 from tests.unit.bench.test_datasets import _count
 
-pytestmark = pytest.mark.serial
-
 
 @pytest.mark.parametrize("length", [500, 4096])
 @pytest.mark.parametrize("seed", [0, 1, 12345])

@@ -13,8 +13,6 @@ import k3pipe.bench.datasets as datasets
 from k3pipe.bench import Prompt, load_tokenizer, random_prompts, shared_prefix_prompts
 from k3pipe.errors import BenchmarkError
 
-pytestmark = pytest.mark.serial
-
 
 def _count(tok: Tokenizer, text: str) -> int:
     return len(tok.encode(text, add_special_tokens=False).ids)

@@ -13,8 +13,6 @@ from k3pipe.launchers.specs import ProcessLauncherSpec
 from k3pipe.procs import parse_cpu_list
 from k3pipe.specs import ClientSpec
 
-pytestmark = pytest.mark.serial
-
 MINE = sorted(os.sched_getaffinity(0))
 
 

@@ -9,8 +9,6 @@ import pytest
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats, compare
 from k3pipe.stats import Design
 
-pytestmark = pytest.mark.serial
-
 
 def test_mean_std_and_t_interval() -> None:
     # values 10, 12, 14: mean 12, std 2, t(0.975, 2) = 4.302653, half-width 4.302653 * 2 / sqrt(3)

@@ -21,8 +21,6 @@ from k3pipe.bench import (
 from k3pipe.bench.client import ClientLoad
 from k3pipe.bench.summary import client_note, summary_line
 
-pytestmark = pytest.mark.serial
-
 # Raw perf_counter stamps are arbitrary: start the clock far from zero so "relative" is tested.
 T0 = 1000.0
 
