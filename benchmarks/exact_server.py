@@ -112,6 +112,9 @@ _SSE_HEAD = (
 # data: [DONE] and the end of the chunked body
 _DONE = wire.http_chunk(wire.DONE.encode()) + wire.HTTP_LAST_CHUNK
 _MAX_HEAD_BYTES = 64 * 1024
+# A completion_tokens no stream reaches: _Plan.of's chunk templates carry it, and prompt_tokens + _MARK,
+# where the counts go (both 16 digits long, so neither is found inside the other).
+_MARK = 10**15
 
 
 @dataclass(frozen=True)
@@ -442,20 +445,29 @@ class _Plan:
         def running(done: int) -> dict[str, Any] | None:
             return wire.usage(prompt_tokens, done) if continuous else None
 
+        # Token chunks differ only in a few shapes and in their running usage: each shape is encoded
+        # once, with _MARK for the count, and each chunk's count is put into its text (encoding every
+        # chunk made a new plan several times slower: a burst of new kinds of stream would be late).
+        marks = (str(prompt_tokens + _MARK), str(_MARK))
+        shapes: dict[tuple[str, int, bool, str | None], str] = {}
         bodies: list[str] = []
         done = 0
         for n, (kind, count) in enumerate(groups):
             done += count
             finish = "length" if n == len(groups) - 1 else None
-            text = (" r" if kind == "reasoning" else " t") * count
-            if chat:
-                delta = wire.token_delta(kind, text)
-                if n == 0 and script.role == "merged":
-                    delta = {"role": "assistant", **delta}
-                choice = wire.delta_choice(delta, finish)
-            else:
-                choice = wire.text_choice(text, finish)
-            bodies.append(_body(wire.chunk({}, [choice], running(done))))
+            merged = chat and n == 0 and script.role == "merged"
+            shape = shapes.get((kind, count, merged, finish))
+            if shape is None:
+                text = (" r" if kind == "reasoning" else " t") * count
+                if chat:
+                    delta = wire.token_delta(kind, text)
+                    if merged:
+                        delta = {"role": "assistant", **delta}
+                    choice = wire.delta_choice(delta, finish)
+                else:
+                    choice = wire.text_choice(text, finish)
+                shape = shapes[kind, count, merged, finish] = _body(wire.chunk({}, [choice], running(_MARK)))
+            bodies.append(shape.replace(marks[0], str(prompt_tokens + done)).replace(marks[1], str(done)))
         final = None
         if include_usage:
             total = wire.usage(prompt_tokens, tokens, reasoning if chat else None)

@@ -87,9 +87,13 @@ UNAUTHORIZED: dict[str, Any] = {"error": "Unauthorized"}
 # framing
 
 
+# one encoder: json.dumps with arguments builds a new one per call, a large share of a chunk's cost
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def dumps(payload: Any) -> str:
     """Compact JSON, as pydantic's ``model_dump_json`` writes a chunk."""
-    return json.dumps(payload, separators=(",", ":"))
+    return _ENCODER.encode(payload)
 
 
 def event(payload: dict[str, Any] | str) -> str:
