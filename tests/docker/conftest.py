@@ -63,7 +63,8 @@ def fake_engine_image(docker_client: docker.DockerClient, registry: str) -> str:
     """The fake engine's image, built and pushed to the registry; returns REGISTRY/NAME:TAG.
 
     scripts/build-test-image.sh runs once per session: it is cached (a rebuild after an edit of
-    fake_engine.py takes a second, otherwise ~0.1 s) and pushes only when the registry lacks this image.
+    fake_engine.py or openai_wire.py takes a second, otherwise ~0.1 s) and pushes only when the registry
+    lacks this image.
     """
     env = {**os.environ, "DOCKER_HOST": DOCKER_HOST or "", "K3PIPE_REGISTRY": registry}
     env["K3PIPE_HOME"] = str(ASSETS_HOME)

@@ -42,12 +42,14 @@ as recorded with citations in ``tests/fixtures/engines/`` (see its README.md):
 - ``/metrics``: flavor sglang serves it only with ``--enable-metrics`` (404 otherwise), as SGLang does.
 - streaming, flavor sglang's chat: SGLang 0.5.23's own format (see ``_sglang_chat_stream``: the finish
   in a chunk of its own, ``reasoning_content`` in every delta, running ``usage`` per chunk with
-  ``continuous_usage_stats``). Otherwise vLLM's wire format (as ``tests/scripted_openai.py`` documents, from
-  ``vllm/entrypoints/openai/chat_completion/serving.py`` and ``completion/serving.py``): chat starts
-  with a role-only chunk ``delta: {"role": "assistant", "content": ""}``, then one chunk per token,
-  the last with ``finish_reason``; with ``stream_options.include_usage`` a final chunk with
-  ``choices: []`` and ``usage``; then ``data: [DONE]``. Completions have no role chunk and carry
-  ``choices[0].text``.
+  ``continuous_usage_stats``). Otherwise vLLM's wire format, built by ``openai_wire.py`` beside this
+  file (which says where it comes from): chat starts with the role chunk, then one chunk per token, the
+  last with ``finish_reason``; with ``stream_options.include_usage`` the usage chunk; then
+  ``data: [DONE]``. Completions have no role chunk and carry ``choices[0].text``. (This flavor sends
+  no running usage: it ignores ``continuous_usage_stats``.)
+
+Standard library only, and ``openai_wire.py`` must stay beside it: the test image has only python3 and
+these two files (``tests/docker/Dockerfile``).
 
 Start-up: the HTTP server listens at once; ``/health`` answers 503 until ``--startup-delay-s`` has
 passed, then 200. ``--crash-after-s N`` makes it print the start-up error after N s and exit with
@@ -68,6 +70,8 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import openai_wire as wire  # beside this file, in the repo and in the image
 
 VLLM_VERSION = "0.32.0"
 SGLANG_VERSION = "0.5.23"
@@ -316,10 +320,6 @@ class Histogram:
             return out
 
 
-def _error(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def _count_tokens(value: Any) -> int:
     if isinstance(value, str):
         return max(1, len(value.split()))
@@ -369,7 +369,7 @@ class Handler(BaseHTTPRequestHandler):
         """Common checks; returns the path to serve, or None when an answer was already sent."""
         path = self.path.split("?", 1)[0]
         if not self._authorized(path):
-            self._json(401, {"error": "Unauthorized"})
+            self._json(401, wire.UNAUTHORIZED)
             return None
         return path
 
@@ -410,7 +410,7 @@ class Handler(BaseHTTPRequestHandler):
             )
         elif path == "/v1/models":
             if not ready:
-                self._json(503, _error("the engine is starting", "ServiceUnavailableError", 503))
+                self._json(503, wire.error_body("the engine is starting", "ServiceUnavailableError", 503))
                 return
             card = {
                 "id": eng.served,
@@ -460,37 +460,41 @@ class Handler(BaseHTTPRequestHandler):
             return
         eng = self.engine
         if not eng.ready.is_set() or eng.stopping.is_set():
-            self._json(503, _error("the engine is not ready", "ServiceUnavailableError", 503))
+            self._json(503, wire.error_body("the engine is not ready", "ServiceUnavailableError", 503))
             return
         try:
             body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
         except ValueError as exc:
-            self._json(400, _error(f"invalid JSON body: {exc}", "BadRequestError", 400))
+            self._json(400, wire.error_body(f"invalid JSON body: {exc}", "BadRequestError", 400))
             return
         chat = path == "/v1/chat/completions"
         if chat and not isinstance(body.get("messages"), list):
-            self._json(400, _error("'messages' is required", "BadRequestError", 400, "messages"))
+            self._json(400, wire.error_body("'messages' is required", "BadRequestError", 400, "messages"))
             return
         if not chat and "prompt" not in body:
-            self._json(400, _error("'prompt' is required", "BadRequestError", 400, "prompt"))
+            self._json(400, wire.error_body("'prompt' is required", "BadRequestError", 400, "prompt"))
             return
         model = body.get("model", eng.served)
         if eng.flavor == "vllm" and model != eng.served:
             # vLLM checks the served name (SGLang echoes whatever it is sent)
             msg = f"The model `{model}` does not exist."
-            self._json(404, _error(msg, "NotFoundError", 404, "model"))
+            self._json(404, wire.error_body(msg, "NotFoundError", 404, "model"))
             return
         limit = body.get("max_completion_tokens") if chat else None
         limit = limit if limit is not None else body.get("max_tokens")
         try:
             n_tokens = int(limit) if limit is not None else 16
         except (TypeError, ValueError):
-            self._json(400, _error("max_tokens must be an integer", "BadRequestError", 400, "max_tokens"))
+            self._json(
+                400, wire.error_body("max_tokens must be an integer", "BadRequestError", 400, "max_tokens")
+            )
             return
         if n_tokens < 1:
-            self._json(400, _error("max_tokens must be at least 1", "BadRequestError", 400, "max_tokens"))
+            self._json(
+                400, wire.error_body("max_tokens must be at least 1", "BadRequestError", 400, "max_tokens")
+            )
             return
         reason = "length" if limit is not None else "stop"
         if chat:
@@ -515,16 +519,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def _texts(self, n: int) -> list[str]:
         return [_WORDS[k % len(_WORDS)] for k in range(n)]
-
-    def _usage(self, prompt_tokens: int, completion: int, chat: bool) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + completion,
-            "completion_tokens": completion,
-        }
-        if chat:
-            usage["completion_tokens_details"] = {"reasoning_tokens": 0}
-        return usage
 
     def _whole(self, chat: bool, model: str, n: int, reason: str, prompt_tokens: int) -> None:
         texts = []
@@ -554,25 +548,22 @@ class Handler(BaseHTTPRequestHandler):
             }
             out = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", **head}
         out["choices"] = [choice]
-        out["usage"] = self._usage(prompt_tokens, n, chat)
+        out["usage"] = wire.usage(prompt_tokens, n, 0 if chat else None)
         self._json(200, out)
 
-    def _chunk(self, payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-        event = f"data: {data}\n\n".encode()
-        self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+    def _chunk(self, payload: dict[str, Any]) -> None:
+        self.wfile.write(wire.http_chunk(wire.event(payload).encode()))
         self.wfile.flush()
 
     def _start_stream(self) -> None:
         self.send_response(200)
-        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("content-type", wire.SSE_CONTENT_TYPE)
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
         self._access(200)  # uvicorn logs the access line when the response starts
 
     def _end_stream(self) -> None:
-        self._chunk("[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.write(wire.http_chunk(wire.DONE.encode()) + wire.HTTP_LAST_CHUNK)
         self.wfile.flush()
 
     def _sglang_usage(self, prompt_tokens: int, completion: int) -> dict[str, Any]:
@@ -599,8 +590,7 @@ class Handler(BaseHTTPRequestHandler):
         eng = self.engine
         options = body.get("stream_options") or {}
         continuous = bool(options.get("continuous_usage_stats"))
-        head = {"id": uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time())}
-        head["model"] = model
+        head = wire.chunk_head(True, model, rid=uuid.uuid4().hex)
 
         def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             return {
@@ -647,58 +637,26 @@ class Handler(BaseHTTPRequestHandler):
             return
         eng = self.engine
         self._start_stream()
-        head = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-        }
+        head = wire.chunk_head(chat, model)
         if chat:
-            role = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            self._chunk({**head, "choices": [role], "prompt_token_ids": None, "prompt_text": None})
+            self._chunk(wire.role_chunk(head))
         for k, text in enumerate(self._texts(n)):
             time.sleep(eng.token_delay_s)
             if eng.stopping.is_set():
                 raise BrokenPipeError("shutting down")
             eng.token()
-            last = k == n - 1
-            choice: dict[str, Any]
-            if chat:
-                choice = {
-                    "index": 0,
-                    "delta": {"content": text},
-                    "logprobs": None,
-                    "finish_reason": reason if last else None,
-                }
-            else:
-                choice = {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": reason if last else None,
-                    "stop_reason": None,
-                    "prompt_token_ids": None,
-                }
-            if last:
-                choice["stop_reason"] = None
-            choice["token_ids"] = None
-            chunk: dict[str, Any] = {**head, "choices": [choice]}
+            finish = reason if k == n - 1 else None
+            choice = wire.delta_choice({"content": text}, finish) if chat else wire.text_choice(text, finish)
+            chunk = wire.chunk(head, [choice])
             if eng.flavor == "sglang":  # SGLang's completions (serving_completions.py:373-403)
-                choice.pop("stop_reason", None)
+                del choice["stop_reason"]
                 choice["matched_stop"] = None
                 if (body.get("stream_options") or {}).get("continuous_usage_stats"):
                     chunk["usage"] = self._sglang_usage(prompt_tokens, k + 1)
             self._chunk(chunk)
         if (body.get("stream_options") or {}).get("include_usage"):
-            final = {**head, "choices": [], "usage": self._usage(prompt_tokens, n, chat)}
-            if chat:
-                final["system_fingerprint"] = None
-            self._chunk(final)
+            final = wire.usage(prompt_tokens, n, 0 if chat else None)
+            self._chunk(wire.usage_chunk(head, final, chat))
         self._end_stream()
 
 

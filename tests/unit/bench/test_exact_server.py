@@ -60,3 +60,35 @@ def test_a_bad_cpu_list_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         exact_server.main(["--workers", "2", "--cpus", "a,b"])
     assert "--cpus 'a,b'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("continuous", [True, False])
+def test_the_cached_chunks_are_openai_wire_chunks(chat: bool, continuous: bool) -> None:
+    """_Plan.of encodes each shape of chunk once and writes the counts into its text: the result is
+    what openai_wire builds chunk by chunk."""
+    import exact_server
+
+    from tests.docker import openai_wire as wire
+
+    script = exact_server.Script(reasoning_tokens=3, tokens_per_chunk=2)
+    prompt = 0 if continuous else 7  # 0: the two counts in a template are the same number
+    plan = exact_server._Plan.of(chat, script, 9, prompt, True, continuous)
+    head = wire.chunk_head(chat, "m")
+    if chat:  # 3 reasoning tokens, then 6 of content, 2 a chunk (the first carries the role: "merged")
+        kinds = [("reasoning", 2), ("reasoning", 1), ("content", 2), ("content", 2), ("content", 2)]
+    else:
+        kinds = [("content", 2)] * 4 + [("content", 1)]
+    done = 0
+    for n, (kind, count) in enumerate(kinds):
+        done += count
+        finish = "length" if n == len(kinds) - 1 else None
+        text = (" r" if kind == "reasoning" else " t") * count
+        delta = wire.token_delta(kind, text)
+        choice = wire.delta_choice({"role": "assistant", **delta} if n == 0 else delta, finish)
+        choice = choice if chat else wire.text_choice(text, finish)
+        running = wire.usage(prompt, done) if continuous else None
+        assert exact_server._head(head) + plan.bodies[n] == wire.dumps(wire.chunk(head, [choice], running))
+    assert len(plan.bodies) == len(kinds)
+    final = wire.usage_chunk(head, wire.usage(prompt, 9, 3 if chat else None), chat)
+    assert exact_server._head(head) + (plan.usage or "") == wire.dumps(final)
