@@ -140,7 +140,7 @@ docker:
 
 # Set-up overlaps where nothing is shared: the Docker base and test images build (Debian's mirror,
 # dockerd) while the venvs install (-j3: uv, the wheel cache); the real vLLM's image (from the engine
-# venv) builds while lint runs. Then two phases (tests/conftest.py says why): the timing tests
+# venv) builds while lint runs and the tests' store templates are made (tests/stores.py). Then two phases (tests/conftest.py says why): the timing tests
 # alone, then the rest on TEST_WORKERS pytest-xdist workers; both run, and the first failure's status
 # is the target's. The real vLLM's image is built before them (3 minutes alone, 6 beside the other
 # worker's tests).
@@ -151,7 +151,8 @@ test: system test-system
 	{ scripts/docker-env.sh up && eval "$$(scripts/docker-env.sh env)" || exit; }; \
 	{ scripts/build-base-image.sh && scripts/build-test-image.sh; } & images=$$!; \
 	$(SUBMAKE) -j3 venv engine gateway && $(SUBMAKE) model compile && wait $$images && \
-	{ scripts/build-vllm-image.sh >/dev/null & vllm_image=$$!; $(SUBMAKE) lint && wait $$vllm_image; } && { \
+	{ scripts/build-vllm-image.sh >/dev/null & vllm_image=$$!; \
+	  $(SUBMAKE) lint && $(VENV)/bin/python -m tests.stores >/dev/null && wait $$vllm_image; } && { \
 	serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
 	$(VENV)/bin/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 		--durations=40 && exit $$serial; }

@@ -24,6 +24,7 @@ import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from tests.scripted_openai import ScriptedOpenAI
+from tests.stores import seed_home, seed_prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
 # The engine's venv and the tiny model are built by `make` into K3PIPE_HOME; tests read them from
@@ -46,13 +47,18 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 @pytest.fixture(autouse=True)
-def clean_environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """No K3PIPE_/MLFLOW_/MODELSCOPE_ setting leaks in; K3PIPE_HOME is a fresh directory."""
+def clean_environ(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No K3PIPE_/MLFLOW_/MODELSCOPE_ setting leaks in; K3PIPE_HOME is a directory of the test's own.
+    Outside tests/unit/ it holds empty, migrated MLflow and Prefect stores (tests/stores.py says why),
+    unless the test is marked `fresh_home`: then it does not exist yet, as before a user's first run."""
     for key in list(os.environ):
         if key.startswith(_ISOLATED_PREFIXES):
             monkeypatch.delenv(key)
     home = tmp_path / "k3home"
     monkeypatch.setenv("K3PIPE_HOME", str(home))
+    tier = tier_of(request.node.path.relative_to(REPO).as_posix())
+    if tier not in (None, "unit") and request.node.get_closest_marker("fresh_home") is None:
+        seed_home(home)
     return home
 
 
@@ -208,6 +214,7 @@ def running_prefect_server(directory: Path, **settings: str) -> Iterator[dict[st
         **settings,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(_ISOLATED_PREFIXES)}
+    seed_prefect_home(directory / "prefect")
     log_path = directory / "server.log"
     with log_path.open("wb") as log:
         server = subprocess.Popen(
@@ -256,6 +263,7 @@ class CliRun:
 
     def __init__(self, experiment: Path, tmp_path: Path) -> None:
         env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+        seed_prefect_home(tmp_path / "prefect")
         env.pop("PREFECT_API_URL", None)
         self.out = (tmp_path / "k3pipe-run.log").open("w+")
         self.proc = subprocess.Popen(

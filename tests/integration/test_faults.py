@@ -1,7 +1,8 @@
 """Faults during `k3pipe run`, as a user meets them: what k3pipe must keep and how fast it must notice.
 
-Each test runs `k3pipe run` in its own session on a fresh K3PIPE_HOME (benchmarks/faults.py, which
-also prints these figures for docs/reliability.md) and hits it while its first workload runs. The
+Each test runs `k3pipe run` in its own session on a K3PIPE_HOME of its own (benchmarks/faults.py, which
+also prints these figures for docs/reliability.md; the home holds empty stores, tests/stores.py, but in
+the concurrent first runs, whose home does not exist yet) and hits it while its first workload runs. The
 engine is the scripted stand-in tests/docker/fake_engine.py (vLLM's wire format; 25 ms per token here,
 so that the fault hits 6 s into the first workload, not 12 s as in the benchmark's 50 ms):
 what is tested is k3pipe's timing against faults, and a real vLLM-CPU start costs a minute on two
@@ -17,6 +18,7 @@ import pytest
 import benchmarks.faults
 from benchmarks.faults import FAULTS, Figures
 from tests.conftest import require_engine
+from tests.stores import seed_home
 
 pytestmark = pytest.mark.flow
 
@@ -24,6 +26,8 @@ pytestmark = pytest.mark.flow
 @pytest.fixture(autouse=True)
 def _faster_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(benchmarks.faults, "FAKE_TOKEN_DELAY_MS", 25)
+    # each fault's home holds empty, migrated stores (tests/stores.py), but the concurrent first runs'
+    monkeypatch.setattr(benchmarks.faults, "PREPARE_HOME", seed_home)
 
 
 def _run(name: str, tmp_path: Path) -> Figures:

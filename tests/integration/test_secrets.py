@@ -152,7 +152,7 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
     if not (TINY_MODEL / "config.json").is_file():
         pytest.fail(f"no tiny model at {TINY_MODEL} (make model)")
     home = clean_environ
-    home.mkdir(parents=True)  # Prefect makes K3PIPE_HOME/prefect, not K3PIPE_HOME itself
+    home.mkdir(parents=True, exist_ok=True)  # Prefect makes K3PIPE_HOME/prefect, not K3PIPE_HOME itself
     planted = {
         "endpoint key": _secret("endpt"),
         "gateway key": _secret("gatew"),

@@ -5,7 +5,6 @@ scripted OpenAI server (an `external` arm: real HTTP, no engine)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -25,68 +24,24 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from benchmarks.faults import MlflowServer
 from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.errors import ArtifactMissingError, ArtifactStoreError, TrackingUnreachableError
 from k3pipe.experiment import parse_experiment
-from k3pipe.push import probe_tracking
 from k3pipe.run import ArmRun, ArmSteps
 from k3pipe.settings import Settings
 from k3pipe.sources import fetch_model
 from k3pipe.spool import IdMap, Journal, SessionDir, list_sessions, new_run_id, try_lock, unlock
 from k3pipe.sync import sync_spool
 from k3pipe.tracking import Tracker
-from tests.conftest import _ISOLATED_PREFIXES, REPO, TINY_MODEL, demo_experiment, free_port
+from tests.conftest import REPO, TINY_MODEL, demo_experiment, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
+from tests.stores import seed_mlflow_db
 
-MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 KEY = "sk-spool-secret-0123456789"
 
 
-# -- a real MLflow tracking server -------------------------------------------------------------------
-
-
-class MlflowServer:
-    """`mlflow server` on 127.0.0.1 with a SQLite store and proxied artifacts under ``directory``,
-    in its own process group; :meth:`kill` SIGKILLs the group, :meth:`start` starts it again on the
-    same store and port."""
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.started_at = 0.0
-
-    def start(self, timeout_s: float = 120) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_ISOLATED_PREFIXES)}
-        argv = [
-            MLFLOW, "server", "--host", "127.0.0.1", "--port", str(self.port),
-            "--backend-store-uri", f"sqlite:///{self.dir / 'mlflow.db'}",
-            "--artifacts-destination", str(self.dir / "artifacts"), "--serve-artifacts", "--workers", "1",
-        ]  # fmt: skip
-        log = (self.dir / "server.log").open("ab")
-        self.proc = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while probe_tracking(self.uri, 2) is not None:
-            assert self.proc.poll() is None, (self.dir / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server did not start"
-            time.sleep(0.3)
-        self.started_at = time.time()
-
-    def kill(self) -> None:
-        """SIGKILL the server's whole group (uvicorn and its workers) and wait for it."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        # the group's other processes (the uvicorn worker) die with it; wait until the port is free
-        deadline = time.monotonic() + 30
-        while probe_tracking(self.uri, 1) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+# -- a real MLflow tracking server (benchmarks/faults.py's) -----------------------------------------
 
 
 @pytest.fixture
@@ -94,6 +49,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
     """A real MLflow server of the test's own (not started: the test starts it), always killed."""
     directory = tmp_path / "mlflow-server"
     directory.mkdir()
+    seed_mlflow_db(directory / "mlflow.db")
     server = MlflowServer(directory)
     try:
         yield server

@@ -238,6 +238,7 @@ def test_up_starts_every_service_on_localhost(stack: Stack) -> None:
         assert password.encode() not in Path(f"/proc/{record.pid}/cmdline").read_bytes()
 
 
+@pytest.mark.fresh_home  # what the client writes into its own home is asserted: nothing of MLflow's
 def test_a_tracked_run_lands_in_postgres_and_the_servers_artifact_store(
     stack: Stack, clean_environ: Path
 ) -> None:
