@@ -751,7 +751,9 @@ def bundle(
         str | None,
         typer.Option(help="Target wheel platform, e.g. manylinux_2_35_x86_64 (default: this machine's)."),
     ] = None,
-    part_size_mib: Annotated[float, typer.Option(help="Largest part, MiB.")] = 60.0,
+    part_size_mib: Annotated[
+        float, typer.Option(help="Largest part, MiB (56: one part beside the repository fits a device call).")
+    ] = 56.0,
     pipeline: Annotated[bool, typer.Option(help="Include k3pipe's wheel and its dependencies.")] = True,
     upgrade: Annotated[
         list[str] | None,
