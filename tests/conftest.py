@@ -461,7 +461,8 @@ def tier_of(path: str) -> str | None:
 # tests/integration/test_public_api.py checks the pin and the method's shape.
 # The modules whose tests need only a live vLLM (the session's `vllm_engine`), not a start of their
 # own, are one group: one worker starts the engine once for all of them (a cold start costs 35-45 s
-# of two busy cores). None of them is serial, so the timing phase starts no engine at all.
+# of two busy cores). None of them is serial; the timing phase starts the engine only for
+# tests/engine/test_verdicts_cpu.py, whose A/B must stand out of the machine's noise.
 # pytest_collection_modifyitems refuses a module outside this list that asks for `vllm_engine`.
 SHARED_ENGINE = "tests/engine: the shared vLLM"
 SHARED_ENGINE_MODULES = frozenset(
@@ -488,7 +489,6 @@ GROUP_SECONDS = {
     "tests/integration/test_stack.py": 120,
     "tests/engine/test_gateway.py": 110,
     "tests/integration/test_secrets.py": 80,
-    "tests/engine/test_verdicts_cpu.py": 600,
     "tests/integration/test_study.py": 240,
     "tests/integration/test_bad_inputs.py": 60,  # 75 with its pure half, now tests/unit/ (about 15 s)
     "tests/integration/test_report_artifacts.py": 40,
