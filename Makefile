@@ -138,21 +138,19 @@ docker:
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; [ $$status = 0 ] || scripts/docker-env.sh down; exit $$status' EXIT; \
 	$(DOCKER_UP)
 
-# Set-up overlaps where nothing is shared: the Docker base and test images build (Debian's mirror,
-# dockerd) while the venvs install (-j3: uv, the wheel cache); the real vLLM's image (from the engine
-# venv) builds while lint runs and the tests' store templates are made (tests/stores.py). Then two phases (tests/conftest.py says why): the timing tests
-# alone, then the rest on TEST_WORKERS pytest-xdist workers; both run, and the first failure's status
-# is the target's. The real vLLM's image is built before them (3 minutes alone, 6 beside the other
-# worker's tests).
+# Set-up overlaps where nothing is shared: the Docker images build (Debian's mirror, dockerd: the base,
+# the scripted engine's, the real vLLM's runtime) while the venvs install (-j3: uv, the wheel cache),
+# the tiny model is made, lint runs and the tests' store templates are made (tests/stores.py). Then two
+# phases (tests/conftest.py says why): the timing tests alone, then the rest on TEST_WORKERS
+# pytest-xdist workers; both run, and the first failure's status is the target's.
 TEST_WORKERS ?= 2
 SUBMAKE = $(MAKE) --no-print-directory
 test: system test-system
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; kill $$(jobs -p) 2>/dev/null; wait; scripts/docker-env.sh down; exit $$status' EXIT; \
 	{ scripts/docker-env.sh up && eval "$$(scripts/docker-env.sh env)" || exit; }; \
-	{ scripts/build-base-image.sh && scripts/build-test-image.sh; } & images=$$!; \
-	$(SUBMAKE) -j3 venv engine gateway && $(SUBMAKE) model compile && wait $$images && \
-	{ scripts/build-vllm-image.sh >/dev/null & vllm_image=$$!; \
-	  $(SUBMAKE) lint && $(VENV)/bin/python -m tests.stores >/dev/null && wait $$vllm_image; } && { \
+	{ scripts/build-base-image.sh && scripts/build-test-image.sh && scripts/build-vllm-image.sh >/dev/null; } & \
+	images=$$!; $(SUBMAKE) -j3 venv engine gateway && $(SUBMAKE) model compile && $(SUBMAKE) lint && \
+	$(VENV)/bin/python -m tests.stores >/dev/null && wait $$images && { \
 	serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
 	$(VENV)/bin/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 		--durations=40 && exit $$serial; }

@@ -122,7 +122,10 @@ class ArmPlan(BaseModel):
     launch: LauncherSpec = Field(description="The launcher's spec (its kind's settings and behaviour).")
     mounts: dict[str, str] = Field(
         default_factory=dict,
-        description="Host model directory -> the engine's path for it, mounted read-only (containers).",
+        description=(
+            "Host path -> the engine's path for it, mounted read-only (containers): the model "
+            "directories, then launcher.volumes."
+        ),
     )
     compile_cache: CompileCache | None = Field(
         default=None, description="The engine's compile cache (None: the engine or launcher has none)."
@@ -191,6 +194,8 @@ def plan_arm(
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
     host_dirs = dict(dirs)
     dirs, mounts = arm.launcher.place_models(dirs)
+    for host_path, inside in arm.launcher.extra_mounts().items():
+        mounts[str(Path(expand_home(host_path, home)).expanduser().absolute())] = inside
     port = arm.launcher.port or engine.default_port
     served = exp.model.served_name
     binding = arm.launcher.binding(engine.default_port, served)

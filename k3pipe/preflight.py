@@ -338,6 +338,23 @@ def _executable_rule(home: Path) -> Rule:
     return rule_executable
 
 
+def _volumes_rule(home: Path) -> Rule:
+    def rule_volumes(ctx: ArmContext) -> Iterator[Finding]:
+        """Each host path a container mounts is there (Docker refuses a bind mount of a missing one,
+        after the image pull)."""
+        for value, inside in ctx.arm.launcher.extra_mounts().items():
+            path = _local(value, home)
+            if not path.exists():
+                yield ctx.finding(
+                    "error",
+                    "volume-path",
+                    f"launcher.volumes {_shown_path(value, path)} (for {inside}) does not exist: make it "
+                    f"or fix the path ('{{home}}' expands to K3PIPE_HOME, {home})",
+                )
+
+    return rule_volumes
+
+
 def rule_env_references(ctx: ArmContext) -> Iterator[Finding]:
     """Every ``{env.NAME}`` of an engine k3pipe starts names a variable that is set here (it is read
     at launch: unset, the launch would fail after the download and the image pull)."""
@@ -601,7 +618,13 @@ def preflight(
     if skipped is not None:
         findings.append(skipped)
     findings.extend(_shared_prompts(spec))
-    rules = (*_GENERIC_RULES, _executable_rule(home), _kv_rule(reserve_gib_per_gpu * GiB), *extra_rules)
+    rules = (
+        *_GENERIC_RULES,
+        _executable_rule(home),
+        _volumes_rule(home),
+        _kv_rule(reserve_gib_per_gpu * GiB),
+        *extra_rules,
+    )
     for arm in spec.arms:
         engine = get_engine(arm.engine.kind)
         ctx = ArmContext(

@@ -45,6 +45,16 @@ _HOST_NAME = re.compile(
 _SIZE = re.compile(r"[0-9]+[bkmgBKMG]?")  # what docker's --shm-size takes
 
 
+def _container_path(value: str) -> bool:
+    """An absolute path inside a container that a bind mount can name (no ':', spaces or '..')."""
+    return (
+        value.startswith("/")
+        and ".." not in value.split("/")
+        and ":" not in value
+        and not any(c.isspace() for c in value)
+    )
+
+
 MODEL_PATH = "{{model_path}}"
 PORT = "{{port}}"
 MODEL_NAME = "{{model_name}}"
@@ -215,6 +225,11 @@ class LauncherSpecBase(BaseModel):
         """The model directories as the engine sees them, and host -> engine read-only mounts."""
         return dict(dirs), {}
 
+    def extra_mounts(self) -> dict[str, str]:
+        """Host path (as the spec writes it: '{home}' and '~' not expanded) -> engine path of the
+        other read-only mounts (none but a container's)."""
+        return {}
+
     def engine_cpus(self) -> list[int] | None:
         """The CPUs the engine is pinned to on this node (None: not pinned, or not on this node)."""
         return None
@@ -301,20 +316,53 @@ class DockerLauncherSpec(LauncherSpecBase):
         default="/models", description="Where model directories are mounted (read-only)."
     )
 
+    volumes: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "More host paths mounted read-only: host path ('{home}' and '~' allowed) -> an absolute "
+            "path in the container (an engine's packages kept on the host, a tokenizer cache)."
+        ),
+    )
+
     @field_validator("model_mount")
     @classmethod
     def _absolute(cls, value: str) -> str:
-        if (
-            not value.startswith("/")
-            or ".." in value.split("/")
-            or ":" in value
-            or any(c.isspace() for c in value)
-        ):
+        if not _container_path(value):
             raise ValueError(
                 f"model_mount {value!r} must be an absolute path in the container without ':', spaces "
                 "or '..', e.g. '/models'"
             )
         return value
+
+    @field_validator("volumes")
+    @classmethod
+    def _volumes(cls, value: dict[str, str]) -> dict[str, str]:
+        for host, inside in value.items():
+            if not host.strip() or ":" in host:
+                raise ValueError(
+                    f"volumes key {host!r} must be a path on this machine without ':' (the host side of "
+                    "the mount), e.g. '{home}/venvs/engine/lib'"
+                )
+            if not _container_path(inside) or inside.rstrip("/") == "":
+                raise ValueError(
+                    f"volumes[{host!r}] {inside!r} must be an absolute path in the container other than "
+                    "'/', without ':', spaces or '..', e.g. '/opt/engine/lib'"
+                )
+        if len(set(value.values())) < len(value):
+            raise ValueError("volumes mount two host paths at the same container path: give each its own")
+        return value
+
+    @model_validator(mode="after")
+    def _volumes_beside_models(self) -> DockerLauncherSpec:
+        models = self.model_mount.rstrip("/")
+        for inside in self.volumes.values():
+            path = inside.rstrip("/")
+            if path == models or path.startswith(models + "/") or models.startswith(path + "/"):
+                raise ValueError(
+                    f"volumes target {inside!r} overlaps model_mount {self.model_mount!r} (the models "
+                    "are mounted there): choose another container path"
+                )
+        return self
 
     @field_validator("shm_size")
     @classmethod
@@ -354,6 +402,9 @@ class DockerLauncherSpec(LauncherSpecBase):
             mounts[host_dir] = target
             inside[key] = target
         return inside, mounts
+
+    def extra_mounts(self) -> dict[str, str]:
+        return dict(self.volumes)
 
 
 class ExternalLauncherSpec(LauncherSpecBase):

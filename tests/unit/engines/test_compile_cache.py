@@ -127,6 +127,15 @@ def test_docker_arm_mounts_the_cache() -> None:
     assert cache.factors["executable"] is None
 
 
+def test_docker_volumes_are_mounted_read_only_beside_the_models() -> None:
+    data = experiment(launcher="docker")
+    data["arms"][0]["launcher"]["volumes"] = {"{home}/venvs/engine/lib": "/opt/engine/lib"}
+    p = plan(data)
+    assert p.mounts == {"/m": "/models/model", "/h/venvs/engine/lib": "/opt/engine/lib"}
+    run = equivalent_command(p)
+    assert "-v /m:/models/model:ro -v /h/venvs/engine/lib:/opt/engine/lib:ro" in run
+
+
 def test_docker_arm_with_spec_cache_root_is_not_reachable_here() -> None:
     cache = plan(experiment(launcher="docker", env={"VLLM_CACHE_ROOT": "/cache"})).compile_cache
     assert cache is not None
