@@ -452,9 +452,9 @@ def tier_of(path: str) -> str | None:
 # `make test` runs the suite in two phases: first the tests whose figures are timings (a client's
 # error against an exact schedule, a CPU-saturation probe, a rate within 5%), alone on the machine
 # (`-m serial`: each such module sets `pytestmark = pytest.mark.serial` itself, in whatever tier);
-# then the rest on two pytest-xdist workers (`-m "not serial" -n 2`), most of whose time is waiting
-# on servers, engines and timeouts. A group stays on one worker: a module (its module
-# fixtures are made once), or all of tests/docker/ (one dockerd; a test there asserts that no managed
+# then the rest on TEST_WORKERS pytest-xdist workers (three on two cores: `-m "not serial" -n 3`),
+# most of whose time is waiting on servers, engines and timeouts. A group stays on one worker: a
+# module (its module fixtures are made once), or all of tests/docker/ (one dockerd; a test there asserts that no managed
 # container is left). xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node
 # ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does, by overriding
 # LoadScopeScheduling._split_scope: a private method, so pytest-xdist is pinned (pyproject.toml) and
@@ -475,7 +475,7 @@ SHARED_ENGINE_MODULES = frozenset(
     }
 )
 # The heaviest groups start first (seconds of one serial run, `pytest --durations`, 2026-12-03), so
-# that the two workers end at about the same time; the others follow in collection order.
+# that the workers end at about the same time; the others follow in collection order.
 GROUP_SECONDS = {
     "tests/integration/test_faults.py": 620,
     "tests/integration/test_spool.py": 540,
