@@ -1,5 +1,5 @@
-"""The k3pipe command line: render, preflight, run, study, retest, report, rerun, runs, history, compare,
-bundle."""
+"""The k3pipe command line: render, preflight, run, study, retest, report, rerun, runs, detached,
+history, compare, bundle."""
 
 from __future__ import annotations
 
@@ -264,34 +264,107 @@ def run(
 @app.command()
 @run_options
 def study(
-    experiment: Annotated[Path, typer.Argument(help="Experiment YAML file.")],
+    experiment: Annotated[
+        Path | None, typer.Argument(help="Experiment YAML file (with --resume: optional, checked).")
+    ] = None,
     arm: Annotated[list[str] | None, typer.Option(help="Only these arms (repeatable).")] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="STUDY_RUN_ID",
+            help="Resume this study (its MLflow run id or a unique prefix): keep the launches that "
+            "finished, run the others, with its own experiment, arms and overrides.",
+        ),
+    ] = None,
+    detach: Annotated[
+        bool,
+        typer.Option(
+            "--detach",
+            help="Run in the background, surviving this command and its terminal: prints where its "
+            "log is; `k3pipe detached` shows how it goes.",
+        ),
+    ] = False,
     *,
     overrides: dict[str, int | None],
     spool: bool,
 ) -> None:
     """Run every arm on every workload as one study (one parent MLflow run), then print its report's
     table and where the HTML report is. Exit 1 when an arm failed (the report covers the others).
-    The options after --arm override that field in every workload (recorded as override.* params)."""
+    The options after --arm override that field in every workload (recorded as override.* params).
+    With --resume, a study that did not finish (interrupted, killed, or with failed launches) goes
+    on under its own run: finished launches are kept, the others run, the report covers them all."""
     settings = Settings()
-    request = _request(experiment, arm, overrides)
+    if detach:
+        from cli.detached import start_detached
+
+        argv = [a for a in sys.argv[1:] if a != "--detach"]
+        start_detached(settings.home_dir, argv, label=resume or (experiment.stem if experiment else "study"))
+        return
+    resumed = None
+    if resume is not None:
+        resumed = _resume_check(settings, resume, experiment, arm, overrides, spool)
+    elif experiment is None:
+        _fail(K3pipeError("no experiment: give an experiment file, or --resume STUDY_RUN_ID"))
+    else:
+        request = _request(experiment, arm, overrides)
     _tracking_ready(settings, spool)
     prepare_prefect_env(settings, "flows.study")
     from flows.study import study as study_flow
     from k3pipe.jobs.study import ArmsFailed
 
+    def call() -> Any:
+        if resumed is not None:
+            return study_flow(resume=resumed)
+        return study_flow(request.experiment, arms=request.arms, overrides=request.overrides)
+
     failed = None
     try:
-        result = _run_flow(
-            lambda: study_flow(request.experiment, arms=request.arms, overrides=request.overrides),
-            keep=ArmsFailed,
-        )
+        result = _run_flow(call, keep=ArmsFailed)
     except ArmsFailed as exc:
         failed, result = exc, exc.result
     _print_study(result)
     if failed is not None:
         typer.secho(f"error: {failed}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
+
+
+def _resume_check(
+    settings: Settings,
+    resume: str,
+    experiment: Path | None,
+    arm: list[str] | None,
+    overrides: dict[str, int | None],
+    spool: bool,
+) -> str:
+    """The study run id to resume, once its record says it can be (before Prefect starts): a file
+    given must be its experiment (with the overrides given, as it was started); arms and the spool
+    cannot be chosen anew."""
+    from k3pipe.resume import check_experiment, resume_point
+    from k3pipe.tracking import Tracker
+
+    if arm:
+        _fail(K3pipeError("--arm cannot be given with --resume: the study runs its own arms"))
+    if spool:
+        _fail(K3pipeError("--spool cannot be given with --resume: resuming reads the study from MLflow"))
+    if experiment is None and any(v is not None for v in overrides.values()):
+        _fail(
+            K3pipeError(
+                "overrides with --resume need the experiment file: give both as the study was started, "
+                "or neither (the study's own are used)"
+            )
+        )
+    _tracking_ready(settings, False)
+    try:
+        tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+        point = resume_point(tracker, resume)
+        if experiment is not None:
+            request = _request(experiment, None, overrides)
+            check_experiment(point, request.load(), str(experiment))
+    except K3pipeError as exc:
+        _fail(exc)
+    typer.echo(f"resuming {point.summary()}")
+    return point.run_id
 
 
 @app.command()
@@ -661,6 +734,41 @@ def runs(
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(frame.round(2).to_string(index=False))
     print(f"\nbrowse: {tracker.run_link(runs_full_id)}")
+
+
+@app.command()
+def detached(
+    name: Annotated[
+        str | None, typer.Argument(help="One detached command (its name, or a unique start of it).")
+    ] = None,
+    lines: Annotated[int, typer.Option(min=1, help="Log lines to show of the one named.")] = 30,
+) -> None:
+    """Commands started with --detach (`k3pipe study --detach`): each one's state (running, or its
+    exit status), its study run and its last log line; with NAME, the end of its log."""
+    from cli.detached import detached_jobs
+
+    jobs = detached_jobs(Settings().home_dir)
+    if name is not None:
+        found = [j for j in jobs if j.name.startswith(name)]
+        if len(found) != 1:
+            known = ", ".join(j.name for j in jobs[-5:]) or "none"
+            _fail(K3pipeError(f"{len(found) or 'no'} detached command(s) named {name!r}; latest: {known}"))
+        job = found[0]
+        print(f"{job.name}: {job.state()}; k3pipe {' '.join(job.argv)}")
+        if job.study_run():
+            print(f"study run: {job.study_run()}")
+        print(f"log: {job.path / 'output.log'}")
+        print("\n".join(job.log_tail(lines)))
+        return
+    if not jobs:
+        print(f"no detached commands in {Settings().home_dir / 'detached'}")
+        return
+    for job in jobs:
+        tail = job.log_tail(1)
+        print(f"{job.name}: {job.state()}; study run {job.study_run() or '(not yet)'}")
+        print(f"    k3pipe {' '.join(job.argv)}")
+        if tail:
+            print(f"    {tail[0][:160]}")
 
 
 @app.command()

@@ -25,6 +25,7 @@ def study(
     experiment_yaml: str | None = None,
     arms: list[str] | None = None,
     overrides: Overrides = NO_OVERRIDES,
+    resume: str | None = None,
 ) -> dict[str, Any]:
     """Every arm (or the named arms) of the experiment on every workload, under one MLflow run; the
     report at the end. An arm that fails is recorded and the others still run; the flow then fails
@@ -39,9 +40,14 @@ def study(
         arms: Only these arms, in this order (their names in the experiment). Empty: every arm.
         overrides: Workload fields laid over every workload of the experiment; a field left empty
             keeps the experiment's value. Recorded on the MLflow runs as override.* params.
+        resume: A study's MLflow run id (or a unique prefix of it) to resume instead: its launches
+            that finished are kept and the others run, with its own recorded experiment, arms and
+            overrides (the fields above are not read). Empty: a new study.
     """
     note_flow_run()
     guard()
+    if resume and resume.strip():
+        return job.resume(resume.strip(), flow_job()).as_dict()
     request = RunRequest(
         experiment=experiment, experiment_yaml=experiment_yaml, arms=arms, overrides=overrides
     )

@@ -124,10 +124,11 @@ def start_study(
     tags: Mapping[str, str] | None = None,
     params: Mapping[str, Any] | None = None,
     parent_id: str | None = None,
+    arms: list[str] | None = None,
 ) -> str:
-    """The study's parent run: its experiment, arms and workloads, and ``params`` besides (the
-    overrides it was started with, ``override.*``); nested under ``parent_id`` (a retest's run)
-    when given."""
+    """The study's parent run: its experiment, arms (``study_arms``: those it runs, default all) and
+    workloads, and ``params`` besides (the overrides it was started with, ``override.*``); nested
+    under ``parent_id`` (a retest's run) when given."""
     run_id = tracker.start_run(
         f"study/{spec.name}",
         tags={"k3pipe.kind": STUDY_KIND, "k3pipe.experiment": spec.name, **(tags or {})},
@@ -138,6 +139,7 @@ def start_study(
         {
             "experiment_file": experiment_file,
             "arms": ",".join(a.name for a in spec.arms),
+            "study_arms": ",".join(arms or [a.name for a in spec.arms]),
             "workloads": ",".join(w.name for w in spec.workloads),
             **(params or {}),
         },
@@ -190,6 +192,12 @@ class Study:
     """Seconds spent before the study began (the first model's fetch), part of its wall time."""
     say: Callable[[str], None] = log.info
     warn: Callable[[str], None] = log.error
+    done: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    """Launches (arm, launch; 0: priming) that finished before a resume -> their arm runs: not run again."""
+    prior_stages: Mapping[str, float] = field(default_factory=dict)
+    """The study run's stage times recorded before a resume."""
+    prior_wall_s: float = 0.0
+    """The study's wall time recorded before a resume."""
 
     def _prefetch(
         self, arms: Iterable[ArmSpec], models: ThreadPoolExecutor, images: ThreadPoolExecutor
@@ -230,12 +238,18 @@ class Study:
 
             def launch_all(launches: list[tuple[str, int]]) -> None:
                 for name, launch in launches:
+                    if (name, launch) in self.done:
+                        outcome.arms.append(self._kept(name, launch))
+                        continue
                     arm = self.spec.arm(name)
                     outcome.arms.append(
                         self._arm(arm, model_futures, image_futures, outcome.stages, launch, most[name])
                     )
 
             for name in prime_order(self.spec, names):
+                if (name, 0) in self.done:
+                    outcome.primes.append(self._kept(name, 0))
+                    continue
                 primed = self._arm(
                     self.spec.arm(name), model_futures, image_futures, outcome.stages, 0, most[name]
                 )
@@ -293,6 +307,13 @@ class Study:
             launch_all(extra)
             ran.extend(extra)
             round_s.append(time.perf_counter() - began)
+
+    def _kept(self, name: str, launch: int) -> ArmOutcome:
+        """A launch that finished before the study was resumed: kept, not run again."""
+        self.say(
+            f"arm {name} launch {launch}: finished before the resume (run {self.done[(name, launch)]}), kept"
+        )
+        return ArmOutcome(arm=name, mlflow_run_id=self.done[(name, launch)], status="FINISHED", launch=launch)
 
     def _note_look(self, look: int, looks: int, alpha: float) -> None:
         """Where the study stands among its looks: the report's verdicts use this look's alpha."""
@@ -356,17 +377,26 @@ class Study:
             params=dict(self.params), parent_run_id=self.run_id, image_source=image, say=self.say,
             warn=self.warn,
         )  # fmt: skip
-        result = run.execute()
+        try:
+            result = run.execute()
+        finally:
+            stages[f"{prefix}.input_wait_s"] = sum(waits)
+            stages[f"{prefix}.run_s"] = time.perf_counter() - began - (waits[1] if len(waits) > 1 else 0.0)
+            # each launch's stages as it ends: a study whose command is killed keeps those of its
+            # finished launches (a resume adds the rest)
+            own = ("models_s", "image_pull_s", "input_wait_s", "run_s")
+            self.tracker.log_metrics(
+                self.run_id,
+                {f"{prefix}.{k}": stages[f"{prefix}.{k}"] for k in own if f"{prefix}.{k}" in stages},
+            )
         result.launch = launch
-        waited_s = sum(waits)
-        stages[f"{prefix}.input_wait_s"] = waited_s
-        stages[f"{prefix}.run_s"] = time.perf_counter() - began - (waits[1] if len(waits) > 1 else 0.0)
         return result
 
     def _close(self, outcome: StudyOutcome, wall_s: float, status: str) -> None:
         stages = outcome.stages
-        work = sum(v for k, v in stages.items() if k.endswith(("models_s", "image_pull_s", "run_s")))
-        wall = self.before_s + wall_s
+        every = {**self.prior_stages, **stages}
+        work = sum(v for k, v in every.items() if k.endswith(("models_s", "image_pull_s", "run_s")))
+        wall = self.prior_wall_s + self.before_s + wall_s
         sequential = self.before_s + work
         metrics = {
             **stages,

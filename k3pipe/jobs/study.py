@@ -11,10 +11,11 @@ from typing import Any
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import PartlyFailedError, first_line
-from k3pipe.jobs.prepare import check_spec, prepare
+from k3pipe.jobs.prepare import Prepared, check_spec, prepare
 from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
-from k3pipe.params import RunRequest
+from k3pipe.params import INLINE_SOURCE, RunRequest
 from k3pipe.report import report_dir
+from k3pipe.resume import ResumeError, check_experiment, check_prompts, reopen, resume_point, study_lock
 from k3pipe.run import ArmOutcome
 from k3pipe.secrets import scrub
 from k3pipe.sources import ModelRecord
@@ -22,7 +23,7 @@ from k3pipe.specs import ExperimentSpec
 from k3pipe.speculation import speculation_setting
 from k3pipe.study import Study, StudySteps, start_study
 
-__all__ = ["ArmsFailed", "StudyRequest", "StudyResult", "run_study", "study"]
+__all__ = ["ArmsFailed", "StudyRequest", "StudyResult", "resume", "run_study", "study"]
 
 
 class ArmsFailed(PartlyFailedError):
@@ -82,33 +83,106 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
     spec, tracker = request.spec, job.tracker
     tags = {**job.tags, **request.tags}
     run_id = start_study(
-        tracker, spec, request.experiment, tags, request.params, parent_id=request.parent_run_id
-    )
+        tracker, spec, request.experiment, tags, request.params, parent_id=request.parent_run_id,
+        arms=request.arms,
+    )  # fmt: skip
     job.say("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(request.arms))
-    try:
-        # the first model now (the prompts are drawn with its tokenizer); the others in the background
-        check_spec(spec, request.arms, tracker, job.steps.prepare, job.tags, run_id)
-        began = time.perf_counter()
-        prepared = prepare(
-            spec, request.arms, tracker, job.home, job.steps.prepare, tags=job.tags, parent_id=run_id,
-            models=request.models, prompts=request.prompts, extra_models=False, spec_checked=True,
-        )  # fmt: skip
-        before = time.perf_counter() - began
-    except BaseException:
-        tracker.end_run(run_id, "FAILED")
-        raise
+    with study_lock(job.home, run_id):
+        try:
+            # the first model now (the prompts are drawn with its tokenizer); the others in the background
+            check_spec(spec, request.arms, tracker, job.steps.prepare, job.tags, run_id)
+            began = time.perf_counter()
+            prepared = prepare(
+                spec, request.arms, tracker, job.home, job.steps.prepare, tags=job.tags, parent_id=run_id,
+                models=request.models, prompts=request.prompts, extra_models=False, spec_checked=True,
+            )  # fmt: skip
+            before = time.perf_counter() - began
+        except BaseException:
+            tracker.end_run(run_id, "FAILED")
+            raise
+        study = _study(
+            spec, run_id, request.experiment, request.arms, prepared, before, request.params, tags, job
+        )
+        return _finish(study, job)
+
+
+def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None = None) -> StudyResult:
+    """The recorded study ``run_ref`` (its run id, or a unique prefix) resumed: its launches that
+    finished kept, the others run (one that did not finish, again whole), under its own run, with its
+    own experiment and overrides and the prompts it drew (checked against their digests); the report
+    of the whole study at the end (k3pipe.resume says why a launch is the unit). ``experiment``: a
+    spec (and where it came from) that must be the study's own. Raises :class:`ResumeError` when it
+    cannot be resumed, :class:`ArmsFailed` after the report when an arm failed again."""
+    tracker = job.tracker
+    point = resume_point(tracker, run_ref)
+    if experiment is not None:
+        check_experiment(point, *experiment)
+    with study_lock(job.home, point.run_id):
+        if point.status == "FINISHED" and not point.unfinished:
+            raise ResumeError(
+                f"study {point.name} (run {point.run_id}) finished with every launch: nothing is left to "
+                f"run; its report: `k3pipe report {point.run_id}`"
+            )
+        spec, run_id = point.spec, point.run_id
+        job.say("resuming %s", point.summary())
+        reopen(tracker, point)
+        try:
+            began = time.perf_counter()
+            prepared = prepare(
+                spec, point.arms, tracker, job.home, job.steps.prepare, tags=job.tags, parent_id=run_id,
+                extra_models=False,
+            )  # fmt: skip
+            check_prompts(point, prepared.prompts)
+            before = time.perf_counter() - began
+        except BaseException:
+            tracker.end_run(run_id, "FAILED")
+            raise
+        tags = {**job.tags, "k3pipe.resume": str(point.resumes + 1)}
+        study = _study(
+            spec,
+            run_id,
+            point.experiment_file or INLINE_SOURCE,
+            point.arms,
+            prepared,
+            before,
+            point.params,
+            tags,
+            job,
+        )
+        study.done, study.prior_stages, study.prior_wall_s = point.done, point.stages, point.wall_s
+        return _finish(study, job)
+
+
+def _study(
+    spec: ExperimentSpec,
+    run_id: str,
+    experiment: str,
+    arms: list[str],
+    prepared: Prepared,
+    before: float,
+    params: dict[str, Any],
+    tags: dict[str, str],
+    job: Job,
+) -> Study:
     steps = StudySteps(
         fetch_model=job.steps.prepare.fetch_model,  # from a background lane: still a task of this flow
         pull_image=job.steps.arm.pull_image,
         arm=job.steps.arm,
     )
-    outcome = Study(
-        spec, run_id, tracker, job.settings, prepared.models, prepared.prompts, prepared.findings,
-        request.experiment, steps, tags=tags, labels=job.labels, params=dict(request.params),
-        arms=request.arms, before_s=before, say=job.say, warn=job.warn,
-    ).execute()  # fmt: skip
+    return Study(
+        spec, run_id, job.tracker, job.settings, prepared.models, prepared.prompts, prepared.findings,
+        experiment, steps, tags=tags, labels=job.labels, params=dict(params),
+        arms=arms, before_s=before, say=job.say, warn=job.warn,
+    )  # fmt: skip
+
+
+def _finish(study: Study, job: Job) -> StudyResult:
+    """The study's launches run, speculation judged, the report built; :class:`ArmsFailed` after it
+    when an arm did not finish."""
+    spec, tracker, run_id = study.spec, job.tracker, study.run_id
+    outcome = study.execute()
     outcomes = list(outcome.arms)
-    if any(speculation_setting(spec.arm(name)) for name in request.arms):
+    if any(speculation_setting(spec.arm(name)) for name in study.arms or []):
         # judged on each arm's first launch (the judge pairs one run per arm)
         judge_speculation(job, spec, [o for o in outcomes if o.launch == 1])
     report_needs_mlflow(tracker, run_id)

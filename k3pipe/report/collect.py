@@ -22,6 +22,9 @@ STUDY_KIND = "study"
 """The ``k3pipe.kind`` tag of a study's parent run."""
 PRIME_TAG = "k3pipe.prime"
 """Tags the arm run of a priming launch (``decision.prime``): launch 0, kept out of the verdicts."""
+SUPERSEDED_TAG = "k3pipe.superseded"
+"""Tags the arm run of a launch that did not finish and that a resumed study ran again whole (its
+value says so): kept in MLflow with what it measured, left out of the report (k3pipe.resume)."""
 
 
 class CellData(BaseModel):
@@ -127,6 +130,12 @@ class StudyData(BaseModel):
             "Where a study that added launches (decision.until) stopped: look, looks, alpha (this look's "
             "share of the family-wise error rate) and why it stopped."
         ),
+    )
+    resumed: int = Field(
+        default=0, description="How many times the study was resumed (k3pipe study --resume)."
+    )
+    superseded: int = Field(
+        default=0, description="Arm runs of unfinished launches a resume ran again whole (not in the report)."
     )
 
     def cell(self, arm: str, workload: str) -> CellData | None:
@@ -254,8 +263,12 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
     cells: list[CellData] = []
     primed: list[ArmData] = []
     primed_cells: list[CellData] = []
+    superseded = 0
     for arm_run in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
         if not arm_run.data.tags.get("k3pipe.arm"):
+            continue
+        if arm_run.data.tags.get(SUPERSEDED_TAG):
+            superseded += 1
             continue
         arm = _arm(tracker, arm_run)
         if arm_run.data.tags.get(PRIME_TAG):
@@ -289,6 +302,8 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         reference=_reference(experiment),
         decision=experiment.get("decision") or {},
         look=_look(run.data.tags),
+        resumed=int(run.data.tags.get("k3pipe.resumed", "0")),
+        superseded=superseded,
     )
 
 

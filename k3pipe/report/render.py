@@ -286,6 +286,12 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         if (runs := data.launches_of(name))
     )
     head = [f"Study run `{data.run_id}` of experiment **{data.name}** ({data.status}); arms: {launched}."]
+    if data.resumed:
+        head.append(
+            f"Resumed {data.resumed} time(s) (`k3pipe study --resume`): launches that had finished were "
+            f"kept; {data.superseded} launch(es) that had not were run again whole, on a new engine start "
+            "(their earlier runs are in MLflow, tagged k3pipe.superseded, and in no figure here)."
+        )
     for a in failed:
         head.append(
             f"**Arm {data.label(a)} did not finish ({a.status})**: {a.error or 'see its MLflow run'} "

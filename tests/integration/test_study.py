@@ -6,6 +6,9 @@ one; the flow test runs the real Prefect flow on a temporary Prefect server."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cli.detached import detached_jobs
 from k3pipe import stats
 from k3pipe.bench.prompts import prepare_prompts
 from k3pipe.experiment import parse_experiment
@@ -24,8 +28,9 @@ from k3pipe.settings import Settings
 from k3pipe.sources import fetch_model
 from k3pipe.study import Study, StudySteps, start_study
 from k3pipe.tracking import Tracker
-from tests.conftest import TINY_MODEL, free_port
+from tests.conftest import REPO, TINY_MODEL, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
+from tests.stores import seed_prefect_home
 
 WORKLOADS = [
     {"name": "in32", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
@@ -359,3 +364,169 @@ def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: i
     assert printed.startswith(report.text())
     assert "arm broken: FAILED, MLflow run id" in printed
     assert f"study: MLflow run id {result['study_run_id']}" in printed
+
+
+def _launch_records(tracker: Tracker, study_run_id: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each measured launch of a study as its records hold it: (arm, launch) -> its status, the
+    workload runs with their repeat counts, and the digests of the prompts it sent."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for arm_run in sorted(tracker.children(study_run_id), key=lambda r: r.info.start_time):
+        tags = arm_run.data.tags
+        if tags.get("k3pipe.superseded"):
+            continue
+        workloads = {
+            w.data.tags["k3pipe.workload"]: len(tracker.children(w.info.run_id))
+            for w in tracker.children(arm_run.info.run_id)
+        }
+        record = read_record(tracker, arm_run.info.run_id)
+        out[(tags["k3pipe.arm"], tags["k3pipe.launch"])] = {
+            "status": arm_run.info.status,
+            "workloads": workloads,
+            "prompts": [(p.workload, p.repeat, p.sha256) for p in record.prompts],
+        }
+    return out
+
+
+def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_through(  # type: ignore[no-untyped-def]
+    prefect_harness: None, servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A study of two arms launched twice, interrupted (the KeyboardInterrupt a Ctrl-C raises) in the
+    third launch's second workload, then resumed through the study flow's `resume` parameter: the
+    two finished launches are kept (not run again), the interrupted one runs again whole and the
+    fourth runs; the records equal those of the same study run straight through (the same launches,
+    workloads, repeats and prompts), plus the interrupted launch's run, kept and tagged superseded."""
+    from dataclasses import replace
+
+    from flows.study import study as study_flow
+    from k3pipe.jobs.steps import Job
+    from k3pipe.jobs.study import resume, study
+    from k3pipe.params import Overrides, RunRequest
+    from k3pipe.resume import ResumeError, check_experiment, resume_point, study_lock
+
+    fast, slow = servers
+    exp = tmp_path / "study.yaml"
+    arms = [{**_arm("fast", fast.base_url), "launches": 2}, {**_arm("slow", slow.base_url), "launches": 2}]
+    exp.write_text(yaml.safe_dump(_experiment(arms)))
+    order = [("fast", "1"), ("slow", "1"), ("slow", "2"), ("fast", "2")]
+
+    def job_on(home: Path) -> Job:
+        monkeypatch.setenv("K3PIPE_HOME", str(home))
+        return Job.library(Settings())
+
+    straight_job = job_on(tmp_path / "straight")
+    straight = study(RunRequest(experiment=str(exp)), straight_job)
+    expected = _launch_records(straight_job.tracker, straight.study_run_id)
+    assert list(expected) == order
+
+    job = job_on(tmp_path / "resumed")
+    calls: list[tuple[str, str, int]] = []
+    bench = job.steps.arm.benchmark
+
+    def interrupted(plan, workload, model_dir, api_key, repeat=0, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((plan.arm, workload.name, repeat))
+        if len(calls) == 11:  # slow's second launch (the third), in96's first repeat
+            raise KeyboardInterrupt
+        return bench(plan, workload, model_dir, api_key, repeat, *args, **kwargs)
+
+    broken = job.with_steps(arm=replace(job.steps.arm, benchmark=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        study(RunRequest(experiment=str(exp)), broken)
+    (study_run,) = job.tracker.client.search_runs(
+        [job.tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'"
+    )
+    run_id = study_run.info.run_id
+    assert study_run.info.status == "KILLED"
+    point = resume_point(job.tracker, run_id[:10])
+    assert sorted(point.done) == [("fast", 1), ("slow", 1)]
+    assert [r.data.tags["k3pipe.launch"] for r in point.unfinished] == ["2"]
+    assert "run again whole: slow#2" in point.summary()
+    # the experiment as the study ran it: the same file passes, a changed one is named
+    check_experiment(point, RunRequest(experiment=str(exp)).load(), str(exp))
+    changed = RunRequest(experiment=str(exp), overrides=Overrides(output_tokens=9)).load()
+    with pytest.raises(ResumeError, match=r"workloads\[0\]\.output_tokens was 8, is 9"):
+        check_experiment(point, changed, "study.yaml --output-tokens 9")
+    with study_lock(job.home, run_id), pytest.raises(ResumeError, match="still running"):
+        resume(run_id, job)
+
+    result = study_flow(resume=run_id[:10])  # the flow's parameter, as the Prefect form and the CLI give it
+    assert result["study_run_id"] == run_id
+    assert [(o["arm"], str(o["launch"]), o["status"]) for o in result["arms"]] == [
+        (a, k, "FINISHED") for a, k in order
+    ]
+    assert _launch_records(job.tracker, run_id) == expected
+    runs = sorted(job.tracker.children(run_id), key=lambda r: r.info.start_time)
+    assert len(runs) == 5  # fast#1 and slow#1 ran once: only slow#2 (again) and fast#2 were added
+    (superseded,) = [r for r in runs if r.data.tags.get("k3pipe.superseded")]
+    assert (superseded.data.tags["k3pipe.arm"], superseded.info.status) == ("slow", "KILLED")
+    assert [w.data.tags["k3pipe.workload"] for w in job.tracker.children(superseded.info.run_id)] == ["in32"]
+    done = job.tracker.client.get_run(run_id)
+    assert done.info.status == "FINISHED"
+    assert done.data.tags["k3pipe.resumed"] == "1"
+    assert "stage.fast.run_s" in done.data.metrics  # fast#1's stage, logged when it ended
+    assert "stage.fast.launch2.run_s" in done.data.metrics
+
+    report = build_report(job.tracker, run_id)
+    assert report.data.superseded == 1
+    assert "Resumed 1 time(s)" in report.markdown
+    cell = report.data.cell("slow", "in96")
+    assert cell is not None
+    assert cell.launches == 2
+    with pytest.raises(ResumeError, match="nothing is left to run"):
+        resume(run_id, job)
+
+
+def _k3pipe(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout_s,
+    )  # fmt: skip
+
+
+def test_a_detached_study_outlives_its_command_and_a_finished_one_is_not_resumed(  # type: ignore[no-untyped-def]
+    servers, tmp_path: Path
+) -> None:
+    """`k3pipe study --detach` returns at once; the study runs on in a session of its own (the
+    command's end sends it nothing), and `k3pipe detached` reads its state, exit status, study run
+    and log. Resuming it once it finished is refused, as are --arm and --spool beside --resume."""
+    fast, _ = servers
+    exp = tmp_path / "study.yaml"
+    exp.write_text(yaml.safe_dump(_experiment([_arm("fast", fast.base_url)])))
+    seed_prefect_home(tmp_path / "prefect")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "200"}
+    env.pop("PREFECT_API_URL", None)
+    home = Path(env["K3PIPE_HOME"])
+
+    t0 = time.monotonic()
+    started = _k3pipe(env, "study", str(exp), "--detach")
+    assert started.returncode == 0, started.stderr
+    assert time.monotonic() - t0 < 20  # it does not wait for the study
+    assert "started in the background" in started.stdout
+    (job,) = detached_jobs(home)
+    assert f"stop: kill -INT -- -{job.pgid}" in started.stdout
+    assert job.argv == ["study", str(exp)]
+    deadline = time.monotonic() + 300
+    while job.exit_code is None and job.running and time.monotonic() < deadline:
+        time.sleep(1)
+        (job,) = detached_jobs(home)
+    assert job.exit_code == 0, "\n".join(job.log_tail(60))
+    run_id = job.study_run()
+    assert run_id is not None
+    assert len(run_id) == 32
+
+    listed = _k3pipe(env, "detached")
+    assert listed.returncode == 0, listed.stderr
+    assert f"{job.name}: ended, exit 0; study run {run_id}" in listed.stdout
+    shown = _k3pipe(env, "detached", job.name[:15], "--lines", "5")
+    assert shown.returncode == 0, shown.stderr
+    assert f"study: MLflow run id {run_id}" in shown.stdout
+
+    again = _k3pipe(env, "study", "--resume", run_id[:10])
+    assert again.returncode == 2
+    assert "finished with every launch: nothing is left to run" in again.stderr
+    for extra, says in ((["--arm", "fast"], "--arm cannot be given"), (["--spool"], "--spool cannot")):
+        refused = _k3pipe(env, "study", "--resume", run_id, *extra)
+        assert refused.returncode == 2
+        assert says in refused.stderr
+    missing = _k3pipe(env, "study")
+    assert missing.returncode == 2
+    assert "give an experiment file, or --resume STUDY_RUN_ID" in missing.stderr

@@ -1,0 +1,259 @@
+"""Resuming a study: the launches that finished are kept, the others run, under the same study run.
+
+A study outlives the command that started it only in its records: each launch of an arm is an arm
+run under the study's run, tagged with its arm and launch (``k3pipe.launch``; 0 is a priming launch),
+and the study's run holds the experiment as it ran (``experiment.json``, overrides laid over) and
+its overrides (``override.*`` params). :func:`resume_point` reads where a study stands from those
+alone: which launches finished, which did not, and the prompts the finished ones sent.
+
+A launch is the unit that is kept or run again: its workloads share one engine start, and the
+verdicts treat each launch's mean as one draw of the restart noise, so a launch that did not finish
+(interrupted, killed with its command, failed) is run again whole, on a new start, and its earlier
+arm run stays in MLflow tagged :data:`SUPERSEDED_TAG` (what it measured kept, left out of the report).
+Finished launches are not run again; the study's prompts are drawn again from their seeds and
+checked against the digests the finished launches recorded (:func:`check_prompts`), so every
+launch sends the very prompts the first command drew.
+
+:func:`study_lock` is held by the command running a study: a second command cannot resume it while
+the first still runs (on this ``K3PIPE_HOME``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3pipe.bench.corpora import PromptSet
+from k3pipe.compare import find_run
+from k3pipe.errors import K3pipeError
+from k3pipe.experiment import parse_experiment
+from k3pipe.report.collect import PRIME_TAG, STUDY_KIND, SUPERSEDED_TAG
+from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
+from k3pipe.secrets import REDACTED, redact_data
+from k3pipe.specs import ExperimentSpec
+from k3pipe.tracking import Tracker
+
+__all__ = [
+    "RESUMED_TAG",
+    "SUPERSEDED_TAG",
+    "ResumeError",
+    "ResumePoint",
+    "check_experiment",
+    "check_prompts",
+    "reopen",
+    "resume_point",
+    "study_lock",
+]
+
+RESUMED_TAG = "k3pipe.resumed"
+"""On the study's run: how many times it was resumed."""
+ARMS_PARAM = "study_arms"
+"""The study run's param naming the arms it runs, in order (the arms asked for, or all)."""
+
+
+class ResumeError(K3pipeError):
+    """A study cannot be resumed (not a study, still running, its experiment or prompts differ)."""
+
+
+@dataclass
+class ResumePoint:
+    """Where a recorded study stands: its experiment and arms as it ran, what finished, what did not."""
+
+    run_id: str
+    name: str
+    status: str
+    spec: ExperimentSpec
+    arms: list[str]
+    params: dict[str, str]
+    """The study's overrides (``override.*``), given to every arm run it starts."""
+    experiment_file: str = ""
+    """Where the study's experiment came from (its ``experiment_file`` param)."""
+    done: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(arm, launch) -> the arm run of a launch that finished (launch 0: a priming launch)."""
+    unfinished: list[Any] = field(default_factory=list)
+    """The arm runs of launches that did not finish and were not superseded yet."""
+    prompts: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(workload, repeat) -> the sha256 of the prompts the finished launches sent."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """The study run's ``stage.*`` metrics so far."""
+    wall_s: float = 0.0
+    """The study's wall time so far, as its run recorded it (0: never recorded, a killed command)."""
+    resumes: int = 0
+
+    def summary(self) -> str:
+        done = sorted(k for k in self.done if k[1] > 0)
+        again = sorted(
+            {(r.data.tags["k3pipe.arm"], int(r.data.tags.get("k3pipe.launch", "1"))) for r in self.unfinished}
+        )
+        text = f"study {self.name} (MLflow run {self.run_id}, {self.status}): {len(done)} launch(es) finished"
+        if again:
+            text += "; run again whole: " + ", ".join(f"{a}#{k}" for a, k in again)
+        return text
+
+
+def _launch(run: Any) -> tuple[str, int]:
+    tags = run.data.tags
+    launch = 0 if tags.get(PRIME_TAG) else int(tags.get("k3pipe.launch", "1"))
+    return tags["k3pipe.arm"], launch
+
+
+def _record(tracker: Tracker, run_id: str) -> RunRecord | None:
+    data = tracker.read_artifact(run_id, RECORD_FILE)
+    if data is None:
+        return None
+    try:
+        return RunRecord.model_validate_json(data)
+    except ValueError:
+        return None
+
+
+def _redacted(data: Any, where: str) -> list[str]:
+    if isinstance(data, dict):
+        return [f for k, v in data.items() for f in _redacted(v, f"{where}.{k}")]
+    if isinstance(data, list):
+        return [f for i, v in enumerate(data) for f in _redacted(v, f"{where}[{i}]")]
+    return [where] if isinstance(data, str) and REDACTED in data else []
+
+
+def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
+    """Where the study ``run_ref`` (its run id, or a unique prefix) stands.
+
+    Raises:
+        ResumeError: it is not a study's run, its experiment cannot be read back or holds a secret
+            written in it (recorded as ``***``), or it has nothing left to run.
+    """
+    run = find_run(tracker, run_ref)
+    run_id = run.info.run_id
+    tags = run.data.tags
+    if tags.get("k3pipe.kind") != STUDY_KIND:
+        raise ResumeError(
+            f"run {run_id} is not a study's run (tag k3pipe.kind is {tags.get('k3pipe.kind')!r}): give the "
+            "study run id `k3pipe study` printed (`k3pipe runs` lists them)"
+        )
+    name = tags.get("k3pipe.experiment", run.info.run_name)
+    raw = tracker.read_artifact(run_id, "experiment.json")
+    if raw is None:
+        raise ResumeError(f"study {name} (run {run_id}) has no experiment.json: it cannot be resumed")
+    import json
+
+    data = json.loads(raw)
+    redacted = _redacted(data, "experiment")
+    if redacted:
+        raise ResumeError(
+            f"study {name} (run {run_id}) was started with a secret written in its experiment "
+            f"({', '.join(redacted[:3])}), recorded as '{REDACTED}', so it cannot be started again from "
+            "its record; write such a value as '{env.NAME}' (read from the environment at launch)"
+        )
+    spec = parse_experiment(data, f"experiment.json of study run {run_id}")
+    params = dict(run.data.params)
+    arms = str(params.get(ARMS_PARAM) or params.get("arms") or "").split(",")
+    point = ResumePoint(
+        run_id=run_id,
+        name=name,
+        status=run.info.status,
+        spec=spec,
+        arms=[a for a in arms if a],
+        params={k: v for k, v in params.items() if k.startswith("override.")},
+        experiment_file=params.get("experiment_file", ""),
+        stages={k: v for k, v in run.data.metrics.items() if k.startswith("stage.")},
+        wall_s=float(run.data.metrics.get("study.wall_s", 0.0)),
+        resumes=int(tags.get(RESUMED_TAG, "0")),
+    )
+    for arm_run in sorted(tracker.children(run_id), key=lambda r: r.info.start_time):
+        if not arm_run.data.tags.get("k3pipe.arm") or arm_run.data.tags.get(SUPERSEDED_TAG):
+            continue
+        key = _launch(arm_run)
+        if arm_run.info.status == "FINISHED":
+            point.done[key] = arm_run.info.run_id
+            if not point.prompts and key[1] > 0:
+                record = _record(tracker, arm_run.info.run_id)
+                if record is not None:
+                    point.prompts = {(p.workload, p.repeat): p.sha256 for p in record.prompts}
+        else:
+            point.unfinished.append(arm_run)
+    return point
+
+
+def check_experiment(point: ResumePoint, spec: ExperimentSpec, source: str) -> None:
+    """``spec`` (from ``source``, overrides laid over) is the experiment the study ran, or a
+    :class:`ResumeError` naming the first fields that differ."""
+    recorded = redact_data(point.spec.model_dump(mode="json"))
+    given = redact_data(spec.model_dump(mode="json"))
+    if recorded == given:
+        return
+    differ = _differences(recorded, given, "")
+    raise ResumeError(
+        f"{source} is not the experiment study {point.name} (run {point.run_id}) ran: "
+        + "; ".join(differ[:5])
+        + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        + ". Resume without the file (the study's own experiment is used), or start a new study"
+    )
+
+
+def _differences(a: Any, b: Any, where: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            f
+            for k in sorted(set(a) | set(b))
+            for f in _differences(a.get(k), b.get(k), f"{where}.{k}".lstrip("."))
+        ]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [
+            f for i, (x, y) in enumerate(zip(a, b, strict=True)) for f in _differences(x, y, f"{where}[{i}]")
+        ]
+    return [] if a == b else [f"{where or 'experiment'} was {a!r}, is {b!r}"]
+
+
+def check_prompts(point: ResumePoint, prompts: Mapping[str, list[PromptSet]]) -> None:
+    """The prompts drawn again are the ones the finished launches sent (their recorded digests), or a
+    :class:`ResumeError` naming the first workload repeat that differs."""
+    for (workload, repeat), recorded in sorted(point.prompts.items()):
+        sets = prompts.get(workload, [])
+        if repeat >= len(sets):
+            continue
+        drawn = prompts_digest(sets[repeat])
+        if drawn != recorded:
+            raise ResumeError(
+                f"the prompts of workload {workload!r} repeat {repeat + 1} drawn again differ from those "
+                f"study {point.name} sent (sha256 {drawn[:16]} against {recorded[:16]}): its dataset or "
+                "the model's tokenizer changed since. Restore them, or start a new study"
+            )
+
+
+def reopen(tracker: Tracker, point: ResumePoint) -> None:
+    """The study's run open again (RUNNING), counted as resumed; each unfinished launch's arm run
+    tagged superseded (an arm run still RUNNING, whose command was killed, is closed as KILLED)."""
+    for arm_run in point.unfinished:
+        arm, launch = _launch(arm_run)
+        if arm_run.info.status == "RUNNING":
+            tracker.end_run(arm_run.info.run_id, "KILLED")
+        tracker.set_tags(
+            arm_run.info.run_id,
+            {SUPERSEDED_TAG: f"launch {launch} of arm {arm} ran again whole by resume {point.resumes + 1}"},
+        )
+    tracker.client.update_run(tracker.mlflow_id(point.run_id), status="RUNNING")
+    tracker.set_tags(point.run_id, {RESUMED_TAG: str(point.resumes + 1)})
+
+
+@contextlib.contextmanager
+def study_lock(home: Path, run_id: str) -> Iterator[None]:
+    """Held while a command runs the study ``run_id`` on ``home``; a :class:`ResumeError` at once
+    when another process holds it (that study is still running). Released when the holder dies."""
+    path = home / "run" / "studies" / f"{run_id}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ResumeError(
+                f"study run {run_id} is still running in another k3pipe process on this K3PIPE_HOME "
+                f"({home}): wait for it to end, or stop it (Ctrl-C), then resume"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
