@@ -454,8 +454,8 @@ def tier_of(path: str) -> str | None:
 # (`-m serial`: each such module sets `pytestmark = pytest.mark.serial` itself, in whatever tier);
 # then the rest on TEST_WORKERS pytest-xdist workers (three on two cores: `-m "not serial" -n 3`),
 # most of whose time is waiting on servers, engines and timeouts. A group stays on one worker: a
-# module (its module fixtures are made once), or all of tests/docker/ (one dockerd; a test there asserts that no managed
-# container is left). xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node
+# module (its module fixtures are made once), or all of tests/docker/ (one dockerd; a test there
+# asserts that no managed container is left). xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node
 # ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does, by overriding
 # LoadScopeScheduling._split_scope: a private method, so pytest-xdist is pinned (pyproject.toml) and
 # tests/integration/test_public_api.py checks the pin and the method's shape.
