@@ -449,19 +449,19 @@ def tier_of(path: str) -> str | None:
     return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else None
 
 
-# `make test` runs the suite in two phases: first the tests whose figures are timings (a client's
-# error against an exact schedule, a CPU-saturation probe, a rate within 5%), alone on the machine
-# (`-m serial`: each such module sets `pytestmark = pytest.mark.serial` itself, in whatever tier);
-# then the rest on TEST_WORKERS pytest-xdist workers (three on two cores: `-m "not serial" -n 3`),
-# most of whose time is waiting on servers, engines and timeouts. A group stays on one worker: a
-# module (its module fixtures are made once), or all of tests/docker/ (one dockerd; a test there
-# asserts that no managed container is left). xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node
-# ids, which pytest 9 no longer reads), so pytest_xdist_make_scheduler below does, by overriding
-# LoadScopeScheduling._split_scope: a private method, so pytest-xdist is pinned (pyproject.toml) and
-# tests/integration/test_public_api.py checks the pin and the method's shape.
-# The modules whose tests need only a live vLLM (the session's `vllm_engine`), not a start of their
-# own, are one group: one worker starts the engine once for all of them (a cold start costs 35-45 s
-# of two busy cores). None of them is serial; the timing phase starts the engine only for
+# `make test` runs the suite in two phases: first the tests whose figures are timings (a client's error
+# against an exact schedule, a CPU-saturation probe, a rate within 5%), alone on the machine (`-m serial`:
+# each such module sets `pytestmark = pytest.mark.serial` itself, in whatever tier); then the rest on
+# TEST_WORKERS pytest-xdist workers (three on two cores: `-m "not serial" -n 3`), most of whose time is
+# waiting on servers, engines and timeouts. A group stays on one worker: a module (its module fixtures are
+# made once), or all of tests/docker/ (one dockerd; a test there asserts that no managed container is left).
+# xdist's own `--dist loadgroup` cannot say that under pytest 9 (it renames node ids, which pytest 9 no
+# longer reads), so pytest_xdist_make_scheduler below does, by overriding LoadScopeScheduling._split_scope:
+# a private method, so pytest-xdist is pinned (pyproject.toml) and tests/integration/test_public_api.py
+# checks the pin and the method's shape.
+# The modules whose tests need only a live vLLM (the session's `vllm_engine`), not a start of their own, are
+# one group: one worker starts the engine once for all of them (a cold start costs 35-45 s of two busy
+# cores). None of them is serial; the timing phase starts the engine only for
 # tests/engine/test_verdicts_cpu.py, whose A/B must stand out of the machine's noise.
 # pytest_collection_modifyitems refuses a module outside this list that asks for `vllm_engine`.
 SHARED_ENGINE = "tests/engine: the shared vLLM"
