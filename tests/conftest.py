@@ -489,7 +489,7 @@ GROUP_SECONDS = {
     "tests/integration/test_stack.py": 120,
     "tests/engine/test_gateway.py": 110,
     "tests/integration/test_secrets.py": 80,
-    "tests/integration/test_study.py": 240,
+    "tests/integration/test_study.py": 360,  # three of its tests start `k3pipe study` themselves
     "tests/integration/test_bad_inputs.py": 60,  # 75 with its pure half, now tests/unit/ (about 15 s)
     "tests/integration/test_report_artifacts.py": 40,
 }

@@ -7,6 +7,8 @@ one; the flow test runs the real Prefect flow on a temporary Prefect server."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -530,3 +532,49 @@ def test_a_detached_study_outlives_its_command_and_a_finished_one_is_not_resumed
     missing = _k3pipe(env, "study")
     assert missing.returncode == 2
     assert "give an experiment file, or --resume STUDY_RUN_ID" in missing.stderr
+
+
+def test_a_study_whose_command_was_killed_is_resumed_by_the_command_line(  # type: ignore[no-untyped-def]
+    servers, tmp_path: Path
+) -> None:
+    """The preemptible node's case: `k3pipe study` killed outright (SIGKILL to its whole group, no
+    teardown, its runs left RUNNING) as the third launch starts; `k3pipe study --resume` closes the
+    killed launch's run, reaps what the dead command left, and ends the study with every launch
+    finished once, the report covering them all."""
+    fast, slow = servers
+    exp = tmp_path / "study.yaml"
+    arms = [{**_arm("fast", fast.base_url), "launches": 2}, {**_arm("slow", slow.base_url), "launches": 2}]
+    exp.write_text(yaml.safe_dump(_experiment(arms)))
+    seed_prefect_home(tmp_path / "prefect")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "200"}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("PREFECT_API_URL", None)
+    out = (tmp_path / "first.log").open("w+")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "study", str(exp)], cwd=REPO, env=env, stdout=out,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "arm slow launch 2 of 2: starting" not in (text := (tmp_path / "first.log").read_text()):
+            assert first.poll() is None, text[-3000:]
+            assert time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    run_id = next(m.group(1) for m in re.finditer(r"study study-test: MLflow run ([0-9a-f]{32})", text))
+
+    resumed = _k3pipe(env, "study", "--resume", run_id, str(exp), timeout_s=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    # the dead command's runs were closed KILLED by the spool's push (their process is gone)
+    assert f"resuming study study-test (MLflow run {run_id}, KILLED): 2 launch(es) finished" in resumed.stdout
+    assert f"study: MLflow run id {run_id}" in resumed.stdout
+    tracker = Tracker(Settings().tracking_uri(), Settings().mlflow_experiment)
+    records = _launch_records(tracker, run_id)
+    assert list(records) == [("fast", "1"), ("slow", "1"), ("slow", "2"), ("fast", "2")]
+    assert all(r["status"] == "FINISHED" for r in records.values())
+    assert all(r["workloads"] == {"in32": 2, "in96": 2} for r in records.values())
+    killed = [r for r in tracker.children(run_id) if r.data.tags.get("k3pipe.superseded")]
+    assert [r.info.status for r in killed] in ([], ["KILLED"])  # killed before or after its run began
+    assert tracker.client.get_run(run_id).info.status == "FINISHED"
