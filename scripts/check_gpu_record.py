@@ -9,7 +9,8 @@ a temporary directory and the MLflow store opened from there read-only (``sqlite
 the node's artifact paths mapped to the unpacked ones). Required, per arm of the experiment file:
 
 - the arm's engine run (the latest, when there are several), status FINISHED;
-- params: engine_version (the one the engine reported: --engine-version), engine_version_declared,
+- params: engine_version (the one the engine reported: --engine-version, else the arm's declared
+  engine.version), engine_version_declared,
   the model's digest, files and bytes, the command (with no key in it), api_key_env, each arg.*;
 - metrics: cold_start_s, probe_first_delta_s, and WORKLOAD.{ttft_ms_p50, tpot_ms_p50, e2e_ms_p50,
   output_throughput_tps} for every workload;
@@ -244,7 +245,9 @@ class Store:
 # ----------------------------------------------------------------------------------------- checks
 
 
-def check_arm(store: Store, spec: dict[str, Any], arm_spec: dict[str, Any], engine_version: str) -> ArmReport:
+def check_arm(
+    store: Store, spec: dict[str, Any], arm_spec: dict[str, Any], engine_version: str | None
+) -> ArmReport:
     arm = arm_spec["name"]
     report = ArmReport(arm)
     runs = [
@@ -264,7 +267,9 @@ def check_arm(store: Store, spec: dict[str, Any], arm_spec: dict[str, Any], engi
     report.need("status FINISHED", run.info.status == "FINISHED", status_detail)
 
     found = params.get("engine_version")
-    report.need(f"engine_version {engine_version}", found == engine_version, f"found {found!r}")
+    # the version the engine must report: --engine-version, else the arm's declared engine.version
+    expected = engine_version or str((arm_spec.get("engine") or {}).get("version") or "")
+    report.need(f"engine_version {expected}", found == expected, f"found {found!r}")
     for name in ENGINE_PARAMS:
         report.need(f"param {name}", bool(params.get(name)), (params.get(name) or "")[:80])
     key_env = (arm_spec.get("endpoint") or {}).get("api_key_env")
@@ -273,8 +278,11 @@ def check_arm(store: Store, spec: dict[str, Any], arm_spec: dict[str, Any], engi
             "param api_key_env", params.get("api_key_env") == key_env, f"{params.get('api_key_env')!r}"
         )
     command = params.get("command", "")
+    # the key's value never; the redacted value or the reference k3pipe reads at launch is fine
     m = re.search(r"--api-key[ =](\S+)", command)
-    report.need("command has no key", m is None or m.group(1).strip("'\"") == "***", command[:0])
+    given = m.group(1).strip("'\"") if m else None
+    safe = given is None or given == "***" or given.startswith("{env.")
+    report.need("command has no key", safe, command[:0])
     for arg in (arm_spec.get("engine") or {}).get("args") or {}:
         report.need(f"param arg.{arg}", f"arg.{arg}" in params, params.get(f"arg.{arg}", "")[:60])
     for name in ENGINE_METRICS:
@@ -437,7 +445,8 @@ def print_report(
             phases = {k.removeprefix("cold_start."): v for k, v in m.items() if k.startswith("cold_start.")}
             shown = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(phases.items()))
             head += (
-                f": {run.info.status}, run {run.info.run_id[:12]}, vLLM {p.get('engine_version', '?')}, "
+                f": {run.info.status}, run {run.info.run_id[:12]}, {p.get('engine', 'engine')} "
+                f"{p.get('engine_version', '?')}, "
                 f"cold start {_fmt(m.get('cold_start_s'), '{:.1f}')} s"
                 + (f" ({shown})" if shown else "")
                 + (f", compile cache hit {m['compile_cache.hit']:.0f}" if "compile_cache.hit" in m else "")
@@ -534,7 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("parts_dir", type=Path, help="the folder the device call's files came back to")
     p.add_argument("--experiment", type=Path, default=REPO / "experiments" / "gpu-h200.yaml")
     p.add_argument("--key-value", default=None, help="the made-up key (default: from summary.txt)")
-    p.add_argument("--engine-version", default="0.22.0", help="the version the engine must report")
+    p.add_argument(
+        "--engine-version",
+        default=None,
+        help="the version every engine must report (default: each arm's declared engine.version)",
+    )
     p.add_argument("--mlflow-experiment", default="k3pipe")
     p.add_argument("--keep", type=Path, default=None, help="unpack here (kept) instead of a temp dir")
     p.add_argument("--json", type=Path, default=None, help="also write the record's compact summary here")

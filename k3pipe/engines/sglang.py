@@ -14,7 +14,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
 from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
-from k3pipe.observe import LogFormat, LogLine, LogPatterns
+from k3pipe.observe import LogFormat, LogLine, LogPatterns, PhasePattern
 
 __all__ = ["ENGINE", "SGLangEngine", "human_readable_int"]
 
@@ -51,6 +51,41 @@ def human_readable_int(value: Any) -> int:
 
 
 _P = re.compile
+
+
+# Cold-start phases, in start-up order, as SGLang 0.5.16 logged them on the H200
+# (tests/fixtures/engines/sglang/real-0.5.16-h200-{cold,warm}.log) and 0.5.23's format strings say.
+_GRAPH_CAPTURE = _P(r"^Capture .*CUDA graph end\..*\belapsed=(?P<v>[\d.]+) s")
+_PHASES = (
+    PhasePattern(
+        "init_distributed",
+        _P(r"^Init torch distributed ends\. elapsed=(?P<v>[\d.]+) s"),
+        "Init torch distributed ends. elapsed=%.2f s, mem usage=%.2f GB (model_runner.py)",
+        combine="last",
+    ),
+    PhasePattern(
+        "weight_load",
+        _P(r"^Load weight end\. elapsed=(?P<v>[\d.]+) s"),
+        "Load weight end. elapsed=%.2f s, type=..., avail mem=... (model_runner.py: target + draft add up)",
+    ),
+    PhasePattern(
+        "cuda_graph_capture",
+        _GRAPH_CAPTURE,
+        "Capture {role} {prefill|decode|verify} CUDA graph end. ... elapsed=%.2f s (cuda_graph_setup.py)",
+    ),
+    PhasePattern(
+        "prefill_graph_capture",
+        _P(r"^Capture \w+ prefill CUDA graph end\..*\belapsed=(?P<v>[\d.]+) s"),
+        "Capture {role} prefill CUDA graph end. elapsed=%.2f s (prefill graphs, one per token count)",
+        within="cuda_graph_capture",
+    ),
+    PhasePattern(
+        "decode_graph_capture",
+        _P(r"^Capture \w+ (?:decode|verify) CUDA graph end\..*\belapsed=(?P<v>[\d.]+) s"),
+        "Capture {role} {decode|verify} CUDA graph end. ... elapsed=%.2f s",
+        within="cuda_graph_capture",
+    ),
+)
 
 
 class SGLangEngine(Engine):
@@ -117,11 +152,12 @@ class SGLangEngine(Engine):
         max_running_requests=_P(r"\bmax_total_num_tokens=\d+.*\bmax_running_requests=(?P<v>\d+)"),
         context_length=_P(r"\bmax_total_num_tokens=\d+.*\bcontext_len=(?P<v>\d+)"),
         # cuda_graph_setup.py:787 (and :695 for prefill graphs): target + draft graphs add up
-        graph_capture_s=_P(r"^Capture .*CUDA graph end\..*\belapsed=(?P<v>[\d.]+) s"),
+        graph_capture_s=_GRAPH_CAPTURE,
         # model_executor/model_runner.py:1372: target + draft model add up
         weight_load_s=_P(r"^Load weight end\. elapsed=(?P<v>[\d.]+) s"),
         # managers/scheduler_components/metrics_reporter.py:963/1039
         decode_throughput_tps=_P(r"^Decode batch\b.*\bgen throughput \(token/s\): (?P<v>[\d.]+)"),
+        phases=_PHASES,
         spec_accept_length=_P(r"^Decode batch\b.*\baccept len: (?P<v>[\d.]+)"),
         warnings=(
             _P(r"Using FP8 KV cache but no scaling factors provided"),  # load_model_utils.py:138

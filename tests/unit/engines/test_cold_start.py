@@ -234,7 +234,38 @@ def test_phase_table_text() -> None:
     assert "phases nest" in lines[-1]
 
 
-def test_sglang_has_no_phases_but_api_ready() -> None:
+def test_sglang_phases_from_its_real_log() -> None:
+    """SGLang 0.5.16 on the H200 (study engines-h200): its start by phase, the prefill CUDA graphs
+    (captured per token count up to 8,192) taking most of the first launch and a ninth of it on the
+    second, right after (what the warm restart saved: docs/gpu.md)."""
+    cold = get_engine("sglang").parse_log(fixture_lines("sglang/real-0.5.16-h200-cold.log"))
+    warm = get_engine("sglang").parse_log(fixture_lines("sglang/real-0.5.16-h200-warm.log"))
+    assert [(p.phase, p.within) for p in cold.cold_start_phases] == [
+        ("api_ready", None),
+        ("init_distributed", "api_ready"),
+        ("weight_load", "api_ready"),
+        ("cuda_graph_capture", "api_ready"),
+        ("prefill_graph_capture", "cuda_graph_capture"),
+        ("decode_graph_capture", "cuda_graph_capture"),
+    ]
+    assert cold.phase_seconds() == {
+        "api_ready": 118.0, "init_distributed": 0.17, "weight_load": 2.91, "cuda_graph_capture": 81.2,
+        "prefill_graph_capture": 78.54, "decode_graph_capture": 2.66,
+    }  # fmt: skip
+    assert warm.phase_seconds()["prefill_graph_capture"] == 10.71
+    assert warm.phase_seconds()["api_ready"] == 47.0
+    assert cold.kv_pool_tokens == warm.kv_pool_tokens == 6_910_986
+    assert cold.max_running_requests == 16
+    assert cold.context_length == 73728
+    assert not cold.compile_cache_hit
+
+
+def test_sglang_reconstructed_study_log_phases_nest_per_rank() -> None:
+    """The study's 8-GPU launch (reconstructed from 0.5.23's format strings): the slowest rank's
+    target + draft weights, and its graphs."""
     facts = get_engine("sglang").parse_log(fixture_lines("sglang/server.log"))
-    assert [p.phase for p in facts.cold_start_phases] == ["api_ready"]
+    assert [p.phase for p in facts.cold_start_phases] == [
+        "api_ready", "weight_load", "cuda_graph_capture", "decode_graph_capture"
+    ]  # fmt: skip
+    assert facts.phase_seconds()["weight_load"] == facts.weight_load_s
     assert not facts.compile_cache_hit
