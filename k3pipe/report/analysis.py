@@ -219,6 +219,16 @@ class Flip:
     at_tokens: float
     """Interpolated: the input length where the two arms' values cross."""
     shape: str = ""
+    unseen: tuple[int, ...] = ()
+    """On a decision metric: the measured input lengths (of the two) where the pair's verdict is not a
+    detected difference. A flip is a claim only when this is empty: an order the data cannot tell
+    apart at one end is no change of leader."""
+    decision: bool = False
+
+    @property
+    def claimed(self) -> bool:
+        """A decision metric's flip with a detected difference at both ends."""
+        return self.decision and not self.unseen
 
 
 @dataclass(frozen=True)
@@ -428,17 +438,23 @@ def _flips(data: StudyData, rows: list[Row], arms: list[str]) -> list[Flip]:
             for i, x in enumerate(arms):
                 for y in arms[i + 1 :]:
                     points = [
-                        (r.input_tokens, r.cells[x].mean - r.cells[y].mean)
+                        (r.input_tokens, r.cells[x].mean - r.cells[y].mean, r)
                         for r in along
                         if x in r.cells and y in r.cells
                     ]
-                    for (l1, d1), (l2, d2) in itertools.pairwise(points):
+                    for (l1, d1, r1), (l2, d2, r2) in itertools.pairwise(points):
                         if l1 == l2 or d1 == 0 or d2 == 0 or (d1 > 0) == (d2 > 0):
                             continue
                         at = l1 + (l2 - l1) * d1 / (d1 - d2)
                         x_leads_first = (d1 > 0) == metric.higher_is_better
                         before, after = (x, y) if x_leads_first else (y, x)
-                        out.append(Flip(metric, before, after, (l1, l2), at, label))
+                        decision = r1.decision and r2.decision
+                        unseen = tuple(
+                            r.input_tokens
+                            for r in (r1, r2)
+                            if decision and not ((v := r.pair(x, y)) is not None and v.different)
+                        )
+                        out.append(Flip(metric, before, after, (l1, l2), at, label, unseen, decision))
     return out
 
 

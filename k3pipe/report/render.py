@@ -115,10 +115,19 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
                 continue
             lines.append(f"{head}, {r.metric.label}: {_ranking(r, analysis.baseline)}.")
     for f in analysis.flips:
-        if f.metric.key in analysis.decision_metrics:
+        if f.metric.key not in analysis.decision_metrics:
+            continue
+        if f.claimed:
             lines.append(
                 f"**{f.metric.label}** ({f.shape}): the lead flips from {f.before} to {f.after} at about "
                 f"{f.at_tokens:,.0f} input tokens (interpolated)."
+            )
+        else:
+            lines.append(
+                f"**{f.metric.label}** ({f.shape}): no flip is claimed: {f.before} is ahead at "
+                f"{f.between[0]:,} and {f.after} at {f.between[1]:,} input tokens, but at "
+                + " and ".join(f"{n:,}" for n in f.unseen)
+                + " the difference is not detected."
             )
     if not analysis.restart_noise_measured:
         lines.append(
@@ -379,8 +388,18 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         sections.append(beside)
 
     flips = [
-        f"{f.metric.label} ({f.shape}): {f.before} leads up to about {f.at_tokens:,.0f} input tokens, "
-        f"{f.after} beyond (interpolated between the measured {f.between[0]:,} and {f.between[1]:,})"
+        (
+            f"{f.metric.label} ({f.shape}): {f.before} leads up to about {f.at_tokens:,.0f} input tokens, "
+            f"{f.after} beyond (interpolated between the measured {f.between[0]:,} and {f.between[1]:,})"
+            + ("" if f.decision else " (descriptive: no verdict on this metric)")
+        )
+        if not f.unseen
+        else (
+            f"{f.metric.label} ({f.shape}): not a flip the data shows: {f.before} is ahead at "
+            f"{f.between[0]:,} and {f.after} at {f.between[1]:,} input tokens (the means cross at about "
+            f"{f.at_tokens:,.0f}, interpolated), but at " + " and ".join(f"{n:,}" for n in f.unseen)
+            + " the verdict is not a detected difference"
+        )
         for f in analysis.flips
     ]
     sections.append(
@@ -437,7 +456,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             length = cell.mean("engine_spec_mean_acceptance_length")
             rate = cell.mean("engine_spec_acceptance_rate")
             length = length if length is not None else cell.mean("engine_spec_accept_length_mean")
-            if length is None and rate is None and a.log_spec_accept_length is None:
+            # SGLang exports its speculation gauges at 0 when it does not speculate (0.5.16 on the
+            # H200): an acceptance length of 0 is no speculation, never a figure
+            if not length and not rate and a.log_spec_accept_length is None:
                 continue
             spec.rows.append(
                 [a.name, cell.workload, num(length, 2), num(rate, 3), num(a.log_spec_accept_length, 2)]

@@ -223,6 +223,36 @@ def test_the_leader_flip_is_interpolated() -> None:
     assert flip.at_tokens == pytest.approx(2000.0)  # -10 s at 1000, +10 s at 3000
 
 
+def test_a_flip_is_claimed_only_where_both_ends_are_detected_differences() -> None:
+    """The H200's engines study printed "the lead flips from sglang to vllm at about 16,711 input
+    tokens" on a 0.6% lead at 16K whose interval was [-27%, +39%]. A flip is a claim only when the pair
+    differs, detectably, at both ends; else the report says why it claims none."""
+    decision = {"metrics": ["ttft_ms_p50"]}
+
+    def study(short_b: list[float]) -> StudyData:
+        return _study(
+            _cell("a", "short", 1000, ttft_ms_p50=[100.0, 130.0, 80.0]),
+            _cell("b", "short", 1000, ttft_ms_p50=short_b),
+            _cell("a", "long", 4000, ttft_ms_p50=[400.0, 401.0, 399.0]),
+            _cell("b", "long", 4000, ttft_ms_p50=[300.0, 301.0, 302.0]),
+            decision=decision,
+        )
+
+    noisy = analyse(study([101.0, 140.0, 75.0]))  # a barely ahead at 1000, within its noise
+    (flip,) = [f for f in noisy.flips if f.metric.key == "ttft_ms_p50"]
+    assert (flip.before, flip.after, flip.unseen) == ("a", "b", (1000,))
+    assert not flip.claimed
+    text = _markdown(study([101.0, 140.0, 75.0]))
+    assert "no flip is claimed: a is ahead at 1,000 and b at 4,000 input tokens, but at 1,000" in text
+    assert "the lead flips" not in text
+    assert "not a flip the data shows: a is ahead at 1,000 and b at 4,000 input tokens" in text
+
+    clear = analyse(study([200.0, 201.0, 199.0]))  # b twice as slow at 1000: a real lead there too
+    (flip,) = [f for f in clear.flips if f.metric.key == "ttft_ms_p50"]
+    assert flip.claimed
+    assert "the lead flips from a to b at about" in _markdown(study([200.0, 201.0, 199.0]))
+
+
 def test_steady_decode_counts_only_time_without_prefill() -> None:
     # two requests: r0 prefills 0-1 s then decodes to 3 s; r1 prefills 0-2 s then decodes to 4 s.
     # Steady (someone decodes, nobody prefills): 2-4 s. Tokens after each first chunk in it: r0's
