@@ -149,7 +149,11 @@ def test_tampered_local_file_is_fetched_again(hub: FakeHub, home: Path) -> None:
 
     rec = fetch_model(_spec(), home)
 
-    assert [r.query["FilePath"] for r in hub.file_gets()] == ["model.safetensors"]
+    # only the tampered file is fetched again; the real client may GET it more than once (its own
+    # recovery and integrity retries: two GETs of it once, in a fresh-clone run on three busy workers)
+    fetched = [r.query["FilePath"] for r in hub.file_gets()]
+    assert set(fetched) == {"model.safetensors"}
+    assert len(fetched) <= 3
     assert weights.read_bytes() == FILES["model.safetensors"]
     assert rec.files["model.safetensors"] == _sha(FILES["model.safetensors"])
 
