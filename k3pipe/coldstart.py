@@ -13,6 +13,7 @@ import contextlib
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,7 +21,14 @@ from k3pipe.engines import get_engine
 from k3pipe.observe import ColdStartPhase, EngineLogFacts
 from k3pipe.plan import ArmPlan, CompileCache
 
-__all__ = ["ColdStart", "CompileCacheOutcome", "ensure_compile_cache", "marker_path", "read_cold_start"]
+__all__ = [
+    "ColdStart",
+    "CompileCacheOutcome",
+    "ensure_compile_cache",
+    "marker_path",
+    "read_cold_start",
+    "stamp_path",
+]
 
 
 class CompileCacheOutcome(BaseModel):
@@ -41,6 +49,18 @@ class CompileCacheOutcome(BaseModel):
     first_run_id: str | None = Field(default=None, description="On a hit: that launch's MLflow run.")
     first_date: str | None = Field(default=None, description="On a hit: when that launch was ready.")
     marker_written: bool = Field(default=False, description="This launch filled the cache and said so.")
+    evidence: Literal["log", "files"] = Field(
+        default="log",
+        description="What told hit and compile apart: the engine's log (vLLM) or the files in the cache, "
+        "older or newer than the launch (SGLang, whose log is silent on it).",
+    )
+    files_before: int | None = Field(
+        default=None, description="Files the cache held before this launch (None: not counted here)."
+    )
+    files_written: int | None = Field(
+        default=None, description="Files the engine wrote to it during this start-up (None: not counted)."
+    )
+    bytes_total: int | None = Field(default=None, description="The cache's size once the engine was ready.")
 
 
 class ColdStart(BaseModel):
@@ -64,17 +84,26 @@ class ColdStart(BaseModel):
         c = self.compile_cache
         if c is None:
             return out
+        counted = (
+            f" ({c.files_before} files from earlier launches, {c.files_written} written by this one)"
+            if c.evidence == "files"
+            else ""
+        )
         if c.hit:
             first = f"{c.first_cold_start_s:.1f} s" if c.first_cold_start_s is not None else "not recorded"
             ratio = f", {self.warm_over_cold:.2f}x of it" if self.warm_over_cold is not None else ""
             now = f"{self.cold_start_s:.1f} s" if self.cold_start_s is not None else "unknown"
-            out.append(f"compile cache hit in {c.dir}: cold start {now}, the first cold start {first}{ratio}")
+            out.append(
+                f"compile cache hit in {c.dir}{counted}: cold start {now}, "
+                f"the first cold start {first}{ratio}"
+            )
         elif c.compiled:
             out.append(
-                f"compile cache miss in {c.dir}" + ("; filled by this launch" if c.marker_written else "")
+                f"compile cache miss in {c.dir}{counted}"
+                + ("; filled by this launch" if c.marker_written else "")
             )
         else:
-            out.append(f"compile cache in {c.dir} unused: the engine compiled nothing")
+            out.append(f"compile cache in {c.dir} unused: the engine compiled nothing{counted}")
         return out
 
 
@@ -83,11 +112,47 @@ def marker_path(cache: CompileCache) -> Path | None:
     return Path(cache.host_dir) / f"k3pipe-cold-start-{cache.key}.json" if cache.host_dir else None
 
 
+def stamp_path(cache: CompileCache) -> Path | None:
+    """The file whose time marks this launch's start in the cache (None: not reachable from here)."""
+    return Path(cache.host_dir) / "k3pipe-launch.stamp" if cache.host_dir else None
+
+
 def ensure_compile_cache(plan: ArmPlan) -> None:
-    """Create the arm's compile-cache directory on this machine (docker cannot bind a missing one)."""
+    """Create the arm's compile-cache directory on this machine (docker cannot bind a missing one)
+    and stamp the launch's start in it: what the engine writes from now on is newer."""
     cache = plan.compile_cache
-    if cache is not None and cache.host_dir:
-        Path(cache.host_dir).mkdir(parents=True, exist_ok=True)
+    if cache is None or not cache.host_dir:
+        return
+    Path(cache.host_dir).mkdir(parents=True, exist_ok=True)
+    for sub in get_engine(plan.engine).compile_cache_subdirs.values():
+        # the engine's libraries create theirs, but a container's root-owned one is harder to clean
+        (Path(cache.host_dir) / sub).mkdir(exist_ok=True)
+    stamp = stamp_path(cache)
+    assert stamp is not None
+    stamp.write_text(datetime.now(UTC).isoformat(timespec="seconds") + "\n")
+
+
+def _inventory(cache: CompileCache) -> tuple[int, int, int] | None:
+    """(files older than the launch stamp, files newer, bytes of all) in the cache, k3pipe's own
+    files left out; None where the directory or its stamp cannot be read from here."""
+    stamp = stamp_path(cache)
+    if stamp is None or not stamp.is_file():
+        return None
+    since = stamp.stat().st_mtime_ns
+    before = written = size = 0
+    for path in Path(cache.host_dir or "").rglob("*"):
+        if path.name.startswith("k3pipe-"):
+            continue
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if not path.is_file() or path.is_symlink():
+                continue
+            size += st.st_size
+            if st.st_mtime_ns >= since:
+                written += 1
+            else:
+                before += 1
+    return before, written, size
 
 
 def _read_marker(path: Path | None) -> dict[str, object]:
@@ -101,10 +166,15 @@ def _read_marker(path: Path | None) -> dict[str, object]:
 
 
 def _settle(
-    cache: CompileCache, facts: EngineLogFacts, cold_start_s: float | None, run_id: str | None, now: datetime
+    cache: CompileCache,
+    facts: EngineLogFacts,
+    files: tuple[int, int, int] | None,
+    cold_start_s: float | None,
+    run_id: str | None,
+    now: datetime,
 ) -> CompileCacheOutcome:
     path = marker_path(cache)
-    base = {
+    base: dict[str, object] = {
         "key": cache.key,
         "dir": cache.dir,
         "host_dir": cache.host_dir,
@@ -113,7 +183,10 @@ def _settle(
         "compiled": facts.compiled,
         "engine_dir": facts.compile_cache_dir,
     }
-    if facts.compile_cache_hit:
+    if files is not None:
+        before, written, size = files
+        base |= {"files_before": before, "files_written": written, "bytes_total": size}
+    if base["hit"]:
         first = _read_marker(path)
         seconds = first.get("cold_start_s")
         return CompileCacheOutcome(
@@ -153,8 +226,19 @@ def read_cold_start(
         facts = get_engine(plan.engine).parse_log(fh)
     outcome = None
     ratio = None
-    if plan.compile_cache is not None:
-        outcome = _settle(plan.compile_cache, facts, cold_start_s, run_id, now or datetime.now(UTC))
+    cache = plan.compile_cache
+    files = _inventory(cache) if cache is not None else None
+    if cache is not None and not get_engine(plan.engine).compile_cache_logged:
+        if files is None:  # nothing to tell a hit by: the cache's directory is not reachable from here
+            return ColdStart(cold_start_s=cold_start_s, phases=facts.cold_start_phases)
+        # the log is silent: a hit is kernels left by an earlier launch, a compile is files written now
+        facts = facts.model_copy(update={"compile_cache_hit": files[0] > 0, "compiled": files[1] > 0})
+        evidence = "files"
+    else:
+        evidence = "log"
+    if cache is not None:
+        outcome = _settle(cache, facts, files, cold_start_s, run_id, now or datetime.now(UTC))
+        outcome = outcome.model_copy(update={"evidence": evidence})
         first = outcome.first_cold_start_s
         if first and cold_start_s is not None:
             ratio = round(cold_start_s / first, 4)

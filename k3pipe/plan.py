@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -38,9 +39,20 @@ class CompileCache(BaseModel):
         description="What went into the key: engine, declared version, executable or image, model "
         "digests, and the arguments and environment that can change compilation."
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Every variable k3pipe sets for it, as the engine sees it: the main one and those of "
+        "the caches the engine's libraries keep apart (subdirectories of dir); none when the spec set "
+        "the main one.",
+    )
 
     def describe(self) -> str:
-        return f"compile cache: {self.var}={self.dir} (key {self.key}, set by {self.source})"
+        more = "".join(f", {k}={v}" for k, v in self.env.items() if k != self.var)
+        return f"compile cache: {self.var}={self.dir}{more} (key {self.key}, set by {self.source})"
+
+    def settings(self, spec_env: Mapping[str, str]) -> dict[str, str]:
+        """The variables k3pipe sets for the launch: :attr:`env` less any the spec sets itself."""
+        return {k: v for k, v in self.env.items() if k not in spec_env}
 
 
 def compile_cache_key(factors: Mapping[str, Any]) -> str:
@@ -61,6 +73,7 @@ def _compile_cache(
     launcher = arm.launcher
     if var is None or not launcher.runs_here:
         return None
+    cache_vars = {var, *engine.compile_cache_subdirs}
     digests = dict(model_digests or {})
     models = {}
     for key, host_dir in host_dirs.items():
@@ -75,7 +88,7 @@ def _compile_cache(
         # a secret changes nothing the engine compiles (and must not go into compile_cache.json)
         **engine.compiles_with(
             {k: v for k, v in arm.engine.args.items() if not is_secret_name(str(k))},
-            {k: v for k, v in env.items() if k != var and not is_secret_name(k)},
+            {k: v for k, v in env.items() if k not in cache_vars and not is_secret_name(k)},
         ),
     }
     key = compile_cache_key(factors)
@@ -85,7 +98,12 @@ def _compile_cache(
         return CompileCache(var=var, key=key, dir=where, host_dir=host, source="spec", factors=factors)
     host_dir = str(home / "cache" / engine.kind / key)
     inside = launcher.engine_cache_dir(host_dir, engine.compile_cache_mount)
-    return CompileCache(var=var, key=key, dir=inside, host_dir=host_dir, source="k3pipe", factors=factors)
+    sets = {var: inside} | {
+        name: posixpath.join(inside, sub) for name, sub in engine.compile_cache_subdirs.items()
+    }
+    return CompileCache(
+        var=var, key=key, dir=inside, host_dir=host_dir, source="k3pipe", factors=factors, env=sets
+    )
 
 
 class ArmPlan(BaseModel):
@@ -102,9 +120,7 @@ class ArmPlan(BaseModel):
     command: RenderedCommand = Field(description="Exact command line and spec environment.")
     base_url: str = Field(description="The engine's OpenAI-compatible base URL, path included.")
     model: str = Field(description="The engine's model id (sent in requests when there is no gateway).")
-    api_key_env: str | None = Field(
-        description="Name of the environment variable holding the engine's key."
-    )
+    api_key_env: str | None = Field(description="Name of the environment variable holding the engine's key.")
     continuous_usage: bool = Field(
         default=True, description="Requests ask for stream_options.continuous_usage_stats."
     )
@@ -158,11 +174,10 @@ class ArmPlan(BaseModel):
         return self.gateway.continuous_usage_stats if self.gateway else self.continuous_usage
 
     def engine_env(self) -> dict[str, str]:
-        """The spec's environment plus the compile-cache variable k3pipe sets (a spec's own wins)."""
+        """The spec's environment plus the compile-cache variables k3pipe sets (a spec's own wins)."""
         env = dict(self.command.env)
-        cache = self.compile_cache
-        if cache is not None and cache.source == "k3pipe":
-            env[cache.var] = cache.dir
+        if self.compile_cache is not None:
+            env |= self.compile_cache.settings(self.command.env)
         return env
 
 

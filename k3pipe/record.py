@@ -516,6 +516,9 @@ class ArmRecorder:
             self.run_id,
             {
                 "compile_cache.hit": int(cache.hit),
+                "compile_cache.files_before": cache.files_before,
+                "compile_cache.files_written": cache.files_written,
+                "compile_cache.bytes": cache.bytes_total,
                 "compile_cache.first_cold_start_s": cache.first_cold_start_s,
                 "compile_cache.warm_over_cold": cold.warm_over_cold,
             },
@@ -526,6 +529,7 @@ class ArmRecorder:
                 k: v
                 for k, v in {
                     "compile_cache.engine_dir": cache.engine_dir,
+                    "compile_cache.evidence": cache.evidence,
                     "compile_cache.first_run_id": cache.first_run_id,
                     "compile_cache.first_date": cache.first_date,
                 }.items()
@@ -534,7 +538,10 @@ class ArmRecorder:
         )
         planned = self.plan.compile_cache
         factors = planned.factors if planned is not None else None
-        self.tracker.log_dict(self.run_id, {**cache.model_dump(), "factors": factors}, "compile_cache.json")
+        env = planned.env if planned is not None else None
+        self.tracker.log_dict(
+            self.run_id, {**cache.model_dump(), "env": env, "factors": factors}, "compile_cache.json"
+        )
 
     def log_node(self, node: NodeInfo | None) -> None:
         """The node: params ``node.*``, nvidia-smi's output before launch, ``nvidia-smi topo -m`` (when

@@ -288,6 +288,12 @@ class Engine:
     """Environment variable pointing the engine at its compile cache (None: k3pipe keeps none)."""
     compile_cache_mount: ClassVar[str] = "/k3pipe/cache"
     """Where a docker arm's compile cache is mounted inside the container."""
+    compile_cache_subdirs: ClassVar[Mapping[str, str]] = {}
+    """Further variables for the caches the engine's libraries keep apart (JIT kernels, Triton):
+    variable -> subdirectory of the compile cache, so that one directory per configuration holds all."""
+    compile_cache_logged: ClassVar[bool] = True
+    """The engine's log says whether it compiled and whether it loaded from the cache (vLLM). False:
+    k3pipe tells from the files in the cache directory, older or newer than the launch."""
 
     display_name: ClassVar[str] = ""
     stock_version: ClassVar[str] = ""

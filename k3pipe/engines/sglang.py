@@ -112,6 +112,24 @@ class SGLangEngine(Engine):
     # secrets are redacted there), which the engine-log scrubber masks.
     api_key_env_var: ClassVar[str | None] = None
     api_key_flag: ClassVar[str | None] = "--api-key"
+    # What a warm restart reuses (measured on the H200, docs/gpu.md: prefill CUDA graphs 78.5 s on the
+    # first launch, 10.7 s on the second) is the kernels compiled just in time during graph capture.
+    # They go to four places, each moved by its own variable (read in the 0.5.16 wheels):
+    # SGLANG_CACHE_DIR (srt/environ.py:1135, default ~/.cache/sglang: torch.compile with its Inductor
+    # and Triton caches (srt/compilation/backend.py:405, compiler_interface.py:197-201), FlashInfer's
+    # autotune results); TVM_FFI_CACHE_DIR (jit_kernel/utils/compile.py:244 and tvm_ffi 0.1.11
+    # cpp/extension.py:682, default ~/.cache/tvm-ffi: sgl-kernel's JIT kernels);
+    # FLASHINFER_WORKSPACE_BASE (flashinfer 0.6.14 jit/env.py:51-55, default $HOME: its JIT and cubins
+    # under .cache/flashinfer); TRITON_CACHE_DIR (triton 3.6 knobs.py:347, default ~/.triton/cache).
+    # SGLang's log says nothing of hits, so k3pipe tells them from the files (compile_cache_logged).
+    compile_cache_env_var: ClassVar[str | None] = "SGLANG_CACHE_DIR"
+    compile_cache_mount: ClassVar[str] = "/k3pipe/cache/sglang"
+    compile_cache_subdirs: ClassVar[Mapping[str, str]] = {
+        "TVM_FFI_CACHE_DIR": "tvm-ffi",
+        "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+        "TRITON_CACHE_DIR": "triton",
+    }
+    compile_cache_logged: ClassVar[bool] = False
 
     # python/sglang/srt/observability/metrics_collector.py; /metrics only with --enable-metrics.
     # No drafted/accepted token counters: speculation is reported as gauges plus verify calls.

@@ -318,7 +318,8 @@ def equivalent_command(spec: DockerLauncherSpec, plan: ArmPlan, image: str | Non
     for host, container in writable.items():
         parts += ["-v", f"{host}:{container}"]
     if writable and plan.compile_cache is not None:
-        parts += ["-e", f"{plan.compile_cache.var}={plan.compile_cache.dir}"]
+        for key, value in plan.compile_cache.settings(plan.command.env).items():
+            parts += ["-e", f"{key}={value}"]
     for key, value in plan.command.redacted_env().items():
         # '-e NAME' takes NAME from the caller's environment: {env.NAME} exactly, never its value
         parts += ["-e", key if value == f"{{env.{key}}}" else f"{key}={value}"]

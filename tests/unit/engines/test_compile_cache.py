@@ -143,9 +143,40 @@ def test_docker_arm_with_spec_cache_root_is_not_reachable_here() -> None:
     assert marker_path(cache) is None
 
 
-def test_no_cache_for_external_arms_or_engines_without_one() -> None:
+def test_no_cache_for_external_arms() -> None:
     assert plan(experiment(launcher="external")).compile_cache is None
-    assert plan(experiment(kind="sglang", launcher="docker")).compile_cache is None
+
+
+def test_sglang_keeps_all_four_caches_in_one_directory_per_configuration() -> None:
+    """SGLang's JIT kernels (what made its warm restart on the H200 fast) go where four variables say:
+    all of them into K3PIPE_HOME/cache/sglang/<key>, in the container as on the host."""
+    p = plan(experiment(kind="sglang", launcher="docker", version="0.5.16", port=30000))
+    cache = p.compile_cache
+    assert cache is not None
+    inside = "/k3pipe/cache/sglang"
+    assert cache.env == {
+        "SGLANG_CACHE_DIR": inside,
+        "TVM_FFI_CACHE_DIR": f"{inside}/tvm-ffi",
+        "FLASHINFER_WORKSPACE_BASE": f"{inside}/flashinfer",
+        "TRITON_CACHE_DIR": f"{inside}/triton",
+    }
+    assert writable_mounts(p) == {f"/h/cache/sglang/{cache.key}": inside}
+    assert all(p.engine_env()[k] == v for k, v in cache.env.items())
+    run = equivalent_command(p)
+    assert f"-e TVM_FFI_CACHE_DIR={inside}/tvm-ffi" in run
+    assert f"-e TRITON_CACHE_DIR={inside}/triton" in run
+    assert "TVM_FFI_CACHE_DIR" in cache.describe()
+
+    local = plan(experiment(kind="sglang", version="0.5.16", port=30000))
+    assert local.compile_cache is not None
+    home = f"/h/cache/sglang/{local.compile_cache.key}"
+    assert local.engine_env()["TVM_FFI_CACHE_DIR"] == f"{home}/tvm-ffi"
+    # a variable the spec sets is its own; the others stay k3pipe's, and none of them is in the key
+    mine = plan(experiment(kind="sglang", version="0.5.16", port=30000, env={"TRITON_CACHE_DIR": "/t"}))
+    assert mine.compile_cache is not None
+    assert mine.engine_env()["TRITON_CACHE_DIR"] == "/t"
+    assert mine.engine_env()["TVM_FFI_CACHE_DIR"] == f"{home}/tvm-ffi"
+    assert mine.compile_cache.key == local.compile_cache.key
 
 
 def test_without_digests_the_model_dir_stands_in() -> None:
@@ -266,3 +297,72 @@ def test_launch_gives_the_engine_the_variable(tmp_path: Path) -> None:
         launcher.stop()
     assert log.read_text().strip() == f"cache={p.compile_cache.dir}"
     assert Path(p.compile_cache.dir).is_dir()
+
+
+def _sglang_launch(p: ArmPlan, tmp_path: Path, kernels: dict[str, bytes]) -> None:
+    """What launch_engine does to the cache, then the files SGLang's start-up JIT-compiles."""
+    ensure_compile_cache(p)
+    assert p.compile_cache is not None
+    assert p.compile_cache.host_dir is not None
+    for rel, data in kernels.items():
+        path = Path(p.compile_cache.host_dir) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def test_sglang_cold_then_warm_told_by_the_files(tmp_path: Path) -> None:
+    """SGLang's log says nothing of a cache: the first launch writes kernels into the directory (a miss
+    that fills it), the second finds them there (a hit, with the first cold start read back). The
+    real 0.5.16 H200 logs and cold starts of arm sglang (2026-12-04): 140 s, then 71 s."""
+    p = plan(experiment(kind="sglang", version="0.5.16", port=30000), home=tmp_path)
+    # the kinds of files the H200's first launch left (docs/gpu.md)
+    first = {
+        "tvm-ffi/sgl_kernel_jit_store_cache_9c1e/store_cache.so": b"x" * 700,
+        "flashinfer/.cache/flashinfer/0.6.14/90/cached_ops/rope/rope.so": b"y" * 500,
+        "triton/Q2ZK/_fwd_kernel.cubin": b"z" * 300,
+    }
+    _sglang_launch(p, tmp_path, first)
+    cold = read_cold_start(p, _log(tmp_path, "sglang/real-0.5.16-h200-cold.log"), 140.0, "cold-run")
+    c = cold.compile_cache
+    assert c is not None
+    assert (c.hit, c.compiled, c.marker_written) == (False, True, True)
+    assert (c.files_before, c.files_written, c.bytes_total) == (0, 3, 1500)
+    assert c.engine_dir is None
+    assert {"weight_load", "cuda_graph_capture"} <= {ph.phase for ph in cold.phases}
+    assert cold.log_lines()[-1] == (
+        f"compile cache miss in {c.dir} (0 files from earlier launches, 3 written by this one); "
+        "filled by this launch"
+    )
+
+    _sglang_launch(p, tmp_path, {})
+    warm = read_cold_start(p, _log(tmp_path, "sglang/real-0.5.16-h200-warm.log"), 71.0, "warm-run")
+    w = warm.compile_cache
+    assert w is not None
+    assert (w.hit, w.compiled, w.marker_written) == (True, False, False)
+    assert (w.files_before, w.files_written) == (3, 0)
+    assert (w.first_cold_start_s, w.first_run_id) == (140.0, "cold-run")
+    assert warm.warm_over_cold == round(71.0 / 140.0, 4)
+
+    # a launch that finds some kernels and compiles one more shape is still a hit, and says both
+    _sglang_launch(p, tmp_path, {"tvm-ffi/sgl_kernel_jit_rope_77aa/rope.so": b"r" * 10})
+    part = read_cold_start(p, _log(tmp_path, "sglang/real-0.5.16-h200-warm.log"), 75.0, "third")
+    assert part.compile_cache is not None
+    assert (part.compile_cache.hit, part.compile_cache.compiled) == (True, True)
+    assert (part.compile_cache.files_before, part.compile_cache.files_written) == (3, 1)
+
+
+def test_sglang_cache_out_of_reach_claims_nothing(tmp_path: Path) -> None:
+    """A docker arm whose spec points SGLANG_CACHE_DIR inside the container: k3pipe cannot see the
+    files, so it says nothing of hits rather than guess."""
+    p = plan(
+        experiment(
+            kind="sglang", launcher="docker", version="0.5.16", port=30000, env={"SGLANG_CACHE_DIR": "/c"}
+        ),
+        home=tmp_path,
+    )
+    assert p.compile_cache is not None
+    assert p.compile_cache.host_dir is None
+    ensure_compile_cache(p)
+    cold = read_cold_start(p, _log(tmp_path, "sglang/real-0.5.16-h200-cold.log"), 140.0, "r")
+    assert cold.compile_cache is None
+    assert cold.phases
