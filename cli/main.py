@@ -129,6 +129,11 @@ def render(
             print("# environment")
             for k, v in plan.command.redacted_env().items():
                 print(f"{k}={v}")
+            cache = plan.compile_cache
+            if cache is not None and cache.settings(plan.command.env):
+                print(f"# set by k3pipe: the compile cache of this configuration (key {cache.key})")
+                for k, v in cache.settings(plan.command.env).items():
+                    print(f"{k}={v}")
             print(f"# {plan.launch.command_heading}")
             print(" \\\n    ".join(_groups(plan.command.redacted_argv())))
             equivalent = equivalent_command(plan)

@@ -125,6 +125,10 @@ def test_render_cli_prints_the_study(capsys: pytest.CaptureFixture[str]) -> None
     assert (
         "lmsysorg/sglang:kimi-k3 python3 -m sglang.launch_server --model-path /models/model" in result.output
     )
+    # what k3pipe sets besides the spec: each arm's compile cache, SGLang's JIT kernels beside it
+    assert "# set by k3pipe: the compile cache of this configuration (key " in result.output
+    assert "\nTVM_FFI_CACHE_DIR=/k3pipe/cache/sglang/tvm-ffi\n" in result.output
+    assert "-e TRITON_CACHE_DIR=/k3pipe/cache/sglang/triton" in result.output
     assert (
         '\'{"mla_prefill_backend":"TRTLLM_RAGGED","use_prefill_query_quantization":true}\'' in result.output
     )
