@@ -279,7 +279,8 @@ def study(
             "--resume",
             metavar="STUDY_RUN_ID",
             help="Resume this study (its MLflow run id or a unique prefix): keep the launches that "
-            "finished, run the others, with its own experiment, arms and overrides.",
+            "finished and the workloads an unfinished launch finished cleanly, run the rest, with its "
+            "own experiment, arms and overrides.",
         ),
     ] = None,
     detach: Annotated[
@@ -298,7 +299,8 @@ def study(
     table and where the HTML report is. Exit 1 when an arm failed (the report covers the others).
     The options after --arm override that field in every workload (recorded as override.* params).
     With --resume, a study that did not finish (interrupted, killed, or with failed launches) goes
-    on under its own run: finished launches are kept, the others run, the report covers them all."""
+    on under its own run: finished launches (and workloads) are kept, the rest run, the report
+    covers them all."""
     settings = Settings()
     if detach:
         from cli.detached import start_detached

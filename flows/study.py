@@ -41,8 +41,9 @@ def study(
         overrides: Workload fields laid over every workload of the experiment; a field left empty
             keeps the experiment's value. Recorded on the MLflow runs as override.* params.
         resume: A study's MLflow run id (or a unique prefix of it) to resume instead: its launches
-            that finished are kept and the others run, with its own recorded experiment, arms and
-            overrides (the fields above are not read). Empty: a new study.
+            that finished are kept, and the workloads an unfinished launch finished cleanly; the rest
+            run, with its own recorded experiment, arms and overrides (the fields above are not
+            read). Empty: a new study.
     """
     note_flow_run()
     guard()

@@ -160,6 +160,7 @@ class ArmRecorder:
         self._open: dict[str, WorkloadSpec] = {}
         self._single: dict[str, dict[str, float]] = {}
         self._bursty: set[str] = set()  # workloads whose client timing was bursty
+        self._kept: list[str] = []  # workloads a resume kept from an earlier run of this launch
         self.engine_log_facts: EngineLogFacts | None = None
         """What the engine log said (set by :meth:`log_engine_findings`, so after :meth:`finish`)."""
         self.record: RunRecord | None = None
@@ -368,6 +369,44 @@ class ArmRecorder:
         if len(self._repeat_metrics[workload.name]) >= workload.repeats:
             self._close_repeats(workload.name, "FINISHED")
         return run_id
+
+    def adopt_workload(self, workload: WorkloadSpec, run_id: str, measured_by: str) -> None:
+        """A workload that finished under an earlier run of this launch, kept by a resume: its run
+        moved under this one (tagged :data:`k3pipe.resume.KEPT_TAG`, measured on that run's engine
+        start), its figures read back for the arm's summary and key metrics."""
+        self.tracker.set_tags(
+            run_id,
+            {
+                "mlflow.parentRunId": self.run_id,
+                "k3pipe.kept_by_resume": (
+                    f"measured under arm run {measured_by} (an earlier engine start of this launch), "
+                    "which did not finish; kept by a resume, not run again"
+                ),
+            },
+        )
+        self.workload_runs[workload.name] = run_id
+        if workload.repeats == 1:
+            run = self.tracker.client.get_run(run_id)
+            metrics = dict(run.data.metrics)
+            self._single[workload.name] = metrics
+            if run.data.tags.get("k3pipe.client_timing") == "bursty":
+                self._bursty.add(workload.name)
+        else:
+            repeats = [r for r in self.tracker.children(run_id) if r.data.tags.get("k3pipe.repeat")]
+            repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
+            self._repeat_metrics[workload.name] = [
+                {**r.data.metrics, "repeat": float(r.data.tags["k3pipe.repeat"])} for r in repeats
+            ]
+            if any(r.data.tags.get("k3pipe.client_timing") == "bursty" for r in repeats):
+                self._bursty.add(workload.name)
+            stats = aggregate_repeats(self._repeat_metrics[workload.name])
+            metrics = {k: v.mean for k, v in stats.items()}
+        self.tracker.log_metrics(self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS})
+        if self._bursty:
+            self.tracker.set_tags(self.run_id, {"k3pipe.bursty_workloads": ",".join(sorted(self._bursty))})
+        kept = sorted(set(self._kept) | {workload.name})
+        self._kept = kept
+        self.tracker.set_tags(self.run_id, {"k3pipe.kept_workloads": ",".join(kept)})
 
     def workload_metrics(self, name: str) -> dict[str, float]:
         """What the arm's summary table shows for a workload: its metrics, or across repeats the means

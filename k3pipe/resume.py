@@ -6,13 +6,18 @@ and the study's run holds the experiment as it ran (``experiment.json``, overrid
 its overrides (``override.*`` params). :func:`resume_point` reads where a study stands from those
 alone: which launches finished, which did not, and the prompts the finished ones sent.
 
-A launch is the unit that is kept or run again: its workloads share one engine start, and the
-verdicts treat each launch's mean as one draw of the restart noise, so a launch that did not finish
-(interrupted, killed with its command, failed) is run again whole, on a new start, and its earlier
-arm run stays in MLflow tagged :data:`SUPERSEDED_TAG` (what it measured kept, left out of the report).
-Finished launches are not run again; the study's prompts are drawn again from their seeds and
-checked against the digests the finished launches recorded (:func:`check_prompts`), so every
-launch sends the very prompts the first command drew.
+Finished launches are not run again. A launch that did not finish (interrupted, killed with its
+command, failed) runs again on a new engine start, from its first workload that did not finish
+cleanly: the workloads it finished with every repeat and no failed request are kept (their runs move
+under the new launch's run, tagged :data:`KEPT_TAG`), the rest run. A workload is the smallest unit
+kept: the verdicts take each workload's mean over a launch's repeats as one draw of the restart noise,
+so its repeats must share one engine start, and a workload cut short is run again whole. The earlier
+arm run stays in MLflow tagged :data:`SUPERSEDED_TAG` (what else it measured kept, left out of the
+report). A launch whose every workload finished but whose run was never closed (the command ended in
+teardown) is run again whole: there is nothing left to measure on it, and a launch without its
+engine's log and record is not one to keep. The study's prompts are drawn again from their seeds and
+checked against the digests the earlier runs recorded (:func:`check_prompts`), so every launch
+sends the very prompts the first command drew.
 
 :func:`study_lock` is held by the command running a study: a second command cannot resume it while
 the first still runs (on this ``K3PIPE_HOME``).
@@ -32,14 +37,16 @@ from k3pipe.compare import find_run
 from k3pipe.errors import K3pipeError
 from k3pipe.experiment import parse_experiment
 from k3pipe.report.collect import PRIME_TAG, STUDY_KIND, SUPERSEDED_TAG
-from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
+from k3pipe.runrecord import RECORD_FILE, KeptWorkloads, RunRecord, prompts_artifact, prompts_digest
 from k3pipe.secrets import REDACTED, redact_data
 from k3pipe.specs import ExperimentSpec
 from k3pipe.tracking import Tracker
 
 __all__ = [
+    "KEPT_TAG",
     "RESUMED_TAG",
     "SUPERSEDED_TAG",
+    "KeptWorkloads",
     "ResumeError",
     "ResumePoint",
     "check_experiment",
@@ -49,6 +56,9 @@ __all__ = [
     "study_lock",
 ]
 
+KEPT_TAG = "k3pipe.kept_by_resume"
+"""On a workload run that finished under an unfinished launch and that a resume kept: where it was
+measured (the earlier arm run of the launch, another engine start)."""
 RESUMED_TAG = "k3pipe.resumed"
 """On the study's run: how many times it was resumed."""
 ARMS_PARAM = "study_arms"
@@ -76,8 +86,10 @@ class ResumePoint:
     """(arm, launch) -> the arm run of a launch that finished (launch 0: a priming launch)."""
     unfinished: list[Any] = field(default_factory=list)
     """The arm runs of launches that did not finish and were not superseded yet."""
+    kept: dict[tuple[str, int], KeptWorkloads] = field(default_factory=dict)
+    """(arm, launch) of an unfinished launch -> the workloads it finished cleanly, kept by the resume."""
     prompts: dict[tuple[str, int], str] = field(default_factory=dict)
-    """(workload, repeat) -> the sha256 of the prompts the finished launches sent."""
+    """(workload, repeat) -> the sha256 of the prompts the earlier launches sent."""
     stages: dict[str, float] = field(default_factory=dict)
     """The study run's ``stage.*`` metrics so far."""
     wall_s: float = 0.0
@@ -86,12 +98,18 @@ class ResumePoint:
 
     def summary(self) -> str:
         done = sorted(k for k in self.done if k[1] > 0)
-        again = sorted(
-            {(r.data.tags["k3pipe.arm"], int(r.data.tags.get("k3pipe.launch", "1"))) for r in self.unfinished}
-        )
+        again = sorted({_launch(r) for r in self.unfinished})
         text = f"study {self.name} (MLflow run {self.run_id}, {self.status}): {len(done)} launch(es) finished"
-        if again:
-            text += "; run again whole: " + ", ".join(f"{a}#{k}" for a, k in again)
+        whole = [f"{a}#{k}" for a, k in again if (a, k) not in self.kept]
+        partly = [
+            f"{a}#{k} (keeping {', '.join(self.kept[(a, k)].workloads)})"
+            for a, k in again
+            if (a, k) in self.kept
+        ]
+        if partly:
+            text += "; run again from the first unfinished workload: " + ", ".join(partly)
+        if whole:
+            text += "; run again whole: " + ", ".join(whole)
         return text
 
 
@@ -175,7 +193,49 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
                     point.prompts = {(p.workload, p.repeat): p.sha256 for p in record.prompts}
         else:
             point.unfinished.append(arm_run)
+            finished = _finished_workloads(tracker, arm_run, spec)
+            if finished:
+                point.kept[key] = KeptWorkloads(arm_run.info.run_id, finished)
+    for kept in point.kept.values():
+        _recorded_prompts(tracker, kept.arm_run_id, spec, point.prompts)
     return point
+
+
+def _finished_workloads(tracker: Tracker, arm_run: Any, spec: ExperimentSpec) -> dict[str, str]:
+    """The leading workloads of an unfinished launch that finished with every repeat and without a
+    failed request (name -> run), in the experiment's order; {} when none did, or when all did (the
+    launch then runs again whole: see the module's docstring)."""
+    runs: dict[str, Any] = {}
+    for run in tracker.children(arm_run.info.run_id):
+        name = run.data.tags.get("k3pipe.workload")
+        if name and run.info.status == "FINISHED" and not run.data.metrics.get("failed"):
+            runs[name] = run
+    kept: dict[str, str] = {}
+    for workload in spec.workloads:
+        run = runs.get(workload.name)
+        if run is None:
+            break  # the workloads run in order: the first one missing is where the launch goes on
+        if workload.repeats > 1 and run.data.metrics.get("repeats", 0) < workload.repeats:
+            break
+        kept[workload.name] = run.info.run_id
+    return kept if len(kept) < len(spec.workloads) else {}
+
+
+def _recorded_prompts(
+    tracker: Tracker, arm_run_id: str, spec: ExperimentSpec, into: dict[tuple[str, int], str]
+) -> None:
+    """The digests of the prompts an arm run logged at its launch (one artifact per workload repeat),
+    for the repeats ``into`` lacks: a study whose command was killed before any launch finished has
+    no record but these."""
+    for workload in spec.workloads:
+        for repeat in range(workload.repeats):
+            if (workload.name, repeat) in into:
+                continue
+            raw = tracker.read_artifact(arm_run_id, prompts_artifact(workload.name, repeat))
+            if raw is None:
+                continue
+            with contextlib.suppress(ValueError):
+                into[(workload.name, repeat)] = prompts_digest(PromptSet.model_validate_json(raw))
 
 
 def check_experiment(point: ResumePoint, spec: ExperimentSpec, source: str) -> None:
@@ -231,10 +291,14 @@ def reopen(tracker: Tracker, point: ResumePoint) -> None:
         arm, launch = _launch(arm_run)
         if arm_run.info.status == "RUNNING":
             tracker.end_run(arm_run.info.run_id, "KILLED")
-        tracker.set_tags(
-            arm_run.info.run_id,
-            {SUPERSEDED_TAG: f"launch {launch} of arm {arm} ran again whole by resume {point.resumes + 1}"},
+        kept = point.kept.get((arm, launch))
+        how = (
+            f"ran again by resume {point.resumes + 1} from its first unfinished workload; the workloads it "
+            f"had finished ({', '.join(kept.workloads)}) moved under the new run"
+            if kept
+            else f"ran again whole by resume {point.resumes + 1}"
         )
+        tracker.set_tags(arm_run.info.run_id, {SUPERSEDED_TAG: f"launch {launch} of arm {arm} {how}"})
     tracker.client.update_run(tracker.mlflow_id(point.run_id), status="RUNNING")
     tracker.set_tags(point.run_id, {RESUMED_TAG: str(point.resumes + 1)})
 

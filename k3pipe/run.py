@@ -39,6 +39,7 @@ from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import ArmRecorder
 from k3pipe.rerun import RERUN_TAG, RerunInputs
+from k3pipe.runrecord import KeptWorkloads
 from k3pipe.secrets import register, scrub
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
@@ -261,6 +262,9 @@ class ArmRun:
     """Where the pinned image comes from (a study's prefetch); default ``steps.pull_image``."""
     say: Callable[[str], None] = log.info
     warn: Callable[[str], None] = log.error  # an arm's failure
+    kept: KeptWorkloads | None = None
+    """A resumed launch's workloads that finished under its earlier run: moved under this run, not
+    run again (k3pipe.resume)."""
 
     def __post_init__(self) -> None:
         self.launcher: Launcher | None = None
@@ -340,7 +344,17 @@ class ArmRun:
         plan, recorder = self._ready()
         assert self.outcome is not None
         model_dir = Path(self.models["model"].path)
+        kept = self.kept.workloads if self.kept is not None else {}
         for workload in self.spec.workloads:
+            if workload.name in kept:
+                assert self.kept is not None
+                earlier = self.kept.arm_run_id
+                recorder.adopt_workload(workload, kept[workload.name], earlier)
+                self.say(f"workload {workload.name}: kept, measured by the earlier run {earlier}")
+                self.outcome.workloads.append(
+                    {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
+                )
+                continue
             for repeat in range(workload.repeats):
                 measured = self.steps.benchmark(
                     plan,

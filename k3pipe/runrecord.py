@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,10 +21,20 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
 
-__all__ = ["RECORD_FILE", "PromptsRef", "RunRecord", "prompts_artifact", "prompts_digest"]
+__all__ = ["RECORD_FILE", "KeptWorkloads", "PromptsRef", "RunRecord", "prompts_artifact", "prompts_digest"]
 
 RECORD_FILE = "run_record.json"
 SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KeptWorkloads:
+    """The workloads a launch that did not finish had finished cleanly (in the experiment's order),
+    kept by a resume instead of measured again, and that launch's earlier arm run (k3pipe.resume)."""
+
+    arm_run_id: str
+    workloads: dict[str, str]
+    """Workload name -> its run (under ``arm_run_id`` until the resume moves it)."""
 
 
 def prompts_artifact(workload: str, repeat: int) -> str:

@@ -40,6 +40,7 @@ from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import record_failed_arm
 from k3pipe.report.collect import PRIME_TAG, STUDY_KIND
 from k3pipe.run import ArmOutcome, ArmRun, ArmSteps
+from k3pipe.runrecord import KeptWorkloads
 from k3pipe.schedule import interleaved_order, launch_order, models_of, prime_order, study_arm_names
 from k3pipe.secrets import redact_data, scrub
 from k3pipe.settings import Settings
@@ -194,6 +195,8 @@ class Study:
     warn: Callable[[str], None] = log.error
     done: Mapping[tuple[str, int], str] = field(default_factory=dict)
     """Launches (arm, launch; 0: priming) that finished before a resume -> their arm runs: not run again."""
+    kept: Mapping[tuple[str, int], KeptWorkloads] = field(default_factory=dict)
+    """Unfinished launches before a resume -> the workloads they finished cleanly: not run again."""
     prior_stages: Mapping[str, float] = field(default_factory=dict)
     """The study run's stage times recorded before a resume."""
     prior_wall_s: float = 0.0
@@ -368,14 +371,22 @@ class Study:
         which = f" launch {launch} of {launches}" if launches > 1 else ""
         if launch == 0:
             which = " priming launch (each workload once, not in the verdicts)"
-        self.say(f"arm {arm.name}{which}: starting ({len(self.spec.workloads)} workload(s))")
+        kept = self.kept.get((arm.name, launch))
+        if kept is not None:
+            left = len(self.spec.workloads) - len(kept.workloads)
+            self.say(
+                f"arm {arm.name}{which}: starting again ({left} workload(s); kept from its earlier run "
+                f"{kept.arm_run_id}: {', '.join(kept.workloads)})"
+            )
+        else:
+            self.say(f"arm {arm.name}{which}: starting ({len(self.spec.workloads)} workload(s))")
         began = time.perf_counter()
         run = ArmRun(
             primed_spec(self.spec) if launch == 0 else self.spec, arm.name, models, self.prompts,
             self.tracker, self.settings, self.findings,
             self.experiment_file, self.steps.arm, tags=tags, labels=dict(self.labels),
             params=dict(self.params), parent_run_id=self.run_id, image_source=image, say=self.say,
-            warn=self.warn,
+            warn=self.warn, kept=kept,
         )  # fmt: skip
         try:
             result = run.execute()

@@ -108,9 +108,10 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
 
 def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None = None) -> StudyResult:
     """The recorded study ``run_ref`` (its run id, or a unique prefix) resumed: its launches that
-    finished kept, the others run (one that did not finish, again whole), under its own run, with its
-    own experiment and overrides and the prompts it drew (checked against their digests); the report
-    of the whole study at the end (k3pipe.resume says why a launch is the unit). ``experiment``: a
+    finished kept, the others run (one that did not finish, on a new engine start from its first
+    workload that did not finish cleanly), under its own run, with its own experiment and overrides
+    and the prompts it drew (checked against their digests); the report of the whole study at the end
+    (k3pipe.resume says why a workload is the smallest unit kept). ``experiment``: a
     spec (and where it came from) that must be the study's own. Raises :class:`ResumeError` when it
     cannot be resumed, :class:`ArmsFailed` after the report when an arm failed again."""
     tracker = job.tracker
@@ -150,6 +151,7 @@ def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None
             job,
         )
         study.done, study.prior_stages, study.prior_wall_s = point.done, point.stages, point.wall_s
+        study.kept = point.kept
         return _finish(study, job)
 
 

@@ -23,8 +23,8 @@ STUDY_KIND = "study"
 PRIME_TAG = "k3pipe.prime"
 """Tags the arm run of a priming launch (``decision.prime``): launch 0, kept out of the verdicts."""
 SUPERSEDED_TAG = "k3pipe.superseded"
-"""Tags the arm run of a launch that did not finish and that a resumed study ran again whole (its
-value says so): kept in MLflow with what it measured, left out of the report (k3pipe.resume)."""
+"""Tags the arm run of a launch that did not finish and that a resumed study ran again (its value
+says how): kept in MLflow with what it measured, left out of the report (k3pipe.resume)."""
 
 
 class CellData(BaseModel):
@@ -135,7 +135,12 @@ class StudyData(BaseModel):
         default=0, description="How many times the study was resumed (k3pipe study --resume)."
     )
     superseded: int = Field(
-        default=0, description="Arm runs of unfinished launches a resume ran again whole (not in the report)."
+        default=0, description="Arm runs of unfinished launches a resume ran again (not in the report)."
+    )
+    kept_workloads: int = Field(
+        default=0,
+        description="Workloads such a launch had finished cleanly, kept by the resume (measured on the "
+        "earlier engine start, their runs moved under the launch's new run).",
     )
 
     def cell(self, arm: str, workload: str) -> CellData | None:
@@ -263,7 +268,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
     cells: list[CellData] = []
     primed: list[ArmData] = []
     primed_cells: list[CellData] = []
-    superseded = 0
+    superseded = kept = 0
     for arm_run in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
         if not arm_run.data.tags.get("k3pipe.arm"):
             continue
@@ -271,6 +276,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
             superseded += 1
             continue
         arm = _arm(tracker, arm_run)
+        kept += len([w for w in arm_run.data.tags.get("k3pipe.kept_workloads", "").split(",") if w])
         if arm_run.data.tags.get(PRIME_TAG):
             primed.append(arm)
             primed_cells.extend(_cells(tracker, arm_run, arm))
@@ -304,6 +310,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         look=_look(run.data.tags),
         resumed=int(run.data.tags.get("k3pipe.resumed", "0")),
         superseded=superseded,
+        kept_workloads=kept,
     )
 
 

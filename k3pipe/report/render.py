@@ -296,10 +296,17 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
     )
     head = [f"Study run `{data.run_id}` of experiment **{data.name}** ({data.status}); arms: {launched}."]
     if data.resumed:
+        kept = (
+            f", keeping the {data.kept_workloads} workload(s) they had finished cleanly (a workload's "
+            "repeats always share one engine start)"
+            if data.kept_workloads
+            else ""
+        )
         head.append(
             f"Resumed {data.resumed} time(s) (`k3pipe study --resume`): launches that had finished were "
-            f"kept; {data.superseded} launch(es) that had not were run again whole, on a new engine start "
-            "(their earlier runs are in MLflow, tagged k3pipe.superseded, and in no figure here)."
+            f"kept; {data.superseded} launch(es) that had not ran again on a new engine start{kept} "
+            "(their earlier runs are in MLflow, tagged k3pipe.superseded; what else they measured is in "
+            "no figure here)."
         )
     for a in failed:
         head.append(

@@ -394,9 +394,11 @@ def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_
 ) -> None:
     """A study of two arms launched twice, interrupted (the KeyboardInterrupt a Ctrl-C raises) in the
     third launch's second workload, then resumed through the study flow's `resume` parameter: the
-    two finished launches are kept (not run again), the interrupted one runs again whole and the
-    fourth runs; the records equal those of the same study run straight through (the same launches,
-    workloads, repeats and prompts), plus the interrupted launch's run, kept and tagged superseded."""
+    two finished launches are kept (not run again), the interrupted one runs again on a new engine
+    start from its second workload (its first, finished, is kept: not measured again, its run moved
+    under the new launch's run) and the fourth runs; the records equal those of the same study run
+    straight through (the same launches, workloads, repeats and prompts), plus the interrupted
+    launch's run, kept and tagged superseded."""
     from dataclasses import replace
 
     from flows.study import study as study_flow
@@ -441,7 +443,10 @@ def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_
     point = resume_point(job.tracker, run_id[:10])
     assert sorted(point.done) == [("fast", 1), ("slow", 1)]
     assert [r.data.tags["k3pipe.launch"] for r in point.unfinished] == ["2"]
-    assert "run again whole: slow#2" in point.summary()
+    (interrupted_run,) = point.unfinished
+    (in32_run,) = job.tracker.children(interrupted_run.info.run_id)
+    assert point.kept[("slow", 2)].workloads == {"in32": in32_run.info.run_id}
+    assert "run again from the first unfinished workload: slow#2 (keeping in32)" in point.summary()
     # the experiment as the study ran it: the same file passes, a changed one is named
     check_experiment(point, RunRequest(experiment=str(exp)).load(), str(exp))
     changed = RunRequest(experiment=str(exp), overrides=Overrides(output_tokens=9)).load()
@@ -460,7 +465,24 @@ def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_
     assert len(runs) == 5  # fast#1 and slow#1 ran once: only slow#2 (again) and fast#2 were added
     (superseded,) = [r for r in runs if r.data.tags.get("k3pipe.superseded")]
     assert (superseded.data.tags["k3pipe.arm"], superseded.info.status) == ("slow", "KILLED")
-    assert [w.data.tags["k3pipe.workload"] for w in job.tracker.children(superseded.info.run_id)] == ["in32"]
+    assert "the workloads it had finished (in32) moved under the new run" in (
+        superseded.data.tags["k3pipe.superseded"]
+    )
+    # what it finished moved under the launch's new run, where the rest was measured
+    assert job.tracker.children(superseded.info.run_id) == []
+    (again,) = [r for r in runs if r.data.tags.get("k3pipe.kept_workloads")]
+    assert (again.data.tags["k3pipe.arm"], again.data.tags["k3pipe.launch"]) == ("slow", "2")
+    assert again.data.tags["k3pipe.kept_workloads"] == "in32"
+    children = job.tracker.children(again.info.run_id)
+    moved = {w.data.tags["k3pipe.workload"]: w for w in children}
+    assert len(children) == len(moved) == 2
+    # not measured again: the very run the interrupted launch finished
+    assert moved["in32"].info.run_id == in32_run.info.run_id
+    assert superseded.info.run_id in moved["in32"].data.tags["k3pipe.kept_by_resume"]
+    assert "k3pipe.kept_by_resume" not in moved["in96"].data.tags
+    assert again.data.metrics["in32.output_throughput_tps"] == pytest.approx(
+        in32_run.data.metrics["output_throughput_tps"]
+    )
     done = job.tracker.client.get_run(run_id)
     assert done.info.status == "FINISHED"
     assert done.data.tags["k3pipe.resumed"] == "1"
@@ -469,12 +491,69 @@ def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_
 
     report = build_report(job.tracker, run_id)
     assert report.data.superseded == 1
+    assert report.data.kept_workloads == 1
     assert "Resumed 1 time(s)" in report.markdown
+    assert "keeping the 1 workload(s) they had finished cleanly" in report.markdown
     cell = report.data.cell("slow", "in96")
     assert cell is not None
     assert cell.launches == 2
     with pytest.raises(ResumeError, match="nothing is left to run"):
         resume(run_id, job)
+
+
+def test_a_resume_keeps_single_run_workloads_and_reruns_one_cut_short(  # type: ignore[no-untyped-def]
+    prefect_harness: None, servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workloads of one repeat, three of them: the launch fails in its third (the engine's requests
+    time out, say) after the second finished with a failed request. The resume keeps only the first
+    (finished cleanly), measures the second and third again, and the arm's key metrics name all three."""
+    from dataclasses import replace
+
+    from k3pipe.jobs.steps import Job
+    from k3pipe.jobs.study import resume, study
+    from k3pipe.params import RunRequest
+    from k3pipe.resume import resume_point
+
+    fast, _ = servers
+    workloads = [{**w, "repeats": 1, "name": n} for w, n in zip(WORKLOADS * 2, ["a", "b", "c"], strict=False)]
+    exp = tmp_path / "study.yaml"
+    exp.write_text(yaml.safe_dump({**_experiment([_arm("fast", fast.base_url)]), "workloads": workloads}))
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    job = Job.library(Settings())
+    bench = job.steps.arm.benchmark
+
+    def failing(plan, workload, *args, **kwargs):  # type: ignore[no-untyped-def]
+        measured = bench(plan, workload, *args, **kwargs)
+        if workload.name == "b":  # one request of b failed: b is not a clean finish
+            measured = replace(measured, summary=measured.summary.model_copy(update={"failed": 1}))
+        if workload.name == "c":
+            raise RuntimeError("engine gone")
+        return measured
+
+    with pytest.raises(Exception, match="engine gone"):
+        study(RunRequest(experiment=str(exp)), job.with_steps(arm=replace(job.steps.arm, benchmark=failing)))
+    (study_run,) = job.tracker.client.search_runs(
+        [job.tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'"
+    )
+    point = resume_point(job.tracker, study_run.info.run_id)
+    (first,) = point.unfinished
+    a_run = next(w for w in job.tracker.children(first.info.run_id) if w.data.tags["k3pipe.workload"] == "a")
+    assert point.kept[("fast", 1)].workloads == {"a": a_run.info.run_id}
+
+    result = resume(study_run.info.run_id, job)
+    (outcome,) = result.arms
+    assert outcome.status == "FINISHED"
+    again = job.tracker.client.get_run(outcome.mlflow_run_id)
+    assert again.data.tags["k3pipe.kept_workloads"] == "a"
+    names = {w.data.tags["k3pipe.workload"]: w.info.run_id for w in job.tracker.children(again.info.run_id)}
+    assert names["a"] == a_run.info.run_id
+    assert set(names) == {"a", "b", "c"}
+    for name in ("a", "b", "c"):
+        assert f"{name}.output_throughput_tps" in again.data.metrics
+    assert again.data.metrics["a.output_throughput_tps"] == pytest.approx(
+        a_run.data.metrics["output_throughput_tps"]
+    )
+    assert [row["workload"] for row in outcome.workloads] == ["a", "b", "c"]
 
 
 def _k3pipe(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
