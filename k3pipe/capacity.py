@@ -1,0 +1,252 @@
+"""Capacity under an SLO: the highest request rate (or concurrency) an engine sustains within its
+latency objectives, found by search on one running engine.
+
+A **probe** sends the workload at one load point and is judged by its SLO attainment: the share of
+its measured requests that met every objective, TTFT and E2E counted from each request's scheduled
+arrival (a request the client held back waited as its user would), failed requests counted as
+missed. A point **passes** when the attainment is at least ``attainment_pct``.
+
+One **search** per repeat: from ``start``, bracket geometrically (times or divided by ``factor``)
+until a passing and a failing point surround the boundary, or ``low`` / ``high`` is reached; then
+bisect (the geometric mean of a rate bracket, the midpoint of a concurrency one) until the failing
+point is within ``tolerance_pct`` of the passing one (a concurrency bracket: adjacent integers at
+least). The **capacity** is the highest passing point; the **binding constraint** the objective met
+least often at the lowest failing point; a **cliff** an attainment that falls from passing to below
+half of ``attainment_pct`` across the final bracket (the load is near a wall, not on a slope). A
+search that passes at ``high`` says the capacity is at least ``high``; one that fails at ``low``,
+below ``low``: neither is a figure to rank on.
+
+The bisection assumes attainment falls as load rises; a noisy probe near the boundary moves the
+result by at most one bracket, and the repeats (each a search of its own, with its own arrivals)
+give the interval: :func:`summarize_searches`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from k3pipe.stats import Estimate, estimate
+
+__all__ = [
+    "CapacityResult",
+    "CapacitySearch",
+    "CapacitySummary",
+    "Probe",
+    "summarize_searches",
+]
+
+Over = Literal["rate", "concurrency"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One load point as measured: its attainment, per objective too."""
+
+    point: float
+    attainment_pct: float
+    by_objective_pct: Mapping[str, float] = field(default_factory=dict)
+    passed: bool = False
+    run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CapacityResult:
+    """One search's answer."""
+
+    over: Over
+    capacity: float | None
+    """The highest passing point (None: even ``low`` failed)."""
+    failed_at: float | None
+    """The lowest failing point (None: even ``high`` passed)."""
+    censored: Literal["above_high", "below_low"] | None
+    """'above_high': the capacity is at least ``high``; 'below_low': below ``low``; None: bracketed."""
+    converged: bool
+    """The bracket closed within the tolerance (False: ``max_probes`` ran out first)."""
+    binding: str | None
+    """The objective met least often at ``failed_at`` (ttft_ms, tpot_ms, e2e_ms), if any failed."""
+    cliff: bool
+    """Attainment fell from passing to below half the target across the final bracket."""
+    probes: list[Probe]
+
+    def describe(self, unit: str) -> str:
+        if self.censored == "below_low":
+            return f"below {_fmt(self.failed_at)} {unit}: the lowest load tried missed the SLO"
+        if self.censored == "above_high":
+            return f"at least {_fmt(self.capacity)} {unit}: the highest load tried met the SLO"
+        text = f"{_fmt(self.capacity)} {unit} (fails at {_fmt(self.failed_at)}"
+        text += f", bound by {self.binding})" if self.binding else ")"
+        if self.cliff:
+            text += ", a cliff"
+        if not self.converged:
+            text += ", not converged (max_probes ran out)"
+        return text
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "?"
+    return f"{value:.3g}" if value < 100 else f"{value:,.0f}"
+
+
+class CapacitySearch:
+    """The search as a state machine: ``while (p := s.next_point()) is not None: s.add(measure(p))``."""
+
+    def __init__(
+        self,
+        over: Over,
+        low: float,
+        high: float,
+        *,
+        start: float | None = None,
+        factor: float = 2.0,
+        tolerance_pct: float = 5.0,
+        attainment_pct: float = 90.0,
+        max_probes: int = 12,
+    ) -> None:
+        if not 0 < low < high:
+            raise ValueError(f"capacity needs 0 < low < high (got low {low}, high {high})")
+        if factor <= 1:
+            raise ValueError(f"capacity.factor must be above 1 (got {factor})")
+        self.over = over
+        self.low, self.high = low, high
+        self.factor = factor
+        self.tolerance = tolerance_pct / 100.0
+        self.target = attainment_pct
+        self.max_probes = max_probes
+        first = start if start is not None else math.sqrt(low * high)
+        self.start = self._snap(min(max(first, low), high))
+        self.probes: list[Probe] = []
+
+    # -- the points ---------------------------------------------------------------------------
+
+    def _snap(self, point: float) -> float:
+        return float(max(1, round(point))) if self.over == "concurrency" else point
+
+    @property
+    def passed(self) -> Probe | None:
+        """The highest passing probe."""
+        ok = [p for p in self.probes if p.passed]
+        return max(ok, key=lambda p: p.point) if ok else None
+
+    @property
+    def failed(self) -> Probe | None:
+        """The lowest failing probe."""
+        bad = [p for p in self.probes if not p.passed]
+        return min(bad, key=lambda p: p.point) if bad else None
+
+    def _closed(self, lo: float, hi: float) -> bool:
+        if self.over == "concurrency":
+            return hi - lo <= max(1.0, math.floor(lo * self.tolerance))
+        return hi <= lo * (1 + self.tolerance)
+
+    def next_point(self) -> float | None:
+        """The next load point to probe, or None when the search is over."""
+        if not self.probes:
+            return self.start
+        if len(self.probes) >= self.max_probes:
+            return None
+        ok, bad = self.passed, self.failed
+        tried = {p.point for p in self.probes}
+        if bad is None:
+            assert ok is not None
+            nxt = self._snap(min(ok.point * self.factor, self.high))
+        elif ok is None:
+            nxt = self._snap(max(bad.point / self.factor, self.low))
+        else:
+            if self._closed(ok.point, bad.point):
+                return None
+            if self.over == "concurrency":
+                nxt = float((int(ok.point) + int(bad.point)) // 2)
+            else:
+                nxt = math.sqrt(ok.point * bad.point)
+        return None if nxt in tried else nxt
+
+    def add(
+        self,
+        point: float,
+        attainment_pct: float,
+        by_objective_pct: Mapping[str, float] | None = None,
+        run_id: str | None = None,
+    ) -> Probe:
+        """Record the probe at ``point``; it passes when its attainment reaches the target."""
+        passed = attainment_pct >= self.target
+        probe = Probe(point, attainment_pct, dict(by_objective_pct or {}), passed, run_id)
+        self.probes.append(probe)
+        return probe
+
+    def result(self) -> CapacityResult:
+        ok, bad = self.passed, self.failed
+        censored: Literal["above_high", "below_low"] | None = None
+        if bad is None:
+            censored = "above_high" if ok is not None and ok.point >= self.high else None
+        elif ok is None:
+            censored = "below_low" if bad.point <= self.low else None
+        converged = censored is not None or (
+            ok is not None and bad is not None and self._closed(ok.point, bad.point)
+        )
+        binding = None
+        if bad is not None and bad.by_objective_pct:
+            binding = min(bad.by_objective_pct.items(), key=lambda kv: kv[1])[0]
+        cliff = (
+            ok is not None
+            and bad is not None
+            and self._closed(ok.point, bad.point)
+            and bad.attainment_pct < self.target / 2
+        )
+        return CapacityResult(
+            over=self.over,
+            capacity=ok.point if ok is not None else None,
+            failed_at=bad.point if bad is not None else None,
+            censored=censored,
+            converged=converged,
+            binding=binding,
+            cliff=cliff,
+            probes=list(self.probes),
+        )
+
+
+@dataclass(frozen=True)
+class CapacitySummary:
+    """The searches of one workload (one per repeat) together."""
+
+    over: Over
+    results: list[CapacityResult]
+    estimate: Estimate | None
+    """Mean and 95% interval of the capacity (on the log scale, back-transformed) over the bracketed
+    searches; None with fewer than two."""
+    binding: str | None
+    """The constraint that bound most searches."""
+    cliff: bool
+    """Any search found a cliff."""
+
+    @property
+    def values(self) -> list[float]:
+        return [r.capacity for r in self.results if r.capacity is not None and r.censored is None]
+
+
+def summarize_searches(results: Sequence[CapacityResult]) -> CapacitySummary:
+    """The capacity across repeats: each bracketed search's capacity is one draw (a censored one is
+    reported, not averaged)."""
+    if not results:
+        raise ValueError("no capacity search to summarize")
+    values = [r.capacity for r in results if r.capacity is not None and r.censored is None]
+    # the searches of one launch are its repeats: their spread is the repeat noise, not a restart's
+    est = estimate([values]) if len(values) >= 2 else None
+    return CapacitySummary(
+        over=results[0].over,
+        results=list(results),
+        estimate=est,
+        binding=_most(r.binding for r in results),
+        cliff=any(r.cliff for r in results),
+    )
+
+
+def _most(values: Iterable[str | None]) -> str | None:
+    counts: dict[str, int] = {}
+    for v in values:
+        if v is not None:
+            counts[v] = counts.get(v, 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else None
