@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_DECISION", "FIGURES", "TABLE_FIGURES", "Figure", "figure"]
+__all__ = ["CAPACITY_FIGURES", "DEFAULT_DECISION", "FIGURES", "TABLE_FIGURES", "Figure", "figure"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ TABLE_FIGURES: tuple[Figure, ...] = (
     Figure("content_ttft_ms_p50", "TTFT p50, first content", "ms", higher_is_better=False),
     Figure("tpot_ms_p50", "TPOT p50", "ms", higher_is_better=False),
     Figure("itl_ms_p50", "ITL p50", "ms", higher_is_better=False),
+    # a capacity search's answer (k3pipe.capacity): the highest load whose requests met the SLO
+    Figure("capacity_rps", "capacity within the SLO, request rate", "req/s", True),
+    Figure("capacity_concurrency", "capacity within the SLO, concurrency", "streams", True),
 )
 
 FIGURES: tuple[Figure, ...] = (
@@ -47,7 +50,11 @@ FIGURES: tuple[Figure, ...] = (
 
 DEFAULT_DECISION: tuple[str, ...] = ("output_throughput_tps", "ttft_ms_p50", "tpot_ms_p50")
 """What the verdicts rest on unless the experiment says otherwise: throughput (end-to-end time is the
-same window the other way round), the first token's wait, and the pace after it."""
+same window the other way round), the first token's wait, and the pace after it; and where a
+workload searched for its capacity, that capacity (:data:`CAPACITY_FIGURES`)."""
+
+CAPACITY_FIGURES: tuple[str, ...] = ("capacity_rps", "capacity_concurrency")
+"""A capacity search's answers: decision metrics by default where a study has them."""
 
 _BY_KEY = {f.key: f for f in FIGURES}
 

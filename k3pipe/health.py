@@ -24,6 +24,7 @@ __all__ = [
     "GateTarget",
     "check_endpoint",
     "gate_target",
+    "reset_prefix_cache",
     "server_root",
     "wait_until_healthy",
 ]
@@ -355,3 +356,17 @@ def engine_version(plan: ArmPlan) -> str | None:
     except (httpx.HTTPError, ValueError):
         pass
     return plan.engine_version
+
+
+def reset_prefix_cache(plan: ArmPlan, api_key: SecretStr | None, timeout_s: float = 30.0) -> bool:
+    """Empty the engine's prefix cache (its ``prefix_cache_reset_path``, POSTed at the server root):
+    whether it answered 2xx. False, never an error, where the engine offers no way or refused (vLLM
+    serves it only with ``VLLM_SERVER_DEV_MODE=1``): the caller records which it was."""
+    path = get_engine(plan.engine).prefix_cache_reset_path
+    if path is None:
+        return False
+    try:
+        resp = httpx.post(server_root(plan.base_url) + path, headers=_headers(api_key), timeout=timeout_s)
+    except httpx.HTTPError:
+        return False
+    return resp.is_success

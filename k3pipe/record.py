@@ -23,6 +23,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import timing_note
+from k3pipe.capacity import CapacityResult
 from k3pipe.coldstart import ColdStart
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
@@ -317,11 +318,7 @@ class ArmRecorder:
         figures, per-request records, the /metrics series, the dataset and any client/engine
         disagreement. With repeats it is a nested run under the workload's run, which gets the
         statistics across repeats once the last repeat is in (or when the arm ends early)."""
-        tags = {
-            "k3pipe.experiment": self.plan.experiment,
-            "k3pipe.arm": self.plan.arm,
-            "k3pipe.workload": workload.name,
-        }
+        tags = self._workload_tags(workload)
         params = _flat("workload", workload.model_dump(mode="json"))
         tags["mlflow.note.content"] = (
             f"Workload **{workload.name}** of arm {self.plan.arm}: {workload.input_tokens:,} in / "
@@ -340,16 +337,7 @@ class ArmRecorder:
                 self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}
             )
             return run_id
-        parent = self.workload_runs.get(workload.name)
-        if parent is None:
-            parent = self.tracker.start_run(
-                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
-            )
-            # registered before anything else can fail, so that finish() always closes it
-            self.workload_runs[workload.name] = parent
-            self._repeat_metrics[workload.name] = []
-            self._open[workload.name] = workload
-            self.tracker.log_params(parent, params)
+        parent = self._repeats_parent(workload, tags, params)
         k = outcome.repeat
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{workload.name}#{k + 1}",
@@ -369,6 +357,151 @@ class ArmRecorder:
         if len(self._repeat_metrics[workload.name]) >= workload.repeats:
             self._close_repeats(workload.name, "FINISHED")
         return run_id
+
+    def _workload_tags(self, workload: WorkloadSpec) -> dict[str, str]:
+        return {
+            "k3pipe.experiment": self.plan.experiment,
+            "k3pipe.arm": self.plan.arm,
+            "k3pipe.workload": workload.name,
+        }
+
+    def _repeats_parent(
+        self, workload: WorkloadSpec, tags: Mapping[str, str], params: Mapping[str, Any]
+    ) -> str:
+        """The run a workload's repeats nest under, started with its first repeat."""
+        parent = self.workload_runs.get(workload.name)
+        if parent is None:
+            parent = self.tracker.start_run(
+                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
+            )
+            # registered before anything else can fail, so that finish() always closes it
+            self.workload_runs[workload.name] = parent
+            self._repeat_metrics[workload.name] = []
+            self._open[workload.name] = workload
+            self.tracker.log_params(parent, params)
+        return parent
+
+    # -- capacity searches (k3pipe.capacity) ------------------------------------------------------
+
+    def start_search(self, workload: WorkloadSpec, repeat: int, seed: int) -> str:
+        """The run one capacity search's probes nest under: the workload's run (one repeat), or its
+        repeat's run under it (the workload's run then gets the statistics across repeats)."""
+        assert workload.capacity is not None
+        tags = self._workload_tags(workload)
+        params = _flat("workload", workload.model_dump(mode="json"))
+        unit = "req/s" if workload.capacity.over == "rate" else "streams"
+        tags["mlflow.note.content"] = (
+            f"Capacity search of workload **{workload.name}** of arm {self.plan.arm}: the highest "
+            f"{workload.capacity.over} ({unit}) whose requests meet the SLO "
+            f"({workload.capacity.attainment_pct:g}% of them), each probe a nested run."
+        )
+        if workload.repeats == 1:
+            run_id = self.tracker.start_run(
+                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
+            )
+            self.workload_runs[workload.name] = run_id
+            self.tracker.log_params(run_id, params)
+            return run_id
+        parent = self._repeats_parent(workload, tags, params)
+        run_id = self.tracker.start_run(
+            f"{self.plan.arm}/{workload.name}#{repeat + 1}",
+            tags={**tags, "k3pipe.repeat": str(repeat + 1)},
+            parent_id=parent,
+        )
+        self.tracker.log_params(run_id, {**params, "workload.seed": seed, "repeat": repeat + 1})
+        return run_id
+
+    def log_probe(
+        self,
+        search_run: str,
+        probe: WorkloadSpec,
+        point: float,
+        over: str,
+        outcome: WorkloadOutcome,
+        attainment: tuple[float, Mapping[str, float]],
+        reset: bool,
+    ) -> str:
+        """One probe of a capacity search: the workload's whole record at that load, and its SLO
+        attainment from arrival (what the search judged it by)."""
+        label = f"{point:.4g}rps" if over == "rate" else f"c{int(point)}"
+        run_id = self.tracker.start_run(
+            f"{self.plan.arm}/{probe.name}@{label}",
+            tags={**self._workload_tags(probe), "k3pipe.probe": label},
+            parent_id=search_run,
+        )
+        pct, by = attainment
+        self.tracker.log_metrics(
+            run_id,
+            {
+                "probe.slo_attainment_from_arrival_pct": pct,
+                **{f"probe.slo_attainment_from_arrival.{k}_pct": v for k, v in by.items()},
+                "probe.prefix_cache_reset": int(reset),
+            },
+        )
+        params = {
+            **_flat("workload", probe.model_dump(mode="json")),
+            "probe.over": over,
+            "probe.point": point,
+            "workload.seed": outcome.seed,
+        }
+        self._log_outcome(run_id, params, outcome)
+        return run_id
+
+    def log_capacity(self, search_run: str, workload: WorkloadSpec, result: CapacityResult) -> None:
+        """A search's answer on its run: ``capacity_rps`` (or ``capacity_concurrency``) where the
+        search bracketed it, the lowest failing point, probes, cliff; the censored bound otherwise;
+        ``capacity.json`` with every probe. One repeat: the workload's run, closed; else the
+        repeat's run, closed, and the workload's once every repeat is in."""
+        assert workload.capacity is not None
+        key = "capacity_rps" if result.over == "rate" else "capacity_concurrency"
+        unit = "req/s" if result.over == "rate" else "streams"
+        bracketed = result.censored is None and result.capacity is not None
+        metrics: dict[str, float] = {
+            f"{key}_probes": float(len(result.probes)),
+            f"{key}_cliff": float(result.cliff),
+            f"{key}_converged": float(result.converged),
+        }
+        if bracketed:
+            assert result.capacity is not None
+            metrics[key] = result.capacity
+        if result.failed_at is not None:
+            metrics[f"{key}_failed_at"] = result.failed_at
+        if result.censored == "above_high" and result.capacity is not None:
+            metrics[f"{key}_at_least"] = result.capacity
+        self.tracker.log_metrics(search_run, metrics)
+        self.tracker.set_tags(
+            search_run,
+            {
+                "k3pipe.capacity": result.describe(unit),
+                "k3pipe.capacity_binding": result.binding,
+                "k3pipe.capacity_censored": result.censored,
+            },
+        )
+        self.tracker.log_dict(
+            search_run,
+            {
+                "over": result.over,
+                "capacity": result.capacity,
+                "failed_at": result.failed_at,
+                "censored": result.censored,
+                "converged": result.converged,
+                "binding": result.binding,
+                "cliff": result.cliff,
+                "probes": [asdict(p) for p in result.probes],
+            },
+            "capacity.json",
+        )
+        if workload.repeats == 1:
+            self._single[workload.name] = metrics
+            self.tracker.log_metrics(self.run_id, {f"{workload.name}.{key}": metrics.get(key)})
+            self.tracker.end_run(search_run, "FINISHED" if bracketed or result.censored else "FAILED")
+            return
+        self.tracker.end_run(search_run, "FINISHED")
+        self._repeat_metrics[workload.name].append(metrics)
+        if len(self._repeat_metrics[workload.name]) >= workload.repeats:
+            self._close_repeats(workload.name, "FINISHED")
+            means = self.workload_metrics(workload.name)
+            self.tracker.log_metrics(self.run_id, {f"{workload.name}.{key}": means.get(key)})
 
     def adopt_workload(self, workload: WorkloadSpec, run_id: str, measured_by: str) -> None:
         """A workload that finished under an earlier run of this launch, kept by a resume: its run

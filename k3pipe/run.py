@@ -29,10 +29,19 @@ from pydantic import BaseModel, Field, SecretStr
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
+from k3pipe.bench.summary import slo_attainment_from_arrival
+from k3pipe.capacity import CapacitySearch
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import EngineLostError, SpecError
-from k3pipe.health import EndpointCheck, check_endpoint, engine_version, gate_target, wait_ready
+from k3pipe.health import (
+    EndpointCheck,
+    check_endpoint,
+    engine_version,
+    gate_target,
+    reset_prefix_cache,
+    wait_ready,
+)
 from k3pipe.launchers.base import Launcher
 from k3pipe.launchers.factory import launch_engine, pull_image
 from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
@@ -355,6 +364,12 @@ class ArmRun:
                     {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
                 )
                 continue
+            if workload.capacity is not None:
+                self._search(workload, plan, recorder, model_dir)
+                self.outcome.workloads.append(
+                    {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
+                )
+                continue
             for repeat in range(workload.repeats):
                 measured = self.steps.benchmark(
                     plan,
@@ -384,6 +399,48 @@ class ArmRun:
             self.outcome.error = str(self._error)
         else:
             self.outcome.status = "FINISHED"
+
+    def _search(self, workload: WorkloadSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path) -> None:
+        """The workload's capacity search, once per repeat, on the running engine (k3pipe.capacity):
+        each probe the workload at one load point, its prompts the repeat's, the prefix cache emptied
+        before it where the engine offers a way (recorded either way)."""
+        spec = workload.capacity
+        assert spec is not None
+        assert workload.slo is not None
+        unit = "req/s" if spec.over == "rate" else "streams"
+        for repeat in range(workload.repeats):
+            prompts = self.prompts[workload.name][repeat]
+            search_run = recorder.start_search(workload, repeat, workload.seed + repeat)
+            search = CapacitySearch(
+                spec.over, spec.low, spec.high, start=spec.start, factor=spec.factor,
+                tolerance_pct=spec.tolerance_pct, attainment_pct=spec.attainment_pct,
+                max_probes=spec.max_probes,
+            )  # fmt: skip
+            while (point := search.next_point()) is not None:
+                probe = workload.probe(point)
+                reset = spec.reset_prefix_cache and reset_prefix_cache(plan, self.api_key)
+                measured = self.steps.benchmark(
+                    plan, probe, model_dir, self.client_key, repeat, self.settings.home_dir, prompts,
+                    **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
+                )  # fmt: skip
+                attained = slo_attainment_from_arrival(measured.result.records, workload.slo)
+                try:
+                    run_id = recorder.log_probe(
+                        search_run, probe, point, spec.over, measured, attained, reset
+                    )
+                finally:
+                    if measured.interrupted is not None:
+                        deliver(measured.interrupted)
+                if measured.engine_lost:
+                    raise EngineLostError(self._lost(workload.name, measured.engine_lost))
+                made = search.add(point, attained[0], attained[1], run_id)
+                self.say(
+                    f"capacity {workload.name}#{repeat + 1}: {point:.4g} {unit} -> "
+                    f"{attained[0]:.1f}% within the SLO ({'pass' if made.passed else 'fail'})"
+                )
+            result = search.result()
+            recorder.log_capacity(search_run, workload, result)
+            self.say(f"capacity {workload.name}#{repeat + 1}: {result.describe(unit)}")
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

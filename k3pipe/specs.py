@@ -647,6 +647,63 @@ class SLOSpec(_Spec):
         return self
 
 
+class CapacitySpec(_Spec):
+    """Search the workload's load for the highest point that meets its ``slo`` (k3pipe.capacity): each
+    probe sends the workload at one request rate (``over: rate``, under the workload's load
+    'constant' or 'poisson') or concurrency (``over: concurrency``) on the same running engine, and
+    passes when at least ``attainment_pct`` of its measured requests met every objective, TTFT and
+    E2E counted from each request's scheduled arrival. From ``start``, the load is multiplied or
+    divided by ``factor`` until a pass and a fail surround the boundary (or ``low`` / ``high`` is
+    reached), then bisected until the failing point is within ``tolerance_pct`` of the passing one.
+    Each repeat is a search of its own (its own prompts and arrivals): the repeats give the interval.
+    Under 'rate' the workload's ``concurrency`` caps the requests in flight: set it at or above what
+    the engine runs at once (its max_num_seqs), or the client's own queue is what is measured."""
+
+    over: Literal["rate", "concurrency"] = Field(
+        default="rate", description="What the search varies: request rate (req/s) or concurrency."
+    )
+    low: float = _finite(gt=0, le=MAX_RATE_RPS, description="The lowest load to try (req/s, or streams).")
+    high: float = _finite(gt=0, le=MAX_RATE_RPS, description="The highest load to try.")
+    start: float | None = _finite(
+        default=None,
+        gt=0,
+        le=MAX_RATE_RPS,
+        description="The first load probed (default: the geometric middle).",
+    )
+    factor: float = _finite(default=2.0, gt=1, le=16, description="Bracketing step: x or / this factor.")
+    tolerance_pct: float = _finite(
+        default=5.0, ge=0, le=100, description="The search ends once fail / pass <= 1 + this / 100."
+    )
+    attainment_pct: float = _finite(
+        default=90.0, gt=0, le=100, description="A probe passes when this share of its requests met the SLO."
+    )
+    max_probes: int = _count(default=12, ge=2, le=64, description="The most probes a search may run.")
+    reset_prefix_cache: bool = Field(
+        default=True,
+        strict=True,
+        description="Empty the engine's prefix cache before each probe where it offers a way (vLLM's "
+        "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1, SGLang's /flush_cache); recorded either way.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> CapacitySpec:
+        if self.low >= self.high:
+            raise ValueError(f"capacity.low ({self.low:g}) must be below capacity.high ({self.high:g})")
+        if self.start is not None and not self.low <= self.start <= self.high:
+            raise ValueError(
+                f"capacity.start ({self.start:g}) must lie within [low, high] = [{self.low:g}, {self.high:g}]"
+            )
+        if self.over == "concurrency":
+            for name in ("low", "high", "start"):
+                value = getattr(self, name)
+                if value is not None and (value != int(value) or value > MAX_CONCURRENCY):
+                    raise ValueError(
+                        f"capacity.{name} ({value:g}) must be a whole number of streams up to "
+                        f"{MAX_CONCURRENCY:,} under over: concurrency"
+                    )
+        return self
+
+
 class WorkloadSpec(_Spec):
     """One load shape over a dataset of prompts (random ones of exact length by default).
 
@@ -771,6 +828,11 @@ class WorkloadSpec(_Spec):
     slo: SLOSpec | None = Field(
         default=None, description="Latency objectives; with them the summary gives goodput and attainment."
     )
+    capacity: CapacitySpec | None = Field(
+        default=None,
+        description="Search for the highest load that meets slo instead of measuring one load point "
+        "(k3pipe.capacity): its probes run on the same engine, each a nested run.",
+    )
     metrics_interval_s: float = _finite(
         default=1.0,
         ge=MIN_METRICS_INTERVAL_S,
@@ -794,6 +856,38 @@ class WorkloadSpec(_Spec):
     def _safe_name(cls, value: str) -> str:
         return safe_name(value, "workload")
 
+    def _capacity_fits(self) -> None:
+        capacity = self.capacity
+        assert capacity is not None
+        if self.slo is None:
+            raise ValueError(
+                "capacity searches for the highest load that meets the workload's slo: set slo "
+                "(ttft_ms, tpot_ms and/or e2e_ms)"
+            )
+        if capacity.over == "rate":
+            if self.load == "concurrency":
+                raise ValueError(
+                    "capacity over 'rate' sends at request rates: set load to 'poisson' or 'constant' "
+                    "(or capacity.over to 'concurrency')"
+                )
+            if self.rate_rps is not None:
+                raise ValueError(
+                    f"rate_rps ({self.rate_rps:g}) is chosen by the capacity search, probe by probe: "
+                    "remove it (capacity.start sets the first rate)"
+                )
+        elif self.load != "concurrency":
+            raise ValueError(
+                f"capacity over 'concurrency' sends at fixed concurrency: set load to 'concurrency' "
+                f"(it is {self.load!r}), or capacity.over to 'rate'"
+            )
+
+    def probe(self, point: float) -> WorkloadSpec:
+        """This workload at one load point of its capacity search (a rate, or a concurrency)."""
+        assert self.capacity is not None
+        if self.capacity.over == "rate":
+            return self.model_copy(update={"rate_rps": point, "capacity": None})
+        return self.model_copy(update={"concurrency": int(point), "capacity": None})
+
     @property
     def prompt_count(self) -> int:
         """Prompts the workload builds before the first launch: ``(warmup + num_requests) x repeats``."""
@@ -801,7 +895,9 @@ class WorkloadSpec(_Spec):
 
     @model_validator(mode="after")
     def _rate_fits_load(self) -> WorkloadSpec:
-        if self.load in ("constant", "poisson") and self.rate_rps is None:
+        if self.capacity is not None:
+            self._capacity_fits()
+        elif self.load in ("constant", "poisson") and self.rate_rps is None:
             raise ValueError(f"load {self.load!r} needs rate_rps (requests per second)")
         if self.load == "concurrency" and self.rate_rps is not None:
             raise ValueError(

@@ -87,6 +87,9 @@ class ScriptedOpenAI:
     Use as a context manager; the server always stops on exit. ``script`` may be changed between
     requests, or be a function of the received request. ``max_in_flight`` is the most requests that
     were being answered at once (a request counts until its last chunk before ``[DONE]``).
+    ``slots``: the most requests served at once, as an engine's batch limit; a request beyond it
+    waits, before its first chunk, for one to end (None: no limit). With a script's fixed service
+    time S the server then serves ``slots / S`` requests a second: a capacity known in advance.
     """
 
     def __init__(
@@ -96,7 +99,10 @@ class ScriptedOpenAI:
         api_key: str | None = None,
         model: str = "scripted",
         port: int = 0,
+        slots: int | None = None,
     ) -> None:
+        self.slots = slots
+        self._slots: asyncio.Semaphore | None = None  # made on the server's loop, at its first request
         self.script: ScriptSource = script if script is not None else Script()
         self.api_key = api_key
         self.model = model
@@ -295,6 +301,10 @@ class ScriptedOpenAI:
         def running(done: int) -> dict[str, Any] | None:
             return wire.usage(prompt_tokens, done) if continuous else None
 
+        if self.slots is not None:
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.slots)
+            await self._slots.acquire()
         self._enter()
         counted = True
         try:
@@ -353,6 +363,8 @@ class ScriptedOpenAI:
         finally:
             if counted:
                 self._leave()
+            if self._slots is not None:
+                self._slots.release()
 
     def _emit(self, received: Received, kind: str, chunk: dict[str, Any]) -> str:
         received.sent.append((kind, time.perf_counter()))

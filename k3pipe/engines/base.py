@@ -282,6 +282,8 @@ class Engine:
     """The flag through which the engine takes its API key, for an engine with no such variable
     (SGLang's ``--api-key``): the plan renders ``FLAG {env.NAME}`` for the variable
     ``endpoint.api_key_env`` names, so the record holds the reference and only the launch the key."""
+    prefix_cache_reset_path: ClassVar[str | None] = None
+    """The path a POST to which empties the engine's prefix cache (None: it offers none)."""
     python_package: ClassVar[str | None] = None
     """The engine's import name, whose version the node record reads from the arm's interpreter."""
     compile_cache_env_var: ClassVar[str | None] = None

@@ -112,6 +112,8 @@ class SGLangEngine(Engine):
     # secrets are redacted there), which the engine-log scrubber masks.
     api_key_env_var: ClassVar[str | None] = None
     api_key_flag: ClassVar[str | None] = "--api-key"
+    # entrypoints/http_server.py:905 (0.5.16): GET or POST /flush_cache empties the radix cache
+    prefix_cache_reset_path: ClassVar[str | None] = "/flush_cache"
     # What a warm restart reuses (measured on the H200, docs/gpu.md: prefill CUDA graphs 78.5 s on the
     # first launch, 10.7 s on the second) is the kernels compiled just in time during graph capture.
     # They go to four places, each moved by its own variable (read in the 0.5.16 wheels):

@@ -196,6 +196,8 @@ class VLLMEngine(Engine):
     # vLLM's api server takes --api-key or, when unset, the VLLM_API_KEY environment variable.
     api_key_env_var: ClassVar[str | None] = "VLLM_API_KEY"
     python_package: ClassVar[str | None] = "vllm"
+    # entrypoints/serve/dev/cache/api_router.py:20 (0.32.0): served only with VLLM_SERVER_DEV_MODE=1
+    prefix_cache_reset_path: ClassVar[str | None] = "/reset_prefix_cache"
     # envs.py (0.22.0 :35/:654, default ~/.cache/vllm): torch.compile artifacts go to
     # $VLLM_CACHE_ROOT/torch_compile_cache (and torch_aot_compile), under vLLM's own config hash
     compile_cache_env_var: ClassVar[str | None] = "VLLM_CACHE_ROOT"

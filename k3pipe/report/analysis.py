@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3pipe import stats
-from k3pipe.figures import DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure
+from k3pipe.figures import CAPACITY_FIGURES, DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure
 from k3pipe.figures import figure as figure_of
 from k3pipe.report.collect import CellData, StudyData
 
@@ -554,6 +554,13 @@ def _claims(
     return out
 
 
+def default_decision(data: StudyData) -> tuple[str, ...]:
+    """The decision metrics of an experiment that names none (its recorded decision then holds
+    :data:`DEFAULT_DECISION`): those, and the capacity figures its capacity searches recorded."""
+    found = tuple(k for k in CAPACITY_FIGURES if any(c.values.get(k) for c in data.cells))
+    return DEFAULT_DECISION + found
+
+
 def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
     """The report's numbers. ``claims``: figures published for the study (e.g. field-notes.md's
     ratios), each checked against what the recorded values give (see the module docstring)."""
@@ -561,6 +568,8 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
     arms = [a for a in data.arm_names if any(c.arm == a for c in data.cells)]
     decision = dict(data.decision)
     metrics = tuple(decision.get("metrics") or DEFAULT_DECISION)
+    if metrics == DEFAULT_DECISION:
+        metrics = default_decision(data)
     calibration = data.calibration
     copy = calibration[1] if calibration else None
     rows = _rows(data, arms, metrics, copy)

@@ -51,6 +51,11 @@ class CellData(BaseModel):
     load: str = "concurrency"
     rate_rps: float | None = None
     dataset: str = "random"
+    capacity: str | None = Field(
+        default=None,
+        description="A capacity search's range ('rate 0.1-100 req/s', 'concurrency 1-256 streams'); "
+        "None: one load point.",
+    )
 
     def mean(self, metric: str) -> float | None:
         v = self.values.get(metric)
@@ -80,7 +85,22 @@ class CellData(BaseModel):
     def shape(self) -> tuple[int, str, str, float | None, str]:
         """Everything that defines the workload but its input length: cells of one shape differ in
         input length alone, so they can be compared along it."""
-        return (self.output_tokens, self.load, self.dataset, self.rate_rps, f"c{self.concurrency}")
+        return (
+            self.output_tokens,
+            self.load if self.capacity is None else f"{self.load} ({self.capacity})",
+            self.dataset,
+            self.rate_rps,
+            f"c{self.concurrency}",
+        )
+
+    @property
+    def load_label(self) -> str:
+        """How the cell's requests were sent, in words."""
+        if self.capacity is not None:
+            return f"{self.load}, capacity search over {self.capacity}"
+        if self.load == "concurrency":
+            return f"concurrency {self.concurrency}"
+        return f"{self.load} at {self.rate_rps:g} req/s" if self.rate_rps else self.load
 
 
 class ArmData(BaseModel):
@@ -250,9 +270,22 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 load=params.get("workload.load", "concurrency"),
                 rate_rps=_float(params, "workload.rate_rps"),
                 dataset=params.get("workload.dataset.kind", "random"),
+                capacity=_capacity_label(params),
             )
         )
     return cells
+
+
+def _capacity_label(params: dict[str, str]) -> str | None:
+    """'rate 1.25-500 req/s' from the workload's ``capacity`` param (its spec as JSON, or null)."""
+    try:
+        spec = json.loads(params.get("workload.capacity") or "null")
+    except ValueError:
+        return None
+    if not isinstance(spec, dict) or "over" not in spec:
+        return None
+    unit = "req/s" if spec["over"] == "rate" else "streams"
+    return f"{spec['over']} {spec.get('low', '?'):g}-{spec.get('high', '?'):g} {unit}"
 
 
 def collect(tracker: Tracker, study_ref: str) -> StudyData:

@@ -105,9 +105,7 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
     shapes = {c.workload: c for c in data.cells}
     for workload in dict.fromkeys(r.workload for r in decision):
         cell = shapes[workload]
-        load = (f"concurrency {cell.concurrency}" if cell.load == "concurrency"
-                else f"{cell.load} at {cell.rate_rps} req/s")  # fmt: skip
-        head = f"**{workload}** ({cell.input_tokens:,} in / {cell.output_tokens:,} out, {load})"
+        head = f"**{workload}** ({cell.input_tokens:,} in / {cell.output_tokens:,} out, {cell.load_label})"
         for r in (r for r in decision if r.workload == workload):
             if len(r.ranking) < 2:
                 why = "bursty client timing" if r.bursty else "fewer than two arms measured it"

@@ -1,0 +1,89 @@
+"""Capacity under an SLO through the study and its report, against engines whose capacity is known:
+the scripted OpenAI server (tests/scripted_openai.py, vLLM's wire format) serving at most ``slots``
+requests at once, each for a fixed service time S, so it sustains ``slots / S`` requests a second and
+queues beyond. An E2E SLO of 2 S: the search must land within 10% of ``slots / S``. The search's
+arithmetic across 0.1-100 req/s is tested on simulated queues (tests/unit/test_capacity.py); here,
+the real client, HTTP and MLflow at 5 and 80 req/s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from k3pipe.report import build_report
+from k3pipe.settings import Settings
+from tests.conftest import TINY_MODEL
+from tests.scripted_openai import Script, ScriptedOpenAI
+
+# the capacity found is the scripted server's timing at up to 80 req/s: alone in `make test`'s first phase
+pytestmark = pytest.mark.serial
+
+
+def _workload(capacity_rps: float, service_s: float, requests: int) -> dict[str, Any]:
+    return {
+        "name": "cap",
+        "input_tokens": 32,
+        "output_tokens": 2,
+        "load": "constant",
+        "concurrency": 512,  # the client's cap on requests in flight: far above the engine's slots
+        "num_requests": requests,
+        "slo": {"e2e_ms": 2000 * service_s},
+        "capacity": {"low": capacity_rps / 20, "high": capacity_rps * 20, "tolerance_pct": 5},
+    }
+
+
+# A probe sees an overload of e (5%: the tolerance) only once the queue it builds outgrows the SLO's
+# slack (here S): after about slack x rate / e requests, 0.2 x 5 / 0.05 = 20 and 0.1 x 80 / 0.05 = 160
+# (docs/capacity.md: a probe must last about 1/e times the latency budget).
+@pytest.mark.parametrize(("slots", "service_s", "requests"), [(1, 0.2, 30), (8, 0.1, 200)])
+def test_a_capacity_search_finds_the_scripted_engines_capacity_within_10_percent(
+    slots: int, service_s: float, requests: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from k3pipe.jobs.steps import Job
+    from k3pipe.jobs.study import study
+    from k3pipe.params import RunRequest
+
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    truth = slots / service_s
+    with ScriptedOpenAI(Script(first_token_delay_s=service_s), model="m", slots=slots) as engine:
+        exp = tmp_path / "capacity.yaml"
+        arm = {
+            "name": "scripted",
+            "engine": {"kind": "vllm"},
+            "launcher": {"kind": "external"},
+            "endpoint": {"base_url": engine.base_url, "model": "m"},
+        }
+        experiment = {
+            "name": "capacity-test",
+            "model": {"source": "local", "path": str(TINY_MODEL)},
+            "arms": [arm],
+            "workloads": [_workload(truth, service_s, requests)],
+        }
+        exp.write_text(yaml.safe_dump(experiment))
+        monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+        job = Job.library(Settings())
+        result = study(RunRequest(experiment=str(exp)), job)
+        resets = len(engine.prefix_cache_resets)
+
+    (arm_outcome,) = result.arms
+    assert arm_outcome.status == "FINISHED", arm_outcome.error
+    tracker = job.tracker
+    arm_run = tracker.client.get_run(arm_outcome.mlflow_run_id)
+    found = arm_run.data.metrics["cap.capacity_rps"]
+    assert abs(found / truth - 1) <= 0.10, (found, truth)
+    (search,) = tracker.children(arm_run.info.run_id)
+    assert search.data.tags["k3pipe.capacity_binding"] == "e2e_ms"
+    assert search.data.metrics["capacity_rps"] == found
+    probes = tracker.children(search.info.run_id)
+    assert len(probes) == search.data.metrics["capacity_rps_probes"] == resets  # a reset before each
+    assert {p.data.tags["k3pipe.probe"].endswith("rps") for p in probes} == {True}
+    assert all(p.data.metrics["probe.prefix_cache_reset"] == 1 for p in probes)
+    # each probe holds the workload's whole record at its rate
+    passed = [p for p in probes if p.data.metrics["probe.slo_attainment_from_arrival_pct"] >= 90]
+    assert max(float(p.data.params["probe.point"]) for p in passed) == found
+    report = build_report(tracker, result.study_run_id)
+    assert "capacity" in report.markdown
