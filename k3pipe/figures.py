@@ -17,6 +17,9 @@ class Figure:
     unit: str
     higher_is_better: bool
     throughput: bool = False
+    resolution: str | None = None
+    """The metric holding each value's bracket (log of its first failing over its last passing
+    load), for a figure a search found: its width is error the repeats cannot show."""
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.higher_is_better else a < b
@@ -32,8 +35,10 @@ TABLE_FIGURES: tuple[Figure, ...] = (
     Figure("tpot_ms_p50", "TPOT p50", "ms", higher_is_better=False),
     Figure("itl_ms_p50", "ITL p50", "ms", higher_is_better=False),
     # a capacity search's answer (k3pipe.capacity): the highest load whose requests met the SLO
-    Figure("capacity_rps", "capacity within the SLO, request rate", "req/s", True),
-    Figure("capacity_concurrency", "capacity within the SLO, concurrency", "streams", True),
+    Figure("capacity_rps", "capacity within the SLO, request rate", "req/s", True,
+           resolution="capacity_rps_resolution"),
+    Figure("capacity_concurrency", "capacity within the SLO, concurrency", "streams", True,
+           resolution="capacity_concurrency_resolution"),
 )
 
 FIGURES: tuple[Figure, ...] = (

@@ -9,6 +9,7 @@ beside it (see k3pipe.bench.repeats), plus ``repeats.json`` and ``repeats.parque
 from __future__ import annotations
 
 import contextlib
+import math
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
@@ -466,6 +467,9 @@ class ArmRecorder:
             metrics[key] = result.capacity
         if result.failed_at is not None:
             metrics[f"{key}_failed_at"] = result.failed_at
+            if bracketed:
+                # the capacity lies in [capacity, failed_at): error the repeats cannot show
+                metrics[f"{key}_resolution"] = math.log(result.failed_at / metrics[key])
         if result.censored == "above_high" and result.capacity is not None:
             metrics[f"{key}_at_least"] = result.capacity
         self.tracker.log_metrics(search_run, metrics)

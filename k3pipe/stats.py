@@ -44,7 +44,7 @@ import itertools
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from typing import Literal
 
@@ -72,6 +72,7 @@ __all__ = [
     "planned_power",
     "power",
     "spend_alpha",
+    "with_resolution",
 ]
 
 DEFAULT_ALPHA = 0.05
@@ -202,6 +203,20 @@ def estimate(launches: Sequence[Sequence[float]]) -> Estimate | None:
         return Estimate(x[0], None, 0, "none", 1, counts)
     mean, ss = _mean_ss(x)
     return Estimate(mean, ss / (len(x) - 1) / len(x), len(x) - 1, "repeats", 1, counts, ss)
+
+
+def with_resolution(est: Estimate, widths: Sequence[float]) -> Estimate:
+    """``est`` with the error of values known only within a bracket added to its variance: a value a
+    search placed in a bracket of log-width w (its last passing and first failing load) may be off
+    by up to w, however alike the repeats came out (a search on a deterministic engine finds the same
+    point every time). Counted as an error of SD w / 2 per value (variance w^2 / 4; a uniform's
+    w^2 / 12 would let two arms one bracket apart be called different, which the bracket cannot
+    tell). Unchanged without a variance of its own (a single value stays untested) or widths."""
+    w = [float(x) for x in widths if x is not None and math.isfinite(x) and x > 0]
+    if est.var is None or est.df <= 0 or not w:
+        return est
+    unit = math.fsum(x * x for x in w) / len(w) / 4.0
+    return replace(est, var=est.var + unit / est.n, pooled_ss=est.pooled_ss + unit * est.df)
 
 
 @dataclass(frozen=True)

@@ -312,6 +312,8 @@ def _estimates(cells: Iterable[CellData], metric: Metric) -> tuple[dict[str, Cel
             continue
         est = stats.estimate(c.by_launch(metric.key))
         if est is not None:
+            if metric.resolution:
+                est = stats.with_resolution(est, c.values.get(metric.resolution, []))
             have[c.arm] = CellStat(est)
     return have, bursty
 

@@ -18,6 +18,7 @@ import math
 import numpy as np
 import pytest
 
+from k3pipe import stats
 from k3pipe.capacity import CapacitySearch, summarize_searches
 
 pytestmark = pytest.mark.unit
@@ -184,3 +185,24 @@ def test_bad_bounds_are_refused() -> None:
         CapacitySearch("rate", 5, 1)
     with pytest.raises(ValueError, match="factor must be above 1"):
         CapacitySearch("rate", 1, 5, factor=1)
+
+
+def test_the_search_resolution_stays_in_the_interval_and_in_the_verdict() -> None:
+    """Repeats of a search on a deterministic engine agree exactly, yet each only places the capacity
+    within its last bracket (5% here): the interval keeps that width, and two arms one bracket apart
+    are not called different, while three brackets apart are."""
+    w = math.log(1.05)
+    a = stats.with_resolution(stats.estimate([[20.0, 20.0, 20.0]]), [w] * 3)  # type: ignore[arg-type]
+    assert a.var is not None
+    assert a.var > 0
+    low, high = a.interval() or (0, 0)
+    assert low < 20.0 * 0.99
+    assert high > 20.0 * 1.05  # the truth may sit anywhere in [20, 21)
+    design = stats.Design(alpha=0.05, margin=0.05, power=0.8, tests=1)
+    near = stats.with_resolution(stats.estimate([[20.8] * 3]), [w] * 3)  # type: ignore[arg-type]
+    far = stats.with_resolution(stats.estimate([[23.2] * 3]), [w] * 3)  # type: ignore[arg-type]
+    assert stats.decide(stats.compare(near, a), design, higher_is_better=True).outcome != "different"
+    assert stats.decide(stats.compare(far, a), design, higher_is_better=True).outcome == "different"
+    single = stats.estimate([[20.0]])
+    assert single is not None
+    assert stats.with_resolution(single, [w]) is single  # one value: still untested
