@@ -35,6 +35,8 @@ __all__ = [
     "CapacitySearch",
     "CapacitySummary",
     "Probe",
+    "pareto_front",
+    "past_saturation",
     "summarize_searches",
 ]
 
@@ -250,3 +252,34 @@ def _most(values: Iterable[str | None]) -> str | None:
         if v is not None:
             counts[v] = counts.get(v, 0) + 1
     return max(counts, key=lambda k: counts[k]) if counts else None
+
+
+def past_saturation(
+    before: Mapping[str, float], now: Mapping[str, float], min_gain_pct: float
+) -> str | None:
+    """Why a ladder's point ``now`` is past saturation against the point before it (their summary
+    metrics), or None: output throughput up by less than ``min_gain_pct`` while the mean end-to-end
+    latency rose by more than that (the added load only queued). None where either lacks a figure."""
+    tps0, tps1 = before.get("output_throughput_tps"), now.get("output_throughput_tps")
+    e2e0, e2e1 = before.get("e2e_ms_mean"), now.get("e2e_ms_mean")
+    if not (tps0 and tps1 and e2e0 and e2e1):
+        return None
+    gain = (tps1 / tps0 - 1) * 100
+    rise = (e2e1 / e2e0 - 1) * 100
+    if gain < min_gain_pct and rise > min_gain_pct:
+        return (
+            f"output throughput {gain:+.1f}% while mean E2E {rise:+.1f}% "
+            f"(less than {min_gain_pct:g}% gain)"
+        )
+    return None
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """Which of ``points`` (x, y), both higher-is-better, no other point beats on both (ties kept)."""
+    out = []
+    for i, (x, y) in enumerate(points):
+        beaten = any(
+            (x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i
+        )
+        out.append(not beaten)
+    return out

@@ -507,6 +507,26 @@ class ArmRecorder:
             means = self.workload_metrics(workload.name)
             self.tracker.log_metrics(self.run_id, {f"{workload.name}.{key}": means.get(key)})
 
+    def tag_rung(self, name: str, ladder: str, over: str, point: float, reset: bool) -> None:
+        """Mark a ladder point's workload run: which ladder, which load, whether the prefix cache was
+        emptied before it."""
+        run_id = self.workload_runs.get(name)
+        if run_id is None:
+            return
+        self.tracker.set_tags(
+            run_id,
+            {
+                "k3pipe.ladder": ladder,
+                "k3pipe.ladder_over": over,
+                "k3pipe.ladder_point": repr(point),
+                "k3pipe.prefix_cache_reset": str(int(reset)),
+            },
+        )
+
+    def log_ladder(self, name: str, summary: str) -> None:
+        """How a ladder went (its points, where it ended and why), on the arm's run."""
+        self.tracker.set_tags(self.run_id, {f"k3pipe.ladder.{name}": summary})
+
     def adopt_workload(self, workload: WorkloadSpec, run_id: str, measured_by: str) -> None:
         """A workload that finished under an earlier run of this launch, kept by a resume: its run
         moved under this one (tagged :data:`k3pipe.resume.KEPT_TAG`, measured on that run's engine

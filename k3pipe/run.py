@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, SecretStr
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.bench.summary import slo_attainment_from_arrival
-from k3pipe.capacity import CapacitySearch
+from k3pipe.capacity import CapacitySearch, past_saturation
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import EngineLostError, SpecError
@@ -364,6 +364,9 @@ class ArmRun:
                     {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
                 )
                 continue
+            if workload.ladder is not None:
+                self._ladder(workload, plan, recorder, model_dir)
+                continue
             if workload.capacity is not None:
                 self._search(workload, plan, recorder, model_dir)
                 self.outcome.workloads.append(
@@ -399,6 +402,48 @@ class ArmRun:
             self.outcome.error = str(self._error)
         else:
             self.outcome.status = "FINISHED"
+
+    def _ladder(self, workload: WorkloadSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path) -> None:
+        """The workload at each point of its ladder, lowest first, on the running engine: each point a
+        workload run of its own (NAME@c8) with the workload's repeats and prompts, the prefix cache
+        emptied before it where the engine offers a way; ended after the first point past
+        saturation when the ladder says so (k3pipe.capacity.past_saturation)."""
+        ladder = workload.ladder
+        assert ladder is not None
+        assert self.outcome is not None
+        points = ladder.values()
+        before: dict[str, float] | None = None
+        ran: list[str] = []
+        why = ""
+        for point in points:
+            rung = workload.rung(point)
+            reset = reset_prefix_cache(plan, self.api_key)
+            for repeat in range(workload.repeats):
+                measured = self.steps.benchmark(
+                    plan, rung, model_dir, self.client_key, repeat, self.settings.home_dir,
+                    self.prompts[workload.name][repeat],
+                    **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
+                )  # fmt: skip
+                try:
+                    recorder.log_workload(rung, measured)
+                finally:
+                    if measured.interrupted is not None:
+                        deliver(measured.interrupted)
+                if measured.engine_lost:
+                    raise EngineLostError(self._lost(rung.name, measured.engine_lost))
+            recorder.tag_rung(rung.name, workload.name, ladder.over, point, reset)
+            now = recorder.workload_metrics(rung.name)
+            self.outcome.workloads.append({"arm": self.arm, "workload": rung.name, **now})
+            ran.append(ladder.label(point))
+            saturated = past_saturation(before, now, ladder.min_gain_pct) if before is not None else None
+            if saturated and ladder.stop_when_saturated:
+                why = f"; ended at {ladder.label(point)}, past saturation: {saturated}"
+                break
+            before = now
+        left = len(points) - len(ran)
+        summary = f"points {', '.join(ran)}{why}" + (f" ({left} higher point(s) not run)" if left else "")
+        recorder.log_ladder(workload.name, summary)
+        self.say(f"ladder {workload.name}: {summary}")
 
     def _search(self, workload: WorkloadSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path) -> None:
         """The workload's capacity search, once per repeat, on the running engine (k3pipe.capacity):

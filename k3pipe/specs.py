@@ -704,6 +704,69 @@ class CapacitySpec(_Spec):
         return self
 
 
+class LadderSpec(_Spec):
+    """Measure the workload at several loads on the same running engine, lowest first: each point a
+    workload run of its own (named ``NAME@c8`` or ``NAME@2.5rps``), with the workload's repeats and
+    prompts, the prefix cache emptied before each point where the engine offers a way. Points are
+    ``points``, or ``start`` times ``factor`` up to ``stop``. With ``stop_when_saturated`` the ladder
+    ends after the first point past saturation: output throughput up by less than ``min_gain_pct``
+    over the point before while the mean end-to-end latency rose by more than that (the added load
+    only queued)."""
+
+    over: Literal["concurrency", "rate"] = Field(
+        default="concurrency", description="What the ladder varies: concurrency (streams) or request rate."
+    )
+    points: list[float] | None = Field(
+        default=None, min_length=1, max_length=64, description="The loads, in any order (run lowest first)."
+    )
+    start: float | None = _finite(default=None, gt=0, le=MAX_RATE_RPS, description="Geometric range: first.")
+    stop: float | None = _finite(default=None, gt=0, le=MAX_RATE_RPS, description="Geometric range: at most.")
+    factor: float = _finite(default=2.0, gt=1, le=16, description="Geometric range: step.")
+    stop_when_saturated: bool = Field(default=True, strict=True, description="End past saturation.")
+    min_gain_pct: float = _finite(
+        default=5.0,
+        ge=0,
+        le=100,
+        description="Less output-throughput gain than this, latency rising: saturated.",
+    )
+
+    @model_validator(mode="after")
+    def _some_points(self) -> LadderSpec:
+        if (self.points is None) == (self.start is None or self.stop is None):
+            raise ValueError("a ladder needs either points or both start and stop (a geometric range)")
+        if self.points is not None and (self.start is not None or self.stop is not None):
+            raise ValueError("a ladder takes points or start/stop, not both")
+        values = self.values()
+        if len(values) > 64:
+            raise ValueError(f"the ladder has {len(values)} points, more than 64: raise factor or narrow it")
+        for v in values:
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"ladder point {v!r} must be a positive number")
+            if self.over == "concurrency" and (v != int(v) or v > MAX_CONCURRENCY):
+                raise ValueError(
+                    f"ladder point {v:g} must be a whole number of streams up to {MAX_CONCURRENCY:,}"
+                )
+            if self.over == "rate" and v > MAX_RATE_RPS:
+                raise ValueError(f"ladder point {v:g} req/s is above {MAX_RATE_RPS:,.0f}")
+        return self
+
+    def values(self) -> list[float]:
+        """The points, lowest first, without repeats."""
+        if self.points is not None:
+            return sorted(set(float(v) for v in self.points))
+        assert self.start is not None
+        assert self.stop is not None
+        out: list[float] = []
+        v = self.start
+        while v <= self.stop * (1 + 1e-9) and len(out) <= 64:
+            out.append(float(round(v)) if self.over == "concurrency" else v)
+            v *= self.factor
+        return sorted(set(out))
+
+    def label(self, point: float) -> str:
+        return f"c{int(point)}" if self.over == "concurrency" else f"{point:g}rps"
+
+
 class WorkloadSpec(_Spec):
     """One load shape over a dataset of prompts (random ones of exact length by default).
 
@@ -828,6 +891,11 @@ class WorkloadSpec(_Spec):
     slo: SLOSpec | None = Field(
         default=None, description="Latency objectives; with them the summary gives goodput and attainment."
     )
+    ladder: LadderSpec | None = Field(
+        default=None,
+        description="Measure this workload at several loads on the same engine, lowest first, each "
+        "point a workload run of its own (NAME@c8, NAME@2.5rps), ending past saturation.",
+    )
     capacity: CapacitySpec | None = Field(
         default=None,
         description="Search for the highest load that meets slo instead of measuring one load point "
@@ -881,6 +949,31 @@ class WorkloadSpec(_Spec):
                 f"(it is {self.load!r}), or capacity.over to 'rate'"
             )
 
+    def _ladder_fits(self) -> None:
+        ladder = self.ladder
+        assert ladder is not None
+        if ladder.over == "rate":
+            if self.load == "concurrency":
+                raise ValueError(
+                    "a ladder over 'rate' sends at request rates: set load to 'poisson' or 'constant' "
+                    "(or ladder.over to 'concurrency')"
+                )
+            if self.rate_rps is not None:
+                raise ValueError(f"rate_rps ({self.rate_rps:g}) is set by each ladder point: remove it")
+        elif self.load != "concurrency":
+            raise ValueError(
+                f"a ladder over 'concurrency' sends at fixed concurrency: set load to 'concurrency' "
+                f"(it is {self.load!r}), or ladder.over to 'rate'"
+            )
+
+    def rung(self, point: float) -> WorkloadSpec:
+        """This workload at one point of its ladder: a workload of its own, named NAME@c8 / NAME@2rps."""
+        assert self.ladder is not None
+        name = f"{self.name}@{self.ladder.label(point)}"
+        if self.ladder.over == "rate":
+            return self.model_copy(update={"name": name, "rate_rps": point, "ladder": None})
+        return self.model_copy(update={"name": name, "concurrency": int(point), "ladder": None})
+
     def probe(self, point: float) -> WorkloadSpec:
         """This workload at one load point of its capacity search (a rate, or a concurrency)."""
         assert self.capacity is not None
@@ -895,8 +988,12 @@ class WorkloadSpec(_Spec):
 
     @model_validator(mode="after")
     def _rate_fits_load(self) -> WorkloadSpec:
+        if self.ladder is not None and self.capacity is not None:
+            raise ValueError("a workload has a ladder or a capacity search, not both: split it in two")
         if self.capacity is not None:
             self._capacity_fits()
+        elif self.ladder is not None:
+            self._ladder_fits()
         elif self.load in ("constant", "poisson") and self.rate_rps is None:
             raise ValueError(f"load {self.load!r} needs rate_rps (requests per second)")
         if self.load == "concurrency" and self.rate_rps is not None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3pipe import stats
+from k3pipe.capacity import pareto_front
 from k3pipe.figures import CAPACITY_FIGURES, DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure
 from k3pipe.figures import figure as figure_of
 from k3pipe.report.collect import CellData, StudyData
@@ -46,6 +47,7 @@ __all__ = [
     "Metric",
     "NoiseRow",
     "PairVerdict",
+    "ParetoPoint",
     "Row",
     "analyse",
     "design_of",
@@ -263,6 +265,22 @@ class ClaimCheck:
         return abs(self.published - self.computed) <= CLAIM_TOLERANCE * abs(self.computed)
 
 
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One point of an arm's ladder: what each user gets against what each GPU gives."""
+
+    ladder: str
+    arm: str
+    workload: str
+    point: float
+    per_user_tps: float
+    """Output tokens per second one stream receives: 1000 / TPOT p50 (ms)."""
+    per_gpu_tps: float
+    """Output tokens per second of the whole load, over the arm's GPUs."""
+    on_front: bool
+    """No other point of the same arm's ladder gives more of both."""
+
+
 @dataclass
 class Analysis:
     rows: list[Row]
@@ -279,6 +297,8 @@ class Analysis:
     decision_metrics: tuple[str, ...] = DEFAULT_DECISION
     look: dict[str, Any] = field(default_factory=dict)
     """Where a study that added launches stopped (StudyData.look)."""
+    pareto: list[ParetoPoint] = field(default_factory=list)
+    """Every ladder point of every arm, flagged where it is on that arm's Pareto front."""
 
     @property
     def tests(self) -> int:
@@ -556,6 +576,29 @@ def _claims(
     return out
 
 
+def _pareto(data: StudyData) -> list[ParetoPoint]:
+    """Per ladder and arm, each point's tokens per second per user (1000 / TPOT p50) and per GPU
+    (output throughput / the experiment's GPU count, 1 when it names none), and the arm's front."""
+    gpus = data.gpus or 1
+    out: list[ParetoPoint] = []
+    groups: dict[tuple[str, str], list[CellData]] = {}
+    for c in data.cells:
+        if c.ladder and c.ladder_point is not None:
+            groups.setdefault((c.ladder, c.arm), []).append(c)
+    for (ladder, arm), cells in groups.items():
+        pts = []
+        for c in sorted(cells, key=lambda c: c.ladder_point or 0.0):
+            tpot, tps = c.mean("tpot_ms_p50"), c.mean("output_throughput_tps")
+            if tpot and tps:
+                pts.append((c, 1000.0 / tpot, tps / gpus))
+        front = pareto_front([(x, y) for _, x, y in pts])
+        out += [
+            ParetoPoint(ladder, arm, c.workload, c.ladder_point or 0.0, x, y, f)
+            for (c, x, y), f in zip(pts, front, strict=True)
+        ]
+    return out
+
+
 def default_decision(data: StudyData) -> tuple[str, ...]:
     """The decision metrics of an experiment that names none (its recorded decision then holds
     :data:`DEFAULT_DECISION`): those, and the capacity figures its capacity searches recorded."""
@@ -591,4 +634,5 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
         baseline=decision.get("baseline"),
         decision_metrics=metrics,
         look=dict(data.look),
+        pareto=_pareto(data),
     )

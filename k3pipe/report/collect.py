@@ -51,6 +51,8 @@ class CellData(BaseModel):
     load: str = "concurrency"
     rate_rps: float | None = None
     dataset: str = "random"
+    ladder: str | None = Field(default=None, description="The ladder this cell is a point of (its workload).")
+    ladder_point: float | None = Field(default=None, description="Its load on the ladder.")
     capacity: str | None = Field(
         default=None,
         description="A capacity search's range ('rate 0.1-100 req/s', 'concurrency 1-256 streams'); "
@@ -156,6 +158,9 @@ class StudyData(BaseModel):
     )
     superseded: int = Field(
         default=0, description="Arm runs of unfinished launches a resume ran again (not in the report)."
+    )
+    gpus: int | None = Field(
+        default=None, description="GPUs an arm runs on, from the experiment's hardware (per-GPU figures)."
     )
     kept_workloads: int = Field(
         default=0,
@@ -271,6 +276,8 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 rate_rps=_float(params, "workload.rate_rps"),
                 dataset=params.get("workload.dataset.kind", "random"),
                 capacity=_capacity_label(params),
+                ladder=wl.data.tags.get("k3pipe.ladder"),
+                ladder_point=_float(wl.data.tags, "k3pipe.ladder_point"),
             )
         )
     return cells
@@ -344,6 +351,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         resumed=int(run.data.tags.get("k3pipe.resumed", "0")),
         superseded=superseded,
         kept_workloads=kept,
+        gpus=(experiment.get("hardware") or {}).get("gpu_count"),
     )
 
 

@@ -121,6 +121,32 @@ def _cold_start(data: StudyData) -> bytes | None:
     return _png(fig)
 
 
+def _pareto(analysis: Analysis) -> bytes | None:
+    import matplotlib.pyplot as plt
+
+    ladders = sorted({p.ladder for p in analysis.pareto})
+    if not ladders:
+        return None
+    fig, axes = plt.subplots(1, len(ladders), figsize=(5.6 * len(ladders), 4.2), squeeze=False)
+    for ax, ladder in zip(axes[0], ladders, strict=True):
+        for arm in dict.fromkeys(p.arm for p in analysis.pareto if p.ladder == ladder):
+            pts = [p for p in analysis.pareto if p.ladder == ladder and p.arm == arm]
+            (line,) = ax.plot([p.per_user_tps for p in pts], [p.per_gpu_tps for p in pts], marker="o",
+                              label=arm, alpha=0.8)  # fmt: skip
+            front = [p for p in pts if p.on_front]
+            ax.scatter([p.per_user_tps for p in front], [p.per_gpu_tps for p in front], s=70,
+                       facecolors="none", edgecolors=line.get_color())  # fmt: skip
+            for p in pts:
+                ax.annotate(p.workload.rsplit("@", 1)[-1], (p.per_user_tps, p.per_gpu_tps), fontsize=7,
+                            textcoords="offset points", xytext=(3, 3))  # fmt: skip
+        ax.set_title(f"{ladder}: ringed points on each arm's front")
+        ax.set_xlabel("output tok/s per user (1000 / TPOT p50)")
+        ax.set_ylabel("output tok/s per GPU")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _png(fig)
+
+
 def plot_all(
     analysis: Analysis, data: StudyData, frames: Mapping[tuple[str, str], pd.DataFrame]
 ) -> dict[str, bytes]:
@@ -132,5 +158,6 @@ def plot_all(
         "by_input_length.png": _by_length(analysis, data),
         "distributions.png": _distributions(frames),
         "cold_start.png": _cold_start(data),
+        "pareto.png": _pareto(analysis),
     }
     return {name: png for name, png in made.items() if png is not None}

@@ -414,6 +414,26 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         )
     )
 
+    if analysis.pareto:
+        gpus = f"{data.gpus} GPU(s), the experiment's hardware" if data.gpus else "1 GPU (no hardware given)"
+        front = Table(
+            ["ladder", "arm", "load", "tok/s per user", "output tok/s per GPU", "on the arm's front"], []
+        )
+        for pt in analysis.pareto:
+            front.rows.append(
+                [pt.ladder, pt.arm, pt.workload.rsplit("@", 1)[-1], num(pt.per_user_tps),
+                 num(pt.per_gpu_tps), "yes" if pt.on_front else "no"]
+            )  # fmt: skip
+        sections.append(
+            Section(
+                "Pareto fronts",
+                [f"Each ladder point: output tokens per second one stream receives (1000 / TPOT p50) "
+                 f"against output tokens per second per GPU ({gpus}); a point is on its arm's front when "
+                 "no other point of that arm's ladder gives more of both. Means over repeats and "
+                 "launches, no intervals: the verdicts on each point are in the results above.", front],
+            )
+        )  # fmt: skip
+
     bounds = Table(
         ["arm", "workload", "figure", "tok/s", "ceiling tok/s", "claimed / ceiling", "check", "ceiling from"],
         [],
@@ -518,6 +538,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             "by_input_length.png": "Latency and decode throughput by input length, per arm (95% CI bars)",
             "distributions.png": "TTFT and ITL distributions per arm and workload",
             "cold_start.png": "Cold start by phase, per arm",
+            "pareto.png": "Pareto fronts: tok/s per user against per GPU, per ladder, arms together",
         },
     )
 

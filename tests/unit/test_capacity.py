@@ -206,3 +206,38 @@ def test_the_search_resolution_stays_in_the_interval_and_in_the_verdict() -> Non
     single = stats.estimate([[20.0]])
     assert single is not None
     assert stats.with_resolution(single, [w]) is single  # one value: still untested
+
+
+def test_a_ladder_is_its_points_lowest_first_or_a_geometric_range() -> None:
+    from k3pipe.specs import LadderSpec
+
+    assert LadderSpec(start=1, stop=32).values() == [1, 2, 4, 8, 16, 32]
+    assert LadderSpec(start=3, stop=40, factor=3).values() == [3, 9, 27]
+    assert LadderSpec(over="rate", start=0.05, stop=1).values() == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8])
+    assert LadderSpec(points=[8, 1, 4, 4]).values() == [1, 4, 8]
+    assert LadderSpec(over="rate", points=[0.5]).label(0.5) == "0.5rps"
+    assert LadderSpec(points=[16]).label(16) == "c16"
+    with pytest.raises(ValueError, match="either points or both start and stop"):
+        LadderSpec(start=1)
+    with pytest.raises(ValueError, match="whole number of streams"):
+        LadderSpec(points=[1.5])
+    with pytest.raises(ValueError, match="more than 64"):
+        LadderSpec(over="rate", start=0.001, stop=100_000, factor=1.1)
+
+
+def test_saturation_is_latency_rising_without_throughput() -> None:
+    from k3pipe.capacity import past_saturation
+
+    before = {"output_throughput_tps": 100.0, "e2e_ms_mean": 200.0}
+    assert past_saturation(before, {"output_throughput_tps": 180.0, "e2e_ms_mean": 220.0}, 5) is None
+    assert past_saturation(before, {"output_throughput_tps": 102.0, "e2e_ms_mean": 210.0}, 5) is not None
+    # no more throughput but no more latency either (the engine was idle): not past saturation
+    assert past_saturation(before, {"output_throughput_tps": 101.0, "e2e_ms_mean": 201.0}, 5) is None
+    assert past_saturation(before, {"e2e_ms_mean": 400.0}, 5) is None  # nothing to judge by
+
+
+def test_the_pareto_front_keeps_what_nothing_beats_on_both() -> None:
+    from k3pipe.capacity import pareto_front
+
+    pts = [(100.0, 30.0), (60.0, 90.0), (50.0, 80.0), (60.0, 90.0), (20.0, 95.0)]
+    assert pareto_front(pts) == [True, True, False, True, True]
