@@ -34,6 +34,7 @@ TABLE_FIGURES: tuple[Figure, ...] = (
     Figure("content_ttft_ms_p50", "TTFT p50, first content", "ms", higher_is_better=False),
     Figure("tpot_ms_p50", "TPOT p50", "ms", higher_is_better=False),
     Figure("itl_ms_p50", "ITL p50", "ms", higher_is_better=False),
+    Figure("engine_prefix_cache_hit_pct", "prefix-cache hit rate, engine /metrics", "%", True),
     # a capacity search's answer (k3pipe.capacity): the highest load whose requests met the SLO
     Figure("capacity_rps", "capacity within the SLO, request rate", "req/s", True,
            resolution="capacity_rps_resolution"),

@@ -382,6 +382,9 @@ def engine_side_summary(
     - ``engine_kv_usage_ratio_max`` (0..1), ``engine_requests_running_max``,
       ``engine_requests_waiting_max``: gauge maxima over all scrapes.
     - ``engine_preemptions``: counter delta (SGLang: retracted requests).
+    - ``engine_prefix_cache_hit_pct``: prompt tokens the prefix cache held over those looked up, in
+      the window (vLLM: its prefix-cache hit and query counters; SGLang: cached over prompt tokens of
+      the requests that finished).
     - Speculative decoding: whatever the engine derives from the window
       (:meth:`~k3pipe.engines.base.Engine.speculation_figures`; each engine exports it differently).
     """
@@ -455,6 +458,15 @@ def engine_side_summary(
     preemptions = delta("preemptions_total")
     if preemptions is not None:
         out["engine_preemptions"] = preemptions
+
+    queries = delta("prefix_cache_queries_total")
+    hits_name = names.get("prefix_cache_hits_total")
+    if queries and hits_name is not None:
+        # a hits counter appears only once something hit (SGLang's): absent is none yet
+        hits0 = _total(first.samples, hits_name) or 0.0
+        hits1 = _total(last.samples, hits_name) or 0.0
+        if hits1 >= hits0:
+            out["engine_prefix_cache_hit_pct"] = 100.0 * (hits1 - hits0) / queries
 
     out.update(engine.speculation_figures(_Window(ok, delta)))
 

@@ -143,6 +143,10 @@ class SGLangEngine(Engine):
         "queue_seconds": "sglang:queue_time_seconds",
         "prompt_tokens_total": "sglang:prompt_tokens_total",
         "generation_tokens_total": "sglang:generation_tokens_total",
+        # observability/metrics_collector.py (0.5.16 :1662-1690): each finished request adds its prompt
+        # tokens and, by cache source, those its radix cache held
+        "prefix_cache_queries_total": "sglang:prompt_tokens_total",
+        "prefix_cache_hits_total": "sglang:cached_tokens_total",
         "kv_usage_ratio": "sglang:token_usage",
         "requests_running": "sglang:num_running_reqs",
         "requests_waiting": "sglang:num_queue_reqs",

@@ -218,6 +218,9 @@ class VLLMEngine(Engine):
         "requests_running": "vllm:num_requests_running",
         "requests_waiting": "vllm:num_requests_waiting",
         "preemptions_total": "vllm:num_preemptions_total",
+        # v1/metrics/loggers.py (0.32.0 :661-679): prompt tokens looked up / found in the prefix cache
+        "prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+        "prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
         "spec_drafts_total": "vllm:spec_decode_num_drafts_total",
         "spec_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
         "spec_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total",

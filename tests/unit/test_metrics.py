@@ -454,3 +454,34 @@ def test_reconcile_skips_missing_and_handles_zero() -> None:
     assert reconcile({"output_tokens_total": 0.0}, {"engine_generation_tokens": 0.0}) == []
     with pytest.raises(ValueError, match="tolerance"):
         reconcile(CLIENT, {}, tolerance=-1)
+
+
+def test_prefix_cache_hit_rate_from_each_engines_counters() -> None:
+    """vLLM: its hit and query counters (tokens); SGLang: cached over prompt tokens of the finished
+    requests, its cached counter absent until something hit (the real 0.5.16 scrape: 24 of 48)."""
+    vllm = parse_exposition(VLLM_TEXT)
+    out = engine_side_summary([scrape(0.0, zeroed(vllm)), scrape(4.0, vllm)], VLLM)
+    assert out["engine_prefix_cache_hit_pct"] == 0.0  # 93 prompt tokens looked up, none found
+    later = {
+        k: v
+        + (
+            200.0
+            if k[0] == "vllm:prefix_cache_queries_total"
+            else 100.0
+            if k[0] == "vllm:prefix_cache_hits_total"
+            else 0.0
+        )
+        for k, v in vllm.items()
+    }
+    assert engine_side_summary([scrape(0.0, vllm), scrape(4.0, later)], VLLM)[
+        "engine_prefix_cache_hit_pct"
+    ] == pytest.approx(50.0)
+
+    real = parse_exposition((FIXTURES / "sglang" / "real-0.5.16-metrics.txt").read_text())
+    before = {k: 0.0 for k in real if k[0] != "sglang:cached_tokens_total"}  # nothing cached yet
+    out = engine_side_summary([scrape(0.0, before), scrape(10.0, real)], SGLANG)
+    assert out["engine_prefix_cache_hit_pct"] == pytest.approx(50.0)
+    # nothing looked up in the window: no rate (not 0%)
+    assert "engine_prefix_cache_hit_pct" not in engine_side_summary(
+        [scrape(0.0, real), scrape(1.0, real)], SGLANG
+    )
