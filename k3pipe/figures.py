@@ -35,6 +35,10 @@ TABLE_FIGURES: tuple[Figure, ...] = (
     Figure("tpot_ms_p50", "TPOT p50", "ms", higher_is_better=False),
     Figure("itl_ms_p50", "ITL p50", "ms", higher_is_better=False),
     Figure("engine_prefix_cache_hit_pct", "prefix-cache hit rate, engine /metrics", "%", True),
+    # what a cell costs (k3pipe.cost): the GPUs' energy, and with a GPU-hour price, dollars
+    Figure("energy_j_per_output_token", "GPU energy per output token", "J/tok", higher_is_better=False),
+    Figure("usd_per_m_output_tokens", "cost per million output tokens", "$/Mtok", higher_is_better=False),
+    Figure("usd_per_m_tokens", "cost per million tokens, input and output", "$/Mtok", higher_is_better=False),
     # a capacity search's answer (k3pipe.capacity): the highest load whose requests met the SLO
     Figure("capacity_rps", "capacity within the SLO, request rate", "req/s", True,
            resolution="capacity_rps_resolution"),
@@ -52,6 +56,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("request_throughput_rps", "request throughput", "req/s", True, throughput=True),
     Figure("goodput_rps", "goodput (requests within the SLO)", "req/s", True, throughput=True),
     Figure("engine_itl_ms_p50", "ITL p50, engine /metrics", "ms", higher_is_better=False),
+    Figure("energy_j_per_token", "GPU energy per token, input and output", "J/tok", higher_is_better=False),
+    Figure("gpu_power_w_mean", "GPU power, all GPUs, mean", "W", higher_is_better=False),
 )
 
 DEFAULT_DECISION: tuple[str, ...] = ("output_throughput_tps", "ttft_ms_p50", "tpot_ms_p50")

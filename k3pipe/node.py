@@ -1,7 +1,8 @@
 """The node an arm runs on, for the record: its GPUs, driver and CUDA (from ``nvidia-smi``), how the
 GPUs are connected (``nvidia-smi topo -m``) and the NCCL / symmetric-memory settings the engine gets
 (``NCCL_*``, ``TORCH_NCCL_*``, ``TORCH_SYMM_MEM_*``: what decides NVLink multicast, the transports, the
-rings), the engine interpreter's package versions, and the GPUs' memory sampled while a workload runs.
+rings), the engine interpreter's package versions, and the GPUs' memory and power draw sampled while a
+workload runs (the energy a workload took: :func:`gpu_energy`).
 
 Without ``nvidia-smi`` on PATH (a CPU machine) nothing here is recorded and nothing fails:
 :func:`probe_node` returns None, :func:`nvidia_smi_report` None and :class:`GpuMemorySampler`
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,22 +30,27 @@ from k3pipe.engines import get_engine
 
 __all__ = [
     "GpuInfo",
+    "GpuEnergy",
     "GpuMemorySample",
     "GpuMemorySampler",
     "NodeInfo",
     "comm_env",
     "engine_python",
+    "gpu_energy",
     "gpu_memory_frame",
     "interpreter_versions",
     "nvidia_smi_report",
     "parse_cuda_version",
     "parse_gpu_query",
+    "parse_memory_query",
     "probe_node",
 ]
 
 NVIDIA_SMI = "nvidia-smi"
 GPU_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
-MEMORY_QUERY = ["--query-gpu=memory.used", "--format=csv,noheader"]
+MEMORY_QUERY = ["--query-gpu=memory.used,power.draw", "--format=csv,noheader"]
+"""Each GPU's memory in use and its power draw (``1234 MiB, 312.45 W``; ``[N/A]`` where the board
+does not report power)."""
 TOPOLOGY = ["topo", "-m"]
 COMM_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_")
 """The environment that steers collective communication (NCCL_NVLS_ENABLE and
@@ -134,6 +141,27 @@ _MIB = re.compile(r"^\s*(\d+)\s*MiB\s*$")
 def _mib(text: str) -> int | None:
     match = _MIB.match(text)
     return int(match.group(1)) if match else None
+
+
+_WATTS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*W\s*$")
+
+
+def _watts(text: str) -> float | None:
+    match = _WATTS.match(text)
+    return float(match.group(1)) if match else None
+
+
+def parse_memory_query(text: str) -> list[tuple[int, float | None]]:
+    """The lines of ``nvidia-smi --query-gpu=memory.used,power.draw --format=csv,noheader``
+    (``1234 MiB, 312.45 W``), one (MiB in use, watts or None) per GPU in index order; a line whose
+    memory does not parse is skipped, a power of ``[N/A]`` is None."""
+    out: list[tuple[int, float | None]] = []
+    for line in text.splitlines():
+        memory, _, power = line.partition(",")
+        used = _mib(memory)
+        if used is not None:
+            out.append((used, _watts(power)))
+    return out
 
 
 def parse_gpu_query(text: str) -> list[GpuInfo]:
@@ -257,16 +285,18 @@ def probe_node(
 
 @dataclass(frozen=True)
 class GpuMemorySample:
-    """GPU ``gpu``'s memory in use at ``t`` (``time.perf_counter()``)."""
+    """GPU ``gpu``'s memory in use and power draw at ``t`` (``time.perf_counter()``)."""
 
     t: float
     gpu: int
     memory_used_mib: int
+    power_w: float | None = None
 
 
 class GpuMemorySampler:
-    """Samples every GPU's memory in use every ``interval_s`` in a thread, while in its ``with``
-    block (nothing when nvidia-smi is absent or ``enabled`` is false)."""
+    """Samples every GPU's memory in use and power draw every ``interval_s`` in a thread, while in
+    its ``with`` block, and once more at its end (nothing when nvidia-smi is absent or ``enabled`` is
+    false)."""
 
     def __init__(self, interval_s: float = 1.0, enabled: bool = True) -> None:
         self.interval_s = max(0.1, interval_s)
@@ -280,10 +310,8 @@ class GpuMemorySampler:
         text = _nvidia_smi(MEMORY_QUERY)
         if text is None:
             return
-        for gpu, line in enumerate(ln for ln in text.splitlines() if ln.strip()):
-            used = _mib(line)
-            if used is not None:
-                self.samples.append(GpuMemorySample(t, gpu, used))
+        for gpu, (used, watts) in enumerate(parse_memory_query(text)):
+            self.samples.append(GpuMemorySample(t, gpu, used, watts))
 
     def _run(self) -> None:
         while True:
@@ -309,11 +337,55 @@ class GpuMemorySampler:
 
 def gpu_memory_frame(samples: Sequence[GpuMemorySample], t0: float) -> pd.DataFrame:
     """One row per sample: ``t_s`` (seconds from ``t0``, the workload's start), ``gpu``,
-    ``memory_used_mib``."""
+    ``memory_used_mib``, ``power_w`` (NaN where the board reported none)."""
     return pd.DataFrame(
         {
             "t_s": [s.t - t0 for s in samples],
             "gpu": [s.gpu for s in samples],
             "memory_used_mib": [s.memory_used_mib for s in samples],
+            "power_w": [float("nan") if s.power_w is None else s.power_w for s in samples],
         }
     )
+
+
+@dataclass(frozen=True)
+class GpuEnergy:
+    """The energy the node's GPUs drew over a window, from their sampled power."""
+
+    joules: float
+    """Summed over the GPUs: each GPU's power, linear between samples and held flat before its first
+    and after its last, integrated over the window."""
+    mean_power_w: float
+    """``joules`` over the window's length: the GPUs' mean draw together."""
+    gpus: int
+    samples: int
+    """Power samples taken inside the window (all GPUs)."""
+
+
+def gpu_energy(samples: Sequence[GpuMemorySample], t_start: float, t_end: float) -> GpuEnergy | None:
+    """The GPUs' energy over ``[t_start, t_end]`` from their power samples (None: a window of no
+    length, or no GPU reported its power)."""
+    if not t_end > t_start:
+        return None
+    by_gpu: dict[int, list[tuple[float, float]]] = {}
+    for s in samples:
+        if s.power_w is not None:
+            by_gpu.setdefault(s.gpu, []).append((s.t, s.power_w))
+    if not by_gpu:
+        return None
+    joules = 0.0
+    for points in by_gpu.values():
+        points.sort()
+        joules += _integral(points, t_start, t_end)
+    inside = sum(1 for pts in by_gpu.values() for t, _ in pts if t_start <= t <= t_end)
+    return GpuEnergy(joules, joules / (t_end - t_start), len(by_gpu), inside)
+
+
+def _integral(points: Sequence[tuple[float, float]], a: float, b: float) -> float:
+    """The integral over [a, b] of the function linear between ``points`` (sorted by time) and
+    flat beyond its ends."""
+    ts = np.array([t for t, _ in points], dtype=float)
+    ps = np.array([p for _, p in points], dtype=float)
+    grid = np.concatenate(([a], ts[(ts > a) & (ts < b)], [b]))
+    values = np.interp(grid, ts, ps)  # flat beyond the ends
+    return float(np.sum(np.diff(grid) * (values[1:] + values[:-1]) / 2))

@@ -15,7 +15,15 @@ from k3pipe.engines import RenderedCommand, get_engine, render_args
 from k3pipe.engines.base import Engine
 from k3pipe.secrets import is_secret_name
 from k3pipe.sources import model_dir
-from k3pipe.specs import ArmSpec, ClientSpec, ExperimentSpec, GatewaySpec, LauncherSpec, expand_home
+from k3pipe.specs import (
+    ArmSpec,
+    ClientSpec,
+    ExperimentSpec,
+    GatewaySpec,
+    HardwareSpec,
+    LauncherSpec,
+    expand_home,
+)
 
 __all__ = ["ArmPlan", "CompileCache", "compile_cache_key", "default_model_dirs", "plan_arm"]
 
@@ -149,6 +157,10 @@ class ArmPlan(BaseModel):
     client: ClientSpec = Field(
         default_factory=ClientSpec, description="How the load generator runs (the experiment's client)."
     )
+    hardware: HardwareSpec | None = Field(
+        default=None,
+        description="The experiment's hardware: section (its GPU count and hour price give each cell's cost).",
+    )
 
     # The client target: what the health gate's proof and the benchmark send to (the gateway's three
     # settings when there is one); the engine's own URLs (health, metrics, version) stay the engine's.
@@ -251,4 +263,5 @@ def plan_arm(
         mounts=mounts,
         compile_cache=_compile_cache(engine, arm, home, host_dirs, model_digests, env),
         client=exp.client,
+        hardware=exp.hardware,
     )

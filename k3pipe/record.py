@@ -31,7 +31,8 @@ from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
 from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
-from k3pipe.node import NodeInfo, gpu_memory_frame
+from k3pipe.cost import cell_cost, energy_metrics
+from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
 from k3pipe.observe import EngineLogFacts, phase_table
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
@@ -582,6 +583,7 @@ class ArmRecorder:
         self, run_id: str, params: Mapping[str, Any], outcome: WorkloadOutcome
     ) -> dict[str, float]:
         result, summary = outcome.result, outcome.summary
+        costs: dict[str, float] = {}
         try:
             self.tracker.log_params(run_id, params)
             if outcome.prompts is not None:
@@ -593,7 +595,8 @@ class ArmRecorder:
                 self.tracker.log_frame(
                     run_id, series_frame(outcome.scrapes, result.t_start), "engine_metrics.parquet"
                 )
-            self._log_gpu_memory(run_id, outcome)
+            costs = self._log_gpu_memory(run_id, outcome, metrics) | cell_cost(metrics, self.plan.hardware)
+            self.tracker.log_metrics(run_id, costs)
             self.tracker.log_metrics(run_id, outcome.engine_metrics)
             self.tracker.log_metrics(run_id, {"client_engine_discrepancies": len(outcome.discrepancies)})
             if outcome.discrepancies:
@@ -628,7 +631,7 @@ class ArmRecorder:
         except BaseException:
             self.tracker.end_run(run_id, "FAILED")
             raise
-        every = {**metrics, **outcome.engine_metrics}
+        every = {**metrics, **outcome.engine_metrics, **costs}
         self._single[result.workload] = every
         return every
 
@@ -759,14 +762,18 @@ class ArmRecorder:
         except Exception as exc:  # a bonus: never lose the run over it
             self.tracker.set_tags(self.run_id, {"k3pipe.node_error": repr(exc)[:500]})
 
-    def _log_gpu_memory(self, run_id: str, outcome: WorkloadOutcome) -> None:
+    def _log_gpu_memory(
+        self, run_id: str, outcome: WorkloadOutcome, metrics: Mapping[str, float]
+    ) -> dict[str, float]:
+        """The GPU samples as gpu_memory.parquet, the peak memory, and the energy figures of
+        :func:`k3pipe.cost.energy_metrics` (returned, not logged)."""
         if not outcome.gpu_memory:
-            return
-        self.tracker.log_frame(
-            run_id, gpu_memory_frame(outcome.gpu_memory, outcome.result.t_start), "gpu_memory.parquet"
-        )
+            return {}
+        result = outcome.result
+        self.tracker.log_frame(run_id, gpu_memory_frame(outcome.gpu_memory, result.t_start), "gpu_memory.parquet")
         peak = max(s.memory_used_mib for s in outcome.gpu_memory)
         self.tracker.log_metrics(run_id, {"gpu_memory_used_mib_max": peak})
+        return energy_metrics(gpu_energy(outcome.gpu_memory, result.t_start, result.t_end), metrics)
 
     def finish(self, status: str, error: BaseException | None = None, log_path: Path | None = None) -> None:
         """Close workload runs whose repeats did not all run, attach the engine log, its findings and

@@ -67,6 +67,7 @@ MAX_WORKLOADS = 1_000
 MAX_VARIANTS = 100
 MAX_EXTRA_MODELS = 16
 MAX_TOKENS = 10_000_000
+MAX_GPU_HOUR_USD = 1_000.0
 MAX_REQUESTS = 1_000_000
 MAX_REPEATS = 1_000
 MAX_WORKLOAD_PROMPTS = 1_000_000
@@ -114,6 +115,7 @@ LIMIT_REASONS: dict[str, str] = {
     "e2e_ms": "a threshold over a day is no threshold",
     "gpu_count": "no node has more",
     "gpu_memory_gib": "no accelerator has more",
+    "gpu_hour_usd": "no accelerator rents for more than $1,000 an hour",
     "groups": "each group is a random prefix built in memory",
 }
 """Why a field has its limit, by field name: the error of a value past the limit says it."""
@@ -358,6 +360,15 @@ class HardwareSpec(_Spec):
     gpu_count: int = _count(ge=1, le=MAX_GPU_COUNT, description="Accelerators on the node.")
     gpu_memory_gib: float = _finite(
         gt=0, le=MAX_GPU_MEMORY_GIB, description="Memory visible per accelerator, in GiB."
+    )
+    gpu_hour_usd: float | None = _finite(
+        default=None,
+        gt=0,
+        le=MAX_GPU_HOUR_USD,
+        description=(
+            "What one accelerator costs an hour, in US dollars: each cell's cost per million tokens "
+            "is gpu_count x this x its measured window (None: no cost figures)."
+        ),
     )
 
 

@@ -73,6 +73,8 @@ KEY_METRICS = (
     "output_throughput_tps",
     "failed",
     "client_timing_bursty",
+    "energy_j_per_output_token",
+    "usd_per_m_output_tokens",
 )
 """Per-workload metrics that the engine run repeats as WORKLOAD.METRIC, for overviews."""
 _BAD_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")

@@ -28,7 +28,7 @@ from k3pipe.plan import plan_arm
 from k3pipe.record import ArmRecorder
 from k3pipe.run import node_facts
 from k3pipe.settings import Settings
-from k3pipe.specs import WorkloadSpec
+from k3pipe.specs import HardwareSpec, WorkloadSpec
 from k3pipe.tracking import Tracker
 from tests.conftest import demo_experiment
 from tests.integration.test_record import outcome
@@ -41,7 +41,8 @@ QUERY = "NVIDIA H200, 143771 MiB, 580.159.04"  # what the node's query answered
 
 
 def fake_nvidia_smi(bin_dir: Path, gpus: int = 1, topo: bool = True) -> Path:
-    """An ``nvidia-smi`` answering as the GPU node's did; memory.used grows by 1000 MiB a call;
+    """An ``nvidia-smi`` answering as the GPU node's did; memory.used grows by 1000 MiB a call, GPU i
+    draws 300 + 100 i W;
     ``topo -m`` prints an 8-GPU NVSwitch matrix (``topo``) or fails as an unknown command."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     counter = bin_dir / "calls"
@@ -54,7 +55,7 @@ case "$*" in
   *--query-gpu=name,memory.total,driver_version*) printf '{query}\\n' ;;
   *--query-gpu=memory.used*)
     n=$(cat {counter}); n=$((n + 1)); echo $n > {counter}
-    i=0; while [ $i -lt {gpus} ]; do echo "$((n * 1000 + i)) MiB"; i=$((i + 1)); done ;;
+    i=0; while [ $i -lt {gpus} ]; do echo "$((n * 1000 + i)) MiB, $((300 + 100 * i)).00 W"; i=$((i + 1)); done ;;
   "") grep -v '^#' {H200} ;;
   "topo -m") {"grep -v '^#' " + str(TOPO) if topo else "exit 6"} ;;
   *) exit 6 ;;
@@ -211,7 +212,8 @@ def test_sampler_samples_every_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert {s.gpu for s in sampler.samples} == {0, 1}
     assert sampler.max_used_mib() == max(s.memory_used_mib for s in sampler.samples)
     frame = gpu_memory_frame(sampler.samples, sampler.samples[0].t)
-    assert list(frame.columns) == ["t_s", "gpu", "memory_used_mib"]
+    assert list(frame.columns) == ["t_s", "gpu", "memory_used_mib", "power_w"]
+    assert set(frame.groupby("gpu")["power_w"].unique().map(tuple)) == {(300.0,), (400.0,)}
     assert frame["t_s"].iloc[0] == 0.0
     with GpuMemorySampler(0.1, enabled=False) as off:
         pass
@@ -246,7 +248,12 @@ def test_node_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
 
 
 def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
+    """Memory, power and the energy per token (300 W for the workload's window), and with a price in
+    hardware: the dollars."""
     rec = recorder(tracker, tmp_path)
+    rec.plan = rec.plan.model_copy(
+        update={"hardware": HardwareSpec(gpu_name="NVIDIA H200", gpu_count=8, gpu_memory_gib=140, gpu_hour_usd=3.6)}
+    )
     workload = WorkloadSpec(name="w", input_tokens=8, output_tokens=4, num_requests=2, warmup_requests=0)
     with GpuMemorySampler(0.1) as sampler:
         pass
@@ -254,14 +261,30 @@ def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Pa
     measured = type(measured)(**{**measured.__dict__, "gpu_memory": sampler.samples})
     run_id = rec.log_workload(workload, measured)
     run = tracker.client.get_run(run_id)
-    assert run.data.metrics["gpu_memory_used_mib_max"] == sampler.max_used_mib()
+    metrics = run.data.metrics
+    assert metrics["gpu_memory_used_mib_max"] == sampler.max_used_mib()
     local = tracker.client.download_artifacts(run_id, "gpu_memory.parquet", str(tmp_path))
     frame = pd.read_parquet(local)
     assert len(frame) == len(sampler.samples)
+    assert (frame["power_w"] == 300.0).all()
+    window = metrics["duration_s"]
+    assert metrics["gpu_power_w_mean"] == pytest.approx(300.0)
+    assert metrics["gpu_energy_j"] == pytest.approx(300.0 * window)
+    assert metrics["energy_j_per_output_token"] == pytest.approx(300.0 * window / metrics["output_tokens_total"])
+    # 8 GPUs at $3.60 an hour: a cent a second
+    assert metrics["cell_usd"] == pytest.approx(0.008 * window)
+    assert metrics["usd_per_m_output_tokens"] == pytest.approx(0.008 * window / metrics["output_tokens_total"] * 1e6)
+    # the arm's overview repeats the two figures a team compares
+    arm = tracker.client.get_run(rec.run_id).data.metrics
+    assert arm["w.energy_j_per_output_token"] == pytest.approx(metrics["energy_j_per_output_token"])
+    assert arm["w.usd_per_m_output_tokens"] == pytest.approx(metrics["usd_per_m_output_tokens"])
     # without samples (no nvidia-smi) neither the metric nor the series
     other = WorkloadSpec(name="v", input_tokens=8, output_tokens=4, num_requests=2, warmup_requests=0)
     bare = rec.log_workload(other, outcome(other, 0, 0.05))
-    assert "gpu_memory_used_mib_max" not in tracker.client.get_run(bare).data.metrics
+    bare_metrics = tracker.client.get_run(bare).data.metrics
+    assert "gpu_memory_used_mib_max" not in bare_metrics
+    assert "energy_j_per_output_token" not in bare_metrics
+    assert "usd_per_m_output_tokens" in bare_metrics  # the price needs no GPU
     assert "gpu_memory.parquet" not in {a.path for a in tracker.client.list_artifacts(bare)}
 
 

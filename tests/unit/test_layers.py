@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, list[str]]] = [
             "k3pipe.launchers", "k3pipe.launchers.base", "k3pipe.launchers.process",
             "k3pipe.launchers.docker", "k3pipe.launchers.external", "k3pipe.launchers.gpustack",
             "k3pipe.launchers.factory",
-            "k3pipe.node", "k3pipe.metrics", "k3pipe.health", "k3pipe.bench", "k3pipe.bench.records",
+            "k3pipe.node", "k3pipe.cost", "k3pipe.metrics", "k3pipe.health", "k3pipe.bench", "k3pipe.bench.records",
             "k3pipe.bench.transport", "k3pipe.bench.warmup", "k3pipe.bench.repeats", "k3pipe.bench.client",
             "k3pipe.bench.shards", "k3pipe.bench.watch", "k3pipe.bench.summary", "k3pipe.bench.session",
         ],

@@ -117,6 +117,29 @@ def test_a_metric_and_its_reciprocal_get_one_verdict() -> None:
     assert by_time.ci == pytest.approx(by_tps.ci)
 
 
+def test_cost_and_energy_are_in_the_table_and_judged_like_throughput() -> None:
+    """Dollars per token is the GPU-hour price over throughput: named in the decision it gets the
+    verdict throughput gets (the other way up); the energy per token stands in the table beside it."""
+    tps = {"a": [1000.0, 1040.0, 980.0], "b": [700.0, 690.0, 720.0]}
+    price = 3.5 * 8 / 3600  # $ a second for 8 GPUs at $3.50 an hour
+    cells = [
+        _cell(arm, "w", 64, output_throughput_tps=v,
+              usd_per_m_output_tokens=[price / t * 1e6 for t in v],
+              energy_j_per_output_token=[5600.0 / t for t in v])
+        for arm, v in tps.items()
+    ]  # fmt: skip
+    data = _study(*cells, decision={"metrics": ["output_throughput_tps", "usd_per_m_output_tokens"]})
+    rows = {r.metric.key: r for r in analyse(data).rows}
+    by_tps = rows["output_throughput_tps"].verdicts[0]
+    by_cost = rows["usd_per_m_output_tokens"].verdicts[0]
+    assert (by_cost.outcome, by_cost.leader) == (by_tps.outcome, by_tps.leader) == ("different", "a")
+    assert rows["usd_per_m_output_tokens"].ranking == ["a", "b"]
+    assert rows["energy_j_per_output_token"].ranking == ["a", "b"]
+    text = _markdown(data)
+    assert "cost per million output tokens" in text
+    assert "GPU energy per output token" in text
+
+
 def test_every_arm_is_ranked_against_the_best_and_the_baseline() -> None:
     tps = {"fast": [120.0, 121.0, 119.0], "mid": [100.0, 101.0, 99.5], "slow": [60.0, 61.0, 59.0]}
     cells = [_cell(a, "w", 64, output_throughput_tps=v) for a, v in tps.items()]
