@@ -164,6 +164,8 @@ class ArmRecorder:
         self._single: dict[str, dict[str, float]] = {}
         self._bursty: set[str] = set()  # workloads whose client timing was bursty
         self._kept: list[str] = []  # workloads a resume kept from an earlier run of this launch
+        # probes per capacity search (by its run) and per workload: [prefix cache emptied, not emptied]
+        self._resets: dict[str, list[int]] = {}
         self.engine_log_facts: EngineLogFacts | None = None
         """What the engine log said (set by :meth:`log_engine_findings`, so after :meth:`finish`)."""
         self.record: RunRecord | None = None
@@ -432,6 +434,7 @@ class ArmRecorder:
             parent_id=search_run,
         )
         pct, by = attainment
+        self._resets.setdefault(search_run, [0, 0])[0 if reset else 1] += 1
         self.tracker.log_metrics(
             run_id,
             {
@@ -482,6 +485,7 @@ class ArmRecorder:
                 "k3pipe.capacity_censored": result.censored,
             },
         )
+        self._tag_probe_resets(search_run, workload)
         self.tracker.log_dict(
             search_run,
             {
@@ -507,6 +511,32 @@ class ArmRecorder:
             self._close_repeats(workload.name, "FINISHED")
             means = self.workload_metrics(workload.name)
             self.tracker.log_metrics(self.run_id, {f"{workload.name}.{key}": means.get(key)})
+
+    def _tag_probe_resets(self, search_run: str, workload: WorkloadSpec) -> None:
+        """``k3pipe.prefix_cache_reset`` on the search's run and the workload's (all its searches so
+        far): '1' the prefix cache was emptied before every probe, '0' not before some (their TTFT
+        may be a cache's: ``k3pipe.prefix_cache_reset_note`` says how many), 'off' the workload said
+        not to empty it."""
+        assert workload.capacity is not None
+        done, missed = self._resets.get(search_run, [0, 0])
+        total = self._resets.setdefault(f"workload:{workload.name}", [0, 0])
+        total[0] += done
+        total[1] += missed
+        for run_id, (ok, not_ok) in ((search_run, (done, missed)), (self.workload_runs.get(workload.name), total)):
+            if run_id is None:
+                continue
+            if not workload.capacity.reset_prefix_cache:
+                tags = {"k3pipe.prefix_cache_reset": "off"}
+            else:
+                tags = {
+                    "k3pipe.prefix_cache_reset": "0" if not_ok else "1",
+                    "k3pipe.prefix_cache_reset_note": (
+                        f"the prefix cache could not be emptied before {not_ok} of {ok + not_ok} probes"
+                        if not_ok
+                        else None
+                    ),
+                }
+            self.tracker.set_tags(run_id, tags)
 
     def tag_rung(self, name: str, ladder: str, over: str, point: float, reset: bool) -> None:
         """Mark a ladder point's workload run: which ladder, which load, whether the prefix cache was

@@ -58,6 +58,11 @@ class CellData(BaseModel):
         description="A capacity search's range ('rate 0.1-100 req/s', 'concurrency 1-256 streams'); "
         "None: one load point.",
     )
+    prefix_cache_reset: str | None = Field(
+        default=None,
+        description="A ladder point or capacity search: '1' the prefix cache was emptied before it (every "
+        "probe), '0' not (before some), 'off' the workload said not to; None: neither.",
+    )
 
     def mean(self, metric: str) -> float | None:
         v = self.values.get(metric)
@@ -82,6 +87,8 @@ class CellData(BaseModel):
         self.request_runs.extend(other.request_runs)
         if other.status != "FINISHED":
             self.status = other.status
+        if other.prefix_cache_reset == "0":
+            self.prefix_cache_reset = "0"
 
     @property
     def shape(self) -> tuple[int, str, str, float | None, str]:
@@ -278,6 +285,7 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 capacity=_capacity_label(params),
                 ladder=wl.data.tags.get("k3pipe.ladder"),
                 ladder_point=_float(wl.data.tags, "k3pipe.ladder_point"),
+                prefix_cache_reset=wl.data.tags.get("k3pipe.prefix_cache_reset"),
             )
         )
     return cells

@@ -47,6 +47,9 @@ def num(v: float | None, digits: int = 1) -> str:
         return "-"
     if math.isinf(v):
         return "inf"
+    if 0 < abs(v) < 1 and digits == 1:
+        # a figure below one (joules or dollars per token, a rate of 0.05 req/s): two significant digits
+        return f"{v:.2g}" if abs(v) >= 1e-4 else f"{v:.1e}"
     return f"{v:,.{digits}f}"
 
 
@@ -132,7 +135,29 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
             "Some arms were launched once: their intervals hold the repeat-to-repeat noise of that one "
             "launch, not the noise of restarting the engine (set `launches: 2` or more on the arms)."
         )
+    unreset = _unreset(data)
+    if unreset:
+        lines.append(
+            "**The prefix cache was not emptied** before "
+            + "; ".join(f"{arm}'s {', '.join(w)}" for arm, w in unreset.items())
+            + ": a ladder point or probe served the prompts an earlier one had cached may show a "
+            "TTFT, and a capacity, better than the load alone gives. The engine refused or offers no "
+            "way (vLLM serves `/reset_prefix_cache` only with `VLLM_SERVER_DEV_MODE: \"1\"` in the arm's "
+            "`engine.env`; an external endpoint or gateway may not pass it on); the MLflow runs' "
+            "`k3pipe.prefix_cache_reset` tag says which."
+        )
     return lines
+
+
+def _unreset(data: StudyData) -> dict[str, list[str]]:
+    """Per arm, the ladder points and capacity searches measured without emptying the prefix cache
+    that k3pipe was to empty (not those whose workload turned the reset off)."""
+    out: dict[str, list[str]] = {}
+    order = {w: i for i, w in enumerate(data.workloads())}
+    for cell in sorted(data.cells, key=lambda c: order.get(c.workload, len(order))):
+        if cell.prefix_cache_reset == "0":
+            out.setdefault(cell.arm, []).append(cell.workload)
+    return out
 
 
 def _noise_section(data: StudyData, analysis: Analysis) -> Section | None:

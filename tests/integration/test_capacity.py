@@ -85,8 +85,10 @@ def test_a_capacity_search_finds_the_scripted_engines_capacity_within_10_percent
     # each probe holds the workload's whole record at its rate
     passed = [p for p in probes if p.data.metrics["probe.slo_attainment_from_arrival_pct"] >= 90]
     assert max(float(p.data.params["probe.point"]) for p in passed) == found
+    assert search.data.tags["k3pipe.prefix_cache_reset"] == "1"
     report = build_report(tracker, result.study_run_id)
     assert "capacity" in report.markdown
+    assert "The prefix cache was not emptied" not in report.markdown
 
 
 def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(
