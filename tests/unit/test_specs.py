@@ -31,7 +31,7 @@ def _error(data: dict, tmp_path: Path) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["demo-cpu.yaml", "demo-gateway.yaml", "kimi-k3-8xb300.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "experiments").glob("*.yaml")))
 def test_shipped_experiments_load(name: str) -> None:
     spec = load_experiment(REPO / "experiments" / name)
     assert spec.arms
