@@ -182,6 +182,9 @@ class Row:
     """The A/A: the baseline against its copy (decision figures only)."""
     bursty: set[str] = field(default_factory=set)
     """Arms whose client timing was bursty in this workload (their TPOT/ITL are not ranked)."""
+    zeros: set[str] = field(default_factory=set)
+    """Arms whose every value of the figure was exactly 0 (a hit rate of none, no failures): shown
+    as 0, not ranked (the verdicts compare logs of ratios)."""
 
     def pair(self, arm: str, other: str) -> PairVerdict | None:
         return next((v for v in self.verdicts if v.involves(arm, other)), None)
@@ -323,8 +326,12 @@ def design_of(decision: dict[str, Any], tests: int, look: dict[str, Any] | None 
     )
 
 
-def _estimates(cells: Iterable[CellData], metric: Metric) -> tuple[dict[str, CellStat], set[str]]:
-    bursty = set()
+def _estimates(
+    cells: Iterable[CellData], metric: Metric
+) -> tuple[dict[str, CellStat], set[str], set[str]]:
+    """Per arm: its estimate of ``metric``; the arms whose client timing was bursty; those whose
+    every value was exactly 0 (measured, and none: no estimate on the log scale)."""
+    bursty, zeros = set(), set()
     have: dict[str, CellStat] = {}
     for c in cells:
         if is_bursty(c, metric):
@@ -335,7 +342,9 @@ def _estimates(cells: Iterable[CellData], metric: Metric) -> tuple[dict[str, Cel
             if metric.resolution:
                 est = stats.with_resolution(est, c.values.get(metric.resolution, []))
             have[c.arm] = CellStat(est)
-    return have, bursty
+        elif (values := c.values.get(metric.key)) and all(v == 0 for v in values):
+            zeros.add(c.arm)
+    return have, bursty, zeros
 
 
 def _rows(data: StudyData, arms: list[str], decision: Sequence[str], copy: str | None) -> list[Row]:
@@ -346,10 +355,12 @@ def _rows(data: StudyData, arms: list[str], decision: Sequence[str], copy: str |
         if not cells:
             continue
         for metric in metrics:
-            have, bursty = _estimates(cells, metric)
+            have, bursty, zeros = _estimates(cells, metric)
             if not have and not bursty:
-                continue
-            row = Row(workload, cells[0].input_tokens, metric, have, metric.key in decision, bursty=bursty)
+                continue  # a row of zeros alone says nothing to compare
+            row = Row(
+                workload, cells[0].input_tokens, metric, have, metric.key in decision, bursty=bursty, zeros=zeros
+            )
             ranked = [a for a in have if a != copy]
             ranked.sort(key=lambda a: have[a].estimate.log_mean, reverse=metric.higher_is_better)
             row.ranking = ranked

@@ -66,6 +66,15 @@ class _Interval(Protocol):
     def ci_high(self) -> float | None: ...
 
 
+def _cell_of(row: Row, arm: str) -> str:
+    """The arm's cell in a table row: 'bursty', '0' (every value exactly 0), or its mean [interval]."""
+    if arm in row.bursty:
+        return "bursty"
+    if arm in row.zeros:
+        return "0"
+    return cell_text(row.cells.get(arm))
+
+
 def cell_text(s: _Interval | None) -> str:
     if s is None:
         return "-"
@@ -295,7 +304,7 @@ def _beside_reference(data: StudyData, analysis: Analysis) -> Section | None:
                 continue
             table.rows.append(
                 [r.workload, f"{r.input_tokens:,}", f"{r.metric.label} ({r.metric.unit})",
-                 *("bursty" if a in r.bursty else cell_text(r.cells.get(a)) for a in arms),
+                 *(_cell_of(r, a) for a in arms),
                  r.leader or "-", *(num(given[p]) if given.get(p) is not None else "-" for p in published)]
             )  # fmt: skip
     blocks: list[Block] = [
@@ -357,7 +366,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
                 r.workload,
                 f"{r.input_tokens:,}",
                 f"{r.metric.label} ({r.metric.unit}, {_direction(r.metric.higher_is_better)}; {kind})",
-                *("bursty" if a in r.bursty else cell_text(r.cells.get(a)) for a in arms),
+                *(_cell_of(r, a) for a in arms),
                 r.leader or "-",
                 f"{r.ratio:.2f}x" if r.ratio is not None else "-",
                 verdicts,

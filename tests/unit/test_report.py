@@ -140,6 +140,23 @@ def test_cost_and_energy_are_in_the_table_and_judged_like_throughput() -> None:
     assert "GPU energy per output token" in text
 
 
+def test_a_measured_zero_is_shown_as_zero_not_as_missing() -> None:
+    """An engine whose prefix cache was emptied hits it on 0% of tokens, the other on 96%: the table
+    shows the 0 (a measurement), not '-' (none), and ranks neither (a ratio to zero is no ratio)."""
+    cells = [
+        _cell("reset", "w", 64, engine_prefix_cache_hit_pct=[0.0, 0.0, 0.0], output_throughput_tps=[10.0, 11.0, 10.5]),
+        _cell("warm", "w", 64, engine_prefix_cache_hit_pct=[95.9, 96.1, 95.8], output_throughput_tps=[10.0, 11.0, 10.5]),
+    ]
+    data = _study(*cells)
+    (row,) = [r for r in analyse(data).rows if r.metric.key == "engine_prefix_cache_hit_pct"]
+    assert row.zeros == {"reset"} and row.ranking == ["warm"] and row.leader is None
+    line = next(ln for ln in _markdown(data).splitlines() if "prefix-cache hit rate" in ln)
+    assert "| 0 |" in line and "95.9" in line
+    # a figure no arm measured stays out of the table; zeros alone make no row either
+    only_zeros = _study(_cell("a", "w", 64, engine_prefix_cache_hit_pct=[0.0], output_throughput_tps=[1.0]))
+    assert not [r for r in analyse(only_zeros).rows if r.metric.key == "engine_prefix_cache_hit_pct"]
+
+
 def test_every_arm_is_ranked_against_the_best_and_the_baseline() -> None:
     tps = {"fast": [120.0, 121.0, 119.0], "mid": [100.0, 101.0, 99.5], "slow": [60.0, 61.0, 59.0]}
     cells = [_cell(a, "w", 64, output_throughput_tps=v) for a, v in tps.items()]
