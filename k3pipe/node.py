@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3pipe.engines import get_engine
 
 __all__ = [
-    "GpuInfo",
     "GpuEnergy",
+    "GpuInfo",
     "GpuMemorySample",
     "GpuMemorySampler",
     "NodeInfo",

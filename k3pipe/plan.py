@@ -159,7 +159,7 @@ class ArmPlan(BaseModel):
     )
     hardware: HardwareSpec | None = Field(
         default=None,
-        description="The experiment's hardware: section (its GPU count and hour price give each cell's cost).",
+        description="The experiment's hardware: section (its GPU count and hour price: each cell's cost).",
     )
 
     # The client target: what the health gate's proof and the benchmark send to (the gateway's three

@@ -26,12 +26,12 @@ from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import timing_note
 from k3pipe.capacity import CapacityResult
 from k3pipe.coldstart import ColdStart
+from k3pipe.cost import cell_cost, energy_metrics
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
 from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
-from k3pipe.cost import cell_cost, energy_metrics
 from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
 from k3pipe.observe import EngineLogFacts, phase_table
 from k3pipe.plan import ArmPlan
@@ -522,9 +522,11 @@ class ArmRecorder:
         total = self._resets.setdefault(f"workload:{workload.name}", [0, 0])
         total[0] += done
         total[1] += missed
-        for run_id, (ok, not_ok) in ((search_run, (done, missed)), (self.workload_runs.get(workload.name), total)):
+        runs = ((search_run, (done, missed)), (self.workload_runs.get(workload.name), total))
+        for run_id, (ok, not_ok) in runs:
             if run_id is None:
                 continue
+            tags: dict[str, str | None]
             if not workload.capacity.reset_prefix_cache:
                 tags = {"k3pipe.prefix_cache_reset": "off"}
             else:
@@ -800,7 +802,8 @@ class ArmRecorder:
         if not outcome.gpu_memory:
             return {}
         result = outcome.result
-        self.tracker.log_frame(run_id, gpu_memory_frame(outcome.gpu_memory, result.t_start), "gpu_memory.parquet")
+        frame = gpu_memory_frame(outcome.gpu_memory, result.t_start)
+        self.tracker.log_frame(run_id, frame, "gpu_memory.parquet")
         peak = max(s.memory_used_mib for s in outcome.gpu_memory)
         self.tracker.log_metrics(run_id, {"gpu_memory_used_mib_max": peak})
         return energy_metrics(gpu_energy(outcome.gpu_memory, result.t_start, result.t_end), metrics)

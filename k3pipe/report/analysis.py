@@ -359,8 +359,9 @@ def _rows(data: StudyData, arms: list[str], decision: Sequence[str], copy: str |
             if not have and not bursty:
                 continue  # a row of zeros alone says nothing to compare
             row = Row(
-                workload, cells[0].input_tokens, metric, have, metric.key in decision, bursty=bursty, zeros=zeros
-            )
+                workload, cells[0].input_tokens, metric, have, metric.key in decision,
+                bursty=bursty, zeros=zeros,
+            )  # fmt: skip
             ranked = [a for a in have if a != copy]
             ranked.sort(key=lambda a: have[a].estimate.log_mean, reverse=metric.higher_is_better)
             row.ranking = ranked

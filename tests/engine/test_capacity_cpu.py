@@ -69,7 +69,11 @@ def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None
     # the ladders: one engine start each, a run per point, ended past saturation
     ladders = {a: r.data.tags["k3pipe.ladder.lad"] for a, r in runs.items()}
     points = {
-        a: [w.data.tags["k3pipe.workload"] for w in tracker.children(r.info.run_id) if w.data.tags.get("k3pipe.ladder")]
+        a: [
+            w.data.tags["k3pipe.workload"]
+            for w in tracker.children(r.info.run_id)
+            if w.data.tags.get("k3pipe.ladder")
+        ]
         for a, r in runs.items()
     }
     assert "past saturation" in ladders["batch1"], ladders
@@ -78,10 +82,15 @@ def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None
 
     # the prefix cache: emptied before batch4's points and probes, refused by batch1's engine
     by_arm = {
-        a: {w.data.tags["k3pipe.workload"]: w for w in tracker.children(r.info.run_id)} for a, r in runs.items()
+        a: {w.data.tags["k3pipe.workload"]: w for w in tracker.children(r.info.run_id)}
+        for a, r in runs.items()
     }
-    assert {by_arm["batch4"][p].data.tags["k3pipe.prefix_cache_reset"] for p in (*points["batch4"], "cap")} == {"1"}
-    assert {by_arm["batch1"][p].data.tags["k3pipe.prefix_cache_reset"] for p in (*points["batch1"], "cap")} == {"0"}
+    assert {
+        by_arm["batch4"][p].data.tags["k3pipe.prefix_cache_reset"] for p in (*points["batch4"], "cap")
+    } == {"1"}
+    assert {
+        by_arm["batch1"][p].data.tags["k3pipe.prefix_cache_reset"] for p in (*points["batch1"], "cap")
+    } == {"0"}
     hits = {a: by_arm[a]["lad@c2"].data.metrics.get("engine_prefix_cache_hit_pct", 0.0) for a in by_arm}
     assert hits["batch1"] > 50 > hits["batch4"], hits  # the same prompts again, from the cache
 
@@ -95,7 +104,8 @@ def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None
     assert cap.decision
     assert cap.ranking == ["batch4", "batch1"]
     (verdict,) = cap.verdicts
-    assert verdict.outcome != "equivalent" and (not verdict.different or verdict.leader == "batch4"), verdict.text()
+    assert verdict.outcome != "equivalent", verdict.text()
+    assert not verdict.different or verdict.leader == "batch4", verdict.text()
 
     # the cost of a cell: the price over its throughput
     c4 = by_arm["batch4"]["lad@c4"].data.metrics
@@ -106,6 +116,7 @@ def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None
     assert "## Pareto fronts" in text
     assert "cost per million output tokens" in text
     warning = next(ln for ln in text.splitlines() if "The prefix cache was not emptied" in ln)
-    assert "batch1's" in warning and "batch4" not in warning
+    assert "batch1's" in warning
+    assert "batch4" not in warning
     artifacts = {a.path for a in tracker.client.list_artifacts(result["study_run_id"], "report/plots")}
     assert "report/plots/pareto.png" in artifacts

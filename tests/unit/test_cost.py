@@ -35,10 +35,12 @@ def test_piecewise_linear_power_is_integrated_exactly() -> None:
     # before 0: 100 W x 1 s; 0..2: mean 200 W x 2 s; 2..5: 300 W x 3 s
     assert energy.joules == pytest.approx(100 + 400 + 900)
     assert energy.mean_power_w == pytest.approx(1400 / 6)
-    assert energy.samples == 3 and energy.gpus == 1
+    assert energy.samples == 3
+    assert energy.gpus == 1
     # a window inside the samples takes the line between them
     inside = gpu_energy(s, 1.0, 3.0)
-    assert inside is not None and inside.joules == pytest.approx((200 + 300) / 2 * 1 + 300 * 1)
+    assert inside is not None
+    assert inside.joules == pytest.approx((200 + 300) / 2 * 1 + 300 * 1)
     assert inside.samples == 1
 
 
@@ -48,7 +50,8 @@ def test_gpus_add_up_and_missing_power_is_left_out() -> None:
     no_power = [GpuMemorySample(float(x), 2, 1000, None) for x in t]
     energy = gpu_energy(two + no_power, 0.0, 10.0)
     assert energy is not None
-    assert energy.joules == pytest.approx(7000.0) and energy.gpus == 2
+    assert energy.joules == pytest.approx(7000.0)
+    assert energy.gpus == 2
     assert gpu_energy(no_power, 0.0, 10.0) is None
     assert gpu_energy(two, 5.0, 5.0) is None  # a window of no length
 
@@ -87,12 +90,15 @@ def test_energy_per_token() -> None:
     assert got["energy_j_per_token"] == pytest.approx(0.5)
     # the engine's prompt count (chat template included) wins over the client's
     server = energy_metrics(
-        energy, {"output_tokens_total": 2000.0, "input_tokens_total": 6000.0, "server_input_tokens_total": 8000.0}
+        energy,
+        {"output_tokens_total": 2000.0, "input_tokens_total": 6000.0, "server_input_tokens_total": 8000.0},
     )
     assert server["energy_j_per_token"] == pytest.approx(0.4)
     # no tokens: the energy, no figure per token; no power: nothing
     assert set(energy_metrics(energy, {"output_tokens_total": 0.0})) == {
-        "gpu_energy_j", "gpu_power_w_mean", "gpu_power_samples"
+        "gpu_energy_j",
+        "gpu_power_w_mean",
+        "gpu_power_samples",
     }
     assert energy_metrics(None, {"output_tokens_total": 2000.0}) == {}
 
