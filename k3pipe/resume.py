@@ -51,6 +51,7 @@ __all__ = [
     "ResumePoint",
     "check_experiment",
     "check_prompts",
+    "read_study",
     "reopen",
     "resume_point",
     "study_lock",
@@ -137,13 +138,10 @@ def _redacted(data: Any, where: str) -> list[str]:
     return [where] if isinstance(data, str) and REDACTED in data else []
 
 
-def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
-    """Where the study ``run_ref`` (its run id, or a unique prefix) stands.
-
-    Raises:
-        ResumeError: it is not a study's run, its experiment cannot be read back or holds a secret
-            written in it (recorded as ``***``), or it has nothing left to run.
-    """
+def read_study(tracker: Tracker, run_ref: str, what: str = "resumed") -> tuple[Any, ExperimentSpec]:
+    """A study's run (its id, or a unique prefix) and the experiment it recorded, as it can be
+    started again; a :class:`ResumeError` saying why it cannot be ``what`` (not a study's run, no
+    experiment.json, a secret written in it and recorded as ``***``)."""
     run = find_run(tracker, run_ref)
     run_id = run.info.run_id
     tags = run.data.tags
@@ -155,7 +153,7 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
     name = tags.get("k3pipe.experiment", run.info.run_name)
     raw = tracker.read_artifact(run_id, "experiment.json")
     if raw is None:
-        raise ResumeError(f"study {name} (run {run_id}) has no experiment.json: it cannot be resumed")
+        raise ResumeError(f"study {name} (run {run_id}) has no experiment.json: it cannot be {what}")
     import json
 
     data = json.loads(raw)
@@ -166,7 +164,20 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
             f"({', '.join(redacted[:3])}), recorded as '{REDACTED}', so it cannot be started again from "
             "its record; write such a value as '{env.NAME}' (read from the environment at launch)"
         )
-    spec = parse_experiment(data, f"experiment.json of study run {run_id}")
+    return run, parse_experiment(data, f"experiment.json of study run {run_id}")
+
+
+def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
+    """Where the study ``run_ref`` (its run id, or a unique prefix) stands.
+
+    Raises:
+        ResumeError: it is not a study's run, its experiment cannot be read back or holds a secret
+            written in it (recorded as ``***``), or it has nothing left to run.
+    """
+    run, spec = read_study(tracker, run_ref)
+    run_id = run.info.run_id
+    tags = run.data.tags
+    name = tags.get("k3pipe.experiment", run.info.run_name)
     params = dict(run.data.params)
     arms = str(params.get(ARMS_PARAM) or params.get("arms") or "").split(",")
     point = ResumePoint(

@@ -68,6 +68,7 @@ MAX_VARIANTS = 100
 MAX_EXTRA_MODELS = 16
 MAX_TOKENS = 10_000_000
 MAX_GPU_HOUR_USD = 1_000.0
+MAX_POOLS = 256
 MAX_REQUESTS = 1_000_000
 MAX_REPEATS = 1_000
 MAX_WORKLOAD_PROMPTS = 1_000_000
@@ -116,6 +117,8 @@ LIMIT_REASONS: dict[str, str] = {
     "gpu_count": "no node has more",
     "gpu_memory_gib": "no accelerator has more",
     "gpu_hour_usd": "no accelerator rents for more than $1,000 an hour",
+    "pools": "each pool is a GPU node with a worker of its own",
+    "pickup_timeout_s": "a worker that has not started a launch after a day is not coming",
     "groups": "each group is a random prefix built in memory",
 }
 """Why a field has its limit, by field name: the error of a value past the limit says it."""
@@ -351,6 +354,71 @@ def _check_references(where: str, value: str) -> None:
             f"{where}: {{env.{bad[0]}}} does not name an environment variable; write '{{env.NAME}}' "
             "with NAME of letters, digits and '_', not starting with a digit (e.g. '{env.HF_TOKEN}')"
         )
+
+
+class FleetSpec(_Spec):
+    """Where a study's launches run when it is spread over GPU nodes: each node a Prefect work pool
+    (one launch at a time), each launch a flow run of that pool's ``launch`` deployment, the study's
+    flow waiting for them and joining them into one study (k3pipe.fleet)."""
+
+    pools: list[str] = Field(
+        min_length=1,
+        max_length=MAX_POOLS,
+        description=(
+            "The GPU nodes' work pools the launches are spread over ('k3pipe stack add-node NAME' makes "
+            "one with its launch deployment); each runs one launch at a time, the next in the study's "
+            "order as soon as it is free."
+        ),
+    )
+    arms: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description=(
+            "Arm -> the pools it may run on (default: any of pools); a calibration copy goes where its "
+            "baseline may."
+        ),
+    )
+    pickup_timeout_s: float = _finite(
+        default=600.0,
+        gt=0,
+        le=MAX_REQUEST_TIMEOUT_S,
+        description=(
+            "A launch that no worker of its pool has started after this long fails, naming the pool "
+            "(its worker is not running, or is busy elsewhere); the others go on."
+        ),
+    )
+
+    @field_validator("pools")
+    @classmethod
+    def _pool_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            safe_name(name, "work pool")
+        dupes = _repeated(value)
+        if dupes:
+            raise ValueError(f"fleet.pools names each pool once; repeated: {', '.join(dupes)}")
+        return value
+
+    @model_validator(mode="after")
+    def _known_pools(self) -> FleetSpec:
+        for arm, pools in self.arms.items():
+            if not pools:
+                raise ValueError(
+                    f"fleet.arms.{arm} names no pool: name one of {', '.join(self.pools)}, or drop it"
+                )
+            unknown = [p for p in pools if p not in self.pools]
+            if unknown:
+                raise ValueError(
+                    f"fleet.arms.{arm} names pool(s) {', '.join(unknown)} that fleet.pools does not list "
+                    f"({', '.join(self.pools)}): add them to fleet.pools, or fix the name"
+                )
+        return self
+
+    def pools_of(self, arm: str, baseline: str | None = None) -> list[str]:
+        """The pools ``arm`` may run on (its calibration copy: its baseline's)."""
+        if arm in self.arms:
+            return list(self.arms[arm])
+        if baseline is not None and arm == baseline + CALIBRATION_SUFFIX and baseline in self.arms:
+            return list(self.arms[baseline])
+        return list(self.pools)
 
 
 class HardwareSpec(_Spec):
@@ -1351,6 +1419,13 @@ class ExperimentSpec(_Spec):
         default_factory=DecisionSpec,
         description="How the report's verdicts are made (metrics, error rate, margin, baseline, A/A).",
     )
+    fleet: FleetSpec | None = Field(
+        default=None,
+        description=(
+            "Spread the study's launches over GPU nodes' work pools (run through Prefect: the study "
+            "flow); None: every launch on this machine, one after another."
+        ),
+    )
 
     @field_validator("name")
     @classmethod
@@ -1413,6 +1488,18 @@ class ExperimentSpec(_Spec):
                 raise ValueError(
                     f"decision.calibration adds the A/A arm {copy!r}, but an arm already has that name: "
                     "rename it, or drop that arm and keep calibration"
+                )
+        if self.fleet is not None:
+            unknown = sorted(set(self.fleet.arms) - arms)
+            if unknown:
+                raise ValueError(
+                    f"fleet.arms names arm(s) {', '.join(unknown)} that the experiment does not have; its "
+                    f"arms: {', '.join(sorted(arms))}"
+                )
+            if self.decision.prime:
+                raise ValueError(
+                    "decision.prime with fleet: a priming launch fills one node's caches, and the "
+                    "measured launches may run on another; drop decision.prime, or fleet"
                 )
         if self.reference is not None:
             workloads = [w.name for w in self.workloads]

@@ -35,6 +35,7 @@ from typing import Any
 from k3pipe import stats
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
+from k3pipe.fleet import RunOn, Ticket, dispatch, log_study_prompts
 from k3pipe.launchers.factory import pull_image
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import record_failed_arm
@@ -46,7 +47,7 @@ from k3pipe.secrets import redact_data, scrub
 from k3pipe.settings import Settings
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
-from k3pipe.specs import ArmSpec, ExperimentSpec, LocalModel, ModelScopeModel
+from k3pipe.specs import ArmSpec, ExperimentSpec, FleetSpec, LocalModel, ModelScopeModel
 from k3pipe.tracking import Tracker
 
 __all__ = [
@@ -201,6 +202,9 @@ class Study:
     """The study run's stage times recorded before a resume."""
     prior_wall_s: float = 0.0
     """The study's wall time recorded before a resume."""
+    remote: RunOn | None = None
+    """With the experiment's ``fleet``: runs a launch on a pool (the study flow's deployment runs);
+    the launches are then spread over the pools (:func:`k3pipe.fleet.dispatch`), not run here."""
 
     def _prefetch(
         self, arms: Iterable[ArmSpec], models: ThreadPoolExecutor, images: ThreadPoolExecutor
@@ -236,10 +240,21 @@ class Study:
         status = "KILLED"
         models_pool = ThreadPoolExecutor(1, thread_name_prefix="k3pipe-models")
         images_pool = ThreadPoolExecutor(1, thread_name_prefix="k3pipe-images")
+        fleet = self.spec.fleet if self.remote is not None else None
         try:
-            model_futures, image_futures = self._prefetch(arms, models_pool, images_pool)
+            if fleet is not None:
+                # each node fetches its own inputs; the prompts are drawn once, here, and sent to all
+                model_futures: dict[str, Future[ModelRecord]] = {}
+                image_futures: dict[str, Future[ImageRecord]] = {}
+                log_study_prompts(self.tracker, self.run_id, self.prompts)
+                self.say(f"fleet: {len(order)} launch(es) spread over pools {', '.join(fleet.pools)}")
+            else:
+                model_futures, image_futures = self._prefetch(arms, models_pool, images_pool)
 
             def launch_all(launches: list[tuple[str, int]]) -> None:
+                if fleet is not None:
+                    self._dispatch(launches, fleet, outcome, most)
+                    return
                 for name, launch in launches:
                     if (name, launch) in self.done:
                         outcome.arms.append(self._kept(name, launch))
@@ -310,6 +325,32 @@ class Study:
             launch_all(extra)
             ran.extend(extra)
             round_s.append(time.perf_counter() - began)
+
+    def _dispatch(
+        self,
+        launches: list[tuple[str, int]],
+        fleet: FleetSpec,
+        outcome: StudyOutcome,
+        most: Mapping[str, int],
+    ) -> None:
+        """``launches`` over the fleet's pools; a launch that never made a run (its pool's worker never
+        came, the node could not read the study) is recorded as a failed arm run, as a launch here is."""
+        assert self.remote is not None
+        todo = [Ticket(n, k, most[n]) for n, k in launches if (n, k) not in self.done]
+        pools = lambda arm: fleet.pools_of(arm, self.spec.baseline_arm)  # noqa: E731
+        ran = iter(dispatch(todo, pools, self.remote, self.say, self.warn))
+        for name, launch in launches:
+            if (name, launch) in self.done:
+                outcome.arms.append(self._kept(name, launch))
+                continue
+            result = next(ran)
+            if not result.mlflow_run_id:
+                tags = {**self.tags, "k3pipe.launch": str(launch), "k3pipe.launches": str(most[name])}
+                result.mlflow_run_id = record_failed_arm(
+                    self.tracker, self.spec.name, name, self.spec.arm(name).engine.kind,
+                    result.error or "not run", tags, self.run_id,
+                )  # fmt: skip
+            outcome.arms.append(result)
 
     def _kept(self, name: str, launch: int) -> ArmOutcome:
         """A launch that finished before the study was resumed: kept, not run again."""

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from k3pipe.errors import TrackingError
+from k3pipe.fleet import RunOn
 from k3pipe.jobs.prepare import PrepareSteps
 from k3pipe.params import RunRequest
 from k3pipe.record import record_speculation
 from k3pipe.rerun import RerunInputs
 from k3pipe.run import ArmOutcome, ArmSteps
 from k3pipe.settings import Settings
-from k3pipe.specs import ExperimentSpec
+from k3pipe.specs import ExperimentSpec, FleetSpec
 from k3pipe.speculation import SpeculationReport
 from k3pipe.tracking import Tracker
 
@@ -103,6 +104,9 @@ class Job:
     """``(url, text, key)``: a link to an MLflow run."""
     table: Callable[[list[dict[str, Any]], str, str], object] = field(default=_no_artifact)
     """``(rows, key, description)``: a results table."""
+    fleet: Callable[[FleetSpec, str], RunOn] | None = None
+    """``(fleet, study_run_id)``: what runs a study's launch on a pool (the study flow's: a run of
+    the pool's ``launch`` deployment); None: a job that cannot spread a study (outside Prefect)."""
 
     @classmethod
     def library(cls, settings: Settings | None = None, tracker: Tracker | None = None) -> Job:

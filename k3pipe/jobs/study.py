@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.errors import PartlyFailedError, first_line
+from k3pipe.errors import PartlyFailedError, SpecError, first_line
 from k3pipe.jobs.prepare import Prepared, check_spec, prepare
 from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
 from k3pipe.params import INLINE_SOURCE, RunRequest
@@ -81,6 +81,13 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
     """The study's run, preflight, the first model and the prompts (unless given), the arms, the
     report. Raises :class:`ArmsFailed` after the report when an arm failed."""
     spec, tracker = request.spec, job.tracker
+    if spec.fleet is not None and job.fleet is None:
+        raise SpecError(
+            f"experiment {spec.name} spreads its launches over work pools ({', '.join(spec.fleet.pools)}), "
+            "which only the study flow on a Prefect server can do: start it as a run of the study "
+            "deployment (`prefect deployment run study/study`, or from the UI), with a worker serving "
+            "each pool (`k3pipe stack add-node NAME` prints its command); or drop fleet to run here"
+        )
     tags = {**job.tags, **request.tags}
     run_id = start_study(
         tracker, spec, request.experiment, tags, request.params, parent_id=request.parent_run_id,
@@ -171,10 +178,11 @@ def _study(
         pull_image=job.steps.arm.pull_image,
         arm=job.steps.arm,
     )
+    remote = job.fleet(spec.fleet, run_id) if spec.fleet is not None and job.fleet is not None else None
     return Study(
         spec, run_id, job.tracker, job.settings, prepared.models, prepared.prompts, prepared.findings,
         experiment, steps, tags=tags, labels=job.labels, params=dict(params),
-        arms=arms, before_s=before, say=job.say, warn=job.warn,
+        arms=arms, before_s=before, say=job.say, warn=job.warn, remote=remote,
     )  # fmt: skip
 
 

@@ -1,0 +1,183 @@
+"""A study spread over two nodes, in the library (k3pipe.fleet, k3pipe.jobs.launch): each node a job
+of its own (its own K3PIPE_HOME, its own tracker) running the launches the scheduler hands its pool,
+reading the experiment and the prompts from the study's run (verified by digest), its arm runs nested
+under the study's; the study joined into one report. The arms are `external` endpoints served by the
+scripted OpenAI server (tests/scripted_openai.py); MLflow a real SQLite store. Prefect's side (the
+deployment runs on two pools with two workers) is flows/fleet.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from k3pipe.errors import SpecError
+from k3pipe.fleet import PROMPTS_INDEX, PoolUnavailable, PromptsMismatch, Ticket, read_study_prompts
+from k3pipe.jobs.launch import NODE_TAG, POOL_TAG, LaunchRequest, run_launch
+from k3pipe.jobs.steps import Job
+from k3pipe.jobs.study import StudyResult, study
+from k3pipe.params import RunRequest
+from k3pipe.report import build_report
+from k3pipe.rerun import read_record
+from k3pipe.run import ArmOutcome
+from k3pipe.settings import Settings
+from k3pipe.tracking import Tracker
+from tests.conftest import TINY_MODEL
+from tests.scripted_openai import Script, ScriptedOpenAI
+
+WORKLOADS = [
+    {"name": "in32", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
+     "warmup_requests": 0, "repeats": 2, "seed": 1},
+]  # fmt: skip
+
+
+def _experiment(fast: str, slow: str, fleet: dict[str, Any]) -> dict[str, Any]:
+    arms = [
+        {"name": name, "launches": 2, "engine": {"kind": "vllm"}, "launcher": {"kind": "external"},
+         "endpoint": {"base_url": url, "model": "m"}}
+        for name, url in (("fast", fast), ("slow", slow))
+    ]  # fmt: skip
+    return {
+        "name": "fleet-test",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": arms,
+        "workloads": WORKLOADS,
+        "decision": {"metrics": ["output_throughput_tps"]},
+        "fleet": fleet,
+    }
+
+
+def _job(home: Path, tracking: str, artifacts: Path) -> Job:
+    settings = Settings(home=home)
+    return Job.library(settings, Tracker(tracking, settings.mlflow_experiment, artifacts))
+
+
+@pytest.fixture
+def servers():  # type: ignore[no-untyped-def]
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    with (
+        ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as fast,
+        ScriptedOpenAI(Script(inter_token_s=0.02), model="m") as slow,
+    ):
+        yield fast, slow
+
+
+def _run(
+    tmp_path: Path, experiment: dict[str, Any], nodes: dict[str, Job | None]
+) -> tuple[Job, StudyResult | BaseException]:
+    """The study started by a job whose fleet runs each launch with ``nodes[pool]`` (None: a pool
+    whose worker never comes)."""
+    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    parent = _job(tmp_path / "parent", tracking, artifacts)
+
+    def fleet(spec: Any, study_run_id: str) -> Any:
+        def run_on(pool: str, ticket: Ticket) -> ArmOutcome:
+            node = nodes[pool]
+            if node is None:
+                raise PoolUnavailable(f"no worker of pool {pool} started launch {ticket.label} within 1 s")
+            return run_launch(
+                LaunchRequest(study_run_id, ticket.arm, ticket.launch, ticket.launches, pool), node
+            )
+
+        return run_on
+
+    exp = tmp_path / "fleet.yaml"
+    exp.write_text(yaml.safe_dump(experiment))
+    job = Job(parent.settings, parent.tracker, parent.steps, fleet=fleet)
+    try:
+        return job, study(RunRequest(experiment=str(exp)), job)
+    except Exception as exc:
+        return job, exc
+
+
+def test_a_study_over_two_nodes_is_one_study(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fast, slow = servers
+    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    nodes: dict[str, Job | None] = {
+        "node-a": _job(tmp_path / "node-a", tracking, artifacts),
+        "node-b": _job(tmp_path / "node-b", tracking, artifacts),
+    }
+    job, result = _run(
+        tmp_path, _experiment(fast.base_url, slow.base_url, {"pools": ["node-a", "node-b"]}), nodes
+    )
+    assert isinstance(result, StudyResult), result
+    assert [(o.arm, o.launch, o.status) for o in result.arms] == [
+        ("fast", 1, "FINISHED"), ("slow", 1, "FINISHED"), ("slow", 2, "FINISHED"), ("fast", 2, "FINISHED")
+    ]  # fmt: skip
+    tracker = job.tracker
+    arm_runs = tracker.children(result.study_run_id)
+    assert len(arm_runs) == 4
+    assert {r.data.tags[POOL_TAG] for r in arm_runs} == {"node-a", "node-b"}
+    assert all(r.data.tags[NODE_TAG] for r in arm_runs)
+
+    # the prompts: drawn once by the study, recorded on its run, sent by every launch
+    index = json.loads(tracker.read_artifact(result.study_run_id, PROMPTS_INDEX) or b"[]")
+    recorded = {(e["workload"], e["repeat"]): e["sha256"] for e in index}
+    assert set(recorded) == {("in32", 0), ("in32", 1)}
+    for run in arm_runs:
+        record = read_record(tracker, run.info.run_id)
+        assert {(p.workload, p.repeat): p.sha256 for p in record.prompts} == recorded
+
+    # one study: the report merges each arm's two launches (from two nodes) into one cell
+    report = build_report(tracker, result.study_run_id)
+    cell = report.data.cell("fast", "in32")
+    assert cell is not None
+    assert cell.launches == 2
+    row = next(
+        r for r in report.analysis.rows if r.workload == "in32" and r.metric.key == "output_throughput_tps"
+    )
+    assert row.ranking == ["fast", "slow"]
+
+
+def test_a_pool_without_a_worker_fails_only_its_launches(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """slow may run only on node-b, whose worker never comes: its launches are recorded failed,
+    naming the pool; fast's run on node-a, and the study still ends with a report."""
+    fast, slow = servers
+    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    nodes: dict[str, Job | None] = {"node-a": _job(tmp_path / "node-a", tracking, artifacts), "node-b": None}
+    fleet = {"pools": ["node-a", "node-b"], "arms": {"slow": ["node-b"], "fast": ["node-a"]}}
+    job, result = _run(tmp_path, _experiment(fast.base_url, slow.base_url, fleet), nodes)
+    assert not isinstance(result, StudyResult)
+    study_result = result.study  # type: ignore[attr-defined]
+    by = {(o.arm, o.launch): o for o in study_result.arms}
+    assert by[("fast", 1)].status == by[("fast", 2)].status == "FINISHED"
+    assert by[("slow", 1)].status == by[("slow", 2)].status == "FAILED"
+    assert "no worker of pool node-b" in (by[("slow", 1)].error or "")
+    failed = job.tracker.client.get_run(by[("slow", 1)].mlflow_run_id)
+    assert failed.data.tags["k3pipe.arm"] == "slow"
+    assert Path(study_result.report["markdown"]).is_file()
+
+
+def test_a_node_refuses_prompts_that_are_not_the_studys(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fast, slow = servers
+    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    nodes: dict[str, Job | None] = {"node-a": _job(tmp_path / "node-a", tracking, artifacts)}
+    job, result = _run(tmp_path, _experiment(fast.base_url, slow.base_url, {"pools": ["node-a"]}), nodes)
+    assert isinstance(result, StudyResult), result
+    tracker, run_id = job.tracker, result.study_run_id
+    from k3pipe.experiment import parse_experiment
+
+    spec = parse_experiment(_experiment(fast.base_url, slow.base_url, {"pools": ["node-a"]}))
+    assert len(read_study_prompts(tracker, run_id, spec)["in32"]) == 2
+    # the artifact changed behind the record's back: named, never sent
+    index = json.loads(tracker.read_artifact(run_id, PROMPTS_INDEX) or b"[]")
+    first = next(e for e in index if e["repeat"] == 0)
+    data = json.loads(tracker.read_artifact(run_id, first["artifact"]) or b"{}")
+    data["prompts"] = list(reversed(data["prompts"]))
+    tracker.log_dict(run_id, data, first["artifact"])
+    with pytest.raises(PromptsMismatch, match="repeat 1 read from study run"):
+        read_study_prompts(tracker, run_id, spec)
+
+
+def test_a_fleet_study_needs_the_study_flow(tmp_path: Path) -> None:
+    exp = tmp_path / "fleet.yaml"
+    exp.write_text(
+        yaml.safe_dump(_experiment("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1", {"pools": ["n1"]}))
+    )
+    job = _job(tmp_path / "home", f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    with pytest.raises(SpecError, match="only the study flow on a Prefect server"):
+        study(RunRequest(experiment=str(exp)), job)
