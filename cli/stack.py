@@ -1,4 +1,4 @@
-"""`k3pipe stack up|down|status|env`: the team stack (ops.stack) from the command line."""
+"""`k3pipe stack up|down|status|env|add-node`: the team stack (ops.stack) from the command line."""
 
 from __future__ import annotations
 
@@ -104,6 +104,25 @@ def status_cmd() -> None:
         print(line)
     if down:
         raise typer.Exit(1)
+
+
+@stack_app.command("add-node")
+def add_node_cmd(
+    name: str = typer.Argument(..., help="The node's name: its work pool and launch deployment take it."),
+) -> None:
+    """A GPU node for studies spread over nodes (an experiment's fleet.pools): its work pool (one run
+    at a time) and launch deployment; prints the commands that start its worker on the node."""
+    from ops.stack import add_node
+
+    config = _config()
+    try:
+        lines = add_node(config, name, progress=_say)
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+    _say(f"node {name}: on the node, from its k3pipe checkout:")
+    for line in lines:
+        print("  " + line)
 
 
 @stack_app.command("env")

@@ -927,10 +927,11 @@ def record_failed_arm(
     return run_id
 
 
-def close_abandoned(tracker: Tracker, run_id: str, why: str) -> list[str]:
+def close_abandoned(tracker: Tracker, run_id: str, why: str, upward: bool = True) -> list[str]:
     """End as KILLED a run whose process died without ending it (SIGKILL, the OOM killer), with its
-    nested runs and the runs above it that are still RUNNING, ``why`` on each; returns their ids.
-    A run that has ended already is left as it is."""
+    nested runs and (``upward``) the runs above it that are still RUNNING, ``why`` on each; returns
+    their ids. A run that has ended already is left as it is. A fleet launch's arm run (tagged
+    ``k3pipe.pool``) is the top of what its process ran: the study above it is another process's."""
     closed = []
     todo = [run_id]
     seen = set()
@@ -948,7 +949,8 @@ def close_abandoned(tracker: Tracker, run_id: str, why: str) -> list[str]:
             tracker.set_tags(current, {"k3pipe.error": why})
             tracker.end_run(current, "KILLED")
             closed.append(current)
-        parent = run.data.tags.get("mlflow.parentRunId") if current == run_id else None
+        mine_above = upward and current == run_id and not run.data.tags.get("k3pipe.pool")
+        parent = run.data.tags.get("mlflow.parentRunId") if mine_above else None
         while parent:  # a study or retest the same process ran
             try:
                 above = tracker.client.get_run(parent)

@@ -939,3 +939,34 @@ def env_lines(config: StackConfig) -> list[str]:
         f"export MLFLOW_TRACKING_URI={shlex.quote(config.url('mlflow', mlflow_port))}",
         f"export PREFECT_API_URL={shlex.quote(config.url('prefect', prefect_port) + '/api')}",
     ]
+
+
+def add_node(config: StackConfig, name: str, progress: Progress = lambda _line: None) -> list[str]:
+    """A GPU node for fleet studies: its work pool ``name`` (process, concurrency limit 1) and the
+    ``launch/<name>`` deployment of ``flows/fleet.py``'s launch flow on it, on the running stack's
+    Prefect; returns the lines that start the node's worker (run them on the node, from its k3pipe
+    checkout, with its own K3PIPE_HOME)."""
+    from k3pipe.specs import safe_name
+
+    try:
+        safe_name(name, "node (work pool)")
+    except ValueError as exc:
+        raise StackError(str(exc)) from None
+    state = load_state(config)
+    prefect = _running(state, "prefect")
+    mlflow = _running(state, "mlflow")
+    if prefect is None or mlflow is None:
+        raise StackError("the stack is not running (Prefect and MLflow): `k3pipe stack up` first")
+    _ensure_pool(config, prefect.port, name)
+    progress(f"prefect: work pool {name!r} (process, concurrency limit 1)")
+    _run_prefect(
+        config, prefect.port,
+        ["--no-prompt", "deploy", "flows/fleet.py:launch", "--name", name, "--pool", name],
+        f"deploy launch/{name}", 300,
+    )  # fmt: skip
+    progress(f"prefect: deployed launch/{name} (flows/fleet.py:launch) from {config.project_dir}")
+    return [
+        *env_lines(config),
+        "export K3PIPE_HOME=/path/to/the/nodes/k3pipe-home   # its models, engine venvs, caches",
+        f"prefect worker start --pool {shlex.quote(name)}   # from the node's k3pipe checkout",
+    ]

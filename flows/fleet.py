@@ -1,0 +1,150 @@
+"""A study spread over GPU nodes through Prefect: the ``launch`` flow runs one launch of a recorded study
+on the node whose worker picked it up (each node a work pool with one ``launch`` deployment named
+after it: ``k3pipe stack add-node NAME``), and :func:`prefect_fleet` is how the study flow hands a
+launch to a pool: a run of that pool's deployment, waited for, its outcome read back from MLflow.
+
+The scheduler is the library's (k3pipe.fleet.dispatch), the launch's body too (k3pipe.jobs.launch);
+this is their Prefect shell.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from uuid import UUID
+
+from prefect import get_client
+from prefect.client.schemas.objects import FlowRun
+from prefect.exceptions import ObjectNotFound
+from prefect.states import Cancelled
+
+from flows.runtime import flow_job, note_flow_run
+from flows.secrecy import guard, scrubbed_flow
+from k3pipe.errors import RunFailedError
+from k3pipe.fleet import PoolUnavailable, RunOn, Ticket
+from k3pipe.jobs.launch import LaunchRequest, run_launch
+from k3pipe.record import close_abandoned
+from k3pipe.run import ArmOutcome
+from k3pipe.specs import FleetSpec
+from k3pipe.tracking import Tracker
+
+__all__ = ["LAUNCH_FLOW", "launch", "prefect_fleet"]
+
+LAUNCH_FLOW = "launch"
+"""The flow's name: each pool's deployment of it is ``launch/<pool>``."""
+POLL_S = 2.0
+
+
+@scrubbed_flow(LAUNCH_FLOW)
+def launch(study_run_id: str, arm: str, launch: int = 1, launches: int = 1, pool: str = "") -> dict[str, Any]:
+    """One launch of a study's arm on this node: the study's recorded experiment, overrides and
+    prompts (verified by digest), this node's models, the arm's run nested under the study's. The
+    study flow starts it on a pool (an experiment's ``fleet``); it fails when the launch did not
+    finish, after recording it.
+
+    Args:
+        study_run_id: The study's MLflow run id.
+        arm: The arm to launch (its name in the experiment; '<arm>-aa' for the A/A copy).
+        launch: Which launch of the arm this is (from 1).
+        launches: How many launches of the arm the study plans.
+        pool: The work pool this node serves (recorded on the arm's run).
+    """
+    note_flow_run()
+    guard()
+    outcome = run_launch(LaunchRequest(study_run_id, arm, launch, launches, pool), flow_job())
+    if outcome.status != "FINISHED":
+        raise RunFailedError(f"arm {arm} launch {launch}: {outcome.status}: {outcome.error or 'see its run'}")
+    return outcome.as_dict()
+
+
+def prefect_fleet(fleet: FleetSpec, study_run_id: str) -> RunOn:
+    """What runs a launch of the study ``study_run_id`` on a pool: a run of ``launch/<pool>``,
+    created as a subflow of the running study flow, waited for; :class:`PoolUnavailable` when the
+    pool has no such deployment, or no worker started the run within ``fleet.pickup_timeout_s``
+    (the run is then cancelled)."""
+    from prefect.deployments import run_deployment
+
+    job = flow_job()
+
+    def run_on(pool: str, ticket: Ticket) -> ArmOutcome:
+        params = {
+            "study_run_id": study_run_id,
+            "arm": ticket.arm,
+            "launch": ticket.launch,
+            "launches": ticket.launches,
+            "pool": pool,
+        }
+        try:
+            created = run_deployment(
+                f"{LAUNCH_FLOW}/{pool}", parameters=params, timeout=0,
+                flow_run_name=f"{ticket.arm}-{ticket.launch}", tags=["k3pipe-fleet"],
+            )  # fmt: skip
+        except ObjectNotFound as exc:
+            raise PoolUnavailable(
+                f"pool {pool} has no {LAUNCH_FLOW} deployment ({LAUNCH_FLOW}/{pool}): "
+                f"`k3pipe stack add-node {pool}` makes one"
+            ) from exc
+        assert isinstance(created, FlowRun)  # called from a sync flow: the run, not a coroutine
+        run = _started(created.id, pool, ticket, fleet.pickup_timeout_s)
+        job.say(f"launch {ticket.label}: flow run {run.name} on pool {pool}")
+        while not (run.state and run.state.is_final()):
+            time.sleep(POLL_S)
+            run = _read(run.id)
+        return _outcome(job.tracker, study_run_id, ticket, pool, run)
+
+    return run_on
+
+
+def _read(run_id: UUID) -> FlowRun:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(run_id)
+
+
+def _started(run_id: UUID, pool: str, ticket: Ticket, timeout_s: float) -> FlowRun:
+    """The flow run once a worker has started it (or it ended); cancelled, and
+    :class:`PoolUnavailable`, when none has after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = _read(run_id)
+        state = run.state
+        if state is not None and (state.is_running() or state.is_final()):
+            return run
+        if time.monotonic() > deadline:
+            why = (
+                f"no worker of pool {pool} started launch {ticket.label} within {timeout_s:g} s "
+                f"(is `prefect worker start --pool {pool}` running on its node?)"
+            )
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(run_id, Cancelled(message=why), force=True)
+            raise PoolUnavailable(why)
+        time.sleep(POLL_S)
+
+
+def _outcome(tracker: Tracker, study_run_id: str, ticket: Ticket, pool: str, run: FlowRun) -> ArmOutcome:
+    """How the launch ended, from its arm run in MLflow (the one this flow run made); an arm run the
+    node left RUNNING (its process died) is closed, with what it had recorded kept."""
+    state = run.state
+    assert state is not None
+    mine = [
+        r
+        for r in tracker.children(study_run_id)
+        if r.data.tags.get("k3pipe.arm") == ticket.arm
+        and r.data.tags.get("k3pipe.launch") == str(ticket.launch)
+        and r.data.tags.get("prefect.flow_run_id") == str(run.id)
+    ]
+    why = f"flow run {run.name} on pool {pool} ended {state.name}"
+    if state.message:
+        why += f": {state.message}"
+    if not mine:
+        return ArmOutcome(arm=ticket.arm, mlflow_run_id="", status="FAILED", error=why, launch=ticket.launch)
+    arm_run = mine[0]
+    status = arm_run.info.status
+    if status == "RUNNING":  # the node was lost mid-launch: what it measured stays, marked so
+        close_abandoned(tracker, arm_run.info.run_id, f"its node was lost: {why}", upward=False)
+        status = "FAILED"
+    error = None if status == "FINISHED" else arm_run.data.tags.get("k3pipe.error") or why
+    if state.is_completed() and status != "FINISHED":
+        error = error or why
+    return ArmOutcome(
+        arm=ticket.arm, mlflow_run_id=arm_run.info.run_id, status=status, error=error, launch=ticket.launch
+    )
