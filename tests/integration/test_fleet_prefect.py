@@ -80,7 +80,7 @@ def _experiment(fast: str, slow: str) -> dict[str, Any]:
                 "repeats": 2,
                 "seed": 1,
             },
-        ],  # fmt: skip
+        ],
         "decision": {"metrics": ["output_throughput_tps"]},
         "fleet": {"pools": list(POOLS), "pickup_timeout_s": 120},
     }
@@ -153,4 +153,6 @@ def test_a_study_over_two_workers_is_one_study(
     artifacts = {a.path for a in client.list_artifacts(study.info.run_id, "report")}
     assert "report/report.md" in artifacts
     report = Path(client.download_artifacts(study.info.run_id, "report/report.md", str(tmp_path / "dl")))
-    assert "fast" in report.read_text() and "slow" in report.read_text()
+    text = report.read_text()
+    assert "fast" in text
+    assert "slow" in text
