@@ -16,12 +16,12 @@ from uuid import UUID
 from prefect import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
-from prefect.states import Cancelled
+from prefect.states import Cancelled, Crashed
 
 from flows.runtime import flow_job, note_flow_run
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.errors import RunFailedError
-from k3pipe.fleet import PoolUnavailable, RunOn, Ticket
+from k3pipe.fleet import PoolUnavailable, RunOn, Ticket, last_heartbeat
 from k3pipe.jobs.launch import LaunchRequest, run_launch
 from k3pipe.record import close_abandoned
 from k3pipe.run import ArmOutcome
@@ -87,9 +87,24 @@ def prefect_fleet(fleet: FleetSpec, study_run_id: str) -> RunOn:
         assert isinstance(created, FlowRun)  # called from a sync flow: the run, not a coroutine
         run = _started(created.id, pool, ticket, fleet.pickup_timeout_s)
         job.say(f"launch {ticket.label}: flow run {run.name} on pool {pool}")
+        # the node's heartbeat, timed by this clock (the node's may be set otherwise): when it last moved
+        seen, moved = None, time.monotonic()
         while not (run.state and run.state.is_final()):
             time.sleep(POLL_S)
             run = _read(run.id)
+            beat = last_heartbeat(job.tracker, study_run_id, ticket.label)
+            if beat != seen:
+                seen, moved = beat, time.monotonic()
+            elif time.monotonic() - moved > fleet.lost_after_s and not (run.state and run.state.is_final()):
+                why = (
+                    f"its node was lost: no heartbeat for {time.monotonic() - moved:.0f} s "
+                    f"(fleet.lost_after_s {fleet.lost_after_s:g}) while flow run {run.name} on pool {pool} "
+                    "was running (the node died, or its worker was killed)"
+                )
+                with get_client(sync_client=True) as client:
+                    client.set_flow_run_state(run.id, Crashed(message=why), force=True)
+                job.warn(f"launch {ticket.label}: {why}")
+                return _outcome(job.tracker, study_run_id, ticket, pool, _read(run.id), lost=why)
         return _outcome(job.tracker, study_run_id, ticket, pool, run)
 
     return run_on
@@ -120,9 +135,12 @@ def _started(run_id: UUID, pool: str, ticket: Ticket, timeout_s: float) -> FlowR
         time.sleep(POLL_S)
 
 
-def _outcome(tracker: Tracker, study_run_id: str, ticket: Ticket, pool: str, run: FlowRun) -> ArmOutcome:
+def _outcome(
+    tracker: Tracker, study_run_id: str, ticket: Ticket, pool: str, run: FlowRun, lost: str | None = None
+) -> ArmOutcome:
     """How the launch ended, from its arm run in MLflow (the one this flow run made); an arm run the
-    node left RUNNING (its process died) is closed, with what it had recorded kept."""
+    node left RUNNING (its process died: ``lost`` says how it was told) is closed, with what it had
+    recorded kept."""
     state = run.state
     assert state is not None
     mine = [
@@ -132,19 +150,18 @@ def _outcome(tracker: Tracker, study_run_id: str, ticket: Ticket, pool: str, run
         and r.data.tags.get("k3pipe.launch") == str(ticket.launch)
         and r.data.tags.get("prefect.flow_run_id") == str(run.id)
     ]
-    why = f"flow run {run.name} on pool {pool} ended {state.name}"
-    if state.message:
+    why = lost or f"flow run {run.name} on pool {pool} ended {state.name}"
+    if state.message and not lost:
         why += f": {state.message}"
     if not mine:
         return ArmOutcome(arm=ticket.arm, mlflow_run_id="", status="FAILED", error=why, launch=ticket.launch)
     arm_run = mine[0]
     status = arm_run.info.status
     if status == "RUNNING":  # the node was lost mid-launch: what it measured stays, marked so
-        close_abandoned(tracker, arm_run.info.run_id, f"its node was lost: {why}", upward=False)
+        why = why if lost else f"its node was lost: {why}"
+        close_abandoned(tracker, arm_run.info.run_id, why, upward=False)
         status = "FAILED"
-    error = None if status == "FINISHED" else arm_run.data.tags.get("k3pipe.error") or why
-    if state.is_completed() and status != "FINISHED":
-        error = error or why
+    error = None if status == "FINISHED" else why if lost else arm_run.data.tags.get("k3pipe.error") or why
     return ArmOutcome(
         arm=ticket.arm, mlflow_run_id=arm_run.info.run_id, status=status, error=error, launch=ticket.launch
     )

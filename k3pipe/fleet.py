@@ -29,11 +29,14 @@ from k3pipe.specs import ExperimentSpec
 from k3pipe.tracking import Tracker
 
 __all__ = [
+    "HEARTBEAT_PREFIX",
     "PROMPTS_INDEX",
+    "Heartbeat",
     "PoolUnavailable",
     "PromptsMismatch",
     "Ticket",
     "dispatch",
+    "last_heartbeat",
     "log_study_prompts",
     "read_study_prompts",
 ]
@@ -206,3 +209,48 @@ def read_study_prompts(
                 )
             out.setdefault(workload.name, []).append(prompt_set)
     return out
+
+
+HEARTBEAT_PREFIX = "k3pipe.heartbeat."
+"""On a fleet study's run: ``k3pipe.heartbeat.<arm>#<launch>``, the time (Unix seconds) the node
+running that launch last said it was alive."""
+
+
+class Heartbeat:
+    """While in its ``with`` block, the node's word every ``interval_s`` that launch ``label`` of
+    the study is alive: a tag on the study's run (:data:`HEARTBEAT_PREFIX`). A failed write is
+    skipped (the next one tries again)."""
+
+    def __init__(self, tracker: Tracker, study_run_id: str, label: str, interval_s: float) -> None:
+        self.tracker, self.run_id, self.key = tracker, study_run_id, HEARTBEAT_PREFIX + label
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="k3pipe-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        import time
+
+        while True:
+            try:
+                self.tracker.set_tags(self.run_id, {self.key: f"{time.time():.3f}"})
+            except Exception as exc:
+                log.warning("heartbeat %s not written: %s", self.key, exc)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def last_heartbeat(tracker: Tracker, study_run_id: str, label: str) -> float | None:
+    """When the node running launch ``label`` last said it was alive (None: never yet)."""
+    value = tracker.client.get_run(study_run_id).data.tags.get(HEARTBEAT_PREFIX + label)
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

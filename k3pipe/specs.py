@@ -387,6 +387,23 @@ class FleetSpec(_Spec):
         ),
     )
 
+    heartbeat_s: float = _finite(
+        default=15.0,
+        gt=0,
+        le=3_600,
+        description="How often a node running a launch says it is alive (a tag on the study's run).",
+    )
+    lost_after_s: float = _finite(
+        default=120.0,
+        gt=0,
+        le=MAX_REQUEST_TIMEOUT_S,
+        description=(
+            "A running launch whose node has not said it is alive for this long is lost (the node died, "
+            "its worker was killed): recorded failed with what it measured, its flow run marked "
+            "Crashed; the study goes on. Keep it several heartbeats long."
+        ),
+    )
+
     @field_validator("pools")
     @classmethod
     def _pool_names(cls, value: list[str]) -> list[str]:
@@ -399,6 +416,11 @@ class FleetSpec(_Spec):
 
     @model_validator(mode="after")
     def _known_pools(self) -> FleetSpec:
+        if self.lost_after_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"fleet.lost_after_s ({self.lost_after_s:g}) must be at least two heartbeats "
+                f"(fleet.heartbeat_s {self.heartbeat_s:g}): one late heartbeat is not a lost node"
+            )
         for arm, pools in self.arms.items():
             if not pools:
                 raise ValueError(

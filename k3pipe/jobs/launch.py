@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import Any
 
-from k3pipe.fleet import read_study_prompts
+from k3pipe.fleet import Heartbeat, read_study_prompts
 from k3pipe.jobs.prepare import prepare
 from k3pipe.jobs.steps import Job
 from k3pipe.resume import read_study
 from k3pipe.run import ArmOutcome, ArmRun
 from k3pipe.schedule import models_of
+from k3pipe.specs import ExperimentSpec
 
 __all__ = ["NODE_TAG", "POOL_TAG", "LaunchRequest", "run_launch"]
 
@@ -42,6 +44,13 @@ def run_launch(request: LaunchRequest, job: Job) -> ArmOutcome:
     tracker = job.tracker
     run, spec = read_study(tracker, request.study_run_id, "run on a node")
     study_run_id = run.info.run_id
+    beat = spec.fleet.heartbeat_s if spec.fleet is not None else 15.0
+    with Heartbeat(tracker, study_run_id, f"{request.arm}#{request.launch}", beat):
+        return _run_launch(request, job, run, spec)
+
+
+def _run_launch(request: LaunchRequest, job: Job, run: Any, spec: ExperimentSpec) -> ArmOutcome:
+    tracker, study_run_id = job.tracker, run.info.run_id
     arm = spec.arm(request.arm)  # a SpecError names the study's arms
     params = {k: v for k, v in run.data.params.items() if k.startswith("override.")}
     prompts = read_study_prompts(tracker, study_run_id, spec)

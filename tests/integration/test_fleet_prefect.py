@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ def _prefect(env: dict[str, str], *args: str, timeout: float = 300) -> str:
     return out.stdout
 
 
-def _experiment(fast: str, slow: str) -> dict[str, Any]:
+def _experiment(fast: str, slow: str, **fleet: Any) -> dict[str, Any]:
     arms = [
         {"name": name, "launches": 2, "engine": {"kind": "vllm"}, "launcher": {"kind": "external"},
          "endpoint": {"base_url": url, "model": "m"}}
@@ -82,13 +83,65 @@ def _experiment(fast: str, slow: str) -> dict[str, Any]:
             },
         ],
         "decision": {"metrics": ["output_throughput_tps"]},
-        "fleet": {"pools": list(POOLS), "pickup_timeout_s": 120},
+        "fleet": {"pools": list(POOLS), "pickup_timeout_s": 120, **fleet},
     }
 
 
-def test_a_study_over_two_workers_is_one_study(
-    prefect_server: dict[str, str], mlflow_server: MlflowServer, tmp_path: Path
-) -> None:
+class Fleet:
+    """The two pools with their launch deployments and workers (each its own K3PIPE_HOME), and how
+    to run a study flow against them as a user does (`python -m flows.study`, its own process)."""
+
+    def __init__(self, env: dict[str, str], tmp_path: Path) -> None:
+        self.env, self.tmp = env, tmp_path
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[Any] = []
+
+    def start(self) -> None:
+        for pool in POOLS:
+            _prefect(self.env, "work-pool", "create", pool, "--type", "process")
+            _prefect(self.env, "work-pool", "set-concurrency-limit", pool, "1")
+            _prefect(
+                self.env, "--no-prompt", "deploy", "flows/fleet.py:launch", "--name", pool, "--pool", pool
+            )
+        for pool in POOLS:
+            log = (self.tmp / f"worker-{pool}.log").open("wb")
+            self._logs.append(log)
+            self.workers[pool] = subprocess.Popen(
+                [PREFECT, "worker", "start", "--pool", pool],
+                cwd=self.tmp,
+                env={**self.env, "K3PIPE_HOME": str(self.tmp / pool)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def study(self, experiment: dict[str, Any]) -> subprocess.Popen[str]:
+        exp = self.tmp / "fleet.yaml"
+        exp.write_text(yaml.safe_dump(experiment))
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.study", str(exp)],
+            cwd=REPO,
+            env={**self.env, "K3PIPE_HOME": str(self.tmp / "parent")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- worker {p} ---\n" + (self.tmp / f"worker-{p}.log").read_text(errors="replace")[-3000:]
+            for p in POOLS
+        )
+
+    def stop(self) -> None:
+        for proc in self.workers.values():
+            stop_group(proc, signal.SIGINT)
+        for log in self._logs:
+            log.close()
+
+
+@pytest.fixture
+def fleet(prefect_server: dict[str, str], mlflow_server: MlflowServer, tmp_path: Path) -> Iterator[Fleet]:
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
     env = {
@@ -97,49 +150,35 @@ def test_a_study_over_two_workers_is_one_study(
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PYTHONUNBUFFERED": "1",
     }
-    for pool in POOLS:
-        _prefect(env, "work-pool", "create", pool, "--type", "process")
-        _prefect(env, "work-pool", "set-concurrency-limit", pool, "1")
-        _prefect(env, "--no-prompt", "deploy", "flows/fleet.py:launch", "--name", pool, "--pool", pool)
-    workers: list[tuple[subprocess.Popen[bytes], Any]] = []
+    fleet = Fleet(env, tmp_path)
     try:
-        for pool in POOLS:
-            log = (tmp_path / f"worker-{pool}.log").open("wb")
-            proc = subprocess.Popen(
-                [PREFECT, "worker", "start", "--pool", pool],
-                cwd=tmp_path,
-                env={**env, "K3PIPE_HOME": str(tmp_path / pool)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            workers.append((proc, log))
-        with (
-            ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as fast,
-            ScriptedOpenAI(Script(inter_token_s=0.02), model="m") as slow,
-        ):
-            exp = tmp_path / "fleet.yaml"
-            exp.write_text(yaml.safe_dump(_experiment(fast.base_url, slow.base_url)))
-            done = subprocess.run(
-                [sys.executable, "-m", "flows.study", str(exp)],
-                cwd=REPO,
-                env={**env, "K3PIPE_HOME": str(tmp_path / "parent")},
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+        fleet.start()
+        yield fleet
     finally:
-        for proc, log in workers:
-            stop_group(proc, signal.SIGINT)
-            log.close()
-    logs = {p: (tmp_path / f"worker-{p}.log").read_text(errors="replace") for p in POOLS}
-    assert done.returncode == 0, f"{done.stdout[-4000:]}{done.stderr[-4000:]}\n{logs}"
+        fleet.stop()
 
-    client = MlflowClient(mlflow_server.uri)
+
+def _runs(uri: str) -> tuple[Any, list[Any]]:
+    """The study's run and its arm runs."""
+    client = MlflowClient(uri)
     (experiment,) = [e for e in client.search_experiments() if e.name == "k3pipe"]
     runs = client.search_runs([experiment.experiment_id])
     (study,) = [r for r in runs if r.data.tags.get("k3pipe.kind") == "study"]
-    arm_runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == study.info.run_id]
+    return study, [r for r in runs if r.data.tags.get("mlflow.parentRunId") == study.info.run_id]
+
+
+def test_a_study_over_two_workers_is_one_study(
+    fleet: Fleet, mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
+    with (
+        ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as fast,
+        ScriptedOpenAI(Script(inter_token_s=0.02), model="m") as slow,
+    ):
+        study_proc = fleet.study(_experiment(fast.base_url, slow.base_url))
+        out, _ = study_proc.communicate(timeout=600)
+    assert study_proc.returncode == 0, f"{out[-6000:]}\n{fleet.logs()}"
+
+    study, arm_runs = _runs(mlflow_server.uri)
     assert sorted((r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]) for r in arm_runs) == [
         ("fast", "1"), ("fast", "2"), ("slow", "1"), ("slow", "2")
     ]  # fmt: skip
@@ -150,9 +189,81 @@ def test_a_study_over_two_workers_is_one_study(
     assert len(flow_runs) == 4
     assert study.data.tags["prefect.flow_run_id"] not in flow_runs
     # one report, on the study's run, ranking the arms across both nodes' launches
+    client = MlflowClient(mlflow_server.uri)
     artifacts = {a.path for a in client.list_artifacts(study.info.run_id, "report")}
     assert "report/report.md" in artifacts
     report = Path(client.download_artifacts(study.info.run_id, "report/report.md", str(tmp_path / "dl")))
     text = report.read_text()
     assert "fast" in text
     assert "slow" in text
+
+
+def test_a_killed_worker_fails_its_launch_and_the_others_finish(
+    fleet: Fleet, mlflow_server: MlflowServer
+) -> None:
+    """slow runs only on node-b, fast only on node-a. node-b's worker (and the launch it runs) is
+    killed mid-launch: slow#1 is recorded failed, its node named lost, what it measured kept; slow#2
+    finds no worker on node-b within the pickup timeout and fails naming the pool; fast's launches
+    finish on node-a, and the study ends with its report, failing, naming slow."""
+    placement = {"arms": {"fast": ["node-a"], "slow": ["node-b"]}, "heartbeat_s": 1, "lost_after_s": 8,
+                 "pickup_timeout_s": 20}  # fmt: skip
+    with (
+        ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as fast,
+        ScriptedOpenAI(Script(inter_token_s=1.0), model="m") as slow,  # 8 s a request
+    ):
+        study_proc = fleet.study(_experiment(fast.base_url, slow.base_url, **placement))
+        deadline = time.monotonic() + 300
+        while not slow.requests:  # slow#1 is sending: its node is mid-launch
+            assert study_proc.poll() is None, study_proc.communicate()[0][-6000:]
+            assert time.monotonic() < deadline, fleet.logs()
+            time.sleep(0.5)
+        worker = fleet.workers["node-b"]
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+        _kill_flow_runs_of(fleet.env, "node-b")
+        out, _ = study_proc.communicate(timeout=600)
+    assert study_proc.returncode != 0, out[-6000:]
+    assert "slow" in out
+
+    _, arm_runs = _runs(mlflow_server.uri)
+    by = {(r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]): r for r in arm_runs}
+    assert by[("fast", "1")].info.status == by[("fast", "2")].info.status == "FINISHED"
+    lost = by[("slow", "1")]
+    assert lost.info.status in ("KILLED", "FAILED")
+    assert "its node was lost" in lost.data.tags.get("k3pipe.error", ""), lost.data.tags
+    assert lost.data.tags[POOL_TAG] == "node-b"
+    never = by[("slow", "2")]
+    assert never.info.status == "FAILED"
+    assert "no worker of pool node-b" in never.data.tags.get("k3pipe.error", ""), never.data.tags
+
+
+_KILL_FLOW_RUNS = """
+import os, signal, sys
+from prefect import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName,
+)
+
+with get_client(sync_client=True) as client:
+    runs = client.read_flow_runs(
+        work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[sys.argv[1]])),
+        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))),
+    )
+for run in runs:
+    pid = (run.infrastructure_pid or "").rsplit(":", 1)[-1]
+    if pid.isdigit():
+        try:
+            os.killpg(int(pid), signal.SIGKILL)  # a flow run in a session of its own
+        except ProcessLookupError:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # gone with its worker
+"""
+
+
+def _kill_flow_runs_of(env: dict[str, str], pool: str) -> None:
+    """SIGKILL the process of every running flow run of ``pool`` (its infrastructure pid, on this
+    machine), as a node that dies takes them with it (a process worker may start them in a session
+    of their own, which killing the worker's group leaves running)."""
+    subprocess.run([sys.executable, "-c", _KILL_FLOW_RUNS, pool], env=env, check=True, timeout=120)
