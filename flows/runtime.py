@@ -15,13 +15,12 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from prefect.states import Crashed
 
-from k3pipe.fleet import RunOn
+from flows.pools import prefect_fleet
 from k3pipe.jobs.prepare import PrepareSteps
 from k3pipe.jobs.steps import Job, JobSteps
 from k3pipe.record import close_abandoned
 from k3pipe.run import ArmSteps
 from k3pipe.settings import Settings
-from k3pipe.specs import FleetSpec
 from k3pipe.tracking import Tracker
 from tasks.steps import (
     benchmark_task,
@@ -151,12 +150,5 @@ def flow_job() -> Job:
         settings, tracker, steps, flow_run_id(), say=logger.info, note=logger.warning, warn=logger.error,
         link=lambda url, text, key: create_link_artifact(link=url, link_text=text, key=key),
         table=lambda rows, key, what: create_table_artifact(table=rows, key=key, description=what),
-        fleet=_fleet,
+        fleet=lambda fleet, run_id: prefect_fleet(fleet, run_id, tracker, logger.info, logger.error),
     )  # fmt: skip
-
-
-def _fleet(fleet: FleetSpec, study_run_id: str) -> RunOn:
-    """A study's launches over its fleet's pools, as runs of their launch deployments."""
-    from flows.fleet import prefect_fleet  # flows.fleet builds on this module
-
-    return prefect_fleet(fleet, study_run_id)

@@ -36,6 +36,7 @@ __all__ = [
     "PromptsMismatch",
     "Ticket",
     "dispatch",
+    "heartbeat_key",
     "last_heartbeat",
     "log_study_prompts",
     "read_study_prompts",
@@ -212,17 +213,22 @@ def read_study_prompts(
 
 
 HEARTBEAT_PREFIX = "k3pipe.heartbeat."
-"""On a fleet study's run: ``k3pipe.heartbeat.<arm>#<launch>``, the time (Unix seconds) the node
+"""On a fleet study's run: ``k3pipe.heartbeat.<arm>.<launch>``, the time (Unix seconds) the node
 running that launch last said it was alive."""
 
 
-class Heartbeat:
-    """While in its ``with`` block, the node's word every ``interval_s`` that launch ``label`` of
-    the study is alive: a tag on the study's run (:data:`HEARTBEAT_PREFIX`). A failed write is
-    skipped (the next one tries again)."""
+def heartbeat_key(arm: str, launch: int) -> str:
+    """The study run's tag of launch ``launch`` of ``arm`` (MLflow takes no '#' in a key)."""
+    return f"{HEARTBEAT_PREFIX}{arm}.{launch}"
 
-    def __init__(self, tracker: Tracker, study_run_id: str, label: str, interval_s: float) -> None:
-        self.tracker, self.run_id, self.key = tracker, study_run_id, HEARTBEAT_PREFIX + label
+
+class Heartbeat:
+    """While in its ``with`` block, the node's word every ``interval_s`` that launch ``launch`` of
+    ``arm`` is alive: a tag on the study's run (:func:`heartbeat_key`). A failed write is skipped
+    (the next one tries again)."""
+
+    def __init__(self, tracker: Tracker, study_run_id: str, arm: str, launch: int, interval_s: float) -> None:
+        self.tracker, self.run_id, self.key = tracker, study_run_id, heartbeat_key(arm, launch)
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="k3pipe-heartbeat", daemon=True)
@@ -247,9 +253,9 @@ class Heartbeat:
         self._thread.join(timeout=30)
 
 
-def last_heartbeat(tracker: Tracker, study_run_id: str, label: str) -> float | None:
-    """When the node running launch ``label`` last said it was alive (None: never yet)."""
-    value = tracker.client.get_run(study_run_id).data.tags.get(HEARTBEAT_PREFIX + label)
+def last_heartbeat(tracker: Tracker, study_run_id: str, arm: str, launch: int) -> float | None:
+    """When the node running launch ``launch`` of ``arm`` last said it was alive (None: never yet)."""
+    value = tracker.client.get_run(study_run_id).data.tags.get(heartbeat_key(arm, launch))
     try:
         return float(value) if value is not None else None
     except ValueError:

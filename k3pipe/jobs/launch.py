@@ -45,7 +45,7 @@ def run_launch(request: LaunchRequest, job: Job) -> ArmOutcome:
     run, spec = read_study(tracker, request.study_run_id, "run on a node")
     study_run_id = run.info.run_id
     beat = spec.fleet.heartbeat_s if spec.fleet is not None else 15.0
-    with Heartbeat(tracker, study_run_id, f"{request.arm}#{request.launch}", beat):
+    with Heartbeat(tracker, study_run_id, request.arm, request.launch, beat):
         return _run_launch(request, job, run, spec)
 
 

@@ -8,6 +8,7 @@ deployment runs on two pools with two workers) is flows/fleet.py's."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,14 @@ import pytest
 import yaml
 
 from k3pipe.errors import SpecError
-from k3pipe.fleet import PROMPTS_INDEX, PoolUnavailable, PromptsMismatch, Ticket, read_study_prompts
+from k3pipe.fleet import (
+    PROMPTS_INDEX,
+    PoolUnavailable,
+    PromptsMismatch,
+    Ticket,
+    last_heartbeat,
+    read_study_prompts,
+)
 from k3pipe.jobs.launch import NODE_TAG, POOL_TAG, LaunchRequest, run_launch
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import StudyResult, study
@@ -113,6 +121,11 @@ def test_a_study_over_two_nodes_is_one_study(servers, tmp_path: Path) -> None:  
     assert len(arm_runs) == 4
     assert {r.data.tags[POOL_TAG] for r in arm_runs} == {"node-a", "node-b"}
     assert all(r.data.tags[NODE_TAG] for r in arm_runs)
+    # each launch's node said it was alive, on the study's run, where the study flow watches it
+    for arm, launch in (("fast", 1), ("fast", 2), ("slow", 1), ("slow", 2)):
+        beat = last_heartbeat(tracker, result.study_run_id, arm, launch)
+        assert beat is not None
+        assert abs(beat - time.time()) < 600
 
     # the prompts: drawn once by the study, recorded on its run, sent by every launch
     index = json.loads(tracker.read_artifact(result.study_run_id, PROMPTS_INDEX) or b"[]")

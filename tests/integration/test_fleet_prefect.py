@@ -22,6 +22,7 @@ import yaml
 from mlflow import MlflowClient
 
 from benchmarks.faults import MlflowServer
+from k3pipe.fleet import heartbeat_key
 from k3pipe.jobs.launch import POOL_TAG
 from tests.conftest import PREFECT, REPO, TINY_MODEL, stop_group
 from tests.scripted_openai import Script, ScriptedOpenAI
@@ -233,6 +234,10 @@ def test_a_killed_worker_fails_its_launch_and_the_others_finish(
     assert "its node was lost" in lost.data.tags.get("k3pipe.error", ""), lost.data.tags
     assert lost.data.tags[POOL_TAG] == "node-b"
     never = by[("slow", "2")]
+    # slow#1's node said it was alive until it was killed; it was not declared lost for want of it
+    study = MlflowClient(mlflow_server.uri).get_run(lost.data.tags["mlflow.parentRunId"])
+    assert heartbeat_key("slow", 1) in study.data.tags
+    assert "no heartbeat for" in lost.data.tags["k3pipe.error"] or "ended" in lost.data.tags["k3pipe.error"]
     assert never.info.status == "FAILED"
     assert "no worker of pool node-b" in never.data.tags.get("k3pipe.error", ""), never.data.tags
 
