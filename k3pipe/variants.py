@@ -57,6 +57,9 @@ def resolve(spec: ExperimentSpec, name: str) -> ExperimentSpec:
             engine["version"] = override.version
         arms.append(arm)
     data["arms"] = arms
+    if data.get("fleet"):  # the placement of the arms the variant runs
+        kept = {a["name"] for a in arms}
+        data["fleet"]["arms"] = {a: p for a, p in data["fleet"]["arms"].items() if a in kept}
     data["workloads"] = [_over(w, v.workloads) for w in data["workloads"]]
     return parse_experiment(data, f"variant {v.name!r} of experiment {spec.name!r}")
 

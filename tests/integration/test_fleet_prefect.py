@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,8 @@ from mlflow import MlflowClient
 from benchmarks.faults import MlflowServer
 from k3pipe.fleet import heartbeat_key
 from k3pipe.jobs.launch import POOL_TAG
-from tests.conftest import PREFECT, REPO, TINY_MODEL, stop_group
+from tests.conftest import ASSETS_HOME, REPO, TINY_MODEL, free_port, require_engine
+from tests.fleet_harness import Fleet, kill_flow_runs_of
 from tests.scripted_openai import Script, ScriptedOpenAI
 from tests.stores import seed_mlflow_db
 
@@ -46,19 +45,6 @@ def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
         if server.proc is not None and server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)
             server.proc.wait(timeout=30)
-
-
-def _prefect(env: dict[str, str], *args: str, timeout: float = 300) -> str:
-    out = subprocess.run(
-        [PREFECT, *args],
-        cwd=REPO,
-        env={**env, "PWD": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, f"prefect {' '.join(args)}: {out.stdout[-3000:]}{out.stderr[-3000:]}"
-    return out.stdout
 
 
 def _experiment(fast: str, slow: str, **fleet: Any) -> dict[str, Any]:
@@ -86,59 +72,6 @@ def _experiment(fast: str, slow: str, **fleet: Any) -> dict[str, Any]:
         "decision": {"metrics": ["output_throughput_tps"]},
         "fleet": {"pools": list(POOLS), "pickup_timeout_s": 120, **fleet},
     }
-
-
-class Fleet:
-    """The two pools with their launch deployments and workers (each its own K3PIPE_HOME), and how
-    to run a study flow against them as a user does (`python -m flows.study`, its own process)."""
-
-    def __init__(self, env: dict[str, str], tmp_path: Path) -> None:
-        self.env, self.tmp = env, tmp_path
-        self.workers: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: list[Any] = []
-
-    def start(self) -> None:
-        for pool in POOLS:
-            _prefect(self.env, "work-pool", "create", pool, "--type", "process")
-            _prefect(self.env, "work-pool", "set-concurrency-limit", pool, "1")
-            _prefect(
-                self.env, "--no-prompt", "deploy", "flows/fleet.py:launch", "--name", pool, "--pool", pool
-            )
-        for pool in POOLS:
-            log = (self.tmp / f"worker-{pool}.log").open("wb")
-            self._logs.append(log)
-            self.workers[pool] = subprocess.Popen(
-                [PREFECT, "worker", "start", "--pool", pool],
-                cwd=self.tmp,
-                env={**self.env, "K3PIPE_HOME": str(self.tmp / pool)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def study(self, experiment: dict[str, Any]) -> subprocess.Popen[str]:
-        exp = self.tmp / "fleet.yaml"
-        exp.write_text(yaml.safe_dump(experiment))
-        return subprocess.Popen(
-            [sys.executable, "-m", "flows.study", str(exp)],
-            cwd=REPO,
-            env={**self.env, "K3PIPE_HOME": str(self.tmp / "parent")},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- worker {p} ---\n" + (self.tmp / f"worker-{p}.log").read_text(errors="replace")[-3000:]
-            for p in POOLS
-        )
-
-    def stop(self) -> None:
-        for proc in self.workers.values():
-            stop_group(proc, signal.SIGINT)
-        for log in self._logs:
-            log.close()
 
 
 @pytest.fixture
@@ -221,7 +154,7 @@ def test_a_killed_worker_fails_its_launch_and_the_others_finish(
         worker = fleet.workers["node-b"]
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait(timeout=30)
-        _kill_flow_runs_of(fleet.env, "node-b")
+        kill_flow_runs_of(fleet.env, "node-b")
         out, _ = study_proc.communicate(timeout=600)
     assert study_proc.returncode != 0, out[-6000:]
     assert "slow" in out
@@ -242,33 +175,52 @@ def test_a_killed_worker_fails_its_launch_and_the_others_finish(
     assert "no worker of pool node-b" in never.data.tags.get("k3pipe.error", ""), never.data.tags
 
 
-_KILL_FLOW_RUNS = """
-import os, signal, sys
-from prefect import get_client
-from prefect.client.schemas.filters import (
-    FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName,
-)
-
-with get_client(sync_client=True) as client:
-    runs = client.read_flow_runs(
-        work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[sys.argv[1]])),
-        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))),
-    )
-for run in runs:
-    pid = (run.infrastructure_pid or "").rsplit(":", 1)[-1]
-    if pid.isdigit():
-        try:
-            os.killpg(int(pid), signal.SIGKILL)  # a flow run in a session of its own
-        except ProcessLookupError:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # gone with its worker
-"""
 
 
-def _kill_flow_runs_of(env: dict[str, str], pool: str) -> None:
-    """SIGKILL the process of every running flow run of ``pool`` (its infrastructure pid, on this
-    machine), as a node that dies takes them with it (a process worker may start them in a session
-    of their own, which killing the worker's group leaves running)."""
-    subprocess.run([sys.executable, "-c", _KILL_FLOW_RUNS, pool], env=env, check=True, timeout=120)
+@pytest.mark.engine
+def test_a_retest_over_two_workers_with_the_real_engine_on_one(
+    fleet: Fleet, mlflow_server: MlflowServer
+) -> None:
+    """The retest flow over the two nodes: the baseline and a variant, each a study whose arms run on
+    their nodes at once: the real vLLM (CPU build, launched by node-a's worker from its own process)
+    and a scripted endpoint on node-b; the variant changes the engine's batch size. One retest in
+    MLflow, its two studies each joined from both nodes, and its verdicts."""
+    require_engine()
+    data = yaml.safe_load((REPO / "experiments" / "demo-retest.yaml").read_text())
+    data = yaml.safe_load(yaml.safe_dump(data).replace("{home}", str(ASSETS_HOME)))
+    vllm = data["arms"][0]
+    vllm["launcher"]["port"] = free_port()
+    vllm["endpoint"] = {}
+    with ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as scripted:
+        data.update(
+            name="fleet-retest",
+            arms=[
+                vllm,
+                {
+                    "name": "scripted",
+                    "engine": {"kind": "vllm"},
+                    "launcher": {"kind": "external"},
+                    "endpoint": {"base_url": scripted.base_url, "model": "m"},
+                },
+            ],
+            workloads=[{**data["workloads"][0], "num_requests": 8, "repeats": 2}],
+            # batch1 on the real engine; the scripted arm runs in the variant's study too
+            variants=[{**data["variants"][0], "arms": {**data["variants"][0]["arms"], "scripted": {}}}],
+            fleet={"pools": ["node-a", "node-b"], "arms": {"vllm": ["node-a"], "scripted": ["node-b"]}},
+        )
+        proc = fleet.study(data, flow="retest")
+        out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, f"{out[-6000:]}\n{fleet.logs()}"
+
+    client = MlflowClient(mlflow_server.uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "k3pipe"]
+    runs = client.search_runs([experiment.experiment_id])
+    (retest,) = [r for r in runs if r.data.tags.get("k3pipe.kind") == "retest"]
+    studies = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == retest.info.run_id]
+    assert sorted(r.info.run_name for r in studies) == ["study/fleet-retest", "study/fleet-retest@batch1"]
+    for study in studies:
+        arms = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == study.info.run_id]
+        placed = {r.data.tags["k3pipe.arm"]: r.data.tags[POOL_TAG] for r in arms}
+        assert placed == {"vllm": "node-a", "scripted": "node-b"}
+        assert all(r.info.status == "FINISHED" for r in arms)
+    assert "retest verdicts:" in out

@@ -48,6 +48,17 @@ def test_a_variant_resolves_to_an_experiment_of_its_own() -> None:
     assert [w.input_tokens for w in docs.workloads] == [64000, 200000]
 
 
+def test_a_variant_keeps_the_placement_of_the_arms_it_runs() -> None:
+    """A fleet's arms -> pools keeps only the arms the variant runs (the others' would name arms
+    the variant's experiment lacks)."""
+    spec = load_experiment(RETEST).model_dump(mode="json")
+    spec["fleet"] = {"pools": ["n1", "n2"], "arms": {"vllm": ["n1"], "sglang": ["n2"]}}
+    varied = resolve(parse_experiment(spec), "vllm-long-prefill-threshold")
+    assert varied.fleet is not None
+    assert varied.fleet.arms == {"vllm": ["n1"]}
+    assert varied.fleet.pools == ["n1", "n2"]
+
+
 def _minimal(**variant: object) -> dict:
     return {
         "name": "v",
