@@ -1377,6 +1377,15 @@ class DecisionSpec(_Spec):
             "as the floor below which a difference cannot be told from restarting the engine."
         ),
     )
+    mixed_hardware: bool = Field(
+        default=False,
+        strict=True,
+        description=(
+            "Rank arms measured on different hardware (GPU model, count or driver, from the node facts "
+            "each launch records: a fleet's nodes may differ). Off: the report names the difference and "
+            "ranks nothing."
+        ),
+    )
 
     @field_validator("metrics")
     @classmethod

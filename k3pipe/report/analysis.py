@@ -51,6 +51,7 @@ __all__ = [
     "Row",
     "analyse",
     "design_of",
+    "hardware_refusal",
     "is_bursty",
 ]
 
@@ -302,6 +303,9 @@ class Analysis:
     """Where a study that added launches stopped (StudyData.look)."""
     pareto: list[ParetoPoint] = field(default_factory=list)
     """Every ladder point of every arm, flagged where it is on that arm's Pareto front."""
+    hardware_refusal: str | None = None
+    """Why nothing is ranked: the arms were measured on different hardware (decision.mixed_hardware
+    off); None: they were not, or the experiment allows it."""
 
     @property
     def tests(self) -> int:
@@ -631,6 +635,10 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
     copy = calibration[1] if calibration else None
     rows = _rows(data, arms, metrics, copy)
     design, aa_design = _judge(rows, decision, calibration, data.look)
+    refusal = None if decision.get("mixed_hardware") else hardware_refusal(data, arms)
+    if refusal is not None:  # shown, not ranked: no leader, ratio or verdict
+        for r in rows:
+            r.ranking, r.leader, r.ratio, r.verdicts, r.calibration = [], None, None, [], None
     main_arms = [a for a in arms if a != copy]
     degradations = _degradations(data, main_arms)
     return Analysis(
@@ -647,4 +655,26 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
         decision_metrics=metrics,
         look=dict(data.look),
         pareto=_pareto(data),
+        hardware_refusal=refusal,
+    )
+
+
+def hardware_refusal(data: StudyData, arms: Sequence[str]) -> str | None:
+    """Why ``arms`` cannot be ranked against each other: their launches ran on different hardware
+    (GPU model, count, driver), named per arm; None when every launch ran on the same, or none
+    recorded any (a CPU machine, external endpoints)."""
+    seen: dict[str, list[str]] = {}
+    for arm in data.arms:
+        if arm.name in arms:
+            label = arm.hardware or "no GPU facts recorded"
+            if label not in seen.setdefault(arm.name, []):
+                seen[arm.name].append(label)
+    kinds = {label for labels in seen.values() for label in labels}
+    if len(kinds) <= 1 or kinds == {"no GPU facts recorded"}:
+        return None
+    named = "; ".join(f"{arm}: {' and '.join(labels)}" for arm, labels in seen.items())
+    return (
+        f"Not ranked: the arms were measured on different hardware ({named}). A difference between "
+        "them may be the hardware's, not the engines'. Run them on nodes of one kind (fleet.arms), or "
+        "set decision.mixed_hardware: true to rank them anyway."
     )

@@ -129,6 +129,11 @@ class ArmData(BaseModel):
     warnings: list[str] = Field(default_factory=list, description="Warnings the engine log holds.")
     findings: list[dict[str, Any]] = Field(default_factory=list, description="Preflight findings.")
     stages: dict[str, float] = Field(default_factory=dict, description="Study stage -> seconds.")
+    hardware: str | None = Field(
+        default=None,
+        description="The node's GPUs as the launch recorded them ('8 x NVIDIA H200, driver 580.159.04'); "
+        "None: no GPU facts (no nvidia-smi, an external endpoint).",
+    )
 
 
 class StudyData(BaseModel):
@@ -227,6 +232,14 @@ def _float(params: dict[str, str], key: str) -> float | None:
         return None
 
 
+def _hardware(params: dict[str, str]) -> str | None:
+    """'8 x NVIDIA H200, driver 580.159.04' from an arm run's ``node.*`` params (None: none recorded)."""
+    name = params.get("node.gpu_name")
+    if not name or name == "None":
+        return None
+    return f"{params.get('node.gpu_count', '?')} x {name}, driver {params.get('node.driver_version', '?')}"
+
+
 def _values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
     # a workload of repeats must have its repeats.json read, never its means taken for one repeat
     return workload_values(tracker, run)
@@ -237,6 +250,7 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
     findings_text = tracker.read_artifact(run.info.run_id, "preflight.json")
     warnings = [w.strip() for w in tags.get("k3pipe.engine_warnings", "").split(" | ") if w.strip()]
     return ArmData(
+        hardware=_hardware(run.data.params),
         name=tags.get("k3pipe.arm", run.info.run_name),
         engine=tags.get("k3pipe.engine", "?"),
         run_id=run.info.run_id,

@@ -111,6 +111,8 @@ def _ranking(row: Row, baseline: str | None) -> str:
 def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
     """Per workload and decision figure: every arm ranked with its verdict against the best."""
     lines: list[Block] = []
+    if analysis.hardware_refusal:
+        return [f"**{analysis.hardware_refusal}**"]
     decision = [r for r in analysis.rows if r.decision]
     if not decision:
         return lines

@@ -160,6 +160,44 @@ def test_a_measured_zero_is_shown_as_zero_not_as_missing() -> None:
     assert not [r for r in analyse(only_zeros).rows if r.metric.key == "engine_prefix_cache_hit_pct"]
 
 
+def test_arms_measured_on_different_hardware_are_not_ranked_unless_told() -> None:
+    """A fleet's nodes may differ: the report names each arm's hardware and ranks nothing (a 2x
+    difference may be the GPUs'); decision.mixed_hardware ranks them anyway; one kind, or none
+    recorded (a CPU machine), ranks as ever."""
+    tps = {"a": [1000.0, 1010.0, 990.0], "b": [500.0, 505.0, 495.0]}
+    cells = [_cell(arm, "w", 64, output_throughput_tps=v) for arm, v in tps.items()]
+    h200, b300 = "8 x NVIDIA H200, driver 580.159.04", "8 x NVIDIA B300, driver 580.159.04"
+
+    def study(hardware: dict[str, str | None], **decision: object) -> StudyData:
+        data = _study(*cells, decision={"metrics": ["output_throughput_tps"], **decision})
+        data.arms = [a.model_copy(update={"hardware": hardware[a.name]}) for a in data.arms]
+        return data
+
+    mixed = study({"a": h200, "b": b300})
+    analysis = analyse(mixed)
+    assert analysis.hardware_refusal is not None
+    assert f"a: {h200}" in analysis.hardware_refusal
+    assert f"b: {b300}" in analysis.hardware_refusal
+    (row,) = [r for r in analysis.rows if r.metric.key == "output_throughput_tps"]
+    assert row.ranking == []
+    assert row.verdicts == []
+    assert row.leader is None
+    assert set(row.cells) == {"a", "b"}  # the figures are still shown
+    answer = _markdown(mixed).split("## The answer")[1].split("## Results")[0]
+    assert "Not ranked: the arms were measured on different hardware" in answer
+    assert "better by" not in answer
+    # told so, ranked; the same hardware, or none recorded, ranked
+    for data in (study({"a": h200, "b": b300}, mixed_hardware=True), study({"a": h200, "b": h200}),
+                 study({"a": None, "b": None})):  # fmt: skip
+        analysis = analyse(data)
+        assert analysis.hardware_refusal is None
+        (row,) = [r for r in analysis.rows if r.metric.key == "output_throughput_tps"]
+        assert row.ranking == ["a", "b"]
+        assert row.verdicts[0].different
+    # a GPU arm against one without GPU facts (an external endpoint) is a difference too
+    assert analyse(study({"a": h200, "b": None})).hardware_refusal is not None
+
+
 def test_every_arm_is_ranked_against_the_best_and_the_baseline() -> None:
     tps = {"fast": [120.0, 121.0, 119.0], "mid": [100.0, 101.0, 99.5], "slow": [60.0, 61.0, 59.0]}
     cells = [_cell(a, "w", 64, output_throughput_tps=v) for a, v in tps.items()]
