@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from ops.stack import StackConfig
 
 stack_app = typer.Typer(
-    help="The team stack on 127.0.0.1: PostgreSQL, MLflow on it, Prefect, the k3pipe work pool, a worker.",
+    help=(
+        "The team stack: PostgreSQL, MLflow on it, Prefect, the k3pipe work pool, a worker "
+        "(on 127.0.0.1; beyond it only with auth)."
+    ),
     no_args_is_help=True,
 )
 

@@ -13,9 +13,11 @@ from uuid import UUID
 from prefect import get_client, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
+from prefect.events import emit_event
 from prefect.states import Crashed
 
 from flows.pools import prefect_fleet
+from k3pipe.alerts import REGRESSION_EVENT
 from k3pipe.jobs.prepare import PrepareSteps
 from k3pipe.jobs.steps import Job, JobSteps
 from k3pipe.record import close_abandoned
@@ -151,4 +153,18 @@ def flow_job() -> Job:
         link=lambda url, text, key: create_link_artifact(link=url, link_text=text, key=key),
         table=lambda rows, key, what: create_table_artifact(table=rows, key=key, description=what),
         fleet=lambda fleet, run_id: prefect_fleet(fleet, run_id, tracker, logger.info, logger.error),
+        alert=_emit_regression,
     )  # fmt: skip
+
+
+def _emit_regression(regression: dict[str, object]) -> None:
+    """The Prefect event of a retest that found a regression: prefect.yaml's ``notify`` deployment
+    is triggered by it (its resource names the retest's MLflow run)."""
+    emit_event(
+        event=REGRESSION_EVENT,
+        resource={
+            "prefect.resource.id": f"k3pipe.retest.{regression['retest_run_id']}",
+            "prefect.resource.name": str(regression.get("experiment", "")),
+        },
+        payload={"summary": regression.get("summary"), "versions": regression.get("versions")},
+    )

@@ -74,6 +74,27 @@ class Settings(BaseSettings):
     stack_worker: bool = Field(
         default=True, description="Whether `stack up` also starts a worker on the stack's work pool."
     )
+    stack_host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "The address MLflow and Prefect bind. Beyond loopback (0.0.0.0, a LAN address) only with "
+            "authentication on: GPU nodes then reach the stack without a tunnel."
+        ),
+    )
+    stack_auth: bool | None = Field(
+        default=None,
+        description=(
+            "Require a user and password of every client of MLflow (its basic-auth app) and Prefect "
+            "(its server's auth string). Default: on when stack_host is not loopback, else off."
+        ),
+    )
+    stack_credentials_file: Path | None = Field(
+        default=None,
+        description=(
+            "A file holding 'USER:PASSWORD' for the stack's MLflow admin and Prefect (never a command "
+            "line or a log). Default: K3PIPE_HOME/stack/credentials, made with a random password."
+        ),
+    )
 
     @property
     def home_dir(self) -> Path:

@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from k3pipe import secrets as k3secrets
 from k3pipe.errors import StackError
 from k3pipe.procs import alive, file_lock, proc_stat, reap, stop_group
 from k3pipe.settings import Settings
@@ -99,11 +100,21 @@ class StackConfig:
     """The environment the services inherit (the MLflow server and the worker need PATH and keys)."""
     bin_dir: Path = field(default_factory=lambda: Path(sys.executable).parent)
     """Where the ``mlflow`` and ``prefect`` executables are (this interpreter's venv)."""
+    host: str = HOST
+    """The address MLflow and Prefect bind (PostgreSQL stays on loopback: only MLflow reaches it)."""
+    auth: bool = False
+    """Whether MLflow and Prefect require the stack's user and password (:meth:`credentials`)."""
+    credentials_path: Path | None = None
+    """The 'USER:PASSWORD' file (None: stack/credentials, made on first use)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, project_dir: Path) -> StackConfig:
         """The stack as K3PIPE_HOME and the K3PIPE_STACK_* settings describe it."""
+        auth = settings.stack_auth if settings.stack_auth is not None else not _loopback(settings.stack_host)
         return cls(
+            host=settings.stack_host,
+            auth=auth,
+            credentials_path=settings.stack_credentials_file,
             home=settings.home_dir,
             postgres_port=settings.stack_postgres_port,
             mlflow_port=settings.stack_mlflow_port,
@@ -161,7 +172,41 @@ class StackConfig:
             return f"postgresql://{PG_ROLE}@{HOST}:{port}/{PG_DATABASE}"
         if service == "worker":
             return f"pool {WORK_POOL}"
-        return f"http://{HOST}:{port}"
+        return f"http://{self.client_host}:{port}"
+
+    @property
+    def client_host(self) -> str:
+        """Where this machine reaches MLflow and Prefect: their address, or loopback for 'all'."""
+        return HOST if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def credentials_file(self) -> Path:
+        return self.credentials_path or self.stack_dir / "credentials"
+
+    def credentials(self) -> tuple[str, str] | None:
+        """The stack's (user, password) when auth is on (None: off): read from
+        :attr:`credentials_file`, made there first (a random password, mode 0600) when it does not
+        exist. The password is registered with k3pipe's scrubber: no log shows it."""
+        if not self.auth:
+            return None
+        path = self.credentials_file
+        if not path.exists():
+            if self.credentials_path is not None:
+                raise StackError(
+                    f"K3PIPE_STACK_CREDENTIALS_FILE={path} does not exist: write 'USER:PASSWORD' in it "
+                    "(mode 0600), or leave the setting out to have one made"
+                )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"k3pipe:{secrets.token_urlsafe(24)}\n")
+        user, sep, password = path.read_text().strip().partition(":")
+        if not sep or not user or not password:
+            raise StackError(
+                f"{path} must hold one line 'USER:PASSWORD' (a user without ':'); it holds something else"
+            )
+        k3secrets.register(password)
+        return user, password
 
     def log_path(self, service: str) -> Path:
         return self.logs_dir / f"{service}.log"
@@ -358,9 +403,9 @@ def _wait_ready(
         time.sleep(0.3)
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, auth: tuple[str, str] | None = None) -> bool:
     try:
-        return httpx.get(url, timeout=2.0, trust_env=False).status_code == 200
+        return httpx.get(url, timeout=2.0, trust_env=False, auth=auth).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -588,20 +633,58 @@ def _service_env(config: StackConfig, **overrides: str) -> dict[str, str]:
 
 
 def _prefect_env(config: StackConfig, api_port: int) -> dict[str, str]:
-    return _service_env(
+    env = _service_env(
         config,
         PREFECT_HOME=str(config.prefect_home),
-        PREFECT_API_URL=f"http://{HOST}:{api_port}/api",
+        PREFECT_API_URL=f"http://{config.client_host}:{api_port}/api",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
     )
+    if (creds := config.credentials()) is not None:
+        env["PREFECT_API_AUTH_STRING"] = ":".join(creds)
+    return env
+
+
+def _mlflow_auth_env(config: StackConfig) -> dict[str, str]:
+    """With auth: MLflow's basic-auth app configured (its users in the stack's directory, the admin
+    the stack's user, every other user given nothing by default) and the admin's password in the
+    environment it reads at its first start."""
+    creds = config.credentials()
+    if creds is None:
+        return {}
+    ini = config.stack_dir / "mlflow-auth.ini"
+    ini.write_text(
+        "[mlflow]\n"
+        "default_permission = NO_PERMISSIONS\n"
+        f"database_uri = sqlite:///{config.stack_dir / 'mlflow-auth.db'}\n"
+        f"admin_username = {creds[0]}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    key_file = config.stack_dir / "mlflow-secret-key"  # its CSRF key: the same across restarts
+    if not key_file.exists():
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32))
+    key = key_file.read_text().strip()
+    k3secrets.register(key)
+    return {
+        "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": creds[1],
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": key,
+    }
+
+
+def _client_auth(config: StackConfig) -> tuple[str, str] | None:
+    """httpx's basic auth for the stack's own calls to its servers (None: auth off)."""
+    return config.credentials()
 
 
 def _mlflow_argv(config: StackConfig, pg_port: int) -> list[str]:
     return [
         _executable(config, "mlflow"),
         "server",
+        *(["--app-name", "basic-auth"] if config.auth else []),
         "--host",
-        HOST,
+        config.host,
         "--port",
         str(config.mlflow_port),
         "--backend-store-uri",
@@ -661,8 +744,8 @@ def _pools_named(project_dir: Path) -> list[str]:
 
 
 def _ensure_pool(config: StackConfig, api_port: int, name: str) -> None:
-    api = f"http://{HOST}:{api_port}/api"
-    pool = httpx.get(f"{api}/work_pools/{name}", timeout=10, trust_env=False)
+    api = f"http://{config.client_host}:{api_port}/api"
+    pool = httpx.get(f"{api}/work_pools/{name}", timeout=10, trust_env=False, auth=_client_auth(config))
     if pool.status_code == 404:
         _run_prefect(config, api_port, ["work-pool", "create", name, "--type", "process"], "work pool", 120)
         limit = None
@@ -699,11 +782,11 @@ def _worker_name() -> str:
     return f"k3pipe-stack-{socket.gethostname()}"
 
 
-def _worker_online(api_port: int, name: str, since: dt.datetime) -> bool:
+def _worker_online(config: StackConfig, api_port: int, name: str, since: dt.datetime) -> bool:
     """Whether the worker called ``name`` has sent a heartbeat since ``since``."""
-    url = f"http://{HOST}:{api_port}/api/work_pools/{WORK_POOL}/workers/filter"
+    url = f"http://{config.client_host}:{api_port}/api/work_pools/{WORK_POOL}/workers/filter"
     try:
-        answer = httpx.post(url, json={}, timeout=5, trust_env=False)
+        answer = httpx.post(url, json={}, timeout=5, trust_env=False, auth=_client_auth(config))
     except httpx.HTTPError:
         return False
     if answer.status_code != 200:
@@ -721,6 +804,8 @@ def _worker_env(config: StackConfig, api_port: int, mlflow_port: int) -> dict[st
     env = _prefect_env(config, api_port)
     env["MLFLOW_TRACKING_URI"] = config.url("mlflow", mlflow_port)
     env["K3PIPE_HOME"] = str(config.home)
+    if (creds := config.credentials()) is not None:
+        env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"] = creds
     env.pop("K3PIPE_MLFLOW_TRACKING_URI", None)
     return env
 
@@ -741,6 +826,7 @@ def up(config: StackConfig, progress: Progress = lambda _line: None) -> dict[str
     until each is ready. A running service is left as it is. When a start fails, everything this call
     started is stopped again and a StackError names the service, its log and the log's last lines."""
     _check_distinct_ports(config)
+    _check_exposure(config)
     with _locked(config):
         state = load_state(config)
         launched: dict[str, subprocess.Popen[bytes]] = {}
@@ -755,6 +841,21 @@ def up(config: StackConfig, progress: Progress = lambda _line: None) -> dict[str
             _save_state(config, state)
             raise
         return state
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+def _check_exposure(config: StackConfig) -> None:
+    """MLflow and Prefect bind beyond loopback only with auth on: neither asks who calls by itself."""
+    if not _loopback(config.host) and not config.auth:
+        raise StackError(
+            f"K3PIPE_STACK_HOST={config.host} binds MLflow and Prefect beyond loopback, where anyone who "
+            "reaches the ports could read and change every run, with K3PIPE_STACK_AUTH off: turn it on "
+            f"(the user and password are kept in {config.credentials_file}, made if absent), or bind "
+            "127.0.0.1 and reach the stack through an SSH tunnel"
+        )
 
 
 def _check_distinct_ports(config: StackConfig) -> None:
@@ -809,9 +910,12 @@ def _up(
     else:
         _check_port(config, "prefect")
         config.prefect_home.mkdir(parents=True, exist_ok=True)
-        argv = [_executable(config, "prefect"), "server", "start", "--host", HOST]
+        argv = [_executable(config, "prefect"), "server", "start", "--host", config.host]
         argv += ["--port", str(config.prefect_port)]
-        start("prefect", argv, _prefect_env(config, config.prefect_port), config.prefect_home)
+        env = _prefect_env(config, config.prefect_port)
+        if (creds := config.credentials()) is not None:  # in the environment, never on a command line
+            env["PREFECT_SERVER_API_AUTH_STRING"] = ":".join(creds)
+        start("prefect", argv, env, config.prefect_home)
 
     pg = state["postgres"]
     _wait_ready(
@@ -832,6 +936,7 @@ def _up(
         config.artifacts_dir.mkdir(parents=True, exist_ok=True)
         env = _service_env(config, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", PGPASSFILE=str(config.pgpass))
         env.pop("MLFLOW_TRACKING_URI", None)
+        env.update(_mlflow_auth_env(config))
         start("mlflow", _mlflow_argv(config, pg.port), env, config.stack_dir)
 
     pf = state["prefect"]
@@ -839,7 +944,7 @@ def _up(
         "prefect",
         pf,
         launched.get("prefect"),
-        lambda: _http_ok(f"{pf.url}/api/health"),
+        lambda: _http_ok(f"{pf.url}/api/health", _client_auth(config)),
         f"GET {pf.url}/api/health",
         timeout,
     )
@@ -854,7 +959,7 @@ def _up(
         "mlflow",
         ml,
         launched.get("mlflow"),
-        lambda: _http_ok(f"{ml.url}/health"),
+        lambda: _http_ok(f"{ml.url}/health", _client_auth(config)),
         f"GET {ml.url}/health",
         timeout,
     )
@@ -872,7 +977,7 @@ def _up(
             "worker",
             wk,
             launched["worker"],
-            lambda: _worker_online(pf.port, name, since),
+            lambda: _worker_online(config, pf.port, name, since),
             f"a heartbeat of worker {name!r} in pool {WORK_POOL!r}",
             timeout,
         )
@@ -919,9 +1024,9 @@ def status(config: StackConfig) -> list[ServiceStatus]:
         running = alive(record.pid, record.proc_start)
         answering: bool | None = None
         if running and name == "mlflow":
-            answering = _http_ok(f"{record.url}/health")
+            answering = _http_ok(f"{record.url}/health", _client_auth(config))
         elif running and name == "prefect":
-            answering = _http_ok(f"{record.url}/api/health")
+            answering = _http_ok(f"{record.url}/api/health", _client_auth(config))
         elif running and name == "postgres":
             with contextlib.suppress(StackError):
                 answering = _pg_ready(config, _pg_bin(config), record.port)
@@ -935,10 +1040,18 @@ def env_lines(config: StackConfig) -> list[str]:
     state = load_state(config)
     mlflow_port = state["mlflow"].port if "mlflow" in state else config.mlflow_port
     prefect_port = state["prefect"].port if "prefect" in state else config.prefect_port
-    return [
+    lines = [
         f"export MLFLOW_TRACKING_URI={shlex.quote(config.url('mlflow', mlflow_port))}",
         f"export PREFECT_API_URL={shlex.quote(config.url('prefect', prefect_port) + '/api')}",
     ]
+    if config.auth:  # read from the file where the shell runs: the password is never printed
+        path = shlex.quote(str(config.credentials_file))
+        lines += [
+            f'export PREFECT_API_AUTH_STRING="$(cat {path})"',
+            f'export MLFLOW_TRACKING_USERNAME="$(cut -d: -f1 {path})"',
+            f'export MLFLOW_TRACKING_PASSWORD="$(cut -d: -f2- {path})"',
+        ]
+    return lines
 
 
 def add_node(config: StackConfig, name: str, progress: Progress = lambda _line: None) -> list[str]:
@@ -965,7 +1078,13 @@ def add_node(config: StackConfig, name: str, progress: Progress = lambda _line: 
         f"deploy launch/{name}", 300,
     )  # fmt: skip
     progress(f"prefect: deployed launch/{name} (flows/fleet.py:launch) from {config.project_dir}")
+    copy = (
+        [f"# first copy {config.credentials_file} to the node, at the same path, mode 0600"]
+        if config.auth
+        else ["# the stack binds 127.0.0.1: reach it through an SSH tunnel (README, 'GPU nodes')"]
+    )
     return [
+        *copy,
         *env_lines(config),
         "export K3PIPE_HOME=/path/to/the/nodes/k3pipe-home   # its models, engine venvs, caches",
         f"prefect worker start --pool {shlex.quote(name)}   # from the node's k3pipe checkout",

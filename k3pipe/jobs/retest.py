@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3pipe.alerts import check_regression, record_regression
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import PartlyFailedError
 from k3pipe.jobs.prepare import check_spec
@@ -45,6 +46,24 @@ class RetestResult:
             "failed": self.failed,
             "report": self.report,
         }
+
+
+def _check_regression(job: Job, run_id: str, metrics: tuple[str, ...]) -> None:
+    """The retest's baseline against the last accepted retest (k3pipe.alerts): recorded on its run;
+    a regression said, and raised as an alert. An analysis after the fact: when it cannot be made,
+    say why and go on."""
+    try:
+        check = check_regression(job.tracker, run_id, metrics)
+        record_regression(job.tracker, check)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        job.note("the retest could not be compared with the last accepted one: %s", why)
+        return
+    if check.regressed:
+        job.warn("regression: %s", check.summary())
+        job.alert(check.as_dict())
+    else:
+        job.say("against the last accepted retest: %s", check.summary())
 
 
 def retest(request: RunRequest, job: Job) -> RetestResult:
@@ -100,6 +119,8 @@ def retest(request: RunRequest, job: Job) -> RetestResult:
     report_needs_mlflow(tracker, run_id)
     paths = job.steps.retest_report(tracker, run_id, retest_dir(job.home, spec.name, run_id))
     job.say("MLflow run of the retest: %s", tracker.run_link(run_id))
+    if "baseline" in studies and "baseline" not in failed:
+        _check_regression(job, run_id, tuple(spec.decision.metrics))
     result = RetestResult(run_id, studies, failed, paths)
     if failed:
         details = "; ".join(f"{label}: {why}" for label, why in failed.items())

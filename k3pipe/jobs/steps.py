@@ -104,6 +104,9 @@ class Job:
     """``(url, text, key)``: a link to an MLflow run."""
     table: Callable[[list[dict[str, Any]], str, str], object] = field(default=_no_artifact)
     """``(rows, key, description)``: a results table."""
+    alert: Callable[[dict[str, Any]], object] = field(default=_no_artifact)
+    """``(regression)``: a scheduled retest found a regression (k3pipe.alerts); a flow emits it as a
+    Prefect event, which prefect.yaml's ``notify`` deployment turns into a notification."""
     fleet: Callable[[FleetSpec, str], RunOn] | None = None
     """``(fleet, study_run_id)``: what runs a study's launch on a pool (the study flow's: a run of
     the pool's ``launch`` deployment); None: a job that cannot spread a study (outside Prefect)."""

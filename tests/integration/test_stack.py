@@ -204,7 +204,7 @@ def test_up_starts_every_service_on_localhost(stack: Stack) -> None:
     deployments = httpx.post(f"{stack.prefect_api}/deployments/filter", json={}, trust_env=False).json()
     pools = {d["name"]: d["work_pool_name"] for d in deployments}
     assert pools == {"benchmark": "k3pipe", "rerun": "k3pipe", "study": "k3pipe", "retest": "k3pipe",
-                     "gpu": "gpu-node"}  # fmt: skip
+                     "gpu": "gpu-node", "notify": "k3pipe"}  # fmt: skip
     workers = httpx.post(f"{stack.prefect_api}/work_pools/k3pipe/workers/filter", json={}, trust_env=False)
     assert [w["status"] for w in workers.json()] == ["ONLINE"]
     # the worker's runs log to the stack's MLflow through the stack's Prefect
@@ -391,5 +391,70 @@ def test_a_service_that_dies_at_start_is_named_with_its_log(tmp_path: Path) -> N
         assert "FATAL:  pretend: could not load library" in message
         assert "prefect: stopped" in out.stdout  # started beside it, stopped again
         assert load_state(s.config) == {}
+    finally:
+        _down_and_remove(s)
+
+
+def test_a_stack_with_auth_refuses_clients_without_its_password() -> None:
+    """K3PIPE_STACK_AUTH on (here on loopback, as a stack bound beyond it must be): MLflow's basic-auth
+    app and Prefect's auth string refuse a client without the stack's password, or with a wrong one,
+    and serve one with it; the worker comes online and a tracked run lands through the authenticated
+    APIs; the password is in a 0600 file, never on a command line, in a log or in `stack env`.
+    Binding beyond loopback without auth is refused before anything starts."""
+    s = Stack(_stack_home(), *_free_ports(3))
+    s.env["K3PIPE_STACK_AUTH"] = "true"
+    try:
+        bare = subprocess.run(
+            [sys.executable, "-m", "cli.main", "stack", "up"],
+            cwd=s.home,
+            env={**s.env, "PYTHONPATH": str(REPO), "K3PIPE_STACK_HOST": "0.0.0.0", "K3PIPE_STACK_AUTH": "0"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bare.returncode != 0
+        assert "binds MLflow and Prefect beyond loopback" in bare.stderr, bare.stderr
+        assert load_state(s.config) == {}  # nothing started
+
+        out = s.cli("up", timeout=600)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+        creds = s.home / "stack" / "credentials"
+        assert creds.stat().st_mode & 0o777 == 0o600
+        user, _, password = creds.read_text().strip().partition(":")
+        wrong = (user, password + "x")
+
+        # Prefect: every API call needs the auth string
+        pools = f"{s.prefect_api}/work_pools/k3pipe"
+        assert httpx.get(pools, trust_env=False).status_code == 401
+        assert httpx.get(pools, trust_env=False, auth=wrong).status_code == 401
+        assert httpx.get(pools, trust_env=False, auth=(user, password)).status_code == 200
+        workers = httpx.post(f"{pools}/workers/filter", json={}, trust_env=False, auth=(user, password))
+        assert [w["status"] for w in workers.json()] == ["ONLINE"]  # the worker authenticated
+        # MLflow: the same
+        search = f"{s.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=5"
+        assert httpx.get(search, trust_env=False).status_code == 401
+        assert httpx.get(search, trust_env=False, auth=wrong).status_code == 401
+        assert httpx.get(search, trust_env=False, auth=(user, password)).status_code == 200
+
+        # a client given the stack's env (read from the file) records a run
+        script = (
+            f'eval "$({sys.executable} -m cli.main stack env)"; '
+            f"{sys.executable} -c \"import mlflow; mlflow.set_tracking_uri('{s.mlflow_url}'); "
+            "mlflow.set_experiment('auth-check'); r = mlflow.start_run(); mlflow.log_metric('m', 1.0); "
+            "mlflow.end_run(); print(r.info.run_id)\""
+        )
+        shell = subprocess.run(
+            ["bash", "-c", script], env={**s.env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert shell.returncode == 0, shell.stderr[-3000:]
+        env_out = s.cli("env")
+        assert password not in env_out.stdout + env_out.stderr
+        assert str(creds) in env_out.stdout
+        # never on a command line, never in a log
+        for record in load_state(s.config).values():
+            assert password.encode() not in Path(f"/proc/{record.pid}/cmdline").read_bytes()
+        for log in (s.home / "stack" / "logs").iterdir():
+            assert password not in log.read_text(errors="replace"), log
     finally:
         _down_and_remove(s)

@@ -60,9 +60,8 @@ FLOORS: list[tuple[str, list[str]]] = [
     ),
     (
         "lifetimes: an arm's run, a study (and its resume), a rerun, a retest",
-        ["k3pipe.run", "k3pipe.fleet", "k3pipe.rerun", "k3pipe.study", "k3pipe.resume", "k3pipe.retest",
-         "k3pipe.jobs",
-         "k3pipe.jobs.*"],
+        ["k3pipe.run", "k3pipe.fleet", "k3pipe.rerun", "k3pipe.alerts", "k3pipe.study", "k3pipe.resume",
+         "k3pipe.retest", "k3pipe.jobs", "k3pipe.jobs.*"],
     ),
     ("the facade: `import k3pipe`", ["k3pipe"]),
     ("operations, a wing beside the library: the team stack, the offline bundle", ["ops", "ops.*"]),

@@ -1,0 +1,64 @@
+"""The notify flow: what a retest's regression becomes (k3pipe.alerts). prefect.yaml's ``notify``
+deployment is triggered by the ``k3pipe.regression.detected`` event a retest flow emits; the flow
+reads the regression from the retest's MLflow run, publishes it as a Prefect artifact and, where a
+Webhook block named ``k3pipe-regression`` exists, posts it there (Slack, a pager, a local receiver).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact
+from prefect.blocks.webhook import Webhook
+from prefect.exceptions import ObjectNotFound
+from prefect.utilities.asyncutils import run_coro_as_sync
+
+from flows.runtime import flow_job, note_flow_run
+from flows.secrecy import guard, scrubbed_flow
+from k3pipe.alerts import REGRESSION_FILE
+from k3pipe.errors import K3pipeError
+
+__all__ = ["WEBHOOK_BLOCK", "notify"]
+
+WEBHOOK_BLOCK = "k3pipe-regression"
+"""The Webhook block a regression is posted to, when it exists (`prefect block create webhook`, or
+``Webhook(url=..., method="POST").save("k3pipe-regression")``)."""
+RESOURCE_PREFIX = "k3pipe.retest."
+
+
+@scrubbed_flow("notify")
+def notify(retest: str) -> dict[str, Any]:
+    """Tell of a retest's regression: a Prefect artifact, and a post to the Webhook block
+    'k3pipe-regression' where it exists.
+
+    Args:
+        retest: The retest's MLflow run id (or the event's resource id, k3pipe.retest.<run id>).
+    """
+    note_flow_run()
+    guard()
+    job = flow_job()
+    run_id = retest.removeprefix(RESOURCE_PREFIX)
+    raw = job.tracker.read_artifact(run_id, REGRESSION_FILE)
+    if raw is None:
+        raise K3pipeError(f"retest run {run_id} has no {REGRESSION_FILE}: nothing to tell")
+    import json
+
+    regression = json.loads(raw)
+    lines = [f"# Regression in {regression['experiment']}", "", regression["summary"], ""]
+    lines += [f"- {w['arm']} / {w['workload']}: {w['metric']} {w['change']}" for w in regression["worse"]]
+    lines += ["", "Versions (last accepted -> this retest):"]
+    lines += [f"- {arm}: {v['good']} -> {v['bad']}" for arm, v in regression["versions"].items()]
+    lines += ["", f"MLflow: {job.tracker.run_link(run_id)}"]
+    create_markdown_artifact(
+        "\n".join(lines), key="k3pipe-regression", description=regression["summary"][:500]
+    )
+    try:
+        hook = Webhook.load(WEBHOOK_BLOCK)
+    except (ObjectNotFound, ValueError):
+        job.say("regression published as an artifact; no Webhook block %r to post it to", WEBHOOK_BLOCK)
+        return regression
+    answer = run_coro_as_sync(hook.call(payload={"text": "\n".join(lines), "regression": regression}))
+    job.say(
+        "regression posted to Webhook block %r: HTTP %s", WEBHOOK_BLOCK, getattr(answer, "status_code", "?")
+    )
+    return regression
