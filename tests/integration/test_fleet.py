@@ -26,10 +26,11 @@ from k3pipe.fleet import (
 )
 from k3pipe.jobs.launch import NODE_TAG, POOL_TAG, LaunchRequest, run_launch
 from k3pipe.jobs.steps import Job
-from k3pipe.jobs.study import StudyResult, study
+from k3pipe.jobs.study import StudyResult, resume, study
 from k3pipe.params import RunRequest
 from k3pipe.report import build_report
 from k3pipe.rerun import read_record
+from k3pipe.resume import SUPERSEDED_TAG
 from k3pipe.run import ArmOutcome
 from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
@@ -163,6 +164,17 @@ def test_a_pool_without_a_worker_fails_only_its_launches(servers, tmp_path: Path
     failed = job.tracker.client.get_run(by[("slow", 1)].mlflow_run_id)
     assert failed.data.tags["k3pipe.arm"] == "slow"
     assert Path(study_result.report["markdown"]).is_file()
+
+    # node-b's worker comes: the study resumed runs slow's launches there, keeps fast's
+    nodes["node-b"] = _job(tmp_path / "node-b", tracking, artifacts)
+    resumed = resume(study_result.study_run_id, job)
+    assert [(o.arm, o.launch, o.status) for o in resumed.arms] == [
+        ("fast", 1, "FINISHED"), ("slow", 1, "FINISHED"), ("slow", 2, "FINISHED"), ("fast", 2, "FINISHED")
+    ]  # fmt: skip
+    assert resumed.arms[0].mlflow_run_id == by[("fast", 1)].mlflow_run_id  # kept, not run again
+    again = job.tracker.client.get_run(resumed.arms[1].mlflow_run_id)
+    assert again.data.tags[POOL_TAG] == "node-b"
+    assert job.tracker.client.get_run(by[("slow", 1)].mlflow_run_id).data.tags.get(SUPERSEDED_TAG)
 
 
 def test_a_node_refuses_prompts_that_are_not_the_studys(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

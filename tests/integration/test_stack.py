@@ -298,6 +298,25 @@ def test_up_again_leaves_the_running_stack_alone(stack: Stack) -> None:
     assert took < 30
 
 
+def test_add_node_makes_its_pool_and_launch_deployment(stack: Stack) -> None:
+    """`k3pipe stack add-node NAME`: the node's pool (process, one run at a time) and the launch
+    deployment a fleet study starts on it, and the commands that start its worker."""
+    out = stack.cli("add-node", "gpu-node-1", timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    pool = httpx.get(f"{stack.prefect_api}/work_pools/gpu-node-1", trust_env=False).json()
+    assert (pool["type"], pool["concurrency_limit"]) == ("process", 1)
+    deployments = httpx.post(f"{stack.prefect_api}/deployments/filter", json={}, trust_env=False).json()
+    (launch,) = [d for d in deployments if d["name"] == "gpu-node-1"]
+    assert launch["work_pool_name"] == "gpu-node-1"
+    flow = httpx.get(f"{stack.prefect_api}/flows/{launch['flow_id']}", trust_env=False).json()
+    assert flow["name"] == "launch"
+    assert "prefect worker start --pool gpu-node-1" in out.stdout
+    assert f"export MLFLOW_TRACKING_URI={stack.mlflow_url}" in out.stdout
+    bad = stack.cli("add-node", "../gpu")
+    assert bad.returncode == 2
+    assert "node (work pool)" in bad.stderr
+
+
 def test_down_stops_exactly_what_up_started_also_after_a_death(stack: Stack) -> None:
     state = load_state(stack.config)
     # MLflow's leader dies behind the stack's back; its uvicorn child lives on in its process group
