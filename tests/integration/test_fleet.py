@@ -2,19 +2,23 @@
 of its own (its own K3PIPE_HOME, its own tracker) running the launches the scheduler hands its pool,
 reading the experiment and the prompts from the study's run (verified by digest), its arm runs nested
 under the study's; the study joined into one report. The arms are `external` endpoints served by the
-scripted OpenAI server (tests/scripted_openai.py); MLflow a real SQLite store. Prefect's side (the
-deployment runs on two pools with two workers) is flows/fleet.py's."""
+scripted OpenAI server (tests/scripted_openai.py); MLflow a real server (benchmarks/faults.py's).
+Prefect's side (the deployment runs on two pools with two workers) is flows/fleet.py's."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from benchmarks.faults import MlflowServer
 from k3pipe.errors import SpecError
 from k3pipe.fleet import (
     PROMPTS_INDEX,
@@ -36,6 +40,7 @@ from k3pipe.settings import Settings
 from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL
 from tests.scripted_openai import Script, ScriptedOpenAI
+from tests.stores import seed_mlflow_db
 
 WORKLOADS = [
     {"name": "in32", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
@@ -59,6 +64,26 @@ def _experiment(fast: str, slow: str, fleet: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_SERVER: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One real MLflow server the study and its nodes record to, as on a team's stack (two nodes'
+    trackers writing one SQLite file from one process collide: 'database is locked')."""
+    directory = tmp_path_factory.mktemp("mlflow-server")
+    seed_mlflow_db(directory / "mlflow.db")
+    server = MlflowServer(directory)
+    server.start()
+    _SERVER["uri"] = server.uri
+    try:
+        yield
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(timeout=30)
+
+
 def _job(home: Path, tracking: str, artifacts: Path) -> Job:
     settings = Settings(home=home)
     return Job.library(settings, Tracker(tracking, settings.mlflow_experiment, artifacts))
@@ -80,7 +105,7 @@ def _run(
 ) -> tuple[Job, StudyResult | BaseException]:
     """The study started by a job whose fleet runs each launch with ``nodes[pool]`` (None: a pool
     whose worker never comes)."""
-    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
     parent = _job(tmp_path / "parent", tracking, artifacts)
 
     def fleet(spec: Any, study_run_id: str) -> Any:
@@ -105,7 +130,7 @@ def _run(
 
 def test_a_study_over_two_nodes_is_one_study(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     fast, slow = servers
-    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
     nodes: dict[str, Job | None] = {
         "node-a": _job(tmp_path / "node-a", tracking, artifacts),
         "node-b": _job(tmp_path / "node-b", tracking, artifacts),
@@ -151,7 +176,7 @@ def test_a_pool_without_a_worker_fails_only_its_launches(servers, tmp_path: Path
     """slow may run only on node-b, whose worker never comes: its launches are recorded failed,
     naming the pool; fast's run on node-a, and the study still ends with a report."""
     fast, slow = servers
-    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
     nodes: dict[str, Job | None] = {"node-a": _job(tmp_path / "node-a", tracking, artifacts), "node-b": None}
     fleet = {"pools": ["node-a", "node-b"], "arms": {"slow": ["node-b"], "fast": ["node-a"]}}
     job, result = _run(tmp_path, _experiment(fast.base_url, slow.base_url, fleet), nodes)
@@ -179,7 +204,7 @@ def test_a_pool_without_a_worker_fails_only_its_launches(servers, tmp_path: Path
 
 def test_a_node_refuses_prompts_that_are_not_the_studys(servers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     fast, slow = servers
-    tracking, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts"
+    tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
     nodes: dict[str, Job | None] = {"node-a": _job(tmp_path / "node-a", tracking, artifacts)}
     job, result = _run(tmp_path, _experiment(fast.base_url, slow.base_url, {"pools": ["node-a"]}), nodes)
     assert isinstance(result, StudyResult), result
@@ -203,6 +228,6 @@ def test_a_fleet_study_needs_the_study_flow(tmp_path: Path) -> None:
     exp.write_text(
         yaml.safe_dump(_experiment("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1", {"pools": ["n1"]}))
     )
-    job = _job(tmp_path / "home", f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    job = _job(tmp_path / "home", _SERVER["uri"], tmp_path / "artifacts")
     with pytest.raises(SpecError, match="only the study flow on a Prefect server"):
         study(RunRequest(experiment=str(exp)), job)

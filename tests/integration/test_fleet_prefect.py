@@ -139,7 +139,7 @@ def test_a_killed_worker_fails_its_launch_and_the_others_finish(
     killed mid-launch: slow#1 is recorded failed, its node named lost, what it measured kept; slow#2
     finds no worker on node-b within the pickup timeout and fails naming the pool; fast's launches
     finish on node-a, and the study ends with its report, failing, naming slow."""
-    placement = {"arms": {"fast": ["node-a"], "slow": ["node-b"]}, "heartbeat_s": 1, "lost_after_s": 8,
+    placement = {"arms": {"fast": ["node-a"], "slow": ["node-b"]}, "heartbeat_s": 2, "lost_after_s": 20,
                  "pickup_timeout_s": 20}  # fmt: skip
     with (
         ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as fast,
