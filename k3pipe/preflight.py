@@ -27,11 +27,9 @@ glob): each local path the run needs is checked before the download, not after a
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
-import socket
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -357,36 +355,6 @@ def _volumes_rule(home: Path) -> Rule:
     return rule_volumes
 
 
-def port_taken(host: str, port: int) -> bool:
-    """Whether something on this machine already listens on ``host:port`` (binding it fails with
-    EADDRINUSE); any other failure to bind is not this rule's to judge."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
-
-
-def rule_port(ctx: ArmContext) -> Iterator[Finding]:
-    """The port an engine started here will bind is free (the study's pitfall: found at launch,
-    after the model's download and the image's pull)."""
-    launcher = ctx.arm.launcher
-    if not (launcher.starts_engine and launcher.runs_here):
-        return  # an endpoint, or an engine a cluster manager starts elsewhere
-    port = launcher.port or ctx.engine.default_port
-    if port and port_taken(launcher.host, port):
-        yield ctx.finding(
-            "error",
-            "port",
-            f"launcher.port {port} on {launcher.host} is taken on this machine (another engine, or a "
-            "k3pipe run still going: `ss -ltnp` names it); stop it, or give this arm another "
-            "launcher.port",
-        )
-
-
 def rule_env_references(ctx: ArmContext) -> Iterator[Finding]:
     """Every ``{env.NAME}`` of an engine k3pipe starts names a variable that is set here (it is read
     at launch: unset, the launch would fail after the download and the image pull)."""
@@ -652,8 +620,6 @@ def preflight(
     findings.extend(_shared_prompts(spec))
     rules = (
         *_GENERIC_RULES,
-        # a fleet's engines bind their nodes' ports, not this machine's
-        *(() if spec.fleet is not None else (rule_port,)),
         _executable_rule(home),
         _volumes_rule(home),
         _kv_rule(reserve_gib_per_gpu * GiB),
