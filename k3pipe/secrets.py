@@ -95,12 +95,7 @@ def check_key_variable(value: str, field: str, example: str) -> str:
     """``value`` if it names an environment variable that holds a key, else a ValueError naming
     ``field`` (e.g. ``endpoint.api_key_env``) and an ``example`` variable. A key pasted where its
     variable's name belongs is registered with the scrubber and never echoed whole."""
-    # a long run of mixed-case letters and digits, hardly a word among them: a key, not a name
-    keyish = looks_like_key(value) or (
-        len(value) >= 20
-        and value.count("_") <= 1
-        and all(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
-    )
+    keyish = looks_like_key(value) or _random_looking(value)
     if keyish or not ENV_NAME.match(value):
         register(value)
         shown = mask(value) if keyish or len(value) >= 12 else repr(value)
@@ -161,6 +156,25 @@ _KEY_SHAPES = re.compile(
     r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"  # a JWT
     r")"
 )
+
+
+def _random_looking(value: str) -> bool:
+    """Whether ``value``, though it may pass as a variable name, reads as generated rather than
+    written: a long hex run with digits (``secrets.token_hex``, most self-hosted engines' keys), a long
+    mix of letters and digits with no words (``A1b2...``), or a prefix and such a run (``nvapi_...``).
+    Names people give variables (``K3PIPE_GPU_API_KEY``, ``OPENAI_API_KEY_2``) have few digits."""
+    if len(value) < 16:
+        return False
+    digits = sum(c.isdigit() for c in value)
+    if "_" not in value and digits / len(value) >= 0.2 and any(c.isalpha() for c in value):
+        return True
+    for run in value.split("_"):
+        if len(run) >= 16 and any(c.isdigit() for c in run) and any(c.isalpha() for c in run):
+            hexrun = all(c in "0123456789abcdefABCDEF" for c in run)
+            mixed = any(c.islower() for c in run) and any(c.isupper() for c in run)
+            if hexrun or mixed or digits >= 4:
+                return True
+    return False
 
 
 def looks_like_key(value: str) -> bool:

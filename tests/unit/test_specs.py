@@ -281,6 +281,49 @@ def test_a_key_pasted_as_the_gateways_variable_is_refused_masked() -> None:
     assert "gateway.api_key_env" in str(info.value)
 
 
+def _generated(alphabet: str, n: int, seed: int) -> str:
+    """A generated token of ``n`` characters from ``alphabet`` (made here, so that no committed line
+    holds anything shaped like a key)."""
+    import random
+
+    rng = random.Random(seed)
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+HEX = "0123456789abcdef"
+ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        _generated(HEX, 32, 1),  # secrets.token_hex(16): what most self-hosted engines are given
+        _generated(HEX, 64, 2),
+        "nvapi_" + _generated(ALNUM, 40, 3),  # a vendor prefix and a generated run
+        _generated(ALNUM, 24, 4),
+        _generated(ALNUM, 43, 5),  # secrets.token_urlsafe(32) without its - and _
+    ],
+    ids=["hex32", "hex64", "prefixed", "alnum24", "alnum43"],
+)
+def test_a_generated_key_pasted_as_the_engines_variable_is_refused_and_never_echoed(
+    tmp_path: Path, key: str
+) -> None:
+    data = _minimal()
+    data["arms"][0]["endpoint"] = {"api_key_env": key}
+    message = _error(data, tmp_path)
+    assert "endpoint.api_key_env" in message and "it looks like a key" in message, message
+    assert key not in message and key[8:20] not in message, message
+
+
+@pytest.mark.parametrize(
+    "name", ["K3PIPE_GPU_API_KEY", "OPENAI_API_KEY_2", "K3PIPE_TEST_KEY_1234", "AZURE_OPENAI_API_KEY_EASTUS2"]
+)
+def test_names_people_give_key_variables_are_accepted(name: str) -> None:
+    data = _minimal()
+    data["arms"][0]["endpoint"] = {"api_key_env": name}
+    assert parse_experiment(data).arms[0].endpoint.api_key_env == name
+
+
 def test_warmup_defaults_keep_a_fixed_count() -> None:
     w = parse_experiment(_minimal()).workloads[0]
     assert (w.warmup, w.warmup_requests, w.warmup_tolerance_pct) == ("fixed", 0, 5.0)
