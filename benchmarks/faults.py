@@ -372,7 +372,10 @@ def stale_engine(work: Path, engine: str) -> Figures:
             fig = Figures("stale-engine", code, None, time.monotonic() - t0, output=run.text())
         finally:
             run.kill()
-        fig.note = "refused before launch" if "already answers" in fig.output else "NOT refused"
+        # preflight finds the port taken (after this home's orphans are reaped, before any launch);
+        # the launcher's own check ("already answers") is the second line of defence
+        refused = "is taken on this machine" in fig.output or "already answers" in fig.output
+        fig.note = "refused before launch" if refused else "NOT refused"
     finally:
         os.killpg(stale.pid, signal.SIGKILL)
         stale.wait()

@@ -27,9 +27,11 @@ glob): each local path the run needs is checked before the download, not after a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import socket
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -355,6 +357,36 @@ def _volumes_rule(home: Path) -> Rule:
     return rule_volumes
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether something on this machine already listens on ``host:port`` (binding it fails with
+    EADDRINUSE); any other failure to bind is not this rule's to judge."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def rule_port(ctx: ArmContext) -> Iterator[Finding]:
+    """The port an engine started here will bind is free (the study's pitfall: found at launch,
+    after the model's download and the image's pull)."""
+    launcher = ctx.arm.launcher
+    if not (launcher.starts_engine and launcher.runs_here):
+        return  # an endpoint, or an engine a cluster manager starts elsewhere
+    port = launcher.port or ctx.engine.default_port
+    if port and port_taken(launcher.host, port):
+        yield ctx.finding(
+            "error",
+            "port",
+            f"launcher.port {port} on {launcher.host} is taken on this machine (another engine, or a "
+            "run still going: `ss -ltnp` names the process); stop it, or give this arm another "
+            "launcher.port",
+        )
+
+
 def rule_env_references(ctx: ArmContext) -> Iterator[Finding]:
     """Every ``{env.NAME}`` of an engine k3pipe starts names a variable that is set here (it is read
     at launch: unset, the launch would fail after the download and the image pull)."""
@@ -593,6 +625,7 @@ def preflight(
     reserve_gib_per_gpu: float = 0.0,
     extra_rules: Iterable[Rule] = (),
     home: Path | None = None,
+    ports: bool = False,
 ) -> list[Finding]:
     """Check ``spec`` before anything is launched.
 
@@ -600,7 +633,10 @@ def preflight(
     given) supplies config.json. ``weight_bytes`` is the total size of the weights; without it, the
     ``*.safetensors`` under ``model_dir``. ``reserve_gib_per_gpu`` is memory per GPU the KV estimate
     keeps back for activations and CUDA graphs (default 0: an upper bound). ``home`` is K3PIPE_HOME,
-    which '{home}' in the spec's paths expands to (default: the settings'). Findings come arm by arm
+    which '{home}' in the spec's paths expands to (default: the settings'). ``ports``: also check that
+    the port of each engine started here is free now (a run asks it after reaping its own orphans,
+    whose ports would otherwise be reported taken; not for a fleet, whose nodes bind theirs). Findings
+    come arm by arm
     (experiment-wide ones first), errors before warnings before infos.
     """
     if home is None:
@@ -623,6 +659,7 @@ def preflight(
         _executable_rule(home),
         _volumes_rule(home),
         _kv_rule(reserve_gib_per_gpu * GiB),
+        *((rule_port,) if ports and spec.fleet is None else ()),
         *extra_rules,
     )
     for arm in spec.arms:

@@ -59,7 +59,8 @@ def load_experiment_task(source: str | RunRequest) -> ExperimentSpec:
 def preflight_task(spec: ExperimentSpec, stage: str, model_dir: str | None = None) -> list[Finding]:
     """Check the experiment; errors stop the flow before anything is launched (or downloaded)."""
     logger = get_run_logger()
-    findings = preflight(spec, model_dir=model_dir)
+    # the ports at the model stage: after this home's orphans were reaped (they would hold them)
+    findings = preflight(spec, model_dir=model_dir, ports=stage == "model")
     for f in findings:
         log = {"error": logger.error, "warning": logger.warning}.get(f.severity, logger.info)
         log("preflight %s [%s] %s: %s", f.severity.upper(), f.arm or "experiment", f.rule, f.message)

@@ -46,7 +46,10 @@ class PrepareSteps:
         from k3pipe.sources import fetch_model
 
         return cls(
-            preflight=lambda spec, stage, model_dir=None: preflight(spec, model_dir=model_dir),
+            # the ports once this home's orphans are reaped (the model stage), not before
+            preflight=lambda spec, stage, model_dir=None: preflight(
+                spec, model_dir=model_dir, ports=stage == "model"
+            ),
             reap_orphans=lambda containers: GroupRegistry(home).reap_orphans(),
             fetch_model=lambda name, model, where: fetch_model(model, where),
             prompts=lambda spec, model_dir, where: prepare_prompts(spec.workloads, model_dir, where),

@@ -11,6 +11,7 @@ cores. The real vLLM's Ctrl-C is tested in tests/engine/test_flow.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,10 @@ def test_a_stale_engine_on_the_port_is_refused_before_launch(tmp_path: Path) -> 
     fig = _run("stale-engine", tmp_path)
     assert fig.exit_code == 2
     assert fig.note == "refused before launch", fig.output[-3000:]
-    assert "already answers before the engine was started" in fig.output
+    # by preflight at the model stage, naming the port, before the engine was started
+    said = re.search(r"preflight ERROR .*port: launcher.port \d+ on 127.0.0.1 is taken", fig.output)
+    assert said, fig.output[-3000:]
+    assert "nothing was launched" in fig.output
 
 
 def test_concurrent_first_runs_on_a_new_home_all_succeed(tmp_path: Path) -> None:

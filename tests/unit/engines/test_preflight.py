@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from k3pipe.preflight import (
     preflight,
     safetensors_bytes,
 )
+from k3pipe.preflight import port_taken as REAL_PORT_TAKEN
 from k3pipe.specs import ExperimentSpec
 from tests.unit.engines.helpers import one_arm
 
@@ -595,3 +597,38 @@ def test_sglang_key_variable_unset_is_an_error(
     assert "--api-key" in unset.message
     assert "export K3PIPE_API_KEY=" in unset.message
     assert "env-unset" not in rules(findings, "vllm")
+
+
+def test_a_taken_port_is_found_by_preflight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The study's pitfall: an engine's port already taken on this machine was found at launch, after
+    the downloads. A real socket listens on a free port; an arm that binds it gets an error naming
+    the port when ports are asked for (not before a run has reaped its orphans); another port, an
+    endpoint's arm, or a fleet's (its nodes bind) gets none."""
+    monkeypatch.setattr("k3pipe.preflight.port_taken", REAL_PORT_TAKEN)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        taken = listening.getsockname()[1]
+
+        def spec(launcher: dict[str, Any], **extra: Any) -> ExperimentSpec:
+            data = one_arm("vllm", {}).model_dump(mode="json")
+            data["arms"][0]["launcher"] = launcher
+            return ExperimentSpec.model_validate({**data, **extra})
+
+        process = {"kind": "docker", "host": "127.0.0.1", "port": taken}
+        assert not [f for f in preflight(spec(process)) if f.rule == "port"]  # not asked
+        (finding,) = [f for f in preflight(spec(process), ports=True) if f.rule == "port"]
+        assert finding.severity == "error"
+        assert f"launcher.port {taken} on 127.0.0.1 is taken" in finding.message
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", 0))
+            free = other.getsockname()[1]
+        assert not [f for f in preflight(spec({**process, "port": free}), ports=True) if f.rule == "port"]
+        external = {"kind": "external"}
+        data = one_arm("vllm", {}).model_dump(mode="json")
+        data["arms"][0]["launcher"] = external
+        data["arms"][0]["endpoint"] = {"base_url": f"http://127.0.0.1:{taken}/v1"}
+        endpoint = ExperimentSpec.model_validate(data)
+        assert not [f for f in preflight(endpoint, ports=True) if f.rule == "port"]
+        fleet = spec(process, fleet={"pools": ["gpu-node-1"]})
+        assert not [f for f in preflight(fleet, ports=True) if f.rule == "port"]
