@@ -145,6 +145,9 @@ class LogPatterns:
     """The line naming the compile cache directory the engine uses (group ``v``)."""
     compile_ran: tuple[re.Pattern[str], ...] = ()
     """Lines that say a compile ran (compiled or loaded): without one, nothing went into the cache."""
+    oom: tuple[re.Pattern[str], ...] = ()
+    """Lines that say GPU memory ran out: every one counted, with its time and rank (the study's 32
+    OOM retries across 8 GPUs were one warning when each message was kept once)."""
 
 
 class ColdStartPhase(BaseModel):
@@ -157,6 +160,43 @@ class ColdStartPhase(BaseModel):
     within: str | None = Field(default=None, description="The phase this one is part of.")
     source: str = Field(description="What it is read from (the engine's format string).")
     line: str | None = Field(default=None, description="The last log line it was read from.")
+
+
+class RepeatedLine(BaseModel):
+    """Log lines of one kind, counted: how many, when the first and the last, and on which ranks."""
+
+    model_config = ConfigDict(frozen=True)
+
+    lines: int = Field(description="How many lines matched.")
+    first_time: str | None = Field(default=None, description="Timestamp of the first, as printed.")
+    last_time: str | None = Field(default=None, description="Timestamp of the last, as printed.")
+    ranks: list[str] = Field(default_factory=list, description="The ranks (processes) that logged them.")
+    first_message: str = Field(description="The first such line's message.")
+
+    def describe(self, what: str) -> str:
+        """``what`` on N log lines (R ranks, first .., last ..): the first message."""
+        where = [f"{len(self.ranks)} rank{'s' * (len(self.ranks) != 1)}"] if self.ranks else []
+        if self.first_time:
+            where.append(f"first {self.first_time}")
+        if self.last_time and self.lines > 1:
+            where.append(f"last {self.last_time}")
+        detail = f" ({', '.join(where)})" if where else ""
+        return f"{what} on {self.lines} log line{'s' * (self.lines != 1)}{detail}: {self.first_message}"
+
+
+def count_lines(lines: Sequence[LogLine], patterns: Sequence[re.Pattern[str]]) -> RepeatedLine | None:
+    """Every line any of ``patterns`` matches, counted (None: none did)."""
+    hits = [ln for ln in lines if any(p.search(ln.message) for p in patterns)]
+    if not hits:
+        return None
+    stamps = [ln.timestamp for ln in hits if ln.timestamp]
+    return RepeatedLine(
+        lines=len(hits),
+        first_time=stamps[0] if stamps else None,
+        last_time=stamps[-1] if stamps else None,
+        ranks=sorted({ln.rank for ln in hits if ln.rank}),
+        first_message=hits[0].message,
+    )
 
 
 class EngineLogFacts(BaseModel):
@@ -218,6 +258,9 @@ class EngineLogFacts(BaseModel):
     )
     compiled: bool = Field(
         default=False, description="Whether the log shows a compile (from scratch or from the cache)."
+    )
+    oom: RepeatedLine | None = Field(
+        default=None, description="Every line saying GPU memory ran out, counted (None: no such line)."
     )
 
     def phase_seconds(self) -> dict[str, float]:
@@ -379,4 +422,5 @@ def parse_engine_log(
         compile_cache_hit=any(p.search(ln.message) for ln in parsed for p in patterns.compile_cache_hit),
         compile_cache_dir=_last(parsed, patterns.compile_cache_dir),
         compiled=any(p.search(ln.message) for ln in parsed for p in patterns.compile_ran),
+        oom=count_lines(parsed, patterns.oom),
     )

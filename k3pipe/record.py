@@ -716,10 +716,17 @@ class ArmRecorder:
                     "spec_accept_length_mean",
                 )
             }
-            | {"engine_log.warnings": len(facts.warnings), "engine_log.ready": int(facts.ready)},
+            | {"engine_log.warnings": len(facts.warnings), "engine_log.ready": int(facts.ready)}
+            # every line saying memory ran out, counted (0 is a finding too), and on how many ranks
+            | {
+                "engine_log.oom_lines": facts.oom.lines if facts.oom else 0,
+                "engine_log.oom_ranks": len(facts.oom.ranks) if facts.oom else 0,
+            },
         )
-        if facts.warnings:
-            warnings = scrub(" | ".join(facts.warnings))[:4000]
+        # the count first: 32 OOM retries are not one warning among others
+        said = ([facts.oom.describe("GPU memory ran out")] if facts.oom else []) + facts.warnings
+        if said:
+            warnings = scrub(" | ".join(s.replace(" | ", " / ") for s in said))[:4000]
             self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": warnings})
         self._log_phases(facts)
         return facts

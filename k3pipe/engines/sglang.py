@@ -197,6 +197,9 @@ class SGLangEngine(Engine):
             _P(r"Health check failed"),  # http_server.py
             _P(r"(?i)out of memory"),
         ),
+        # torch's OOM texts, and the scheduler's retraction when the KV pool runs out mid-decode
+        # (managers/scheduler.py: "KV cache pool is full. Retract requests."): each line counted
+        oom=(_P(r"(?i)out of memory|OutOfMemoryError"), _P(r"KV cache pool is full\. Retract requests")),
     )
 
     tp_arg: ClassVar[str] = "tp_size"

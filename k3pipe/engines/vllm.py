@@ -275,6 +275,12 @@ class VLLMEngine(Engine):
             _P(r"To serve at least one request with the model's max seq len"),  # kv_cache_utils.py:1031
             _P(r"Timed out waiting for engine core processes to start"),  # core_client.py:742
         ),
+        # torch's "CUDA out of memory. Tried to allocate ..." (and torch.OutOfMemoryError), vLLM's
+        # own gpu_model_runner.py:5147 and :5990 texts: each line counted, with its rank and time
+        oom=(
+            _P(r"CUDA out of memory|OutOfMemoryError"),
+            _P(r"Failed to load model - not enough GPU memory"),
+        ),
     )
 
     tp_arg: ClassVar[str] = "tensor_parallel_size"

@@ -241,3 +241,32 @@ def test_a_table_without_bursty_workloads_has_no_timing_column() -> None:
     assert "client_timing" not in table[0]
     assert table[0]["tpot_ms_p50"] == 1.23
     assert table[0]["itl_ms_p50"] == "-"
+
+
+def test_oom_lines_are_counted_in_mlflow_and_lead_the_reports_findings(
+    tracker: Tracker, tmp_path: Path
+) -> None:
+    """The engine log of an arm whose 8 workers ran out of memory 4 times each: the record counts 32
+    lines on 8 ranks (metrics), and the findings the report shows start with that count."""
+    from k3pipe.report import build_report
+    from k3pipe.study import start_study
+    from tests.unit.engines.test_engine_logs import _oom_burst
+
+    spec = parse_experiment(demo_experiment(8999))
+    study = start_study(tracker, spec, "oom.yaml")
+    rec = ArmRecorder(tracker, plan_arm(spec, spec.arms[0], tmp_path), parent_id=study)
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join(_oom_burst(ranks=8, per_rank=4)) + "\n")
+    facts = rec.log_engine_findings(log)
+    assert facts is not None
+    w = workload(1)
+    rec.log_workload(w, outcome(w, 0, 0.1))
+    rec.finish("FINISHED")
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.metrics["engine_log.oom_lines"] == 32
+    assert run.data.metrics["engine_log.oom_ranks"] == 8
+    first = run.data.tags["k3pipe.engine_warnings"].split(" | ")[0]
+    assert first.startswith("GPU memory ran out on 32 log lines (8 ranks, first 11-30 09:14:10, last"), first
+    tracker.client.set_terminated(study, "FINISHED")
+    text = build_report(tracker, study).markdown
+    assert "[engine log] GPU memory ran out on 32 log lines" in text

@@ -180,3 +180,65 @@ def test_compile_mode_none_without_user_request_flags_fusions() -> None:
     assert any("may not take effect" in w for w in vllm.parse_log([fusions, dump]).warnings)
     assert vllm.parse_log([fusions, dump, user]).warnings == []
     assert vllm.parse_log([dump]).warnings == []
+
+
+def _oom_burst(ranks: int, per_rank: int) -> list[str]:
+    """The study's pitfall as vLLM 0.32.0's workers log it: torch's OutOfMemoryError text (each rank's
+    own line), ``per_rank`` times on each of ``ranks`` workers, a second apart."""
+    lines = []
+    for i in range(per_rank):
+        for tp in range(ranks):
+            lines.append(
+                f"(Worker_TP{tp} pid={598 + tp}) WARNING 11-30 09:14:{10 + i:02d} [gpu_model_runner.py:1] "
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+                f"GPU {tp} has a total capacity of 178.36 GiB of which 1.12 GiB is free."
+            )
+    return lines
+
+
+def test_every_oom_line_is_counted_with_its_ranks_and_first_and_last_time() -> None:
+    """The study's 32 OOM retries across 8 GPUs were one warning (each message kept once): now every
+    line is counted, on which ranks, and when the first and the last came."""
+    vllm = get_engine("vllm")
+    clean = vllm.parse_log(fixture_lines("vllm/server.log"))
+    assert clean.oom is None
+    facts = vllm.parse_log([*fixture_lines("vllm/server.log"), *_oom_burst(ranks=8, per_rank=4)])
+    assert facts.oom is not None
+    assert facts.oom.lines == 32
+    assert facts.oom.ranks == [f"Worker_TP{tp}" for tp in range(8)]
+    assert (facts.oom.first_time, facts.oom.last_time) == ("11-30 09:14:10", "11-30 09:14:13")
+    said = facts.oom.describe("GPU memory ran out")
+    assert said.startswith(
+        "GPU memory ran out on 32 log lines (8 ranks, first 11-30 09:14:10, last 11-30 09:14:13)"
+    )
+    assert sum("CUDA out of memory" in w for w in facts.warnings) == 8  # one per GPU's own message
+
+
+@pytest.mark.parametrize(
+    "log",
+    ["vllm/server-0.22.0-h200-cold.log", "vllm/server-0.22.0-h200-warm.log", "vllm/server-cpu-tiny-real.log"],
+)
+def test_real_vllm_logs_without_trouble_count_no_oom(log: str) -> None:
+    assert get_engine("vllm").parse_log(fixture_lines(log)).oom is None
+
+
+def test_sglang_retractions_are_counted_and_its_real_logs_have_none() -> None:
+    """SGLang retracts running requests when its KV pool is full mid-decode (managers/scheduler.py:
+    "KV cache pool is full. Retract requests. #retracted_reqs: N, ..."): the same pressure, counted."""
+    sglang = get_engine("sglang")
+    real = fixture_lines("sglang/real-0.5.16-h200-cold.log")
+    assert sglang.parse_log(real).oom is None
+    assert sglang.parse_log(fixture_lines("sglang/real-0.5.16-h200-warm.log")).oom is None
+    retract = [
+        f"[2026-12-04 20:03:{s:02d}] KV cache pool is full. Retract requests. #retracted_reqs: 1, "
+        f"#new_token_ratio: 0.{s:04d} -> 0.3487"
+        for s in (5, 9, 30)
+    ]
+    facts = sglang.parse_log([*real, *retract])
+    assert facts.oom is not None
+    assert (facts.oom.lines, facts.oom.ranks) == (3, [])
+    assert (facts.oom.first_time, facts.oom.last_time) == ("2026-12-04 20:03:05", "2026-12-04 20:03:30")
+    assert facts.oom.describe("GPU memory ran out").startswith(
+        "GPU memory ran out on 3 log lines (first 2026-12-04 20:03:05, last 2026-12-04 20:03:30): "
+        "KV cache pool"
+    )
