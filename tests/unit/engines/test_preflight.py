@@ -632,3 +632,45 @@ def test_a_taken_port_is_found_by_preflight(monkeypatch: pytest.MonkeyPatch) -> 
         assert not [f for f in preflight(endpoint, ports=True) if f.rule == "port"]
         fleet = spec(process, fleet={"pools": ["gpu-node-1"]})
         assert not [f for f in preflight(fleet, ports=True) if f.rule == "port"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "args"),
+    [
+        ("vllm", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}),
+        ("vllm", {"speculative_config": '{"method": "eagle", "model": "/d", "num_speculative_tokens": 3}'}),
+        ("sglang", {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d"}),
+    ],
+    ids=["vllm-ngram", "vllm-json-string", "sglang-eagle"],
+)
+def test_speculation_on_random_prompts_is_warned_before_launch(kind: str, args: dict[str, Any]) -> None:
+    """The study's 'pure cost' case: a speculative arm on random prompts measures the drafting's cost.
+    Warned, naming the random workloads only; not for a sharegpt workload, nor without speculation."""
+    workloads = [
+        {"name": "rand", "input_tokens": 64, "output_tokens": 8},
+        {
+            "name": "chat",
+            "input_tokens": 64,
+            "output_tokens": 8,
+            "dataset": {"kind": "sharegpt", "path": "/s.json"},
+        },
+    ]
+    finding = rules(preflight(one_arm(kind, args, workloads=workloads)))["speculation-random-prompts"]
+    assert finding.severity == "warning"
+    assert "on random prompts (workload rand)" in finding.message
+    assert "chat" not in finding.message
+    assert "sharegpt or documents" in finding.message
+    real_text = one_arm(kind, args, workloads=workloads[1:])
+    assert "speculation-random-prompts" not in rules(preflight(real_text))
+    plain = one_arm(kind, {}, workloads=workloads)
+    assert "speculation-random-prompts" not in rules(preflight(plain))
+
+
+def test_the_studys_speculative_arms_on_random_prompts_are_warned() -> None:
+    """experiments/kimi-k3-8xb300.yaml: both arms speculate (DSpark) over random 64K/200K prompts."""
+    from k3pipe.experiment import load_experiment
+    from tests.conftest import REPO
+
+    findings = preflight(load_experiment(REPO / "experiments" / "kimi-k3-8xb300.yaml"))
+    warned = sorted(f.arm for f in findings if f.rule == "speculation-random-prompts")
+    assert warned == ["sglang", "vllm"]
