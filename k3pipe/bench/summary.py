@@ -8,9 +8,13 @@ docs/measurement.md, and held by tests/unit/bench/test_definitions.py against sc
   (reasoning only) are left out, so its ``count`` can be smaller.
 - ``e2e_ms``: send -> the last token-bearing chunk (not the usage chunk or ``[DONE]`` after it).
 - ``tpot_ms``: ``(e2e - ttft) / (N - k1)`` per request, k1 the tokens of its first chunk and N the
-  tokens its token-bearing chunks carried (both known from continuous usage). Without per-chunk
-  counts N is usage's count and k1 is taken as 1 (``tpot_k1_assumed``). Undefined when ``N <= k1``
-  or, without counts, for a single token-bearing chunk.
+  tokens its token-bearing chunks carried: known from continuous usage, or without it when there
+  were as many token-bearing chunks as usage counted tokens (one token each). Undefined when
+  ``N <= k1``.
+- ``tpot_lower_bound_ms``: the same where k1 is not known (no per-chunk counts, fewer chunks than
+  tokens: some chunk carried several), with N usage's count and k1 taken as 1. It can only come out
+  low (a first chunk of more tokens leaves fewer after it), so it is not ``tpot_ms`` and is stored
+  under its own name (``tpot_k1_assumed`` says some request had it). Undefined for a single chunk.
 - ``itl_ms``: per token. Where the server reported each chunk's tokens, each gap between
   token-bearing chunks is divided by the tokens of the chunk that ends it, and counted once per
   token. A request without per-chunk counts contributes its plain per-chunk gaps instead, and
@@ -193,10 +197,19 @@ class WorkloadSummary(BaseModel):
         default=None, description="ttft_ms_p50_first_wave / ttft_ms_p50_after_first_wave."
     )
     content_ttft_ms: LatencyStats | None = Field(description="Time to first non-empty content.")
-    tpot_ms: LatencyStats | None = Field(description="Time per output token after the first chunk.")
+    tpot_ms: LatencyStats | None = Field(
+        description="Time per output token after the first chunk, of the requests whose first chunk's "
+        "tokens are known."
+    )
+    tpot_lower_bound_ms: LatencyStats | None = Field(
+        default=None,
+        description="The same of the requests whose first chunk's tokens are not known, taken as 1: "
+        "a lower bound, never mixed into tpot_ms.",
+    )
     tpot_k1_assumed: bool = Field(
         default=False,
-        description="Some request's first-chunk token count was unknown and taken as 1 in its TPOT.",
+        description="Some request's first-chunk token count was unknown: its TPOT is in "
+        "tpot_lower_bound_ms, not tpot_ms.",
     )
     itl_ms: LatencyStats | None = Field(description="Inter-token latency, per token (see itl_basis).")
     itl_basis: str | None = Field(
@@ -403,7 +416,8 @@ def summarize(result: WorkloadResult, slo: SLOSpec | None = None) -> WorkloadSum
         ),
         content_ttft_ms=LatencyStats.of(_present(_content_ttft_ms(r) for r in ok)),
         tpot_ms=LatencyStats.of(_present(_tpot_ms(r) for r in ok)),
-        tpot_k1_assumed=any(r.chunk_tokens is None and _tpot_ms(r) is not None for r in ok),
+        tpot_lower_bound_ms=LatencyStats.of(_present(_tpot_lower_bound_ms(r) for r in ok)),
+        tpot_k1_assumed=any(_tpot_lower_bound_ms(r) is not None for r in ok),
         itl_ms=LatencyStats.of([gap for r in ok for gap in _itl_ms(r)]),
         itl_basis=(
             None
@@ -546,6 +560,9 @@ def summary_line(workload: str, metrics: Mapping[str, float], itl_basis: str | N
         itl = "bursty" + ("" if engine_itl is None else f" (engine {engine_itl:.2f} ms)")
     else:
         tpot = ms("tpot_ms_p50", 2)
+        if metrics.get("tpot_ms_p50") is None and metrics.get("tpot_lower_bound_ms_p50") is not None:
+            # no request's first chunk was known: only the lower bound exists, and says so
+            tpot = f">= {metrics['tpot_lower_bound_ms_p50']:.2f} ms (k1 unknown: a lower bound)"
         itl = f"{ms('itl_ms_p50', 2)} ({itl_basis or 'no ITL'})"
     output = metrics.get("output_throughput_tps")
     parts = [
@@ -681,6 +698,7 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
                 "ttft_ms": _ttft_ms(r),
                 "content_ttft_ms": _content_ttft_ms(r),
                 "tpot_ms": _tpot_ms(r),
+                "tpot_lower_bound_ms": _tpot_lower_bound_ms(r),
                 "e2e_ms": _e2e_ms(r),
                 "send_lag_ms": _send_lag_ms(r),
                 "ttft_from_scheduled_ms": _ttft_from_scheduled_ms(r),
@@ -698,6 +716,7 @@ def records_frame(result: WorkloadResult) -> pd.DataFrame:
         "ttft_ms",
         "content_ttft_ms",
         "tpot_ms",
+        "tpot_lower_bound_ms",
         "ttft_from_scheduled_ms",
         "e2e_ms",
         "e2e_from_scheduled_ms",
@@ -731,6 +750,7 @@ _COLUMNS = [
     "ttft_ms",
     "content_ttft_ms",
     "tpot_ms",
+    "tpot_lower_bound_ms",
     "e2e_ms",
     "send_lag_ms",
     "ttft_from_scheduled_ms",
@@ -743,6 +763,7 @@ _LATENCIES = (
     "ttft_ms",
     "content_ttft_ms",
     "tpot_ms",
+    "tpot_lower_bound_ms",
     "itl_ms",
     "chunk_itl_ms",
     "e2e_ms",
@@ -796,14 +817,38 @@ def _e2e_from_scheduled_ms(r: RequestRecord) -> float | None:
     return _since(_last_token(r), r.t_scheduled)
 
 
+def _k1_known(r: RequestRecord) -> bool:
+    """Whether the tokens of ``r``'s first chunk are known: from per-chunk counts, or because its
+    token-bearing chunks were as many as its output tokens (one token each)."""
+    return bool(r.chunk_tokens) or (len(r.chunk_times) > 0 and len(r.chunk_times) == _output_tokens(r)[0])
+
+
 def _tpot_ms(r: RequestRecord) -> float | None:
-    """(E2E - TTFT) / (N - k1): the time per token of everything after the first chunk.
+    """(E2E - TTFT) / (N - k1): the time per token of everything after the first chunk, where k1 is
+    known (:func:`_k1_known`; else None: see :func:`_tpot_lower_bound_ms`).
 
     With per-chunk counts, N is the tokens the token-bearing chunks carried: a token the server
     counted in usage but sent without text after the last of them (vLLM's EOS in an empty finish
-    chunk) has no arrival time inside E2E, so it is not in N either. Without counts N is usage's
-    count and k1 is taken as 1; a single token-bearing chunk then has no TPOT (no time after it).
+    chunk) has no arrival time inside E2E, so it is not in N either.
     """
+    return _tpot_assuming_k1(r) if _k1_known(r) else None
+
+
+def _tpot_lower_bound_ms(r: RequestRecord) -> float | None:
+    """TPOT with N usage's count and k1 taken as 1, for a request whose k1 is not known: a lower
+    bound (a first chunk of k1 > 1 tokens leaves N - k1 < N - 1 after it). None where k1 is known."""
+    return None if _k1_known(r) else _tpot_assuming_k1(r)
+
+
+def _tpot_any_ms(r: RequestRecord) -> float | None:
+    """The request's TPOT, or its lower bound where k1 is not known (the SLO's per-request check)."""
+    return _tpot_assuming_k1(r)
+
+
+def _tpot_assuming_k1(r: RequestRecord) -> float | None:
+    """(E2E - TTFT) / (N - k1) with the per-chunk counts where there are some, else with N usage's
+    count and k1 = 1 (exact when every chunk carried one token); a single token-bearing chunk without
+    counts has no TPOT (no time after it)."""
     if r.t_first_delta is None or not r.chunk_times:
         return None
     if r.chunk_tokens:
@@ -860,7 +905,8 @@ def _slo_met(
 ) -> tuple[int, dict[str, int]]:
     """Successful requests meeting every objective, and per objective those within it."""
     limits = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2e_ms": slo.e2e_ms}
-    measure = {"ttft_ms": _ttft_ms, "tpot_ms": _tpot_ms, "e2e_ms": _e2e_ms}
+    # a request whose k1 is unknown is judged on its TPOT's lower bound (the SLO, not a stored figure)
+    measure = {"ttft_ms": _ttft_ms, "tpot_ms": _tpot_any_ms, "e2e_ms": _e2e_ms}
     if from_arrival:
         measure |= {"ttft_ms": _ttft_from_scheduled_ms, "e2e_ms": _e2e_from_scheduled_ms}
     within = {k: 0 for k, v in limits.items() if v is not None}

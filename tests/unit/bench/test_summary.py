@@ -62,13 +62,14 @@ def known_result(max_tokens: int = 20) -> WorkloadResult:
 
     E2E ends at the last token-bearing chunk, not at the stream's end (the usage chunk and [DONE]
     may come later: request 0's stream ends 50 ms after its last token, request 2's 200 ms after).
-    No per-chunk token counts, so TPOT takes k1 = 1 and ITL is per chunk.
+    No per-chunk token counts, so ITL is per chunk, and TPOT is known only for request 3 (4 chunks
+    for 4 tokens: one each); for 0 and 1 (fewer chunks than tokens) k1 = 1 gives a lower bound.
 
-    per request       ttft  content  e2e   out  tpot                ITL gaps
-    0                 100   150      1100  11   (1100-100)/10=100   100, 100, 800
-    1 (reasoning)     200   -        1200  6    (1200-200)/5=200    300, 700
-    2                 300   350      300   1    -                   -
-    3                 400   400      1000  4    (1000-400)/3=200    50, 50, 500
+    per request       ttft  content  e2e   out  tpot                           ITL gaps
+    0                 100   150      1100  11   lower bound (1100-100)/10=100  100, 100, 800
+    1 (reasoning)     200   -        1200  6    lower bound (1200-200)/5=200   300, 700
+    2                 300   350      300   1    -                              -
+    3                 400   400      1000  4    (1000-400)/3=200               50, 50, 500
     """
     records = [
         rec(0, -5.0, -4.0, -4.0, [-4.0], -1.0, 50, warmup=True),
@@ -95,10 +96,14 @@ def test_latency_statistics() -> None:
     assert s.content_ttft_ms.mean == pytest.approx(300.0)
     assert s.content_ttft_ms.p50 == pytest.approx(350.0)
     assert s.tpot_ms is not None
-    assert s.tpot_ms.count == 3  # a 1-token request has no TPOT
-    assert s.tpot_ms.mean == pytest.approx(500.0 / 3)
-    assert s.tpot_ms.p50 == pytest.approx(200.0)
-    assert s.tpot_k1_assumed  # no per-chunk counts: k1 taken as 1
+    assert s.tpot_ms.count == 1  # only request 3's first chunk is known to hold one token
+    assert s.tpot_ms.mean == pytest.approx(200.0)
+    # the other two under their own name, never mixed in (a 1-token request has no TPOT at all)
+    assert s.tpot_lower_bound_ms is not None
+    assert s.tpot_lower_bound_ms.count == 2
+    assert s.tpot_lower_bound_ms.mean == pytest.approx(150.0)
+    assert s.tpot_k1_assumed  # no per-chunk counts: k1 taken as 1 for those
+    assert s.metrics()["tpot_lower_bound_ms_p50"] == pytest.approx(150.0)
     # ITL pooled over requests, per chunk (no counts): 50, 50, 100, 100, 300, 500, 700, 800
     assert s.itl_basis == "per_chunk"
     assert s.itl_ms is not None
@@ -314,7 +319,8 @@ def test_records_frame(tmp_path: Path) -> None:
     assert row["t_end_s"] == pytest.approx(1.15)
     assert row["ttft_ms"] == pytest.approx(100.0)
     assert row["content_ttft_ms"] == pytest.approx(150.0)
-    assert row["tpot_ms"] == pytest.approx(100.0)
+    assert pd.isna(row["tpot_ms"])  # 4 chunks for 11 tokens: its first chunk's tokens unknown
+    assert row["tpot_lower_bound_ms"] == pytest.approx(100.0)
     assert row["e2e_ms"] == pytest.approx(1100.0)
     assert row["chunks"] == 4
     assert json.loads(row["chunk_times_s"]) == pytest.approx([0.1, 0.2, 0.3, 1.1])
