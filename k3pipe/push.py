@@ -299,11 +299,13 @@ class Writer:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def create(self, name: str, tags: Mapping[str, str]) -> str:
+    def create(self, name: str, tags: Mapping[str, str], start_ms: int | None = None) -> str:
+        """A new run, started ``start_ms`` (wall clock, ms; default: now)."""
         with self._mutex:
             local = new_run_id()
             journal = self.journal(local, new=True)
-            seq = journal.append("create", {"name": name, "tags": dict(tags), "start_ms": now_ms()})
+            start = now_ms() if start_ms is None else int(start_ms)
+            seq = journal.append("create", {"name": name, "tags": dict(tags), "start_ms": start})
             self._pending[journal.dir.name] = journal
             self._push(journal, seq)
             run_id = journal.progress.mlflow_id or local

@@ -13,13 +13,14 @@ import math
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from mlflow.exceptions import MlflowException
 
-from k3pipe.bench import records_frame
+from k3pipe.bench import WorkloadResult, records_frame
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.bench.session import WorkloadOutcome
@@ -131,6 +132,39 @@ def _gateway_params(plan: ArmPlan) -> dict[str, Any]:
     }
 
 
+def workload_times(result: WorkloadResult) -> dict[str, float] | None:
+    """When a workload ran, on the wall clock (Unix seconds): its first send (warm-up included), the
+    measured window's start (the zero of requests.parquet's, engine_metrics.parquet's and
+    gpu_memory.parquet's times) and end, its last response's end, and the monotonic clock's reading
+    at the window's start. None when the client recorded no wall-clock start."""
+    if not result.started_at_unix_s or result.started_at_unix_s <= 0:
+        return None
+    offset = result.started_at_unix_s - result.t_start  # perf_counter -> Unix seconds
+    sends = [r.t_send for r in result.records]
+    ends = [r.t_end for r in result.records]
+    return {
+        "first_send_unix_s": offset + min(sends, default=result.t_start),
+        "measured_start_unix_s": result.started_at_unix_s,
+        "measured_end_unix_s": offset + result.t_end,
+        "last_end_unix_s": offset + max([*ends, result.t_end]),
+        "perf_counter_at_measured_start_s": result.t_start,
+    }
+
+
+def _times_params(times: Mapping[str, float] | None) -> dict[str, str]:
+    """``time.*`` params of :func:`workload_times` (and the window's start in UTC, for people)."""
+    if times is None:
+        return {}
+    params = {f"time.{k}": f"{v:.6f}" for k, v in times.items()}
+    start = datetime.fromtimestamp(times["measured_start_unix_s"], tz=UTC)
+    params["time.measured_start_utc"] = start.isoformat(timespec="milliseconds")
+    return params
+
+
+def _ms(times: Mapping[str, float] | None, key: str) -> int | None:
+    return None if times is None else round(times[key] * 1000)
+
+
 class ArmRecorder:
     """Writes one arm's run; every method is safe to call after a failure."""
 
@@ -164,6 +198,7 @@ class ArmRecorder:
         self._single: dict[str, dict[str, float]] = {}
         self._bursty: set[str] = set()  # workloads whose client timing was bursty
         self._kept: list[str] = []  # workloads a resume kept from an earlier run of this launch
+        self._last_end_ms: dict[str, int] = {}  # per workload: its latest response's end, wall clock
         # probes per capacity search (by its run) and per workload: [prefix cache emptied, not emptied]
         self._resets: dict[str, list[int]] = {}
         self.engine_log_facts: EngineLogFacts | None = None
@@ -331,9 +366,13 @@ class ArmRecorder:
             + (f", {workload.repeats} repeats (nested runs)" if workload.repeats > 1 else "")
             + "."
         )
+        times = workload_times(outcome.result)
         if workload.repeats == 1:
             run_id = self.tracker.start_run(
-                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
+                f"{self.plan.arm}/{workload.name}",
+                tags=tags,
+                parent_id=self.run_id,
+                start_ms=_ms(times, "first_send_unix_s"),
             )
             self.workload_runs[workload.name] = run_id
             metrics = self._log_outcome(run_id, params, outcome)
@@ -341,7 +380,7 @@ class ArmRecorder:
                 self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}
             )
             return run_id
-        parent = self._repeats_parent(workload, tags, params)
+        parent = self._repeats_parent(workload, tags, params, _ms(times, "first_send_unix_s"))
         k = outcome.repeat
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{workload.name}#{k + 1}",
@@ -354,6 +393,7 @@ class ArmRecorder:
                 ),
             },
             parent_id=parent,
+            start_ms=_ms(times, "first_send_unix_s"),
         )
         repeat_params = {**params, "workload.seed": outcome.seed, "repeat": k + 1}
         metrics = self._log_outcome(run_id, repeat_params, outcome)
@@ -370,13 +410,18 @@ class ArmRecorder:
         }
 
     def _repeats_parent(
-        self, workload: WorkloadSpec, tags: Mapping[str, str], params: Mapping[str, Any]
+        self,
+        workload: WorkloadSpec,
+        tags: Mapping[str, str],
+        params: Mapping[str, Any],
+        start_ms: int | None = None,
     ) -> str:
-        """The run a workload's repeats nest under, started with its first repeat."""
+        """The run a workload's repeats nest under, started with its first repeat (at ``start_ms``,
+        that repeat's first send, where known)."""
         parent = self.workload_runs.get(workload.name)
         if parent is None:
             parent = self.tracker.start_run(
-                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id
+                f"{self.plan.arm}/{workload.name}", tags=tags, parent_id=self.run_id, start_ms=start_ms
             )
             # registered before anything else can fail, so that finish() always closes it
             self.workload_runs[workload.name] = parent
@@ -432,6 +477,7 @@ class ArmRecorder:
             f"{self.plan.arm}/{probe.name}@{label}",
             tags={**self._workload_tags(probe), "k3pipe.probe": label},
             parent_id=search_run,
+            start_ms=_ms(workload_times(outcome.result), "first_send_unix_s"),
         )
         pct, by = attainment
         self._resets.setdefault(search_run, [0, 0])[0 if reset else 1] += 1
@@ -616,8 +662,12 @@ class ArmRecorder:
     ) -> dict[str, float]:
         result, summary = outcome.result, outcome.summary
         costs: dict[str, float] = {}
+        times = workload_times(result)
+        end_ms = _ms(times, "last_end_unix_s")
+        if end_ms is not None:
+            self._last_end_ms[result.workload] = end_ms
         try:
-            self.tracker.log_params(run_id, params)
+            self.tracker.log_params(run_id, {**params, **_times_params(times)})
             if outcome.prompts is not None:
                 self.tracker.log_dataset(run_id, outcome.prompts)
             metrics = summary.metrics()
@@ -654,11 +704,11 @@ class ArmRecorder:
             if aborted:
                 # ended early (the engine lost, an interrupt): what it measured is here, marked so
                 self.tracker.set_tags(run_id, {"k3pipe.aborted": aborted})
-                self.tracker.end_run(run_id, "KILLED" if outcome.interrupted else "FAILED")
+                self.tracker.end_run(run_id, "KILLED" if outcome.interrupted else "FAILED", end_ms)
             else:
                 failed = bool(metrics.get("failed"))
                 self.tracker.end_run(
-                    run_id, "FAILED" if failed and not metrics.get("completed") else "FINISHED"
+                    run_id, "FAILED" if failed and not metrics.get("completed") else "FINISHED", end_ms
                 )
         except BaseException:
             self.tracker.end_run(run_id, "FAILED")
@@ -688,8 +738,11 @@ class ArmRecorder:
             self.tracker.log_metrics(self.run_id, {f"{name}.{k}": means.get(k) for k in KEY_METRICS})
         finally:
             done = len(per_repeat) >= workload.repeats
-            # a workload whose repeats did not all run did not finish, whatever the arm's status
-            self.tracker.end_run(run_id, status if done or status != "FINISHED" else "FAILED")
+            # a workload whose repeats did not all run did not finish, whatever the arm's status;
+            # it ended with its last repeat's last response where that is known
+            self.tracker.end_run(
+                run_id, status if done or status != "FINISHED" else "FAILED", self._last_end_ms.get(name)
+            )
 
     def log_engine_findings(self, log_path: Path) -> EngineLogFacts | None:
         """What the engine's own log says: start-up phases, KV pool, throughput, warnings."""

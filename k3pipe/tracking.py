@@ -289,13 +289,19 @@ class Tracker:
         return _secrets.scrub(text)
 
     def start_run(
-        self, name: str, tags: Mapping[str, str] | None = None, parent_id: str | None = None
+        self,
+        name: str,
+        tags: Mapping[str, str] | None = None,
+        parent_id: str | None = None,
+        start_ms: int | None = None,
     ) -> str:
+        """A new run; ``start_ms``: when what it records began (wall clock, ms; default: now), so that
+        a run logged once its work is done still starts when that work did."""
         all_tags = {**source_tags(), **{k: self.scrub(str(v)) for k, v in (tags or {}).items()}}
         if parent_id:
             all_tags["mlflow.parentRunId"] = parent_id
         try:
-            return self._writer.create(name, all_tags)
+            return self._writer.create(name, all_tags, start_ms)
         except MlflowException as exc:
             raise TrackingError(f"could not create MLflow run {name!r}: {exc}") from exc
 
@@ -553,9 +559,11 @@ class Tracker:
         except MlflowException as exc:
             raise TrackingError(f"could not log dataset {entity.name!r} to run {run_id}: {exc}") from exc
 
-    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
-        """status: FINISHED, FAILED or KILLED (the end time is now, also when sync pushes it later)."""
-        self._writer.write(run_id, "end", {"status": status, "end_ms": now_ms()})
+    def end_run(self, run_id: str, status: str = "FINISHED", end_ms: int | None = None) -> None:
+        """status: FINISHED, FAILED or KILLED; ``end_ms``: when its work ended (wall clock, ms;
+        default: now, also when sync pushes it later)."""
+        end = now_ms() if end_ms is None else int(end_ms)
+        self._writer.write(run_id, "end", {"status": status, "end_ms": end})
 
     def run_link(self, run_id: str) -> str:
         """A URL to the run when the tracking server is HTTP, else how to open it. The link asks for

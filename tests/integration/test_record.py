@@ -270,3 +270,42 @@ def test_oom_lines_are_counted_in_mlflow_and_lead_the_reports_findings(
     tracker.client.set_terminated(study, "FINISHED")
     text = build_report(tracker, study).markdown
     assert "[engine log] GPU memory ran out on 32 log lines" in text
+
+
+def test_workload_runs_start_and_end_when_their_requests_did(tracker: Tracker, tmp_path: Path) -> None:
+    """A workload's runs are logged once it ends; their MLflow start and end are still the first
+    send (warm-up included) and the last response, on the wall clock, and time.* params say where the
+    measured window starts (the zero of requests.parquet's times), so a record lines up with the
+    engine's log and /metrics."""
+    import dataclasses
+    from datetime import UTC, datetime
+
+    rec = recorder(tracker, tmp_path)
+    w = workload(2)
+    s0 = 1_764_900_000.0  # 2025-12-05 02:00:00 UTC
+    for k, start in enumerate([s0, s0 + 60.0]):
+        o = outcome(w, k, 0.1)
+        warm = o.result.records[0].model_copy(update={"warmup": True, "t_send": T0 - 2.0, "t_end": T0 - 1.5})
+        result = o.result.model_copy(
+            update={"started_at_unix_s": start, "records": [warm, *o.result.records]}
+        )
+        rec.log_workload(w, dataclasses.replace(o, result=result))
+    rec.finish("FINISHED")
+
+    workload_run = tracker.client.get_run(rec.workload_runs["w"])
+    repeats = sorted(tracker.children(workload_run.info.run_id), key=lambda r: r.data.tags["k3pipe.repeat"])
+    last_end = 0.1 + 3 * 0.1  # TTFT, then 3 gaps of 0.1 s
+    for r, start in zip(repeats, [s0, s0 + 60.0], strict=True):
+        assert r.info.start_time == round((start - 2.0) * 1000)  # the warm-up's send
+        assert r.info.end_time == round((start + last_end) * 1000)
+        p = r.data.params
+        assert float(p["time.measured_start_unix_s"]) == pytest.approx(start)
+        assert float(p["time.first_send_unix_s"]) == pytest.approx(start - 2.0)
+        assert float(p["time.last_end_unix_s"]) == pytest.approx(start + last_end)
+        assert float(p["time.perf_counter_at_measured_start_s"]) == pytest.approx(T0)
+        assert p["time.measured_start_utc"] == datetime.fromtimestamp(start, tz=UTC).isoformat(
+            timespec="milliseconds"
+        )
+    # the workload's run spans its repeats
+    assert workload_run.info.start_time == round((s0 - 2.0) * 1000)
+    assert workload_run.info.end_time == round((s0 + 60.0 + last_end) * 1000)
