@@ -319,6 +319,37 @@ def sigkill_then_run(work: Path, engine: str) -> Figures:
     return fig
 
 
+def all_killed_then_run(work: Path, engine: str) -> Figures:
+    """SIGKILL of `k3pipe run` and of every group it started (its engine, its Prefect server: what an
+    administrator's kill or the OOM killer taking them all does), then a new run on the same home:
+    nothing is left to stop, and the killed run's records (MLflow runs, flow run) must still end."""
+    exp, home, _ = _setup(work, "all-killed-then-run", engine)
+    run = Run(exp, home)
+    try:
+        run.wait_for(MARKER)
+        left = groups(home)
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+        for g in left:
+            with _suppress():
+                os.killpg(g["pgid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(members(g["pgid"]) for g in left) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        run.kill()
+    t0 = time.monotonic()
+    again = Run(exp, home, ["--requests", "2"])
+    try:
+        noticed = again.wait_for(r"its records are closed")
+        code = again.wait()
+        fig = Figures("all-killed-then-run", code, noticed - t0, time.monotonic() - t0, output=again.text())
+    finally:
+        again.kill()
+    fig.note = f"{len(left)} groups killed with it; the next run closed their records"
+    return read_back(fig, home, [g["pgid"] for g in left])
+
+
 def engine_fault(work: Path, engine: str, sig: signal.Signals, external: bool = False) -> Figures:
     """The engine killed (SIGKILL) or frozen (SIGSTOP) while the first workload runs; ``external``:
     an endpoint k3pipe did not start (here started by hand), killed or frozen the same way."""
@@ -520,6 +551,7 @@ FAULTS: dict[str, Callable[[Path, str], Figures]] = {
     "ctrl-c-twice": lambda w, e: interrupt(w, e, signal.SIGINT, again_after_s=0.5),
     "sigterm": lambda w, e: interrupt(w, e, signal.SIGTERM),
     "sigkill-then-run": sigkill_then_run,
+    "all-killed-then-run": all_killed_then_run,
     "engine-killed": lambda w, e: engine_fault(w, e, signal.SIGKILL),
     "engine-frozen": lambda w, e: engine_fault(w, e, signal.SIGSTOP),
     "endpoint-killed": lambda w, e: engine_fault(w, e, signal.SIGKILL, external=True),

@@ -220,7 +220,14 @@ class GroupRegistry:
                             f"ended the {record.describe()} left by k3pipe process {record.owner_pid}, "
                             f"which is gone: {what}" + (f"; still running: {left}" if left else "")
                         )
-                    ended.append(record)
+                elif progress:
+                    # ended by someone else too (an administrator, the OOM killer): nothing to stop,
+                    # but what it belonged to did not end cleanly either, and its records say so
+                    progress(
+                        f"the {record.describe()} of k3pipe process {record.owner_pid} is gone, and so is "
+                        "that process: its records are closed"
+                    )
+                ended.append(record)
                 self.remove(record.pgid)
         return ended
 

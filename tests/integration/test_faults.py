@@ -69,6 +69,18 @@ def test_sigkill_leaves_nothing_after_the_next_run(tmp_path: Path) -> None:
     assert fig.still_running_records == 0
 
 
+def test_a_run_killed_with_its_engine_and_server_is_closed_by_the_next_run(tmp_path: Path) -> None:
+    """SIGKILL of `k3pipe run`, its engine and its Prefect server together (nothing left running to
+    reap): the next run still closes the killed run's MLflow runs and marks its flow run Crashed, so
+    nothing stays Running for good."""
+    fig = _run("all-killed-then-run", tmp_path)
+    assert fig.exit_code == 0, fig.output[-3000:]
+    assert "its records are closed" in fig.output
+    assert fig.left_running == []
+    assert fig.still_running_records == 0, (fig.mlflow_statuses, fig.prefect_state)
+    assert "KILLED" in fig.mlflow_statuses.values() or "FAILED" in fig.mlflow_statuses.values()
+
+
 @pytest.mark.parametrize(
     ("name", "notice_s"),
     [("engine-killed", 3), ("engine-frozen", 15), ("endpoint-killed", 5), ("endpoint-frozen", 15)],
