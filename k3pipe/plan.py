@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.engines import RenderedCommand, get_engine, render_args
 from k3pipe.engines.base import Engine
+from k3pipe.schedule import models_of
 from k3pipe.secrets import is_secret_name
 from k3pipe.sources import model_dir
 from k3pipe.specs import (
@@ -219,6 +220,10 @@ def plan_arm(
     key_env = arm.endpoint.api_key_env if arm.launcher.engine_checks_key else None
     key_args = engine.key_args(key_env, arm.engine.args)
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
+    # each arm sees the model and the extra models it names, not another arm's (a vLLM container
+    # got the SGLang draft mounted, which it never used)
+    needed = {"model", *(f"models.{name}" for name in models_of(arm)[1:])}
+    dirs = {key: value for key, value in dirs.items() if key in needed}
     host_dirs = dict(dirs)
     dirs, mounts = arm.launcher.place_models(dirs)
     for host_path, inside in arm.launcher.extra_mounts().items():

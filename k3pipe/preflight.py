@@ -307,8 +307,38 @@ def _kv_rule(reserve_bytes_per_gpu: float) -> Rule:
     return rule_kv_capacity
 
 
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _offline(ctx: ArmContext) -> str | None:
+    """The variable that keeps the engine from any hub ('engine.env.HF_HUB_OFFLINE=1', or this
+    machine's environment for an engine started here), None when nothing does."""
+    truthy = ("1", "true", "yes", "on")
+    for name in _OFFLINE_VARS:
+        if str(ctx.arm.engine.env.get(name, "")).strip().lower() in truthy:
+            return f"engine.env.{name}={ctx.arm.engine.env[name]}"
+    launcher = ctx.arm.launcher
+    if launcher.starts_engine and launcher.runs_here and ctx.arm.launcher.kind == "process":
+        for name in _OFFLINE_VARS:
+            if os.environ.get(name, "").strip().lower() in truthy:
+                return f"{name}={os.environ[name]} in this environment (the engine inherits it)"
+    return None
+
+
 def rule_unpinned_models(ctx: ArmContext) -> Iterator[Finding]:
+    """A model the engine fetches itself at start (a hub id in its arguments): unpinned and unhashed
+    (a warning), and on an offline node a launch that fails after the cold start (an error)."""
+    offline = _offline(ctx)
     for path, value in ctx.engine.unpinned_models(ctx.args):
+        if offline and not value.startswith(("/", "~", ".", "{")):
+            yield ctx.finding(
+                "error",
+                "unpinned-model",
+                f"engine.args.{path} names {value!r}, a hub id the engine would download at start, but it "
+                f"runs offline ({offline}): the launch fails. Declare it under extra_models (source, id, "
+                f"revision: k3pipe fetches, hashes and mounts it) and write '{{models.NAME}}' here.",
+            )
+            continue
         yield ctx.finding(
             "warning",
             "unpinned-model",

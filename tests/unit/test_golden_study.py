@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "field-notes-launches.md"
 FIELD_NOTES = REPO.parent / "shared" / "docs" / "field-notes.md"
 STUDY = REPO / "experiments" / "kimi-k3-8xb300.yaml"
-MODEL_DIRS = {"model": "<model dir>", "models.draft": "<draft dir>"}
+MODEL_DIRS = {"model": "<model dir>", "models.draft": "<draft dir>", "models.draft_vllm": "<vllm draft dir>"}
 
 
 def _blocks(text: str) -> list[str]:
@@ -75,8 +75,19 @@ def test_vllm_arm_matches_study() -> None:
     assert rendered.pop("--model") == "<model dir>"
     assert rendered.pop("--host") == "0.0.0.0"
     assert rendered.pop("--port") == "8000"
+    # the one deliberate difference: the draft. The study's launch named the hub id, which vLLM
+    # fetched itself at start; k3pipe fetches the vLLM-flavour draft the field notes download
+    # (extra_models.draft_vllm), hashes it and mounts it in this arm alone
+    speculative = rendered["--speculative-config"]
+    expected = vllm_flags["--speculative-config"]
+    assert isinstance(speculative, dict)
+    assert isinstance(expected, dict)
+    assert speculative.pop("model") == "/models/draft_vllm"
+    assert expected.pop("model") == "Inferact/Kimi-K3-DSpark"
     assert rendered == vllm_flags
     assert plan.image == "vllm/vllm-openai:kimi-k3"
+    assert plan.mounts == {"<model dir>": "/models/model", "<vllm draft dir>": "/models/draft_vllm"}
+    assert spec.extra_models["draft_vllm"].model_dump()["id"] == "skyai/Kimi-K3-DSpark"
 
 
 def test_sglang_arm_matches_study() -> None:

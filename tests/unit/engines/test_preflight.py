@@ -543,12 +543,15 @@ def test_study_preset_findings(study: ExperimentSpec, monkeypatch: pytest.Monkey
     assert "unknown-flag" not in sglang
     assert "VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION" in vllm["vllm-unknown-env"].message
     assert rules(findings, arm=None)["kv-capacity-skipped"].severity == "info"
-    # the study's vLLM draft was a hub id vLLM fetched itself; SGLang's was the downloaded extra model
-    unpinned = vllm["unpinned-model"]
+    # the study's vLLM draft was a hub id vLLM fetched itself; the preset fetches each arm's own
+    # (extra_models.draft_vllm, extra_models.draft), so neither arm loads an unpinned model
+    assert "unpinned-model" not in vllm
+    assert "unpinned-model" not in sglang
+    study_launch = study.model_dump(mode="json")
+    study_launch["arms"][0]["engine"]["args"]["speculative_config"]["model"] = "Inferact/Kimi-K3-DSpark"
+    unpinned = rules(preflight(ExperimentSpec.model_validate(study_launch)), "vllm")["unpinned-model"]
     assert unpinned.severity == "warning"
     assert "engine.args.speculative_config.model names 'Inferact/Kimi-K3-DSpark'" in unpinned.message
-    assert "extra_models" in unpinned.message
-    assert "unpinned-model" not in sglang
 
 
 # SYNTHETIC config for the study test: a made-up GQA model, NOT Kimi-K3's config.json (which is not
@@ -674,3 +677,42 @@ def test_the_studys_speculative_arms_on_random_prompts_are_warned() -> None:
     findings = preflight(load_experiment(REPO / "experiments" / "kimi-k3-8xb300.yaml"))
     warned = sorted(f.arm for f in findings if f.rule == "speculation-random-prompts")
     assert warned == ["sglang", "vllm"]
+
+
+def test_a_draft_the_engine_would_fetch_itself_is_an_error_offline_and_a_warning_online(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The study's vLLM arm named a hub id in speculative_config (vLLM downloads it at start): on a
+    node without network (HF_HUB_OFFLINE) that launch fails after its cold start, so preflight says
+    so before; online it is a warning (unpinned, unhashed); a declared extra model is neither."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    hub = {"speculative_config": {"method": "eagle", "model": "org/draft", "num_speculative_tokens": 3}}
+    online = rules(preflight(one_arm("vllm", hub)))["unpinned-model"]
+    assert online.severity == "warning"
+    offline = rules(preflight(one_arm("vllm", hub, env={"HF_HUB_OFFLINE": "1"})))["unpinned-model"]
+    assert offline.severity == "error"
+    assert "'org/draft', a hub id the engine would download at start" in offline.message
+    assert "engine.env.HF_HUB_OFFLINE=1" in offline.message
+    assert "extra_models" in offline.message
+    sglang = one_arm(
+        "sglang",
+        {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "org/draft"},
+        env={"TRANSFORMERS_OFFLINE": "true"},
+    )
+    assert rules(preflight(sglang))["unpinned-model"].severity == "error"
+    # a path on the node is the engine's to read, not to download: a warning still
+    path = {"speculative_config": {"method": "eagle", "model": "/drafts/d", "num_speculative_tokens": 3}}
+    assert rules(preflight(one_arm("vllm", path, env={"HF_HUB_OFFLINE": "1"})))[
+        "unpinned-model"
+    ].severity == ("warning")
+    # an engine started here inherits this machine's environment
+    data = one_arm("vllm", hub).model_dump(mode="json")
+    data["arms"][0]["engine"] = {"kind": "vllm", "executable": ["python"], "args": hub}
+    data["arms"][0]["launcher"] = {"kind": "process"}
+    process = ExperimentSpec.model_validate(data)
+    assert rules(preflight(process))["unpinned-model"].severity == "warning"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    inherited = rules(preflight(process))["unpinned-model"]
+    assert inherited.severity == "error"
+    assert "HF_HUB_OFFLINE=1 in this environment" in inherited.message
