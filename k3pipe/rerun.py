@@ -25,7 +25,7 @@ from k3pipe.errors import K3pipeError, RerunError
 from k3pipe.experiment import parse_experiment
 from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
 from k3pipe.secrets import REDACTED
-from k3pipe.sources import ModelRecord, fetch_model
+from k3pipe.sources import ModelRecord, changed_files, fetch_model, hub_files, recorded_dir, verify_dir
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.stats import Design
 from k3pipe.tracking import Tracker
@@ -108,13 +108,50 @@ def _files_differ(recorded: ModelRecord, found: ModelRecord) -> list[str]:
 
 
 def _restore_model(
-    name: str, recorded: ModelRecord, model_spec: ModelScopeModel | LocalModel, home: Path, say: Progress
+    name: str,
+    recorded: ModelRecord,
+    model_spec: ModelScopeModel | LocalModel,
+    home: Path,
+    say: Progress,
+    allow_drift: bool = False,
 ) -> tuple[ModelRecord, str | None]:
-    """The model fetched (at the recorded revision) or found again; a drift text when it differs."""
+    """The model found again (its recorded content directory, verified) or fetched (at the recorded
+    revision); a drift text when it differs. A ModelScope revision that moved since the record is
+    found out from the hub's listing before anything is fetched: without ``allow_drift`` that is a
+    :class:`RerunError` naming what moved, file by file."""
     if isinstance(model_spec, ModelScopeModel):
-        revision = recorded.resolved_revision or recorded.requested_revision or model_spec.revision
-        model_spec = model_spec.model_copy(update={"revision": revision})
-        say(f"{name}: fetching {model_spec.id}@{revision} (the recorded revision) and checking every file")
+        kept = recorded_dir(recorded, home)
+        if kept is not None and kept.is_dir():
+            say(f"{name}: checking the recorded files in {kept}")
+            bad = verify_dir(kept, recorded.files)
+            if not bad:
+                return recorded.model_copy(update={"path": str(kept.resolve()), "downloaded": False}), None
+            say(f"{name}: {len(bad)} recorded file(s) differ in {kept} ({', '.join(bad[:5])})")
+        if kept is not None:
+            # a record of a content directory: the branch it was fetched from may have moved since
+            requested = recorded.requested_revision or model_spec.revision
+            model_spec = model_spec.model_copy(update={"revision": requested})
+            try:
+                now = hub_files(model_spec)
+            except K3pipeError as exc:
+                raise RerunError(
+                    f"{name}: the recorded files are not on this machine ({kept}) and the hub cannot be "
+                    f"asked for {model_spec.id}@{requested}: {exc}"
+                ) from exc
+            moved = changed_files(recorded.files, now)
+            if moved and not allow_drift:
+                raise RerunError(
+                    f"{name}: {model_spec.id}@{requested} has moved since the recorded run ("
+                    + "; ".join(moved)
+                    + f"), and the recorded files are not on this machine ({kept}); nothing was "
+                    f"fetched. Restore them there (digest {recorded.digest()[:16]}), or pass "
+                    "--allow-drift to rerun on what the hub serves now (recorded as drift)"
+                )
+            say(f"{name}: fetching {model_spec.id}@{requested} and checking every file")
+        else:
+            revision = recorded.resolved_revision or recorded.requested_revision or model_spec.revision
+            model_spec = model_spec.model_copy(update={"revision": revision})
+            say(f"{name}: fetching {model_spec.id}@{revision} (the recorded revision), checking every file")
     else:
         say(f"{name}: checking every file of {model_spec.path} against the record")
     try:
@@ -164,7 +201,7 @@ def restore(
 
     models: dict[str, ModelRecord] = {}
     for name, recorded in record.models.items():
-        found, differs = _restore_model(name, recorded, _model_spec(spec, name), home, say)
+        found, differs = _restore_model(name, recorded, _model_spec(spec, name), home, say, allow_drift)
         if differs is not None:
             if not allow_drift:
                 raise RerunError(

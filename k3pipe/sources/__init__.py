@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
-from k3pipe.sources._model import ModelRecord, fetch_model, model_dir
+from k3pipe.sources._model import (
+    ModelRecord,
+    changed_files,
+    content_dir_name,
+    fetch_model,
+    hub_files,
+    model_dir,
+    recorded_dir,
+    verify_dir,
+)
 
-__all__ = ["ModelRecord", "fetch_model", "model_dir"]
+__all__ = [
+    "ModelRecord",
+    "changed_files",
+    "content_dir_name",
+    "fetch_model",
+    "hub_files",
+    "model_dir",
+    "recorded_dir",
+    "verify_dir",
+]

@@ -10,19 +10,30 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
+import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.errors import ModelSourceError
 from k3pipe.specs import LocalModel, ModelScopeModel, expand_home
 
-__all__ = ["ModelRecord", "fetch_model", "model_dir"]
+__all__ = [
+    "ModelRecord",
+    "changed_files",
+    "content_dir_name",
+    "fetch_model",
+    "hub_files",
+    "model_dir",
+    "recorded_dir",
+    "verify_dir",
+]
 
 Progress = Callable[[str], None]
 
@@ -59,13 +70,67 @@ class ModelRecord(BaseModel):
         return h.hexdigest()
 
 
+CONTENT_PREFIX = "sha256:"
+
+
+def content_dir_name(digest: str) -> str:
+    """The directory a ModelScope model's files are kept in: named by their content, so that two
+    revisions (a branch before and after it moved) live side by side."""
+    return f"sha256-{digest[:16]}"
+
+
+def _model_root(spec: ModelScopeModel, home: Path) -> Path:
+    owner, name = spec.id.split("/")
+    return home / "models" / owner / name
+
+
 def model_dir(spec: ModelScopeModel | LocalModel, home: Path) -> Path:
-    """Where the model lives: a local spec's path ('{home}' expanded), or
-    ``home/models/OWNER/NAME/REVISION`` for a ModelScope model."""
+    """Where the model lives: a local spec's path ('{home}' expanded); for a ModelScope model
+    ``home/models/OWNER/NAME/REVISION``, a link to the content directory (``sha256-<digest>``) that
+    revision was last fetched as (resolved here), or the path itself before any fetch."""
     if isinstance(spec, LocalModel):
         return Path(expand_home(spec.path, home)).expanduser().resolve()
-    owner, name = spec.id.split("/")
-    return (home / "models" / owner / name / spec.revision).resolve()
+    return (_model_root(spec, home) / spec.revision).resolve()
+
+
+def recorded_dir(record: ModelRecord, home: Path) -> Path | None:
+    """The content directory a recorded ModelScope fetch is kept in on this machine (None: a local
+    model, or a record made before models were kept by content)."""
+    revision = record.resolved_revision or ""
+    if record.source != "modelscope" or not record.model_id or not revision.startswith(CONTENT_PREFIX):
+        return None
+    owner, name = record.model_id.split("/")
+    return home / "models" / owner / name / content_dir_name(revision.removeprefix(CONTENT_PREFIX))
+
+
+def hub_files(spec: ModelScopeModel) -> dict[str, str]:
+    """The files the hub lists for ``spec`` now (allow_patterns applied): path -> sha256 ('' where the
+    hub gives none). Nothing is downloaded. Raises :class:`ModelSourceError` as :func:`fetch_model`."""
+    _, wanted = _listing(spec, lambda _msg: None)
+    return {p: (f.sha256 or "").lower() for p, f in wanted.items()}
+
+
+def verify_dir(root: Path, files: Mapping[str, str]) -> list[str]:
+    """What differs between ``root`` and ``files`` (path -> sha256): the paths missing or changed."""
+    bad = []
+    for rel, sha in sorted(files.items()):
+        path = root / rel
+        if not path.is_file() or _hash_file(path)[0] != sha:
+            bad.append(rel)
+    return bad
+
+
+def changed_files(before: Mapping[str, str], after: Mapping[str, str]) -> list[str]:
+    """What moved between two fingerprints (path -> sha256), file by file, as phrases."""
+    changed = sorted(f for f in before if f in after and before[f] != after[f])
+    removed = sorted(f for f in before if f not in after)
+    added = sorted(f for f in after if f not in before)
+    out = []
+    for what, names in (("changed", changed), ("removed", removed), ("added", added)):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            out.append(f"{what}: {shown}")
+    return out
 
 
 def fetch_model(
@@ -135,14 +200,11 @@ def _scan_local(spec: LocalModel, home: Path, say: Progress) -> ModelRecord:
 # -- ModelScope ---------------------------------------------------------------------------------
 
 
-def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> ModelRecord:
-    # Imported here: the hub client is heavy and only this path needs it.
-    from modelscope import snapshot_download
+def _listing(spec: ModelScopeModel, say: Progress) -> tuple[str, dict[str, Any]]:
+    """The endpoint and the files of ``spec`` the hub lists (allow_patterns applied)."""
     from modelscope_hub import HubApi, get_default_config
-    from modelscope_hub.errors import FileDownloadError, HubError, NotExistError
+    from modelscope_hub.errors import HubError, NotExistError
 
-    start = time.perf_counter()
-    target = model_dir(spec, home)
     where = f"ModelScope model {spec.id!r} at revision {spec.revision!r}"
     # The client reads MODELSCOPE_ENDPOINT itself; ask it which endpoint it will use.
     endpoint = get_default_config().endpoint or "?"
@@ -180,7 +242,31 @@ def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> Model
             f"{where}: model.allow_patterns {spec.allow_patterns} match none of its {len(blobs)} "
             f"files ({shown}); fix the patterns or remove them"
         )
+    return endpoint, wanted
+
+
+def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> ModelRecord:
+    # Imported here: the hub client is heavy and only this path needs it.
+    from modelscope import snapshot_download
+    from modelscope_hub.errors import FileDownloadError
+
+    start = time.perf_counter()
+    where = f"ModelScope model {spec.id!r} at revision {spec.revision!r}"
+    endpoint, wanted = _listing(spec, say)
     expected = {p: (f.sha256 or "").lower() for p, f in wanted.items()}
+    root = _model_root(spec, home)
+    pointer = root / spec.revision
+    if all(expected.values()):
+        # kept by content: a branch that moved is fetched beside what it was, never over it
+        target = root / content_dir_name(_digest(expected))
+    else:
+        # the hub left some file's sha256 out: the content is known only once fetched, so the files
+        # go where the revision points (a real directory, as before models were kept by content)
+        target = pointer
+        if pointer.is_symlink():
+            pointer.unlink()
+    _say_moved(pointer, target, expected, say)
+    target.mkdir(parents=True, exist_ok=True)
 
     hashes: dict[str, str] = {}
     need: list[str] = []
@@ -193,6 +279,10 @@ def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> Model
                 say(f"verified {rel}")
                 continue
             say(f"{rel}: local copy differs from the hub, fetching it again")
+        if expected[rel] and _link_from_sibling(root, target, rel, info.size, expected[rel]):
+            hashes[rel] = expected[rel]
+            say(f"verified {rel} (the same file as in another revision's directory, linked)")
+            continue
         need.append(rel)
 
     if need:
@@ -237,6 +327,10 @@ def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> Model
             say(f"downloaded {rel}")
 
     total = sum((target / rel).stat().st_size for rel in hashes)
+    files = dict(sorted(hashes.items()))
+    if target != pointer:
+        _manifest(target).write_text(json.dumps(files, indent=1))
+        _point(pointer, target, say)
     return ModelRecord(
         source="modelscope",
         model_id=spec.id,
@@ -244,16 +338,82 @@ def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> Model
         # modelscope 1.40.2 resolves no revision: snapshot_download hands it verbatim to
         # DownloadManager.download_repo (modelscope_hub/_download.py, ``revision or "master"``),
         # which lists and fetches with ``Revision=<it>`` and calls no revisions endpoint; nor does
-        # it read a commit id from the listing (FileInfo in modelscope_hub/types.py has none). All
-        # the hub confirmed is that it serves a non-empty listing for this revision, so the hub
-        # only echoes it: this is the requested name (a branch stays a branch), not a commit sha.
-        resolved_revision=spec.revision,
-        path=str(target),
-        files=dict(sorted(hashes.items())),
+        # it keep the listing's commit id (FileInfo in modelscope_hub/types.py has none). So what
+        # was fetched is named by its content: the digest of every file's sha256, never a branch.
+        resolved_revision=CONTENT_PREFIX + _digest(files),
+        path=str(target.resolve()),
+        files=files,
         total_bytes=total,
         downloaded=bool(need),
         duration_s=time.perf_counter() - start,
     )
+
+
+def _digest(files: Mapping[str, str]) -> str:
+    """:meth:`ModelRecord.digest` of path -> sha256 pairs."""
+    h = hashlib.sha256()
+    for rel, sha in sorted(files.items()):
+        h.update(f"{rel}\0{sha}\n".encode())
+    return h.hexdigest()
+
+
+def _manifest(content: Path) -> Path:
+    """Beside a content directory: its files and their sha256 (not inside it: it is the model)."""
+    return content.with_name(f"{content.name}.files.json")
+
+
+def _say_moved(pointer: Path, target: Path, expected: Mapping[str, str], say: Progress) -> None:
+    """Say so, file by file, when the revision pointed elsewhere before: it moved on the hub."""
+    if not pointer.is_symlink():
+        return
+    before = pointer.resolve()
+    if before == target.resolve():
+        return
+    try:
+        old = json.loads(_manifest(before).read_text())
+    except (OSError, ValueError):
+        old = None
+    what = "; ".join(changed_files(old, expected)) if isinstance(old, dict) else "its files differ"
+    say(
+        f"{pointer.name} has moved since it was last fetched ({before.name} -> {target.name}; {what}): "
+        f"fetching it into {target} beside {before}, which is kept"
+    )
+
+
+def _point(pointer: Path, target: Path, say: Progress) -> None:
+    """Make ``pointer`` (ROOT/REVISION) a link to ``target``, atomically; a real directory there (a
+    home from before models were kept by content) is moved aside, not deleted."""
+    if pointer.exists() and not pointer.is_symlink():
+        aside = pointer.with_name(f"{pointer.name}.before-content-dirs")
+        pointer.rename(aside)
+        say(f"{pointer} was a directory of its own; moved to {aside} (its files are linked where equal)")
+    link = pointer.with_name(f".{pointer.name}.link-{os.getpid()}")
+    link.unlink(missing_ok=True)
+    link.symlink_to(target.name)
+    os.replace(link, pointer)
+
+
+def _link_from_sibling(root: Path, target: Path, rel: str, size: int, sha: str) -> bool:
+    """Hard-link ``rel`` into ``target`` from another directory of the same model holding the same
+    bytes (another revision's content directory, or a directory of before content directories), so a
+    moved branch fetches only what changed; copied where a link cannot be made."""
+    if not root.is_dir():
+        return False
+    for sibling in sorted(root.iterdir()):
+        if sibling.is_symlink() or not sibling.is_dir() or sibling.resolve() == target.resolve():
+            continue
+        source = sibling / rel
+        if not source.is_file() or (size and source.stat().st_size != size) or _hash_file(source)[0] != sha:
+            continue
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.unlink(missing_ok=True)
+        try:
+            os.link(source, dest)
+        except OSError:
+            shutil.copy2(source, dest)
+        return True
+    return False
 
 
 def _normalize(patterns: list[str] | None) -> list[str] | None:

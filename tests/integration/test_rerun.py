@@ -176,3 +176,50 @@ def test_a_secret_written_in_the_experiment_refuses_a_rerun_and_a_reference_does
     tracker, run_id, home, _ = _record(tmp_path / "reference", args={"api_key": "{env.RERUN_TEST_KEY}"})
     inputs = restore(tracker, run_id, home)
     assert inputs.spec.arms[0].engine.args == {"api_key": "{env.RERUN_TEST_KEY}"}
+
+
+def test_a_rerun_after_the_hub_moved_uses_the_kept_files_or_names_what_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model from a (fake) ModelScope hub, recorded by content. The hub's master then moves (new
+    weights): the rerun still finds the recorded files, kept in their own content directory, and asks
+    the hub for nothing; with that directory gone it says which file moved and fetches nothing."""
+    from tests.fakehub import client_pointed_at_fake_hub
+
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    files = {
+        p.relative_to(TINY_MODEL).as_posix(): p.read_bytes() for p in TINY_MODEL.rglob("*") if p.is_file()
+    }
+    weights = next(f for f in files if f.endswith(".safetensors"))
+    with client_pointed_at_fake_hub({"acme/tiny": {"master": dict(files)}}, monkeypatch, tmp_path) as hub:
+        data = _experiment(tmp_path)
+        data["model"] = {"source": "modelscope", "id": "acme/tiny", "revision": "master"}
+        spec = parse_experiment(data)
+        home = tmp_path / "home"
+        tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
+        models = {"model": fetch_model(spec.model, home)}
+        assert models["model"].resolved_revision == f"sha256:{models['model'].digest()}"
+        prompts = prepare_prompts(spec.workloads, Path(models["model"].path), home)
+        recorder = ArmRecorder(tracker, plan_arm(spec, spec.arms[0], home))
+        recorder.log_plan(spec, "experiments/rerun-test.yaml", models)
+        recorder.log_prompts(spec.workloads, prompts)
+        recorder.finish("FINISHED")
+
+        moved = bytearray(files[weights])
+        moved[-1] ^= 0xFF
+        hub.models["acme/tiny"]["master"] = {**files, weights: bytes(moved)}
+        hub.requests.clear()
+        again = restore(tracker, recorder.run_id, home)
+        assert again.drift == []
+        assert again.models["model"].path == models["model"].path
+        assert hub.snapshot() == []  # the recorded files were on this machine: the hub was not asked
+
+        shutil.rmtree(models["model"].path)
+        with pytest.raises(RerunError) as info:
+            restore(tracker, recorder.run_id, home)
+        message = str(info.value)
+        assert "acme/tiny@master has moved since the recorded run" in message
+        assert f"changed: {weights}" in message
+        assert "nothing was fetched" in message
+        assert hub.file_gets() == []  # only the listing was asked for

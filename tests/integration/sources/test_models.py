@@ -14,7 +14,7 @@ from modelscope_hub import set_default_config
 
 import k3pipe.sources
 from k3pipe.errors import ModelSourceError
-from k3pipe.sources import ModelRecord, fetch_model, model_dir
+from k3pipe.sources import ModelRecord, content_dir_name, fetch_model, model_dir
 from k3pipe.specs import LocalModel, ModelScopeModel
 from tests.fakehub import FakeHub, client_pointed_at_fake_hub
 
@@ -69,7 +69,16 @@ def _all_files(*roots: Path) -> list[Path]:
 
 
 def test_public_surface() -> None:
-    assert k3pipe.sources.__all__ == ["ModelRecord", "fetch_model", "model_dir"]
+    assert k3pipe.sources.__all__ == [
+        "ModelRecord",
+        "changed_files",
+        "content_dir_name",
+        "fetch_model",
+        "hub_files",
+        "model_dir",
+        "recorded_dir",
+        "verify_dir",
+    ]
 
 
 def test_model_dir_layout(home: Path) -> None:
@@ -83,14 +92,19 @@ def test_download_records_files_hashes_path_and_revision(hub: FakeHub, home: Pat
     rec = fetch_model(_spec(), home, progress=messages.append)
 
     target = home / "models" / "acme" / "tiny-llm" / "master"
+    # kept by content: the files in sha256-<digest>, the revision a link to it
+    assert target.is_symlink()
     assert rec.path == str(target.resolve())
+    assert Path(rec.path).name == f"sha256-{rec.digest()[:16]}"
     assert Path(rec.path).is_absolute()
     assert rec.files == {p: _sha(b) for p, b in FILES.items()}
     for rel, data in FILES.items():
         assert (target / rel).read_bytes() == data
     assert rec.total_bytes == sum(len(b) for b in FILES.values())
     assert (rec.source, rec.model_id) == ("modelscope", MODEL_ID)
-    assert rec.requested_revision == rec.resolved_revision == "master"
+    # what was fetched is named by its content, never by the branch it was asked for by
+    assert rec.requested_revision == "master"
+    assert rec.resolved_revision == f"sha256:{rec.digest()}"
     assert rec.downloaded is True
     assert rec.duration_s > 0
     # each file fetched (the real client may GET one again: its own retries), at the requested
@@ -106,10 +120,10 @@ def test_other_revision_lands_in_its_own_dir(hub: FakeHub, home: Path) -> None:
     master = fetch_model(_spec(), home)
     v2 = fetch_model(_spec(revision="v2"), home)
     assert v2.path != master.path
-    assert v2.path.endswith("/v2")
+    assert model_dir(_spec(revision="v2"), home) == Path(v2.path)
     assert v2.files["model.safetensors"] == _sha(tiny_model_files()["v2"]["model.safetensors"])
     assert v2.files["model.safetensors"] != master.files["model.safetensors"]
-    assert v2.resolved_revision == "v2"
+    assert v2.resolved_revision == f"sha256:{v2.digest()}"
 
 
 def test_second_call_downloads_nothing(hub: FakeHub, home: Path) -> None:
@@ -173,7 +187,14 @@ def test_corrupted_download_fails_and_leaves_nothing_behind(hub: FakeHub, home: 
     assert isinstance(err.value.__cause__, Exception)
     # the client retried the bad file before giving up (3 attempts in modelscope-hub 0.5.1)
     assert len(hub.file_gets("model.safetensors")) >= 2
-    target = model_dir(_spec(), home)
+    # the good files are kept where the listing's content goes (the revision points there once a
+    # fetch succeeds)
+    listed = ModelRecord(
+        source="modelscope", model_id=MODEL_ID, requested_revision="master", resolved_revision=None,
+        path="/", files={p: _sha(b) for p, b in FILES.items()}, total_bytes=0, downloaded=False, duration_s=0,
+    )  # fmt: skip
+    target = home / "models" / "acme" / "tiny-llm" / content_dir_name(listed.digest())
+    assert not (home / "models" / "acme" / "tiny-llm" / "master").exists()
     leftovers = [
         p
         for p in _all_files(target, home / "modelscope-cache", tmp_path / "ms-cache")
@@ -318,3 +339,48 @@ def test_record_is_frozen(home: Path) -> None:
     rec = fetch_model(LocalModel(source="local", path=str(home / "m")), home)
     with pytest.raises(ValueError, match="frozen"):
         rec.path = "/elsewhere"  # type: ignore[misc]
+
+
+def test_a_moved_branch_is_fetched_beside_what_it_was_and_says_what_moved(hub: FakeHub, home: Path) -> None:
+    """The hub's master moves (new weights): the next fetch keeps the first one's files intact in their
+    own content directory, fetches only the changed file (the others linked), says what moved file by
+    file, and points master at the new content."""
+    first = fetch_model(_spec(), home)
+    moved = {**FILES, "model.safetensors": _weights(9, 300_000)}
+    hub.models[MODEL_ID]["master"] = moved
+    hub.requests.clear()
+    messages: list[str] = []
+
+    second = fetch_model(_spec(), home, progress=messages.append)
+
+    assert second.path != first.path
+    assert second.resolved_revision != first.resolved_revision
+    assert {r.query["FilePath"] for r in hub.file_gets()} == {"model.safetensors"}
+    said = next(m for m in messages if "has moved since it was last fetched" in m)
+    assert "changed: model.safetensors" in said
+    assert first.path in said
+    # the first fetch's files are all still there, byte for byte
+    for rel, data in FILES.items():
+        assert (Path(first.path) / rel).read_bytes() == data
+    assert model_dir(_spec(), home) == Path(second.path)
+    assert (Path(second.path) / "model.safetensors").read_bytes() == moved["model.safetensors"]
+    # an unchanged file is the same inode in both (linked, not copied)
+    assert (Path(first.path) / "config.json").stat().st_ino == (
+        Path(second.path) / "config.json"
+    ).stat().st_ino
+
+
+def test_a_home_from_before_content_directories_is_moved_aside_and_reused(hub: FakeHub, home: Path) -> None:
+    """models/OWNER/NAME/master as a directory of its own (how k3pipe kept models before): its files
+    are linked into the content directory (nothing downloaded again), and it is moved aside."""
+    legacy = home / "models" / "acme" / "tiny-llm" / "master"
+    for rel, data in FILES.items():
+        (legacy / rel).parent.mkdir(parents=True, exist_ok=True)
+        (legacy / rel).write_bytes(data)
+    messages: list[str] = []
+    rec = fetch_model(_spec(), home, progress=messages.append)
+    assert hub.file_gets() == []
+    assert legacy.is_symlink()
+    assert Path(rec.path).name.startswith("sha256-")
+    assert (legacy.parent / "master.before-content-dirs" / "config.json").is_file()
+    assert any("moved to" in m for m in messages)
