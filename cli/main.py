@@ -586,14 +586,24 @@ def _mark_cancelled(flow_run_ids: list[str], why: str) -> None:
 
 @app.command()
 def rerun(
-    run_id: Annotated[str, typer.Argument(help="An arm's MLflow run id (or a workload run's; prefix ok).")],
+    run_id: Annotated[
+        str, typer.Argument(help="An arm's MLflow run id (or a workload run's), or a study's; prefix ok.")
+    ],
     allow_drift: Annotated[
         bool,
         typer.Option(help="Rerun although a model file differs from the record (recorded as drift)."),
     ] = False,
 ) -> None:
-    """Run an arm again from its MLflow record alone, then compare the new run with the original."""
+    """Run an arm, or a whole study, again from its MLflow record alone, then compare the new run
+    with the original (a study: each launch against the same launch of the original)."""
     settings = Settings()
+    kind = _run_kind(settings, run_id)
+    if kind == "study":
+        _rerun_study(settings, run_id, allow_drift)
+        return
+    if kind == "retest":
+        _rerun_retest(settings, run_id, allow_drift)
+        return
     prepare_prefect_env(settings, "flows.benchmark")
     from flows.benchmark import rerun as rerun_flow
     from k3pipe.bench.repeats import Comparison
@@ -608,6 +618,66 @@ def rerun(
                 c = Comparison.model_validate(raw)
                 change = c.change_text()
                 print(f"  {c.metric:<28}{c.mean_a:>12.3f}{c.mean_b:>12.3f}  {change:<28}{c.verdict()}")
+
+
+def _run_kind(settings: Settings, run_ref: str) -> str | None:
+    """The ``k3pipe.kind`` tag of the run ``run_ref`` names (None: an arm's, or a run not found here:
+    the arm rerun then says so)."""
+    from k3pipe.compare import find_run
+    from k3pipe.tracking import Tracker
+
+    try:
+        tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+        return find_run(tracker, run_ref).data.tags.get("k3pipe.kind")
+    except K3pipeError:
+        return None
+
+
+def _rerun_study(settings: Settings, run_id: str, allow_drift: bool) -> None:
+    """A study run again from its records, then its verdicts per arm, launch and workload."""
+    prepare_prefect_env(settings, "flows.study")
+    from flows.study import study as study_flow
+    from k3pipe.bench.repeats import Comparison
+    from k3pipe.jobs.study import ArmsFailed
+
+    failed = None
+    try:
+        result = _run_flow(lambda: study_flow(rerun=run_id, allow_drift=allow_drift), keep=ArmsFailed)
+    except ArmsFailed as exc:
+        failed, result = exc, exc.result
+    _print_study(result)
+    for v in result.get("verdicts", []):
+        print(f"\n{v['arm']}#{v['launch']} / {v['workload']}: {v['verdict']}  (rerun of study {run_id[:12]})")
+        print(f"  {'metric':<28}{'original':>12}{'rerun':>12}  {'change [interval]':<28}verdict")
+        for raw in v["metrics"]:
+            c = Comparison.model_validate(raw)
+            print(f"  {c.metric:<28}{c.mean_a:>12.3f}{c.mean_b:>12.3f}  {c.change_text():<28}{c.verdict()}")
+    if failed is not None:
+        typer.secho(f"error: {failed}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+
+
+def _rerun_retest(settings: Settings, run_id: str, allow_drift: bool) -> None:
+    """A retest run again from its records: each study's verdicts against its original, then the
+    retest's report (the variants against the baseline again)."""
+    prepare_prefect_env(settings, "flows.retest")
+    from flows.retest import retest as retest_flow
+    from k3pipe.jobs.retest import VariantsFailed
+
+    failed = None
+    try:
+        result = _run_flow(lambda: retest_flow(rerun=run_id, allow_drift=allow_drift), keep=VariantsFailed)
+    except VariantsFailed as exc:
+        failed, result = exc, exc.result
+    _print_report_text(result["report"])
+    for label, s in result["studies"].items():
+        print(f"{label}: study run id {s['study_run_id']} (rerun of {s.get('rerun_of', '?')[:12]})")
+        for v in s.get("verdicts", []):
+            print(f"  {v['arm']}#{v['launch']} / {v['workload']}: {v['verdict']}")
+    print(f"retest: MLflow run id {result['retest_run_id']} (rerun of {run_id[:12]})")
+    if failed is not None:
+        typer.secho(f"error: {failed}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
 
 
 def _print_outcomes(outcomes: list[dict]) -> None:

@@ -26,6 +26,8 @@ def retest(
     experiment_yaml: str | None = None,
     variants: list[str] | None = None,
     overrides: Overrides = NO_OVERRIDES,
+    rerun: str | None = None,
+    allow_drift: bool = False,
 ) -> dict[str, Any]:
     """The baseline, then each variant (all of the experiment's, or the named variants), each a study
     under the retest's MLflow run; then every variant judged against the baseline. A study that fails
@@ -43,9 +45,15 @@ def retest(
         overrides: Workload fields laid over every workload of the experiment (the baseline and
             each variant; a variant's own workload changes still apply); a field left empty keeps
             the experiment's value. Recorded on the MLflow runs as override.* params.
+        rerun: A retest's MLflow run id (or a unique prefix) to run again from its records: each of
+            its studies rerun (every arm from its record) and judged against the original's, then
+            the variants judged against the baseline again (the fields above are not read).
+        allow_drift: With rerun: go on although a model differs from the record (recorded as drift).
     """
     note_flow_run()
     guard()
+    if rerun and rerun.strip():
+        return job.rerun_retest(rerun.strip(), flow_job(), allow_drift=allow_drift).as_dict()
     request = RunRequest(
         experiment=experiment, experiment_yaml=experiment_yaml, variants=variants, overrides=overrides
     )

@@ -26,6 +26,8 @@ def study(
     arms: list[str] | None = None,
     overrides: Overrides = NO_OVERRIDES,
     resume: str | None = None,
+    rerun: str | None = None,
+    allow_drift: bool = False,
 ) -> dict[str, Any]:
     """Every arm (or the named arms) of the experiment on every workload, under one MLflow run; the
     report at the end. An arm that fails is recorded and the others still run; the flow then fails
@@ -44,11 +46,17 @@ def study(
             that finished are kept, and the workloads an unfinished launch finished cleanly; the rest
             run, with its own recorded experiment, arms and overrides (the fields above are not
             read). Empty: a new study.
+        rerun: A study's MLflow run id (or a unique prefix) to run again, as a new study, from its
+            records alone (each arm's pinned image, verified models and the prompts it sent), then
+            compared launch by launch with it (the fields above are not read). Empty: a new study.
+        allow_drift: With rerun: go on although a model differs from the record (recorded as drift).
     """
     note_flow_run()
     guard()
     if resume and resume.strip():
         return job.resume(resume.strip(), flow_job()).as_dict()
+    if rerun and rerun.strip():
+        return job.rerun(rerun.strip(), flow_job(), allow_drift=allow_drift).as_dict()
     request = RunRequest(
         experiment=experiment, experiment_yaml=experiment_yaml, arms=arms, overrides=overrides
     )

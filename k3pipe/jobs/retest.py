@@ -6,6 +6,7 @@ retest's report. ``flows/retest.py`` runs it with its Prefect tasks; :meth:`Job.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from k3pipe.report import retest_dir
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
 from k3pipe.secrets import scrub
 
-__all__ = ["RetestResult", "VariantsFailed", "retest"]
+__all__ = ["RetestResult", "VariantsFailed", "rerun_retest", "retest"]
 
 
 class VariantsFailed(PartlyFailedError):
@@ -37,15 +38,20 @@ class RetestResult:
     studies: dict[str, StudyResult]
     failed: dict[str, str]
     report: dict[str, str]
+    rerun_of: str | None = None
+    """A rerun: the retest it repeats (each study's verdicts against its original are its own)."""
 
     def as_dict(self) -> dict[str, Any]:
         """What the flow returns (each study as its flow's dict)."""
-        return {
+        out: dict[str, Any] = {
             "retest_run_id": self.retest_run_id,
             "studies": {label: s.as_dict() for label, s in self.studies.items()},
             "failed": self.failed,
             "report": self.report,
         }
+        if self.rerun_of is not None:
+            out["rerun_of"] = self.rerun_of
+        return out
 
 
 def _check_regression(job: Job, run_id: str, metrics: tuple[str, ...]) -> None:
@@ -129,6 +135,81 @@ def retest(request: RunRequest, job: Job) -> RetestResult:
                 f"{len(failed)} of {len(targets)} studies did not finish cleanly ({details}); "
                 f"the report judges the others: {paths['html']}"
             ),
+            result.as_dict(),
+        )
+    return result
+
+
+def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestResult:
+    """The recorded retest ``run_ref`` run again from its records: a new retest run (tagged
+    ``k3pipe.rerun_of``) with its experiment, variants and overrides, each of its studies rerun under
+    it (:func:`k3pipe.jobs.study.rerun`: every arm from its record, then each launch judged against
+    the original study's), then the retest's report, which judges the variants against the baseline
+    again. A study that cannot be rerun is recorded and the others still are; then
+    :class:`VariantsFailed` after the report."""
+    from k3pipe.compare import find_run
+    from k3pipe.errors import RerunError
+    from k3pipe.experiment import parse_experiment
+    from k3pipe.jobs.study import rerun as rerun_study
+    from k3pipe.report.retest import RETEST_KIND
+
+    tracker = job.tracker
+    original = find_run(tracker, run_ref)
+    orig_id = original.info.run_id
+    if original.data.tags.get("k3pipe.kind") != RETEST_KIND:
+        raise RerunError(f"run {orig_id} is not a retest's run (tag k3pipe.kind): give a retest's run id")
+    recorded = tracker.read_artifact(orig_id, "experiment.json")
+    if recorded is None:
+        raise RerunError(f"retest run {orig_id} has no experiment.json: it cannot be rerun from its record")
+    spec = parse_experiment(json.loads(recorded), f"experiment.json of retest run {orig_id}")
+    params = dict(original.data.params)
+    names = [n for n in params.get("variants", "").split(",") if n]
+    targets = retest_targets(spec, names)
+    overrides = {k: v for k, v in params.items() if k.startswith("override.")}
+    children = {
+        c.data.tags.get("k3pipe.variant"): c.info.run_id
+        for c in tracker.children(orig_id)
+        if c.data.tags.get("k3pipe.variant")
+    }
+    tags = {**job.tags, "k3pipe.rerun_of": orig_id}
+    run_id = start_retest(tracker, spec, params.get("experiment_file", ""), targets, tags, overrides)
+    job.say("rerun of retest %s (MLflow run %s): %s", spec.name, orig_id, run_id)
+    studies: dict[str, StudyResult] = {}
+    failed: dict[str, str] = {}
+    status = "KILLED"
+    try:
+        for t in targets:
+            study_of = children.get(t.label)
+            try:
+                if study_of is None:
+                    raise RerunError(f"the original retest has no study of {t.label}")
+                studies[t.label] = rerun_study(
+                    study_of, job, allow_drift, parent_run_id=run_id,
+                    tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
+                )  # fmt: skip
+            except ArmsFailed as exc:
+                studies[t.label] = exc.study
+                failed[t.label] = str(exc)
+            except Exception as exc:  # this study could not be rerun: the others still can
+                failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")
+                job.warn("rerun of retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
+            if t.label in failed:
+                tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
+        status = "FINISHED"
+    except Exception:
+        status = "FAILED"
+        raise
+    finally:
+        if failed:
+            tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
+        tracker.end_run(run_id, status)
+    report_needs_mlflow(tracker, run_id)
+    paths = job.steps.retest_report(tracker, run_id, retest_dir(job.home, spec.name, run_id))
+    result = RetestResult(run_id, studies, failed, paths, rerun_of=orig_id)
+    if failed:
+        details = "; ".join(f"{label}: {why}" for label, why in failed.items())
+        raise VariantsFailed(
+            scrub(f"{len(failed)} of {len(targets)} studies were not rerun cleanly ({details})"),
             result.as_dict(),
         )
     return result

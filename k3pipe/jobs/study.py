@@ -10,20 +10,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.errors import PartlyFailedError, SpecError, first_line
+from k3pipe.errors import PartlyFailedError, RerunError, SpecError, first_line
 from k3pipe.jobs.prepare import Prepared, check_spec, prepare
 from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
 from k3pipe.params import INLINE_SOURCE, RunRequest
 from k3pipe.report import report_dir
+from k3pipe.rerun import RerunInputs
 from k3pipe.resume import ResumeError, check_experiment, check_prompts, reopen, resume_point, study_lock
 from k3pipe.run import ArmOutcome
+from k3pipe.runrecord import prompts_digest
 from k3pipe.secrets import scrub
 from k3pipe.sources import ModelRecord
 from k3pipe.specs import ExperimentSpec
 from k3pipe.speculation import speculation_setting
 from k3pipe.study import Study, StudySteps, start_study
 
-__all__ = ["ArmsFailed", "StudyRequest", "StudyResult", "resume", "run_study", "study"]
+__all__ = ["ArmsFailed", "StudyRequest", "StudyResult", "rerun", "resume", "run_study", "study"]
 
 
 class ArmsFailed(PartlyFailedError):
@@ -60,14 +62,21 @@ class StudyResult:
     study_run_id: str
     arms: list[ArmOutcome]
     report: dict[str, str]
+    rerun_of: str | None = None
+    """A rerun: the study it repeats."""
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+    """A rerun: per arm and launch, each workload against the original's (``rerun.verdict_rows``)."""
 
     def as_dict(self) -> dict[str, Any]:
         """What the flow returns (the arms as outcome dicts)."""
-        return {
+        out: dict[str, Any] = {
             "study_run_id": self.study_run_id,
             "arms": [o.as_dict() for o in self.arms],
             "report": self.report,
         }
+        if self.rerun_of is not None:
+            out |= {"rerun_of": self.rerun_of, "verdicts": self.verdicts}
+        return out
 
 
 def study(request: RunRequest, job: Job) -> StudyResult:
@@ -160,6 +169,91 @@ def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None
         study.done, study.prior_stages, study.prior_wall_s = point.done, point.stages, point.wall_s
         study.kept = point.kept
         return _finish(study, job)
+
+
+RERUN_VERDICTS = "rerun_verdicts.json"
+
+
+def rerun(
+    run_ref: str,
+    job: Job,
+    allow_drift: bool = False,
+    parent_run_id: str | None = None,
+    tags: dict[str, str] | None = None,
+) -> StudyResult:
+    """The recorded study ``run_ref`` run again from its records alone, as a new study: every arm
+    from its first finished launch's record (its image pinned to the recorded digest, its models
+    verified or fetched at their recorded content, the prompts it sent, checked against their
+    digests), in the study's own order, launches and overrides; then each launch of the rerun against
+    the original's same launch with the verdict rules (``rerun.verdict``), on the new study's run
+    (``rerun_verdicts.json``, tag ``k3pipe.rerun_verdict``) and in what it returns. Raises
+    :class:`RerunError` before anything starts when an input cannot be had exactly (unless
+    ``allow_drift``), :class:`ArmsFailed` after the verdicts when an arm of the rerun failed.
+    ``parent_run_id`` and ``tags``: the new study nested under a retest's rerun."""
+    tracker = job.tracker
+    point = resume_point(tracker, run_ref)
+    original = point.run_id
+    names = [a.name for a in point.spec.arms if a.name in point.arms]
+    restored: dict[str, RerunInputs] = {}
+    for name in names:
+        launches = sorted(k for (arm, k) in point.done if arm == name and k > 0)
+        if not launches:
+            raise RerunError(
+                f"study {point.name} (run {original}): arm {name!r} has no finished launch to rerun from; "
+                f"resume the study first (`k3pipe study --resume {original}`), or rerun its arms one by "
+                "one (`k3pipe rerun ARM_RUN_ID`)"
+            )
+        job.say("rerun of study %s: restoring arm %s from its launch %d", point.name, name, launches[0])
+        arm_run_id = point.done[(name, launches[0])]
+        restored[name] = job.steps.restore_run(tracker, arm_run_id, job.home, allow_drift)
+    first = restored[names[0]]
+    digests = {k: [prompts_digest(s) for s in v] for k, v in first.prompts.items()}
+    for name, inputs in restored.items():
+        if {k: [prompts_digest(s) for s in v] for k, v in inputs.prompts.items()} != digests:
+            raise RerunError(
+                f"study {point.name}: arms {names[0]!r} and {name!r} recorded different prompts, so the "
+                "study cannot be rerun as one; rerun its arms one by one (`k3pipe rerun ARM_RUN_ID`)"
+            )
+    arms = [restored[a.name].spec.arm(a.name) if a.name in restored else a for a in point.spec.arms]
+    spec = point.spec.model_copy(update={"arms": arms})
+    drift = sorted({d for inputs in restored.values() for d in inputs.drift})
+    marks = {"k3pipe.rerun_of": original} | ({"k3pipe.drift": " | ".join(drift)[:4000]} if drift else {})
+    request = StudyRequest(
+        spec,
+        point.experiment_file or INLINE_SOURCE,
+        point.arms,
+        params=dict(point.params),
+        parent_run_id=parent_run_id,
+        tags={**(tags or {}), **marks},
+        models=dict(first.models),
+        prompts=dict(first.prompts),
+    )
+    try:
+        result = run_study(request, job)
+    except ArmsFailed as failed:
+        failed.study.rerun_of = original
+        failed.study.verdicts = _rerun_verdicts(job, original, failed.study)
+        raise
+    result.rerun_of = original
+    result.verdicts = _rerun_verdicts(job, original, result)
+    return result
+
+
+def _rerun_verdicts(job: Job, original: str, result: StudyResult) -> list[dict[str, Any]]:
+    """Each finished launch of the rerun against the same launch of ``original``, recorded."""
+    before = resume_point(job.tracker, original).done
+    out = []
+    for o in result.arms:
+        then = before.get((o.arm, o.launch))
+        if then is None or o.status != "FINISHED" or not o.mlflow_run_id:
+            continue
+        for row in job.steps.rerun_verdict(job.tracker, then, o.mlflow_run_id):
+            out.append({"arm": o.arm, "launch": o.launch, **row})
+            job.say("rerun of study: %s#%d / %s: %s", o.arm, o.launch, row["workload"], row["verdict"])
+    job.tracker.log_dict(result.study_run_id, out, RERUN_VERDICTS)
+    summary = "; ".join(f"{v['arm']}#{v['launch']}/{v['workload']}: {v['verdict']}" for v in out)
+    job.tracker.set_tags(result.study_run_id, {"k3pipe.rerun_verdict": scrub(summary)[:4000] or "none"})
+    return out
 
 
 def _study(

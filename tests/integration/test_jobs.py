@@ -125,3 +125,79 @@ def test_a_benchmark_request_is_a_run_or_a_rerun_never_both() -> None:
         BenchmarkRequest()
     plain = RunRequest(experiment="experiments/demo-cpu.yaml")
     assert BenchmarkRequest(run=plain, rerun_of="abc123").rerun_of == "abc123"
+
+
+def test_a_study_rerun_from_its_records_is_compared_launch_by_launch(tmp_path: Path) -> None:
+    """A two-arm study, then `rerun` of it: a new study tagged as the original's rerun, every arm
+    from its record with the same prompts, each launch judged against the original's. Between the
+    two, arm b's server was made ten times slower: its verdict says different (slower), a's does not."""
+    from k3pipe.bench.repeats import Comparison
+    from k3pipe.jobs.study import RERUN_VERDICTS, rerun
+    from k3pipe.rerun import read_record
+
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    with (
+        ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as a,
+        ScriptedOpenAI(Script(inter_token_s=0.004), model="m") as b,
+    ):
+        job = _job(tmp_path, {})
+        first = study(RunRequest(experiment_yaml=_experiment({"a": a.base_url, "b": b.base_url})), job)
+        b.script = Script(inter_token_s=0.04)
+        again = rerun(first.study_run_id, job)
+
+    tracker = job.tracker
+    assert again.rerun_of == first.study_run_id
+    assert again.study_run_id != first.study_run_id
+    assert [(o.arm, o.status) for o in again.arms] == [("a", "FINISHED"), ("b", "FINISHED")]
+    run = tracker.client.get_run(again.study_run_id)
+    assert run.data.tags["k3pipe.rerun_of"] == first.study_run_id
+    # the same prompts, from the original's records
+    for before, after in zip(first.arms, again.arms, strict=True):
+        assert (
+            read_record(tracker, after.mlflow_run_id).prompts
+            == read_record(tracker, before.mlflow_run_id).prompts
+        )
+    verdicts = {(v["arm"], v["workload"]): v for v in again.verdicts}
+    assert set(verdicts) == {("a", "in32"), ("b", "in32")}
+    slower = verdicts[("b", "in32")]
+    assert slower["verdict"].startswith("different"), slower["verdict"]
+    throughput = next(
+        Comparison.model_validate(m) for m in slower["metrics"] if m["metric"] == "output_throughput_tps"
+    )
+    assert throughput.different
+    assert throughput.mean_b < throughput.mean_a / 3
+    assert not verdicts[("a", "in32")]["verdict"].startswith("different"), verdicts[("a", "in32")]["verdict"]
+    recorded = tracker.read_artifact(again.study_run_id, RERUN_VERDICTS)
+    assert recorded is not None
+    assert "b#1/in32: different" in run.data.tags["k3pipe.rerun_verdict"]
+
+
+def test_a_retest_rerun_reruns_each_study_under_a_new_retest(tmp_path: Path) -> None:
+    """A retest (baseline and one variant) from the library, then `rerun_retest` of it: a new retest
+    run tagged as the original's rerun, each of its studies a rerun of the original's same study
+    (same variant label), each launch judged against the original's, and the retest's report again."""
+    from k3pipe.jobs.retest import rerun_retest, retest
+
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    data = yaml.safe_load(_experiment({"a": "http://127.0.0.1:9/v1"}))
+    data["variants"] = [{"name": "longer", "arms": {"a": {}}, "workloads": {"output_tokens": 16}}]
+    with ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as server:
+        data["arms"][0]["endpoint"]["base_url"] = server.base_url
+        job = _job(tmp_path, {})
+        first = retest(RunRequest(experiment_yaml=yaml.safe_dump(data)), job)
+        again = rerun_retest(first.retest_run_id, job)
+
+    tracker = job.tracker
+    assert again.rerun_of == first.retest_run_id
+    run = tracker.client.get_run(again.retest_run_id)
+    assert run.data.tags["k3pipe.rerun_of"] == first.retest_run_id
+    assert set(again.studies) == {"baseline", "longer"}
+    for label, s in again.studies.items():
+        assert s.rerun_of == first.studies[label].study_run_id
+        study_run = tracker.client.get_run(s.study_run_id)
+        assert study_run.data.tags["mlflow.parentRunId"] == again.retest_run_id
+        assert study_run.data.tags["k3pipe.variant"] == label
+        assert [(v["arm"], v["workload"]) for v in s.verdicts] == [("a", "in32")]
+    assert Path(again.report["html"]).is_file()
