@@ -233,6 +233,7 @@ def rerun(
     except ArmsFailed as failed:
         failed.study.rerun_of = original
         failed.study.verdicts = _rerun_verdicts(job, original, failed.study)
+        failed.result = failed.study.as_dict()  # what the command prints: the verdicts included
         raise
     result.rerun_of = original
     result.verdicts = _rerun_verdicts(job, original, result)

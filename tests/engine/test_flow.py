@@ -170,7 +170,9 @@ def test_flow_records_everything_in_mlflow(
     assert re.fullmatch(r"[0-9a-f]{64}", params["model.digest"])
     assert int(params["model.files"]) == len(files)
     assert params["model.id"] == "k3pipe/tiny-llama"
-    assert params["model.resolved_revision"] == "v1"
+    # what was fetched is named by its content (the digest of every file's sha256), not by "v1"
+    assert params["model.revision"] == "v1"
+    assert params["model.resolved_revision"] == f"sha256:{params['model.digest']}"
     home = Path(os.environ["K3PIPE_HOME"])
     assert params["model.path"] == str((home / "models" / "k3pipe" / "tiny-llama" / "v1").resolve())
     assert params["k3pipe_commit"] != ""
