@@ -21,6 +21,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 __all__ = [
+    "KERNEL_CONFIG_DEVICE",
+    "UNTUNED_KERNEL",
     "ColdStartPhase",
     "EngineLogFacts",
     "LogFormat",
@@ -30,10 +32,34 @@ __all__ = [
     "parse_engine_log",
     "phase_table",
     "read_log_lines",
+    "same_device",
 ]
 
 API_READY = "api_ready"
 """The phase every engine has: first timestamped log line -> the readiness line."""
+
+KERNEL_CONFIG_DEVICE = re.compile(r"\bdevice_name=(?P<v>[^,/\s'\"]+?)(?:_down)?(?:,|\.json)")
+"""The device name inside a tuned-kernel config file's name, as both engines build it from
+``torch.cuda.get_device_name()`` with spaces made underscores: vLLM's fused MoE and W8A8 block-FP8
+lookups ("Using configuration from .../E=256,N=512,device_name=NVIDIA_H200.json for MoE layer.",
+"Using default MoE config. Performance might be sub-optimal! Config file not found at ...") and
+SGLang's (fused_moe_triton_config.py: "Using MoE kernel config from %s.", "Using default MoE kernel
+config. Performance might be sub-optimal! Config file not found at %s, ..."; its down-projection
+configs end ``_down.json``). The name the engine chose kernels for: field notes' pitfall 4, SGLang
+logging "NVIDIA L20D" on a B300 node."""
+
+UNTUNED_KERNEL = re.compile(r"Performance might be sub-optimal!")
+"""Both engines' words when a kernel runs on a default config for want of one tuned for the device
+(or one tuned under another Triton version, SGLang's fallback)."""
+
+
+def _device_key(name: str) -> str:
+    return "_".join(name.split()).casefold()
+
+
+def same_device(logged: str, gpu_names: Sequence[str]) -> bool:
+    """Whether a device name an engine logged (spaces as underscores) is one of nvidia-smi's names."""
+    return _device_key(logged) in {_device_key(n) for n in gpu_names}
 
 
 @dataclass(frozen=True)
@@ -148,6 +174,10 @@ class LogPatterns:
     oom: tuple[re.Pattern[str], ...] = ()
     """Lines that say GPU memory ran out: every one counted, with its time and rank (the study's 32
     OOM retries across 8 GPUs were one warning when each message was kept once)."""
+    device_name: re.Pattern[str] | None = None
+    """Where the log names the device it chose kernels for (group ``v``, every distinct one kept)."""
+    untuned_kernels: tuple[re.Pattern[str], ...] = ()
+    """Lines saying a kernel runs on a default config, none tuned for this device: counted."""
 
 
 class ColdStartPhase(BaseModel):
@@ -262,6 +292,13 @@ class EngineLogFacts(BaseModel):
     oom: RepeatedLine | None = Field(
         default=None, description="Every line saying GPU memory ran out, counted (None: no such line)."
     )
+    device_names: list[str] = Field(
+        default_factory=list,
+        description="The device names the engine chose kernels by, as logged (spaces as underscores).",
+    )
+    untuned_kernels: RepeatedLine | None = Field(
+        default=None, description="Lines saying a kernel runs untuned on this device, counted (None: none)."
+    )
 
     def phase_seconds(self) -> dict[str, float]:
         """``{phase: seconds}`` in start-up order."""
@@ -291,6 +328,15 @@ def _last(lines: Sequence[LogLine], pattern: re.Pattern[str] | None) -> str | No
         match = pattern.search(line.message)
         if match:
             found = match.group("v")
+    return found
+
+
+def _distinct(lines: Sequence[LogLine], pattern: re.Pattern[str] | None) -> list[str]:
+    found: list[str] = []
+    for line in lines:
+        for match in pattern.finditer(line.message) if pattern is not None else ():
+            if match.group("v") not in found:
+                found.append(match.group("v"))
     return found
 
 
@@ -423,4 +469,6 @@ def parse_engine_log(
         compile_cache_dir=_last(parsed, patterns.compile_cache_dir),
         compiled=any(p.search(ln.message) for ln in parsed for p in patterns.compile_ran),
         oom=count_lines(parsed, patterns.oom),
+        device_names=_distinct(parsed, patterns.device_name),
+        untuned_kernels=count_lines(parsed, patterns.untuned_kernels),
     )

@@ -34,7 +34,7 @@ from k3pipe.health import EndpointCheck
 from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
 from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
-from k3pipe.observe import EngineLogFacts, phase_table
+from k3pipe.observe import EngineLogFacts, phase_table, same_device
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
 from k3pipe.runrecord import RECORD_FILE, PromptsRef, RunRecord, prompts_artifact, prompts_digest
@@ -203,6 +203,8 @@ class ArmRecorder:
         self._resets: dict[str, list[int]] = {}
         self.engine_log_facts: EngineLogFacts | None = None
         """What the engine log said (set by :meth:`log_engine_findings`, so after :meth:`finish`)."""
+        self.gpu_names: list[str] = []
+        """nvidia-smi's names of the node's GPUs (set by :meth:`log_node`; empty without nvidia-smi)."""
         self.record: RunRecord | None = None
         """The run as a value (from :meth:`log_plan` on), written as run_record.json by :meth:`finish`."""
         self.rerun_of: str | None = None
@@ -751,6 +753,7 @@ class ArmRecorder:
         with log_path.open(errors="replace") as fh:
             facts = get_engine(self.plan.engine).parse_log(fh)
         self.engine_log_facts = facts
+        untuned = facts.untuned_kernels
         self.tracker.log_dict(self.run_id, facts.model_dump(mode="json"), "engine_findings.json")
         self.tracker.log_metrics(
             self.run_id,
@@ -774,15 +777,39 @@ class ArmRecorder:
             | {
                 "engine_log.oom_lines": facts.oom.lines if facts.oom else 0,
                 "engine_log.oom_ranks": len(facts.oom.ranks) if facts.oom else 0,
+                "engine_log.untuned_kernel_lines": untuned.lines if untuned else 0,
             },
         )
+        wrong_device = self._check_device_names(facts)
         # the count first: 32 OOM retries are not one warning among others
-        said = ([facts.oom.describe("GPU memory ran out")] if facts.oom else []) + facts.warnings
+        said = [facts.oom.describe("GPU memory ran out")] if facts.oom else []
+        said += ([wrong_device] if wrong_device else []) + facts.warnings
+        if untuned:
+            said.append(untuned.describe("a kernel ran on its default config (none tuned for the device)"))
         if said:
             warnings = scrub(" | ".join(s.replace(" | ", " / ") for s in said))[:4000]
             self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": warnings})
         self._log_phases(facts)
         return facts
+
+    def _check_device_names(self, facts: EngineLogFacts) -> str | None:
+        """The device names the engine chose kernels by, against nvidia-smi's (field notes' pitfall 4:
+        SGLang named a B300 "NVIDIA L20D"): tag ``k3pipe.engine_device_names``, metric
+        ``engine_log.device_name_mismatch`` (where both are known) and the warning, or None."""
+        if not facts.device_names:
+            return None
+        self.tracker.set_tags(self.run_id, {"k3pipe.engine_device_names": ", ".join(facts.device_names)})
+        if not self.gpu_names:
+            return None
+        wrong = [d for d in facts.device_names if not same_device(d, self.gpu_names)]
+        self.tracker.log_metrics(self.run_id, {"engine_log.device_name_mismatch": int(bool(wrong))})
+        if not wrong:
+            return None
+        return (
+            f"the engine chose kernels for device {', '.join(wrong)} but nvidia-smi names the GPU "
+            f"{', '.join(self.gpu_names)}: kernel configs and backends picked by device name may not "
+            "be this GPU's"
+        )
 
     def _log_phases(self, facts: EngineLogFacts) -> None:
         """The cold-start phase table: metrics ``cold_start.<phase>_s``, cold_start_phases.json/.txt."""
@@ -839,6 +866,7 @@ class ArmRecorder:
         it answered) and the engine's NCCL / symmetric-memory environment (nothing without nvidia-smi)."""
         if node is None:
             return
+        self.gpu_names = sorted({g.name for g in node.gpus})
         self.tracker.log_params(self.run_id, node.params())
         self.tracker.log_text(self.run_id, node.nvidia_smi, "node/nvidia-smi-before.txt")
         if node.topology is not None:

@@ -14,7 +14,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
 from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
-from k3pipe.observe import LogFormat, LogLine, LogPatterns, PhasePattern
+from k3pipe.observe import KERNEL_CONFIG_DEVICE, UNTUNED_KERNEL, LogFormat, LogLine, LogPatterns, PhasePattern
 
 __all__ = ["ENGINE", "SGLangEngine", "human_readable_int"]
 
@@ -200,6 +200,10 @@ class SGLangEngine(Engine):
         # torch's OOM texts, and the scheduler's retraction when the KV pool runs out mid-decode
         # (managers/scheduler.py: "KV cache pool is full. Retract requests."): each line counted
         oom=(_P(r"(?i)out of memory|OutOfMemoryError"), _P(r"KV cache pool is full\. Retract requests")),
+        # the tuned-kernel config files' names carry the device the engine chose kernels for, and
+        # "Performance might be sub-optimal!" marks a kernel left on its default config
+        device_name=KERNEL_CONFIG_DEVICE,
+        untuned_kernels=(UNTUNED_KERNEL,),
     )
 
     tp_arg: ClassVar[str] = "tp_size"

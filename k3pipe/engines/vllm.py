@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
 from k3pipe.kvpool import kv_layout
-from k3pipe.observe import LogFormat, LogLine, LogPatterns, PhasePattern
+from k3pipe.observe import KERNEL_CONFIG_DEVICE, UNTUNED_KERNEL, LogFormat, LogLine, LogPatterns, PhasePattern
 
 __all__ = ["ENGINE", "VLLMEngine", "human_readable_int"]
 
@@ -281,6 +281,10 @@ class VLLMEngine(Engine):
             _P(r"CUDA out of memory|OutOfMemoryError"),
             _P(r"Failed to load model - not enough GPU memory"),
         ),
+        # the tuned-kernel config files' names carry the device the engine chose kernels for, and
+        # "Performance might be sub-optimal!" marks a kernel left on its default config
+        device_name=KERNEL_CONFIG_DEVICE,
+        untuned_kernels=(UNTUNED_KERNEL,),
     )
 
     tp_arg: ClassVar[str] = "tensor_parallel_size"

@@ -249,6 +249,40 @@ def test_node_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
     assert json.loads(Path(facts).read_text()) == {k: v for k, v in env.items() if k != "PATH"}
 
 
+@pytest.mark.parametrize("logged", ["NVIDIA_H200", "NVIDIA_L20D"])
+def test_the_device_the_engine_chose_kernels_for_is_checked_against_nvidia_smi(
+    smi: Path, tracker: Tracker, tmp_path: Path, logged: str
+) -> None:
+    """The node is an H200 (nvidia-smi's fixture); the engine's log names the device its MoE kernel
+    configs were chosen for. Field notes' pitfall 4 (SGLang logged "NVIDIA L20D" on a B300 node): a
+    name that is not nvidia-smi's is a warning the report shows, and a metric; the right one is not."""
+    from tests.unit.engines.test_engine_logs import _vllm_moe_lines
+
+    rec = recorder(tracker, tmp_path)
+    rec.log_node(probe_node([sys.executable], "vllm", {"PATH": "/usr/bin:/bin"}))
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join(_vllm_moe_lines(logged)) + "\n")
+    rec.finish("FINISHED", log_path=log)
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.tags["k3pipe.engine_device_names"] == logged
+    assert run.data.metrics["engine_log.untuned_kernel_lines"] == 2
+    warnings = run.data.tags["k3pipe.engine_warnings"].split(" | ")
+    assert warnings[-1].startswith(
+        "a kernel ran on its default config (none tuned for the device) on 2 log lines (1 rank, first "
+        "12-05 07:10:03, last 12-05 07:10:04): Using default MoE config."
+    ), warnings
+    wrong = (
+        "the engine chose kernels for device NVIDIA_L20D but nvidia-smi names the GPU NVIDIA H200: kernel "
+        "configs and backends picked by device name may not be this GPU's"
+    )
+    if logged == "NVIDIA_H200":
+        assert run.data.metrics["engine_log.device_name_mismatch"] == 0
+        assert not any("nvidia-smi names" in w for w in warnings)
+    else:
+        assert run.data.metrics["engine_log.device_name_mismatch"] == 1
+        assert warnings[0] == wrong
+
+
 def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
     """Memory, power and the energy per token (300 W for the workload's window), and with a price in
     hardware: the dollars."""

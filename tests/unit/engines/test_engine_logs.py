@@ -242,3 +242,71 @@ def test_sglang_retractions_are_counted_and_its_real_logs_have_none() -> None:
         "GPU memory ran out on 3 log lines (first 2026-12-04 20:03:05, last 2026-12-04 20:03:30): "
         "KV cache pool"
     )
+
+
+# Tuned-kernel lookups as the engines log them (constructed: the real logs of tests/fixtures are of
+# dense models, which look up no MoE config). The wording is vLLM's (fused_moe.py "Using configuration
+# from %s for MoE layer." and "Using default MoE config. Performance might be sub-optimal! Config file
+# not found at %s", as public vLLM logs print them) and SGLang's
+# (layers/moe/fused_moe_triton/fused_moe_triton_config.py), in each engine's line prefix.
+_VLLM_CONFIGS = "/opt/venv/lib/python3.12/site-packages/vllm/model_executor/layers/fused_moe/configs"
+_SGLANG_CONFIGS = "/sgl/python/sglang/srt/layers/moe/fused_moe_triton/configs/triton_3_4_0"
+
+
+def _vllm_moe_lines(device: str) -> list[str]:
+    return [
+        f"(Worker_TP{tp} pid={700 + tp}) INFO 12-05 07:10:0{tp} [fused_moe.py:1060] Using configuration "
+        f"from {_VLLM_CONFIGS}/E=128,N=768,device_name={device},dtype=fp8_w8a8.json for MoE layer."
+        for tp in range(2)
+    ] + [
+        f"(Worker_TP0 pid=700) WARNING 12-05 07:10:0{s} [fused_moe.py:1073] Using default MoE config. "
+        f"Performance might be sub-optimal! Config file not found at "
+        f"['{_VLLM_CONFIGS}/E=16,N=1536,device_name={device},dtype=fp8_w8a8,block_shape=[128,128].json']"
+        for s in (3, 4)
+    ]
+
+
+def test_the_device_engines_chose_kernels_for_is_read_from_their_config_file_names() -> None:
+    """The name inside a tuned-kernel config's file name is the device the engine chose kernels by
+    (``torch.cuda.get_device_name()``, spaces as underscores); each distinct one kept, and every
+    "Performance might be sub-optimal!" line (a kernel on its default config) counted."""
+    from k3pipe.observe import same_device
+
+    vllm = get_engine("vllm").parse_log([*fixture_lines("vllm/server.log"), *_vllm_moe_lines("NVIDIA_H200")])
+    assert vllm.device_names == ["NVIDIA_H200"]
+    assert vllm.untuned_kernels is not None
+    assert (vllm.untuned_kernels.lines, vllm.untuned_kernels.ranks) == (2, ["Worker_TP0"])
+    assert "E=16,N=1536" in vllm.untuned_kernels.first_message
+
+    sglang = get_engine("sglang").parse_log(
+        [
+            *fixture_lines("sglang/real-0.5.16-h200-cold.log"),
+            f"[2026-12-05 07:11:02 TP0] Using MoE kernel config from {_SGLANG_CONFIGS}/E=384,N=256,"
+            "device_name=NVIDIA_L20D,dtype=fp8_w8a8,block_shape=[128, 128].json.",
+            "[2026-12-05 07:11:02 TP1] Using default MoE kernel config. Performance might be sub-optimal! "
+            f"Config file not found at {_SGLANG_CONFIGS}/E=384,N=256,device_name=NVIDIA_L20D_down.json, "
+            "you can create them with https://github.com/sgl-project/sglang/tree/main/benchmark/kernels/fused_moe_triton",
+        ]
+    )
+    assert sglang.device_names == ["NVIDIA_L20D"]  # the down projection's file names the same device
+    assert sglang.untuned_kernels is not None
+    assert sglang.untuned_kernels.ranks == ["TP1"]
+
+    assert same_device("NVIDIA_H200", ["NVIDIA H200"])
+    assert same_device("NVIDIA_B300_SXM6_AC", ["NVIDIA B300 SXM6 AC"])
+    assert not same_device("NVIDIA_L20D", ["NVIDIA B300 SXM6 AC"])
+    assert not same_device("NVIDIA_H200", ["NVIDIA H200 NVL"])
+
+
+@pytest.mark.parametrize(
+    ("engine", "log"),
+    [
+        ("vllm", "vllm/server-0.22.0-h200-cold.log"),
+        ("vllm", "vllm/server-cpu-tiny-real.log"),
+        ("sglang", "sglang/real-0.5.16-h200-cold.log"),
+        ("sglang", "sglang/real-0.5.16-h200-warm.log"),
+    ],
+)
+def test_real_logs_of_dense_models_name_no_device_and_no_untuned_kernel(engine: str, log: str) -> None:
+    facts = get_engine(engine).parse_log(fixture_lines(log))
+    assert (facts.device_names, facts.untuned_kernels) == ([], None)
