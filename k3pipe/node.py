@@ -27,6 +27,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.engines import get_engine
+from k3pipe.specs import HardwareSpec
 
 __all__ = [
     "GpuEnergy",
@@ -38,6 +39,8 @@ __all__ = [
     "engine_python",
     "gpu_energy",
     "gpu_memory_frame",
+    "gpus_here",
+    "hardware_mismatches",
     "interpreter_versions",
     "nvidia_smi_report",
     "parse_cuda_version",
@@ -112,6 +115,45 @@ class NodeInfo(BaseModel):
         for name, version in self.packages.items():
             out[f"node.{name}_version"] = version
         return {k: v for k, v in out.items() if v is not None}
+
+
+MEMORY_TOLERANCE = 0.10
+"""How far the experiment's ``hardware.gpu_memory_gib`` may be from nvidia-smi's total before it is
+called not this node's (139 GiB planned for an H200's 140.4 is within)."""
+
+
+def hardware_mismatches(hardware: HardwareSpec | None, gpus: Sequence[GpuInfo]) -> list[str]:
+    """Where the experiment's ``hardware:`` section is not the node nvidia-smi shows: the GPU's name
+    (each word of ``gpu_name`` in nvidia-smi's name, so "NVIDIA B300" is "NVIDIA B300 SXM6 AC"), fewer
+    GPUs than ``gpu_count``, or memory more than 10% from ``gpu_memory_gib`` (the preflight's KV
+    capacity and each cell's cost were computed with the experiment's figures). Empty: it is."""
+    if hardware is None or not gpus:
+        return []
+    out = []
+    names = sorted({g.name for g in gpus})
+    wanted = hardware.gpu_name.casefold().split()
+    if not any(all(w in n.casefold().split() for w in wanted) for n in names):
+        out.append(
+            f"hardware.gpu_name is {hardware.gpu_name!r} but nvidia-smi names the GPU {', '.join(names)}"
+        )
+    if len(gpus) < hardware.gpu_count:
+        out.append(
+            f"hardware.gpu_count is {hardware.gpu_count} but nvidia-smi lists {len(gpus)} "
+            f"GPU{'s' * (len(gpus) != 1)}"
+        )
+    totals = sorted({g.memory_total_mib for g in gpus if g.memory_total_mib})
+    if totals and all(abs(t / 1024 / hardware.gpu_memory_gib - 1) > MEMORY_TOLERANCE for t in totals):
+        shown = ", ".join(f"{t / 1024:.1f}" for t in totals)
+        out.append(
+            f"hardware.gpu_memory_gib is {hardware.gpu_memory_gib:g} but nvidia-smi reports {shown} GiB "
+            "per GPU (the preflight's KV capacity used the experiment's figure)"
+        )
+    return out
+
+
+def gpus_here() -> list[GpuInfo]:
+    """This machine's GPUs as nvidia-smi lists them (empty without nvidia-smi)."""
+    return parse_gpu_query(_nvidia_smi(GPU_QUERY) or "")
 
 
 def _nvidia_smi(args: Sequence[str] = ()) -> str | None:

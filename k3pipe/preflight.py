@@ -642,6 +642,24 @@ def _dataset_paths(spec: ExperimentSpec, home: Path) -> Iterator[Finding]:
             )
 
 
+def _hardware_here(spec: ExperimentSpec) -> Iterator[Finding]:
+    """The experiment's ``hardware:`` against the GPUs nvidia-smi lists here, where an arm starts its
+    engine here (a warning: the KV capacity check and each cell's cost use the experiment's figures;
+    nothing without nvidia-smi)."""
+    if spec.hardware is None or not any(a.launcher.starts_engine and a.launcher.runs_here for a in spec.arms):
+        return
+    from k3pipe.node import gpus_here, hardware_mismatches
+
+    for message in hardware_mismatches(spec.hardware, gpus_here()):
+        yield Finding(
+            severity="warning",
+            rule="hardware-node",
+            arm=None,
+            message=f"{message}: this machine is not the one the experiment describes (fix its "
+            "hardware: section, or run it where it belongs)",
+        )
+
+
 def _skipped_kv(
     spec: ExperimentSpec, config: Mapping[str, Any] | None, weight_bytes: int | None
 ) -> Finding | None:
@@ -676,7 +694,7 @@ def preflight(
     reserve_gib_per_gpu: float = 0.0,
     extra_rules: Iterable[Rule] = (),
     home: Path | None = None,
-    ports: bool = False,
+    this_machine: bool = False,
 ) -> list[Finding]:
     """Check ``spec`` before anything is launched.
 
@@ -684,10 +702,11 @@ def preflight(
     given) supplies config.json. ``weight_bytes`` is the total size of the weights; without it, the
     ``*.safetensors`` under ``model_dir``. ``reserve_gib_per_gpu`` is memory per GPU the KV estimate
     keeps back for activations and CUDA graphs (default 0: an upper bound). ``home`` is K3PIPE_HOME,
-    which '{home}' in the spec's paths expands to (default: the settings'). ``ports``: also check that
-    the port of each engine started here is free now (a run asks it after reaping its own orphans,
-    whose ports would otherwise be reported taken; not for a fleet, whose nodes bind theirs). Findings
-    come arm by arm
+    which '{home}' in the spec's paths expands to (default: the settings'). ``this_machine``: also
+    check this machine now, where it starts the engines (not for a fleet, whose nodes do): the port of
+    each engine started here is free (a run asks it after reaping its own orphans, whose ports would
+    otherwise be reported taken), and the GPUs nvidia-smi lists are the experiment's ``hardware:``.
+    Findings come arm by arm
     (experiment-wide ones first), errors before warnings before infos.
     """
     if home is None:
@@ -705,12 +724,14 @@ def preflight(
     if skipped is not None:
         findings.append(skipped)
     findings.extend(_shared_prompts(spec))
+    if this_machine and spec.fleet is None:
+        findings.extend(_hardware_here(spec))
     rules = (
         *_GENERIC_RULES,
         _executable_rule(home),
         _volumes_rule(home),
         _kv_rule(reserve_gib_per_gpu * GiB),
-        *((rule_port,) if ports and spec.fleet is None else ()),
+        *((rule_port,) if this_machine and spec.fleet is None else ()),
         *extra_rules,
     )
     for arm in spec.arms:

@@ -33,7 +33,7 @@ from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
 from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
-from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
+from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame, hardware_mismatches
 from k3pipe.observe import EngineLogFacts, phase_table, same_device
 from k3pipe.plan import ArmPlan
 from k3pipe.provenance import git_commit
@@ -868,6 +868,11 @@ class ArmRecorder:
             return
         self.gpu_names = sorted({g.name for g in node.gpus})
         self.tracker.log_params(self.run_id, node.params())
+        if self.plan.hardware is not None:
+            wrong = hardware_mismatches(self.plan.hardware, node.gpus)
+            self.tracker.log_metrics(self.run_id, {"node.hardware_mismatch": int(bool(wrong))})
+            if wrong:
+                self.tracker.set_tags(self.run_id, {"k3pipe.node_mismatch": " | ".join(wrong)[:4000]})
         self.tracker.log_text(self.run_id, node.nvidia_smi, "node/nvidia-smi-before.txt")
         if node.topology is not None:
             self.tracker.log_text(self.run_id, node.topology, "node/nvidia-smi-topo.txt")

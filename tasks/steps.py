@@ -60,7 +60,7 @@ def preflight_task(spec: ExperimentSpec, stage: str, model_dir: str | None = Non
     """Check the experiment; errors stop the flow before anything is launched (or downloaded)."""
     logger = get_run_logger()
     # the ports at the model stage: after this home's orphans were reaped (they would hold them)
-    findings = preflight(spec, model_dir=model_dir, ports=stage == "model")
+    findings = preflight(spec, model_dir=model_dir, this_machine=stage == "model")
     for f in findings:
         log = {"error": logger.error, "warning": logger.warning}.get(f.severity, logger.info)
         log("preflight %s [%s] %s: %s", f.severity.upper(), f.arm or "experiment", f.rule, f.message)

@@ -48,7 +48,7 @@ class PrepareSteps:
         return cls(
             # the ports once this home's orphans are reaped (the model stage), not before
             preflight=lambda spec, stage, model_dir=None: preflight(
-                spec, model_dir=model_dir, ports=stage == "model"
+                spec, model_dir=model_dir, this_machine=stage == "model"
             ),
             reap_orphans=lambda containers: GroupRegistry(home).reap_orphans(),
             fetch_model=lambda name, model, where: fetch_model(model, where),

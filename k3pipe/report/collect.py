@@ -127,6 +127,10 @@ class ArmData(BaseModel):
     log_decode_max_tps: float | None = None
     log_spec_accept_length: float | None = None
     warnings: list[str] = Field(default_factory=list, description="Warnings the engine log holds.")
+    node_mismatch: list[str] = Field(
+        default_factory=list,
+        description="Where the experiment's hardware: is not the node nvidia-smi showed.",
+    )
     findings: list[dict[str, Any]] = Field(default_factory=list, description="Preflight findings.")
     stages: dict[str, float] = Field(default_factory=dict, description="Study stage -> seconds.")
     hardware: str | None = Field(
@@ -267,6 +271,7 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         log_decode_max_tps=metrics.get("engine_log.decode_throughput_max_tps"),
         log_spec_accept_length=metrics.get("engine_log.spec_accept_length_mean"),
         warnings=warnings,
+        node_mismatch=[w for w in tags.get("k3pipe.node_mismatch", "").split(" | ") if w],
         findings=json.loads(findings_text) if findings_text else [],
     )
 

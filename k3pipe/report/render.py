@@ -538,6 +538,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             for f in a.findings
             if f.get("severity") != "info"
         ]
+        items += [f"[node] {w}" for w in a.node_mismatch]
         items += [f"[engine log] {w}" for w in a.warnings]
         findings.append(f"**{data.label(a)}**: " + (" / ".join(items) if items else "no findings"))
     sections.append(Section("Findings per arm", findings))

@@ -15,9 +15,11 @@ from k3pipe.coldstart import read_cold_start
 from k3pipe.experiment import parse_experiment
 from k3pipe.node import (
     GpuMemorySampler,
+    NodeInfo,
     comm_env,
     engine_python,
     gpu_memory_frame,
+    hardware_mismatches,
     interpreter_versions,
     nvidia_smi_report,
     parse_cuda_version,
@@ -281,6 +283,56 @@ def test_the_device_the_engine_chose_kernels_for_is_checked_against_nvidia_smi(
     else:
         assert run.data.metrics["engine_log.device_name_mismatch"] == 1
         assert warnings[0] == wrong
+
+
+def test_the_experiments_hardware_is_checked_against_the_node() -> None:
+    """Each word of gpu_name in nvidia-smi's name, no fewer GPUs than gpu_count, memory within 10%."""
+    node = NodeInfo(gpus=parse_gpu_query(QUERY + "\n"), cuda_version="13.0", nvidia_smi="")
+    b300 = NodeInfo(
+        gpus=parse_gpu_query("\n".join("NVIDIA B300 SXM6 AC, 274106 MiB, 590.1" for _ in range(8))),
+        cuda_version="13.0",
+        nvidia_smi="",
+    )
+    h200 = HardwareSpec(gpu_name="NVIDIA H200", gpu_count=1, gpu_memory_gib=139)
+    assert hardware_mismatches(h200, node.gpus) == []
+    assert hardware_mismatches(h200.model_copy(update={"gpu_name": "h200"}), node.gpus) == []
+    assert hardware_mismatches(None, node.gpus) == []
+    study = HardwareSpec(gpu_name="NVIDIA B300", gpu_count=8, gpu_memory_gib=267.69)
+    assert hardware_mismatches(study, b300.gpus) == []  # the study's preset on its own node
+    assert hardware_mismatches(study, node.gpus) == [
+        "hardware.gpu_name is 'NVIDIA B300' but nvidia-smi names the GPU NVIDIA H200",
+        "hardware.gpu_count is 8 but nvidia-smi lists 1 GPU",
+        "hardware.gpu_memory_gib is 267.69 but nvidia-smi reports 140.4 GiB per GPU (the preflight's KV "
+        "capacity used the experiment's figure)",
+    ]
+    assert hardware_mismatches(h200.model_copy(update={"gpu_name": "NVIDIA H20"}), node.gpus) == [
+        "hardware.gpu_name is 'NVIDIA H20' but nvidia-smi names the GPU NVIDIA H200"
+    ]
+
+
+def test_a_node_unlike_the_experiments_hardware_is_a_finding_of_the_report(
+    smi: Path, tracker: Tracker, tmp_path: Path
+) -> None:
+    from k3pipe.report import build_report
+    from k3pipe.study import start_study
+
+    spec = parse_experiment(demo_experiment(8999))
+    hardware = HardwareSpec(gpu_name="NVIDIA B300", gpu_count=8, gpu_memory_gib=267.69)
+    spec = spec.model_copy(update={"hardware": hardware})
+    study = start_study(tracker, spec, "b300.yaml")
+    rec = ArmRecorder(tracker, plan_arm(spec, spec.arms[0], tmp_path), parent_id=study)
+    rec.log_node(probe_node([sys.executable], "vllm", {"PATH": "/usr/bin:/bin"}))
+    w = WorkloadSpec(name="w", input_tokens=8, output_tokens=4, num_requests=4, concurrency=1)
+    rec.log_workload(w, outcome(w, 0, 0.1))
+    rec.finish("FINISHED")
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.metrics["node.hardware_mismatch"] == 1
+    assert run.data.tags["k3pipe.node_mismatch"].startswith(
+        "hardware.gpu_name is 'NVIDIA B300' but nvidia-smi names the GPU NVIDIA H200 | hardware.gpu_count"
+    )
+    tracker.client.set_terminated(study, "FINISHED")
+    text = build_report(tracker, study).markdown
+    assert "[node] hardware.gpu_name is 'NVIDIA B300' but nvidia-smi names the GPU NVIDIA H200" in text
 
 
 def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:

@@ -620,21 +620,23 @@ def test_a_taken_port_is_found_by_preflight(monkeypatch: pytest.MonkeyPatch) -> 
 
         process = {"kind": "docker", "host": "127.0.0.1", "port": taken}
         assert not [f for f in preflight(spec(process)) if f.rule == "port"]  # not asked
-        (finding,) = [f for f in preflight(spec(process), ports=True) if f.rule == "port"]
+        (finding,) = [f for f in preflight(spec(process), this_machine=True) if f.rule == "port"]
         assert finding.severity == "error"
         assert f"launcher.port {taken} on 127.0.0.1 is taken" in finding.message
         with socket.socket() as other:
             other.bind(("127.0.0.1", 0))
             free = other.getsockname()[1]
-        assert not [f for f in preflight(spec({**process, "port": free}), ports=True) if f.rule == "port"]
+        assert not [
+            f for f in preflight(spec({**process, "port": free}), this_machine=True) if f.rule == "port"
+        ]
         external = {"kind": "external"}
         data = one_arm("vllm", {}).model_dump(mode="json")
         data["arms"][0]["launcher"] = external
         data["arms"][0]["endpoint"] = {"base_url": f"http://127.0.0.1:{taken}/v1"}
         endpoint = ExperimentSpec.model_validate(data)
-        assert not [f for f in preflight(endpoint, ports=True) if f.rule == "port"]
+        assert not [f for f in preflight(endpoint, this_machine=True) if f.rule == "port"]
         fleet = spec(process, fleet={"pools": ["gpu-node-1"]})
-        assert not [f for f in preflight(fleet, ports=True) if f.rule == "port"]
+        assert not [f for f in preflight(fleet, this_machine=True) if f.rule == "port"]
 
 
 @pytest.mark.parametrize(
@@ -716,3 +718,35 @@ def test_a_draft_the_engine_would_fetch_itself_is_an_error_offline_and_a_warning
     inherited = rules(preflight(process))["unpinned-model"]
     assert inherited.severity == "error"
     assert "HF_HUB_OFFLINE=1 in this environment" in inherited.message
+
+
+def test_the_gpus_here_are_checked_against_the_experiments_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked to check this machine, preflight compares nvidia-smi's GPUs (here a stand-in for the
+    H200 node's answer) with the experiment's hardware: a B300 preset on the H200 is a warning naming
+    each difference; the right hardware, no GPUs listed, an endpoint's arm or a fleet, none."""
+    from k3pipe.node import GpuInfo
+
+    h200 = [GpuInfo(index=0, name="NVIDIA H200", memory_total_mib=143771, driver_version="580.159.04")]
+    monkeypatch.setattr("k3pipe.node.gpus_here", lambda: h200)
+    b300 = {"gpu_name": "NVIDIA B300", "gpu_count": 8, "gpu_memory_gib": 267.69}
+    spec = one_arm("vllm", {}, hardware=b300)
+    assert not rules(preflight(spec), None).get("hardware-node")  # not asked
+    found = [f for f in preflight(spec, this_machine=True) if f.rule == "hardware-node"]
+    assert [f.severity for f in found] == ["warning"] * 3
+    assert found[0].message.startswith(
+        "hardware.gpu_name is 'NVIDIA B300' but nvidia-smi names the GPU NVIDIA H200: this machine is not"
+    )
+    assert "hardware.gpu_count is 8 but nvidia-smi lists 1 GPU" in found[1].message
+    assert "nvidia-smi reports 140.4 GiB per GPU" in found[2].message
+
+    right = one_arm("vllm", {}, hardware={"gpu_name": "NVIDIA H200", "gpu_count": 1, "gpu_memory_gib": 139})
+    assert not [f for f in preflight(right, this_machine=True) if f.rule == "hardware-node"]
+    data = spec.model_dump(mode="json")
+    data["arms"][0]["launcher"] = {"kind": "external"}
+    data["arms"][0]["endpoint"] = {"base_url": "http://127.0.0.1:9/v1"}
+    endpoint = ExperimentSpec.model_validate(data)
+    assert not [f for f in preflight(endpoint, this_machine=True) if f.rule == "hardware-node"]
+    fleet = ExperimentSpec.model_validate({**spec.model_dump(mode="json"), "fleet": {"pools": ["n1"]}})
+    assert not [f for f in preflight(fleet, this_machine=True) if f.rule == "hardware-node"]
+    monkeypatch.setattr("k3pipe.node.gpus_here", list)  # no nvidia-smi: nothing to compare
+    assert not [f for f in preflight(spec, this_machine=True) if f.rule == "hardware-node"]
