@@ -793,22 +793,30 @@ class ArmRecorder:
         return facts
 
     def _check_device_names(self, facts: EngineLogFacts) -> str | None:
-        """The device names the engine chose kernels by, against nvidia-smi's (field notes' pitfall 4:
-        SGLang named a B300 "NVIDIA L20D"): tag ``k3pipe.engine_device_names``, metric
-        ``engine_log.device_name_mismatch`` (where both are known) and the warning, or None."""
+        """The device names the engine chose kernels by, against nvidia-smi's, else the experiment's
+        ``hardware.gpu_name`` (each of its words in the logged name) (field notes' pitfall 4: SGLang
+        named a B300 "NVIDIA L20D"): tag ``k3pipe.engine_device_names``, metric
+        ``engine_log.device_name_mismatch`` (where there is a name to compare with) and the warning,
+        or None."""
         if not facts.device_names:
             return None
         self.tracker.set_tags(self.run_id, {"k3pipe.engine_device_names": ", ".join(facts.device_names)})
-        if not self.gpu_names:
+        hardware = self.plan.hardware
+        if self.gpu_names:
+            wrong = [d for d in facts.device_names if not same_device(d, self.gpu_names)]
+            named = f"nvidia-smi names the GPU {', '.join(self.gpu_names)}"
+        elif hardware is not None:  # no nvidia-smi where k3pipe runs (an endpoint, a cluster manager)
+            words = hardware.gpu_name.casefold().split()
+            wrong = [d for d in facts.device_names if not set(words) <= set(d.casefold().split("_"))]
+            named = f"the experiment's hardware.gpu_name is {hardware.gpu_name!r} (no nvidia-smi here)"
+        else:
             return None
-        wrong = [d for d in facts.device_names if not same_device(d, self.gpu_names)]
         self.tracker.log_metrics(self.run_id, {"engine_log.device_name_mismatch": int(bool(wrong))})
         if not wrong:
             return None
         return (
-            f"the engine chose kernels for device {', '.join(wrong)} but nvidia-smi names the GPU "
-            f"{', '.join(self.gpu_names)}: kernel configs and backends picked by device name may not "
-            "be this GPU's"
+            f"the engine chose kernels for device {', '.join(wrong)} but {named}: kernel configs and "
+            "backends picked by device name may not be this GPU's"
         )
 
     def _log_phases(self, facts: EngineLogFacts) -> None:

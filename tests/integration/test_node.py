@@ -285,6 +285,30 @@ def test_the_device_the_engine_chose_kernels_for_is_checked_against_nvidia_smi(
         assert warnings[0] == wrong
 
 
+@pytest.mark.parametrize(("logged", "mismatch"), [("NVIDIA_B300_SXM6_AC", 0), ("NVIDIA_L20D", 1)])
+def test_without_nvidia_smi_the_engines_device_is_checked_against_the_experiments_hardware(
+    no_smi: None, tracker: Tracker, tmp_path: Path, logged: str, mismatch: int
+) -> None:
+    """Where k3pipe has no nvidia-smi to ask (an endpoint, a cluster manager's node), the study's own
+    case: SGLang's "NVIDIA L20D" on the B300 the experiment's hardware: names."""
+    from tests.unit.engines.test_engine_logs import _vllm_moe_lines
+
+    rec = recorder(tracker, tmp_path)
+    rec.plan = rec.plan.model_copy(
+        update={"hardware": HardwareSpec(gpu_name="NVIDIA B300", gpu_count=8, gpu_memory_gib=267.69)}
+    )
+    rec.log_node(probe_node([sys.executable], "vllm", {}))  # None: nothing recorded
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join(_vllm_moe_lines(logged)) + "\n")
+    rec.finish("FINISHED", log_path=log)
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.metrics["engine_log.device_name_mismatch"] == mismatch
+    first = run.data.tags["k3pipe.engine_warnings"].split(" | ")[0]
+    assert first.startswith("the engine chose kernels for device NVIDIA_L20D but the experiment's") == bool(
+        mismatch
+    ), first
+
+
 def test_the_experiments_hardware_is_checked_against_the_node() -> None:
     """Each word of gpu_name in nvidia-smi's name, no fewer GPUs than gpu_count, memory within 10%."""
     node = NodeInfo(gpus=parse_gpu_query(QUERY + "\n"), cuda_version="13.0", nvidia_smi="")
