@@ -727,13 +727,17 @@ def preflight(
         else:
             weight_bytes = safetensors_bytes(config_path if config_path.is_dir() else model_dir)
         configs = {"model": config} if config is not None else None
-        # the ports too: a run checks them after reaping its orphans, this command as things stand now
-        findings = run_preflight(spec, configs, weight_bytes=weight_bytes, this_machine=True)
+        # this machine too (ports, GPUs): a run checks it after reaping its orphans, this command as
+        # things stand now
+        from k3pipe.node import gpus_here
+
+        gpus = gpus_here()
+        findings = run_preflight(spec, configs, weight_bytes=weight_bytes, this_machine=True, gpus=gpus)
         from k3pipe.variants import resolve
 
         for v in spec.variants:
             variant = resolve(spec, v.name)
-            for f in run_preflight(variant, configs, weight_bytes=weight_bytes, this_machine=True):
+            for f in run_preflight(variant, configs, weight_bytes=weight_bytes, this_machine=True, gpus=gpus):
                 if f.arm is not None:  # the experiment-wide findings are the baseline's too
                     findings.append(f.model_copy(update={"arm": f"{f.arm}@{v.name}"}))
     except K3pipeError as exc:

@@ -20,14 +20,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.engines import get_engine
-from k3pipe.specs import HardwareSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "GpuEnergy",
@@ -40,7 +40,6 @@ __all__ = [
     "gpu_energy",
     "gpu_memory_frame",
     "gpus_here",
-    "hardware_mismatches",
     "interpreter_versions",
     "nvidia_smi_report",
     "parse_cuda_version",
@@ -115,40 +114,6 @@ class NodeInfo(BaseModel):
         for name, version in self.packages.items():
             out[f"node.{name}_version"] = version
         return {k: v for k, v in out.items() if v is not None}
-
-
-MEMORY_TOLERANCE = 0.10
-"""How far the experiment's ``hardware.gpu_memory_gib`` may be from nvidia-smi's total before it is
-called not this node's (139 GiB planned for an H200's 140.4 is within)."""
-
-
-def hardware_mismatches(hardware: HardwareSpec | None, gpus: Sequence[GpuInfo]) -> list[str]:
-    """Where the experiment's ``hardware:`` section is not the node nvidia-smi shows: the GPU's name
-    (each word of ``gpu_name`` in nvidia-smi's name, so "NVIDIA B300" is "NVIDIA B300 SXM6 AC"), fewer
-    GPUs than ``gpu_count``, or memory more than 10% from ``gpu_memory_gib`` (the preflight's KV
-    capacity and each cell's cost were computed with the experiment's figures). Empty: it is."""
-    if hardware is None or not gpus:
-        return []
-    out = []
-    names = sorted({g.name for g in gpus})
-    wanted = hardware.gpu_name.casefold().split()
-    if not any(all(w in n.casefold().split() for w in wanted) for n in names):
-        out.append(
-            f"hardware.gpu_name is {hardware.gpu_name!r} but nvidia-smi names the GPU {', '.join(names)}"
-        )
-    if len(gpus) < hardware.gpu_count:
-        out.append(
-            f"hardware.gpu_count is {hardware.gpu_count} but nvidia-smi lists {len(gpus)} "
-            f"GPU{'s' * (len(gpus) != 1)}"
-        )
-    totals = sorted({g.memory_total_mib for g in gpus if g.memory_total_mib})
-    if totals and all(abs(t / 1024 / hardware.gpu_memory_gib - 1) > MEMORY_TOLERANCE for t in totals):
-        shown = ", ".join(f"{t / 1024:.1f}" for t in totals)
-        out.append(
-            f"hardware.gpu_memory_gib is {hardware.gpu_memory_gib:g} but nvidia-smi reports {shown} GiB "
-            "per GPU (the preflight's KV capacity used the experiment's figure)"
-        )
-    return out
 
 
 def gpus_here() -> list[GpuInfo]:
@@ -380,6 +345,8 @@ class GpuMemorySampler:
 def gpu_memory_frame(samples: Sequence[GpuMemorySample], t0: float) -> pd.DataFrame:
     """One row per sample: ``t_s`` (seconds from ``t0``, the workload's start), ``gpu``,
     ``memory_used_mib``, ``power_w`` (NaN where the board reported none)."""
+    import pandas as pd  # the command line's start stays light (preflight asks for gpus_here)
+
     return pd.DataFrame(
         {
             "t_s": [s.t - t0 for s in samples],
@@ -426,6 +393,8 @@ def gpu_energy(samples: Sequence[GpuMemorySample], t_start: float, t_end: float)
 def _integral(points: Sequence[tuple[float, float]], a: float, b: float) -> float:
     """The integral over [a, b] of the function linear between ``points`` (sorted by time) and
     flat beyond its ends."""
+    import numpy as np
+
     ts = np.array([t for t, _ in points], dtype=float)
     ps = np.array([p for _, p in points], dtype=float)
     grid = np.concatenate(([a], ts[(ts > a) & (ts < b)], [b]))

@@ -33,9 +33,9 @@ import os
 import shutil
 import socket
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import ArmContext, Finding, Rule, Severity
@@ -54,6 +54,7 @@ from k3pipe.settings import env_value
 from k3pipe.specs import (
     DocumentsDataset,
     ExperimentSpec,
+    HardwareSpec,
     LocalModel,
     ModelScopeModel,
     ShareGPTDataset,
@@ -65,8 +66,10 @@ __all__ = [
     "Finding",
     "KVEstimate",
     "KVLayout",
+    "NamedGpu",
     "Severity",
     "estimate_kv_pool",
+    "hardware_mismatches",
     "kv_dtype_bytes",
     "kv_layout",
     "preflight",
@@ -642,15 +645,56 @@ def _dataset_paths(spec: ExperimentSpec, home: Path) -> Iterator[Finding]:
             )
 
 
-def _hardware_here(spec: ExperimentSpec) -> Iterator[Finding]:
-    """The experiment's ``hardware:`` against the GPUs nvidia-smi lists here, where an arm starts its
-    engine here (a warning: the KV capacity check and each cell's cost use the experiment's figures;
-    nothing without nvidia-smi)."""
+class NamedGpu(Protocol):
+    """A GPU as nvidia-smi lists it (:class:`k3pipe.node.GpuInfo`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def memory_total_mib(self) -> int | None: ...
+
+
+MEMORY_TOLERANCE = 0.10
+"""How far the experiment's ``hardware.gpu_memory_gib`` may be from nvidia-smi's total before it is
+called not this node's (139 GiB planned for an H200's 140.4 is within)."""
+
+
+def hardware_mismatches(hardware: HardwareSpec | None, gpus: Sequence[NamedGpu]) -> list[str]:
+    """Where the experiment's ``hardware:`` section is not the node nvidia-smi shows: the GPU's name
+    (each word of ``gpu_name`` in nvidia-smi's name, so "NVIDIA B300" is "NVIDIA B300 SXM6 AC"), fewer
+    GPUs than ``gpu_count``, or memory more than 10% from ``gpu_memory_gib`` (the preflight's KV
+    capacity and each cell's cost were computed with the experiment's figures). Empty: it is."""
+    if hardware is None or not gpus:
+        return []
+    out = []
+    names = sorted({g.name for g in gpus})
+    wanted = hardware.gpu_name.casefold().split()
+    if not any(all(w in n.casefold().split() for w in wanted) for n in names):
+        out.append(
+            f"hardware.gpu_name is {hardware.gpu_name!r} but nvidia-smi names the GPU {', '.join(names)}"
+        )
+    if len(gpus) < hardware.gpu_count:
+        out.append(
+            f"hardware.gpu_count is {hardware.gpu_count} but nvidia-smi lists {len(gpus)} "
+            f"GPU{'s' * (len(gpus) != 1)}"
+        )
+    totals = sorted({g.memory_total_mib for g in gpus if g.memory_total_mib})
+    if totals and all(abs(t / 1024 / hardware.gpu_memory_gib - 1) > MEMORY_TOLERANCE for t in totals):
+        shown = ", ".join(f"{t / 1024:.1f}" for t in totals)
+        out.append(
+            f"hardware.gpu_memory_gib is {hardware.gpu_memory_gib:g} but nvidia-smi reports {shown} GiB "
+            "per GPU (the preflight's KV capacity used the experiment's figure)"
+        )
+    return out
+
+
+def _hardware_here(spec: ExperimentSpec, gpus: Sequence[NamedGpu]) -> Iterator[Finding]:
+    """The experiment's ``hardware:`` against this machine's GPUs, where an arm starts its engine
+    here (a warning: the KV capacity check and each cell's cost use the experiment's figures)."""
     if spec.hardware is None or not any(a.launcher.starts_engine and a.launcher.runs_here for a in spec.arms):
         return
-    from k3pipe.node import gpus_here, hardware_mismatches
-
-    for message in hardware_mismatches(spec.hardware, gpus_here()):
+    for message in hardware_mismatches(spec.hardware, gpus):
         yield Finding(
             severity="warning",
             rule="hardware-node",
@@ -695,6 +739,7 @@ def preflight(
     extra_rules: Iterable[Rule] = (),
     home: Path | None = None,
     this_machine: bool = False,
+    gpus: Sequence[NamedGpu] | None = None,
 ) -> list[Finding]:
     """Check ``spec`` before anything is launched.
 
@@ -705,8 +750,9 @@ def preflight(
     which '{home}' in the spec's paths expands to (default: the settings'). ``this_machine``: also
     check this machine now, where it starts the engines (not for a fleet, whose nodes do): the port of
     each engine started here is free (a run asks it after reaping its own orphans, whose ports would
-    otherwise be reported taken), and the GPUs nvidia-smi lists are the experiment's ``hardware:``.
-    Findings come arm by arm
+    otherwise be reported taken), and ``gpus`` (this machine's, as :func:`k3pipe.node.gpus_here`
+    lists them: the caller asks nvidia-smi) are the experiment's ``hardware:``. Findings come arm by
+    arm
     (experiment-wide ones first), errors before warnings before infos.
     """
     if home is None:
@@ -724,8 +770,8 @@ def preflight(
     if skipped is not None:
         findings.append(skipped)
     findings.extend(_shared_prompts(spec))
-    if this_machine and spec.fleet is None:
-        findings.extend(_hardware_here(spec))
+    if this_machine and spec.fleet is None and gpus:
+        findings.extend(_hardware_here(spec, gpus))
     rules = (
         *_GENERIC_RULES,
         _executable_rule(home),

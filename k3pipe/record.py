@@ -33,9 +33,10 @@ from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
 from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
-from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame, hardware_mismatches
+from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
 from k3pipe.observe import EngineLogFacts, phase_table, same_device
 from k3pipe.plan import ArmPlan
+from k3pipe.preflight import hardware_mismatches
 from k3pipe.provenance import git_commit
 from k3pipe.runrecord import RECORD_FILE, PromptsRef, RunRecord, prompts_artifact, prompts_digest
 from k3pipe.secrets import redact_data, scrub

@@ -24,7 +24,7 @@ from k3pipe.health import EndpointCheck, engine_version, wait_ready
 from k3pipe.launchers.base import Launcher
 from k3pipe.launchers.docker import connect, reap_orphans
 from k3pipe.launchers.factory import pull_image
-from k3pipe.node import NodeInfo
+from k3pipe.node import NodeInfo, gpus_here
 from k3pipe.params import RunRequest
 from k3pipe.plan import ArmPlan
 from k3pipe.preflight import preflight
@@ -59,8 +59,10 @@ def load_experiment_task(source: str | RunRequest) -> ExperimentSpec:
 def preflight_task(spec: ExperimentSpec, stage: str, model_dir: str | None = None) -> list[Finding]:
     """Check the experiment; errors stop the flow before anything is launched (or downloaded)."""
     logger = get_run_logger()
-    # the ports at the model stage: after this home's orphans were reaped (they would hold them)
-    findings = preflight(spec, model_dir=model_dir, this_machine=stage == "model")
+    # this machine (ports, GPUs) at the model stage: after this home's orphans were reaped (they would
+    # hold their ports)
+    here = stage == "model"
+    findings = preflight(spec, model_dir=model_dir, this_machine=here, gpus=gpus_here() if here else None)
     for f in findings:
         log = {"error": logger.error, "warning": logger.warning}.get(f.severity, logger.info)
         log("preflight %s [%s] %s: %s", f.severity.upper(), f.arm or "experiment", f.rule, f.message)

@@ -41,14 +41,18 @@ class PrepareSteps:
     def library(cls, home: Path) -> PrepareSteps:
         """The library's own steps (no Prefect): orphans of this home reaped without closing records."""
         from k3pipe.bench.prompts import prepare_prompts
+        from k3pipe.node import gpus_here
         from k3pipe.preflight import preflight
         from k3pipe.procs import GroupRegistry
         from k3pipe.sources import fetch_model
 
         return cls(
-            # the ports once this home's orphans are reaped (the model stage), not before
+            # this machine (ports, GPUs) once this home's orphans are reaped (the model stage), not before
             preflight=lambda spec, stage, model_dir=None: preflight(
-                spec, model_dir=model_dir, this_machine=stage == "model"
+                spec,
+                model_dir=model_dir,
+                this_machine=stage == "model",
+                gpus=gpus_here() if stage == "model" else None,
             ),
             reap_orphans=lambda containers: GroupRegistry(home).reap_orphans(),
             fetch_model=lambda name, model, where: fetch_model(model, where),

@@ -19,7 +19,6 @@ from k3pipe.node import (
     comm_env,
     engine_python,
     gpu_memory_frame,
-    hardware_mismatches,
     interpreter_versions,
     nvidia_smi_report,
     parse_cuda_version,
@@ -27,6 +26,7 @@ from k3pipe.node import (
     probe_node,
 )
 from k3pipe.plan import plan_arm
+from k3pipe.preflight import hardware_mismatches
 from k3pipe.record import ArmRecorder
 from k3pipe.run import node_facts
 from k3pipe.settings import Settings

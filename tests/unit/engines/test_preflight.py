@@ -720,18 +720,17 @@ def test_a_draft_the_engine_would_fetch_itself_is_an_error_offline_and_a_warning
     assert "HF_HUB_OFFLINE=1 in this environment" in inherited.message
 
 
-def test_the_gpus_here_are_checked_against_the_experiments_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asked to check this machine, preflight compares nvidia-smi's GPUs (here a stand-in for the
+def test_the_gpus_here_are_checked_against_the_experiments_hardware() -> None:
+    """Asked to check this machine, preflight compares its GPUs as nvidia-smi lists them (here the
     H200 node's answer) with the experiment's hardware: a B300 preset on the H200 is a warning naming
     each difference; the right hardware, no GPUs listed, an endpoint's arm or a fleet, none."""
     from k3pipe.node import GpuInfo
 
     h200 = [GpuInfo(index=0, name="NVIDIA H200", memory_total_mib=143771, driver_version="580.159.04")]
-    monkeypatch.setattr("k3pipe.node.gpus_here", lambda: h200)
     b300 = {"gpu_name": "NVIDIA B300", "gpu_count": 8, "gpu_memory_gib": 267.69}
     spec = one_arm("vllm", {}, hardware=b300)
     assert not rules(preflight(spec), None).get("hardware-node")  # not asked
-    found = [f for f in preflight(spec, this_machine=True) if f.rule == "hardware-node"]
+    found = [f for f in preflight(spec, this_machine=True, gpus=h200) if f.rule == "hardware-node"]
     assert [f.severity for f in found] == ["warning"] * 3
     assert found[0].message.startswith(
         "hardware.gpu_name is 'NVIDIA B300' but nvidia-smi names the GPU NVIDIA H200: this machine is not"
@@ -740,13 +739,12 @@ def test_the_gpus_here_are_checked_against_the_experiments_hardware(monkeypatch:
     assert "nvidia-smi reports 140.4 GiB per GPU" in found[2].message
 
     right = one_arm("vllm", {}, hardware={"gpu_name": "NVIDIA H200", "gpu_count": 1, "gpu_memory_gib": 139})
-    assert not [f for f in preflight(right, this_machine=True) if f.rule == "hardware-node"]
+    assert not [f for f in preflight(right, this_machine=True, gpus=h200) if f.rule == "hardware-node"]
     data = spec.model_dump(mode="json")
     data["arms"][0]["launcher"] = {"kind": "external"}
     data["arms"][0]["endpoint"] = {"base_url": "http://127.0.0.1:9/v1"}
     endpoint = ExperimentSpec.model_validate(data)
-    assert not [f for f in preflight(endpoint, this_machine=True) if f.rule == "hardware-node"]
+    assert not [f for f in preflight(endpoint, this_machine=True, gpus=h200) if f.rule == "hardware-node"]
     fleet = ExperimentSpec.model_validate({**spec.model_dump(mode="json"), "fleet": {"pools": ["n1"]}})
-    assert not [f for f in preflight(fleet, this_machine=True) if f.rule == "hardware-node"]
-    monkeypatch.setattr("k3pipe.node.gpus_here", list)  # no nvidia-smi: nothing to compare
-    assert not [f for f in preflight(spec, this_machine=True) if f.rule == "hardware-node"]
+    assert not [f for f in preflight(fleet, this_machine=True, gpus=h200) if f.rule == "hardware-node"]
+    assert not [f for f in preflight(spec, this_machine=True, gpus=[]) if f.rule == "hardware-node"]
