@@ -1,24 +1,31 @@
 """A scripted stand-in for a GPUStack 2.3.0 server with one worker, for the ``gpustack`` launcher's tests.
 
-The real server cannot run here: a GPUStack worker runs a custom backend as a container on the host
-network (``gpustack/worker/backends/custom.py:137-147``, through gpustack-runtime's docker or
-Kubernetes deployer), needs GPUs it detects, and these tests may not start dockerd. So this server
-speaks GPUStack's /v2 API as the 2.3.0 wheel (``pip download --no-deps gpustack==2.3.0``) defines
-it, and runs the deployment's rendered run command as a local process group instead of a container
-(the image is recorded, not pulled). File:line below are of the wheel's ``gpustack/`` package:
+The real server runs here, its worker does not: ``scripts/gpustack-real.sh`` (README, "GPUStack")
+starts GPUStack 2.3.0 from PyPI with its worker in a network namespace of its own and drives the
+launcher's calls against it, and the worker schedules a custom backend on this CPU-only machine only
+with ``cpu_offloading``, then never starts it: it runs a custom backend as a container through
+gpustack-runtime's docker, podman or Kubernetes deployer (``gpustack/worker/backends/custom.py:147``)
+and has none here ("No available deployer ...", ``gpustack_runtime/deployer/__init__.py:116``), the
+instance left SCHEDULED. So this server speaks GPUStack's /v2 API as the 2.3.0 wheel defines it (and
+as the real server answered the launcher's calls, 2026-12-05), and runs the deployment's rendered run
+command as a local process group instead of a container (the image is recorded, not pulled).
+File:line below are of the wheel's ``gpustack/`` package:
 
 - auth: ``Authorization: Bearer <key>`` on every route (``api/auth.py:74,163``); else 401;
 - errors: ``{"code", "reason", "message"}`` (``api/exceptions.py:233-252``): 400 BadRequest, 404
-  NotFound, 409 AlreadyExists (``:77-96``);
+  NotFound, 409 AlreadyExists (``:77-96``), 500 and 503;
 - lists: ``{"items": [...], "pagination": {page, perPage, total, totalPage}}`` (``schemas/common.py:23,103``);
 - ``GET /v2/workers`` (``routes/workers.py:192``), each worker labelled ``worker-name``
-  (``worker/worker_manager.py:151``);
+  (``worker/worker_manager.py:151``), with its ``cluster_id``; ``GET /v2/clusters``
+  (``routes/clusters.py:188``);
 - ``GET /v2/inference-backends/backend_name/{name}`` (400 when absent,
-  ``routes/inference_backend.py:1162-1186``), ``POST`` (``:1189-1267``: name and user versions must end
-  in ``-custom``, ``:1792-1821``; 409 on a duplicate name), ``PUT /v2/inference-backends/{id}`` (``:1339``);
+  ``routes/inference_backend.py:1162-1186``), ``POST`` (``:1189-1267``: a custom backend's name must end
+  in ``-custom``, its versions may be named anything: ``:1239,1381-1392,1792-1821``; 409 on a duplicate
+  name), ``PUT /v2/inference-backends/{id}`` (``:1339``);
   bodies per ``schemas/inference_backend.py:34-130``;
 - ``GET /v2/models?search=`` (``routes/models.py:159``), ``POST /v2/models`` (``:1627``; 409 on a name
-  taken), ``GET /v2/models/{id}`` (``:256``, 404 once deleted), ``DELETE /v2/models/{id}``
+  taken; 500 "Failed to create model" without a ``cluster_id``, the table's NOT NULL column,
+  ``:1650-1660``), ``GET /v2/models/{id}`` (``:256``, 404 once deleted), ``DELETE /v2/models/{id}``
   (``:2648``; the instances go with the model, ``server/services.py:913``); fields per
   ``schemas/models.py:1050-1194``, ``restart_on_error`` defaulting to true (``:1112``);
 - ``GET /v2/model-instances?model_id=`` (``routes/model_instances.py:104``), instances moving
@@ -33,8 +40,9 @@ it, and runs the deployment's rendered run command as a local process group inst
   and the model's ``env``;
 - the OpenAI routes ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
   (``routes/routes.py:486-491``), the model id the deployment's name (its route, ``routes/models.py:1536``),
-  answered by proxying to the instance while it is RUNNING (``routes/openai.py:200-250``); else 404
-  ``Model not found``.
+  answered by proxying to the instance while it is RUNNING (``routes/openai.py:200-250``); else 503
+  ``No running instances available`` while the model is there, 404 ``Model not found`` once it is
+  not (``:225-240``).
 
 Scripted faults: ``kill_after_requests=N`` kills the instance's process group after N proxied
 requests (a crash mid-workload); ``gateway_status=S`` answers every OpenAI request with S (a gateway
@@ -65,7 +73,14 @@ _PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_.]*)\}\}")
 Routed = tuple[int, Any] | Callable[[], None]
 """A route's answer: status and JSON payload, or a streamer run outside the server's lock."""
 
-WORKER = {"id": 1, "name": "standin-worker", "labels": {"worker-name": "standin-worker"}, "gpus": 8}
+WORKER = {
+    "id": 1,
+    "name": "standin-worker",
+    "labels": {"worker-name": "standin-worker"},
+    "gpus": 8,
+    "cluster_id": 1,
+    "state": "ready",
+}
 
 
 def _free_port() -> int:
@@ -74,11 +89,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-_REASONS = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 409: "AlreadyExists"}
+_REASONS = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    404: "NotFound",
+    409: "AlreadyExists",
+    500: "InternalServerError",
+    503: "ServiceUnavailable",
+}
 
 
 class _Error(Exception):
-
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -298,7 +319,6 @@ class GpustackStandin:
             raise _Error(400, f"Custom backend name '{name}' must end with '-custom'")
         if any(b["backend_name"] == name for b in self.backends.values()):
             raise _Error(409, f"Inference backend with name '{name}' already exists.")
-        self._versions_custom(body)
         ident = next(self._ids)
         self.backends[ident] = {**body, "id": ident, "backend_source": "custom", "enabled": True}
         return self.backends[ident]
@@ -306,17 +326,12 @@ class GpustackStandin:
     def update_backend(self, ident: int, body: dict[str, Any]) -> dict[str, Any]:
         if ident not in self.backends:
             raise _Error(404, f"Inference backend {ident} not found")
-        self._versions_custom(body)
         self.backends[ident] = {**self.backends[ident], **body, "id": ident}
         return self.backends[ident]
 
-    @staticmethod
-    def _versions_custom(body: dict[str, Any]) -> None:
-        for version in body.get("version_configs") or {}:
-            if not version.endswith("-custom"):
-                raise _Error(400, f"Custom backend version '{version}' must end with '-custom'")
-
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("cluster_id") is None:  # the real server's NOT NULL column, caught as a 500
+            raise _Error(500, "Failed to create model")
         if any(m["name"] == body.get("name") for m in self.models.values()):
             raise _Error(409, f"Model with name '{body.get('name')}' already exists.")
         self.backend_of(body)
@@ -418,6 +433,8 @@ def _handler(gs: GpustackStandin) -> type[BaseHTTPRequestHandler]:
             key = (method, seg[1], len(seg))
             if key == ("GET", "workers", 2):
                 return 200, _page([WORKER])
+            if key == ("GET", "clusters", 2):  # routes/clusters.py:188
+                return 200, _page([{"id": 1, "name": "default", "state": "ready"}])
             if seg[1] == "inference-backends":
                 return self._backends(method, seg)
             if seg[1] == "models":
@@ -490,6 +507,8 @@ def _handler(gs: GpustackStandin) -> type[BaseHTTPRequestHandler]:
             if gs.gateway_status is not None:
                 raise _Error(gs.gateway_status, "scripted gateway failure")
             instance = gs.running_instance(name)
+            if instance is None and any(m["name"] == name for m in gs.models.values()):
+                raise _Error(503, "No running instances available")  # the route is there, not servable
             if instance is None:
                 raise _Error(404, "Model not found")
             port = instance.record["port"]

@@ -11,8 +11,8 @@ The API used is GPUStack 2.3.0's (the ``gpustack`` wheel on PyPI; paths below ar
   ``routes/inference_backend.py:1162-1186``), ``POST /v2/inference-backends`` and ``PUT
   /v2/inference-backends/{id}`` (``:1189``, ``:1339``) with ``backend_name``, ``version_configs:
   {version: {image_name, run_command, env}}``, ``default_version``, ``health_check_path``
-  (``schemas/inference_backend.py:34-130``); the name and each version must end in ``-custom``
-  (``routes/inference_backend.py:1792-1821``);
+  (``schemas/inference_backend.py:34-130``); the name must end in ``-custom``, the versions of a
+  custom backend may be named anything (``routes/inference_backend.py:1239,1381-1392,1792-1821``);
 - the run command's placeholders ``{{model_path}}``, ``{{port}}``, ``{{model_name}}`` (and
   ``{{worker_ip}}``, ``{{gpu_count}}``, ``{{gpu_ids}}``), no spaces inside the braces
   (``utils/template.py:32,100-139``); the custom backend runs it in a container on the host network
@@ -21,9 +21,12 @@ The API used is GPUStack 2.3.0's (the ``gpustack`` wheel on PyPI; paths below ar
   local_path``, ``local_path``, ``replicas``, ``backend``, ``backend_version``, ``env``,
   ``worker_selector`` (the worker's ``worker-name`` label, ``worker/worker_manager.py:151``),
   ``gpu_selector: {gpu_ids: ["worker:cuda:0"], gpus_per_replica}`` (``schemas/models.py:110-113``),
-  ``restart_on_error`` (``:1112``, default true) and ``enable_model_route`` (the OpenAI route named
-  after the model, ``routes/models.py:1500-1545``); ``DELETE /v2/models/{id}`` (``:2648``), after which
-  ``GET /v2/models/{id}`` answers 404;
+  ``restart_on_error`` (``:1112``, default true), ``enable_model_route`` (the OpenAI route named
+  after the model, ``routes/models.py:1500-1545``) and ``cluster_id``: without it the real server
+  answers 500 "Failed to create model" (its table's column is NOT NULL), so the launcher sends
+  ``launcher.cluster_id``, else the worker's (``GET /v2/workers`` lists each worker's), else the
+  only one ``GET /v2/clusters`` lists; ``DELETE /v2/models/{id}`` (``:2648``), after which ``GET
+  /v2/models/{id}`` answers 404;
 - its instances: ``GET /v2/model-instances?model_id=ID`` (``routes/model_instances.py:104``), each with
   ``state`` (pending, analyzing, scheduled, initializing, downloading, starting, running, error,
   unreachable: ``schemas/models.py:1586-1614``), ``state_message``, ``download_progress``,
@@ -31,7 +34,14 @@ The API used is GPUStack 2.3.0's (the ``gpustack`` wheel on PyPI; paths below ar
   /v2/model-instances/{id}/logs?follow=true`` streamed as text (``routes/model_instances.py:228-306``,
   options ``worker/logs.py:40``);
 - requests: ``/v1/chat/completions`` and ``/v1/models`` (``routes/routes.py:486-491``; ``/v1-openai``
-  is the frozen legacy alias), the model id the deployment's name.
+  is the frozen legacy alias), the model id the deployment's name; 503 "No running instances
+  available" while the deployment is not serving (``routes/openai.py:225-240``).
+
+Checked against the real 2.3.0 server on this machine (``scripts/gpustack-real.sh``, 2026-12-05):
+every call above answers as described; its worker schedules a deployment only where it has the GPUs
+(or with ``cpu_offloading``) and runs it only where it has a container runtime: without one the
+instance stays SCHEDULED with no message, which the progress lines say after
+:data:`SCHEDULED_STALL_S`.
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ log = logging.getLogger("k3pipe.launchers.gpustack")
 
 API = "/v2"
 _FAILED = ("error", "unreachable")
+SCHEDULED_STALL_S = 120.0
+"""An instance SCHEDULED this long without a change is said to be stuck (the image pull and the
+engine's start show as DOWNLOADING/STARTING)."""
 
 # Deployments still up at interpreter exit are deleted, as the process launcher ends its groups.
 _LIVE: weakref.WeakSet[GpustackLauncher] = weakref.WeakSet()
@@ -128,7 +141,7 @@ class Deployment:
         # the command that runs (secrets resolved) goes with the deployment, which is deleted
         return {"image_name": self.image, "run_command": scrub(self.run_command)}
 
-    def model(self, spec: GpustackLauncherSpec, worker: str | None) -> dict[str, Any]:
+    def model(self, spec: GpustackLauncherSpec, worker: str | None, cluster_id: int) -> dict[str, Any]:
         body: dict[str, Any] = {
             "name": self.name,
             "source": "local_path",
@@ -142,6 +155,7 @@ class Deployment:
             "env": self.env,
             "restart_on_error": spec.restart_on_error,
             "enable_model_route": True,
+            "cluster_id": cluster_id,
         }
         if worker is not None:
             body["worker_selector"] = {"worker-name": worker}
@@ -150,8 +164,6 @@ class Deployment:
                 "gpu_ids": [f"{worker}:{spec.device}:{i}" for i in spec.gpus],
                 "gpus_per_replica": len(spec.gpus),
             }
-        if spec.cluster_id is not None:
-            body["cluster_id"] = spec.cluster_id
         return body
 
 
@@ -216,6 +228,8 @@ class GpustackLauncher:
         self.model_id: int | None = None
         self.left_behind: str | None = None
         self._seen: tuple[Any, ...] | None = None
+        self._since = time.monotonic()  # when the instance's state (as reported) last changed
+        self._stalled = False
         self._restarts = 0
         self._had_instance = False
         self._checked: tuple[float, dict[str, Any] | None] | None = None
@@ -229,9 +243,10 @@ class GpustackLauncher:
         if self.model_id is not None:
             raise LaunchError(f"deployment {self.deployment.name!r} already started (model {self.model_id})")
         worker = self._worker()
+        cluster = self._cluster(worker)
         self._register_backend()
         self._delete_leftover()
-        body = self.deployment.model(self.spec, worker)
+        body = self.deployment.model(self.spec, worker["name"] if worker else None, cluster)
         created = self.api.call("POST", "/models", json=body).json()
         self.model_id = int(created["id"])
         _LIVE.add(self)
@@ -240,17 +255,35 @@ class GpustackLauncher:
         self._follower = threading.Thread(target=self._follow_log, name="k3pipe-gpustack-log", daemon=True)
         self._follower.start()
 
-    def _worker(self) -> str | None:
-        """The worker's name (gpu_ids and the worker-name label need it), from its name or id."""
+    def _worker(self) -> dict[str, Any] | None:
+        """The worker named by ``launcher.worker`` (name or id): its name goes into gpu_ids and the
+        worker-name label, its cluster is the deployment's."""
         wanted = self.spec.worker
         if wanted is None:
             return None
         workers = self.api.items("/workers")
         for worker in workers:
             if str(wanted) in (worker.get("name"), str(worker.get("id"))):
-                return str(worker["name"])
+                return {**worker, "name": str(worker["name"])}
         known = ", ".join(f"{w.get('name')} (id {w.get('id')})" for w in workers) or "none"
         raise LaunchError(f"GPUStack has no worker {wanted!r}; launcher.worker may be one of: {known}")
+
+    def _cluster(self, worker: dict[str, Any] | None) -> int:
+        """The cluster the deployment goes to: ``launcher.cluster_id``, else the worker's, else the
+        server's only cluster. GPUStack 2.3.0 needs one: a model without it fails to be stored (500
+        "Failed to create model", its ``cluster_id`` column NOT NULL; seen on the real server)."""
+        if self.spec.cluster_id is not None:
+            return self.spec.cluster_id
+        if worker is not None and worker.get("cluster_id") is not None:
+            return int(worker["cluster_id"])
+        clusters = self.api.items("/clusters")
+        if len(clusters) == 1:
+            return int(clusters[0]["id"])
+        known = ", ".join(f"{c.get('name')} (id {c.get('id')})" for c in clusters) or "none"
+        raise LaunchError(
+            f"GPUStack has {len(clusters)} clusters ({known}): name the deployment's in launcher.cluster_id "
+            "(or a worker in launcher.worker, whose cluster is taken)"
+        )
 
     def _register_backend(self) -> None:
         """Create the custom backend, or add/replace this arm's version on the one there."""
@@ -311,20 +344,39 @@ class GpustackLauncher:
         else:
             state = str(instance.get("state", "?"))
             percent = instance.get("download_progress")
-            seen = (state, int(percent) if state == "downloading" and percent is not None else None)
+            message = str(instance.get("state_message") or "").strip()
+            seen = (state, int(percent) if state == "downloading" and percent is not None else None, message)
             line = f"gpustack: instance {instance.get('name')} {state.upper()}"
             if seen[1] is not None:
                 line += f" {seen[1]}%"
             if state == "running":
                 line += f" on worker {instance.get('worker_name')} GPUs {instance.get('gpu_indexes')}"
+            elif message:  # why it waits: "No suitable workers found ..." while PENDING
+                line += f": {message[:500]}"
             restarts = int(instance.get("restart_count") or 0)
             if restarts > self._restarts:
                 self._restarts = restarts
                 line += f" (restarted {restarts} times)"
                 seen += (restarts,)
+        say = progress or log.info
         if seen != self._seen:
             self._seen = seen
-            (progress or log.info)(line)
+            self._since = time.monotonic()
+            say(line)
+        elif (
+            seen[0] == "scheduled"
+            and time.monotonic() - self._since > SCHEDULED_STALL_S
+            and not self._stalled
+        ):
+            # the real 2.3.0 worker without a container runtime: "No available deployer" in its own
+            # log only, the instance left SCHEDULED with no message (seen on this machine)
+            self._stalled = True
+            say(
+                f"gpustack: instance {instance.get('name') if instance else '?'} SCHEDULED on worker "
+                f"{(instance or {}).get('worker_name')} for {SCHEDULED_STALL_S:.0f} s and not starting: a "
+                "worker that cannot run containers (no docker, podman or Kubernetes deployer) leaves its "
+                "instances so; look for 'No available deployer' in the worker's log"
+            )
 
     def alive(self) -> bool:
         if self.model_id is None or self._stopping.is_set():

@@ -426,7 +426,8 @@ class ExternalLauncherSpec(LauncherSpecBase):
 
 
 def _custom(value: str) -> str:
-    # GPUStack refuses a custom backend or version whose name lacks the suffix
+    # GPUStack refuses a custom backend whose name lacks the suffix (its versions may be named anything:
+    # the suffix is asked of a version a user adds to a built-in backend)
     if not value.endswith("-custom"):
         raise ValueError(f"{value!r} must end with '-custom' (GPUStack's rule for custom backends)")
     return value
@@ -448,7 +449,7 @@ class GpustackLauncherSpec(LauncherSpecBase):
     )
     backend: str = Field(description="The custom backend's name (GPUStack: ends in '-custom').")
     backend_version: str = Field(
-        description="The backend version registered with this arm's image and command (ends in '-custom')."
+        min_length=1, description="The backend version registered with this arm's image and command."
     )
     worker: str | int | None = Field(
         default=None, description="The worker (its name or id) to deploy on (default: GPUStack picks)."
@@ -459,7 +460,11 @@ class GpustackLauncherSpec(LauncherSpecBase):
         description="GPU indexes on that worker (needs worker; default: GPUStack picks).",
     )
     device: str = Field(default="cuda", pattern=r"^[a-z]+$", description="The GPUs' device type.")
-    cluster_id: int | None = Field(default=None, ge=1, description="GPUStack cluster (default: its own).")
+    cluster_id: int | None = Field(
+        default=None,
+        ge=1,
+        description="GPUStack cluster (default: the worker's, else the server's only one).",
+    )
     model_name: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -504,7 +509,7 @@ class GpustackLauncherSpec(LauncherSpecBase):
     def _key_variable(cls, value: str) -> str:
         return secrets.check_key_variable(value, "launcher.api_key_env", "GPUSTACK_API_KEY")
 
-    @field_validator("backend", "backend_version")
+    @field_validator("backend")
     @classmethod
     def _custom_suffix(cls, value: str) -> str:
         return _custom(value)

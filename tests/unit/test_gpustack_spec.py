@@ -101,7 +101,8 @@ def test_what_gpustack_is_asked_for() -> None:
     dep = Deployment.of(plan.model_copy(update={"command": resolved}), {"HF_TOKEN": hf_token})
     launcher = spec.arms[0].launcher
     assert isinstance(launcher, GpustackLauncherSpec)
-    body = dep.model(launcher, "node-1")
+    body = dep.model(launcher, "node-1", 3)
+    assert body["cluster_id"] == 3  # GPUStack 2.3.0 cannot store a model without one
     assert body["restart_on_error"] is False
     assert body["replicas"] == 1
     assert body["enable_model_route"] is True
@@ -122,7 +123,7 @@ def test_what_gpustack_is_asked_for() -> None:
     ("fields", "expected"),
     [
         ({"backend": "vllm-k3"}, "'vllm-k3' must end with '-custom'"),
-        ({"backend_version": "v1"}, "'v1' must end with '-custom'"),
+        ({"backend_version": ""}, "backend_version"),
         ({"restart_on_error": True}, "restart_on_error"),
         ({"worker": None}, "name it in launcher.worker"),
         ({"api_key_env": "my key"}, "'my key' is not an environment variable name"),
@@ -172,3 +173,74 @@ def test_an_engine_without_an_image_is_refused(tmp_path: Path) -> None:
 def test_the_shipped_gpustack_experiment_loads() -> None:
     spec = load_experiment(REPO / "experiments" / "kimi-k3-gpustack.yaml")
     assert {arm.launcher.kind for arm in spec.arms} == {"gpustack"}
+
+
+def _launcher_against(answers: dict[str, Any], **fields: Any) -> Any:
+    """A GpustackLauncher whose management API answers ``answers`` (path -> list of items) through
+    httpx's mock transport, in GPUStack's list shape; every request recorded in ``.requests``."""
+    import httpx
+
+    from k3pipe.launchers.gpustack import API, GpustackLauncher
+
+    spec = GpustackLauncherSpec.model_validate(_launcher(**fields))
+    plan_spec = parse_experiment(_experiment())
+    plan = plan_arm(plan_spec, plan_spec.arms[0], Path("/home/k3"), {"model": "/models/k3"})
+    launcher = GpustackLauncher(spec, Deployment.of(plan, {}), "key", Path("/nonexistent/log"))
+    requests: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        requests.append(request.url.path)
+        items = answers[request.url.path.removeprefix(API)]
+        pagination = {"page": 1, "perPage": 1000, "total": len(items), "totalPage": 1}
+        return httpx.Response(200, json={"items": items, "pagination": pagination})
+
+    launcher.api.client = httpx.Client(base_url="http://gs" + API, transport=httpx.MockTransport(answer))
+    launcher.requests = requests
+    return launcher
+
+
+def test_the_deployment_goes_to_the_named_then_the_workers_then_the_only_cluster() -> None:
+    """GPUStack 2.3.0 cannot store a model without a cluster (the real server answered 500 "Failed
+    to create model"): launcher.cluster_id, else the named worker's, else the server's only one."""
+    workers = {"/workers": [{"id": 4, "name": "node-1", "cluster_id": 7}]}
+    launcher = _launcher_against(workers, cluster_id=2)
+    assert launcher._cluster(launcher._worker()) == 2
+    launcher = _launcher_against(workers)
+    assert launcher._cluster(launcher._worker()) == 7
+    assert launcher.requests == ["/v2/workers"]
+    launcher = _launcher_against({"/clusters": [{"id": 1, "name": "default"}]}, worker=None, gpus=None)
+    assert launcher._cluster(launcher._worker()) == 1
+    two = {"/clusters": [{"id": 1, "name": "default"}, {"id": 3, "name": "b300"}]}
+    launcher = _launcher_against(two, worker=None, gpus=None)
+    with pytest.raises(Exception, match=r"2 clusters \(default \(id 1\), b300 \(id 3\)\): name the") as info:
+        launcher._cluster(None)
+    assert "launcher.cluster_id" in str(info.value)
+
+
+def test_a_waiting_instance_says_why_and_a_stuck_one_is_named() -> None:
+    """The real server's PENDING instance carries the scheduler's reason (shown), and an instance
+    SCHEDULED on a worker that cannot run containers never moves (said once, after the stall time)."""
+    from k3pipe.launchers.gpustack import SCHEDULED_STALL_S
+
+    launcher = _launcher_against({})
+    said: list[str] = []
+    pending = {
+        "name": "m-1",
+        "state": "pending",
+        "state_message": "No suitable workers found. Required VRAM 2.0 GiB, RAM 2.0 GiB.",
+    }
+    launcher._report(pending, said.append)
+    launcher._report(pending, said.append)
+    assert said == [
+        "gpustack: instance m-1 PENDING: No suitable workers found. Required VRAM 2.0 GiB, RAM 2.0 GiB."
+    ]
+    scheduled = {"name": "m-1", "state": "scheduled", "state_message": None, "worker_name": "vm"}
+    launcher._report(scheduled, said.append)
+    launcher._report(scheduled, said.append)
+    assert said[1:] == ["gpustack: instance m-1 SCHEDULED"]
+    launcher._since -= SCHEDULED_STALL_S + 1
+    launcher._report(scheduled, said.append)
+    launcher._report(scheduled, said.append)
+    assert len(said) == 3
+    assert said[2].startswith("gpustack: instance m-1 SCHEDULED on worker vm for 120 s and not starting")
+    assert "No available deployer" in said[2]
