@@ -33,8 +33,13 @@ TINY_MODEL := $(K3PIPE_HOME)/models/tiny-llama
 LITELLM_VERSION ?= 1.108.7
 GATEWAY_VENV := $(K3PIPE_HOME)/venvs/litellm-$(LITELLM_VERSION)
 
-.PHONY: demo demo-arm test setup compile venv engine gateway model system lint clean help docker bench-client stack stack-system \
-	test-system
+# The real GPUStack server the gpustack launcher is checked against (tests/gpustack_real.py), in its own
+# venv: 140 packages, about 600 MB
+GPUSTACK_VERSION ?= 2.3.0
+GPUSTACK_VENV := $(K3PIPE_HOME)/venvs/gpustack-$(GPUSTACK_VERSION)
+
+.PHONY: demo demo-arm test setup compile venv engine gateway gpustack model system lint clean help docker bench-client \
+	stack stack-system test-system
 help:
 	@echo "make demo   the demo study (experiments/demo-study.yaml) on the real vLLM, then its report"
 	@echo "make demo-arm   one arm alone (experiments/demo-cpu.yaml)"
@@ -60,9 +65,10 @@ stack-system:
 		echo "apt-get install: postgresql"; apt-get update -qq && apt-get install -y -qq postgresql; fi
 
 # What only the tests need beyond the stack's PostgreSQL: a real browser for the UI tests (Debian's
-# Chromium and its WebDriver; nothing is downloaded at run time)
+# Chromium and its WebDriver; nothing is downloaded at run time) and iproute2 (the real GPUStack's
+# network namespace brings its loopback up)
 test-system: stack-system
-	@missing=""; for p in chromium chromium-driver; do \
+	@missing=""; for p in chromium chromium-driver iproute2; do \
 		[ "$$(dpkg-query -W -f='$${Status}' $$p 2>/dev/null)" = "install ok installed" ] || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "apt-get install:$$missing"; apt-get update -qq && apt-get install -y -qq $$missing; fi
 
@@ -98,6 +104,14 @@ $(GATEWAY_VENV)/.installed: | $(UV)
 	VIRTUAL_ENV=$(GATEWAY_VENV) $(UV) pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)'
 	LITELLM_LOCAL_MODEL_COST_MAP=True $(GATEWAY_VENV)/bin/python -c \
 		"import importlib.metadata as m; print('litellm', m.version('litellm'))"
+	touch $@
+
+gpustack: $(GPUSTACK_VENV)/.installed
+$(GPUSTACK_VENV)/.installed: | $(UV)
+	@echo "installing gpustack $(GPUSTACK_VERSION) into $(GPUSTACK_VENV)"
+	$(UV) venv --quiet --allow-existing -p $(PYTHON) $(GPUSTACK_VENV)
+	VIRTUAL_ENV=$(GPUSTACK_VENV) $(UV) pip install --quiet 'gpustack==$(GPUSTACK_VERSION)'
+	$(GPUSTACK_VENV)/bin/python -c "import importlib.metadata as m; print('gpustack', m.version('gpustack'))"
 	touch $@
 
 model: $(TINY_MODEL)/config.json
@@ -151,7 +165,7 @@ test: system test-system
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; kill $$(jobs -p) 2>/dev/null; wait; scripts/docker-env.sh down; exit $$status' EXIT; \
 	{ scripts/docker-env.sh up && eval "$$(scripts/docker-env.sh env)" || exit; }; \
 	{ scripts/build-base-image.sh && scripts/build-test-image.sh && scripts/build-vllm-image.sh >/dev/null; } & \
-	images=$$!; $(SUBMAKE) -j3 venv engine gateway && $(SUBMAKE) model compile && $(SUBMAKE) lint && \
+	images=$$!; $(SUBMAKE) -j3 venv engine gateway gpustack && $(SUBMAKE) model compile && $(SUBMAKE) lint && \
 	$(VENV)/bin/python -m tests.stores >/dev/null && wait $$images && { \
 	serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
 	$(VENV)/bin/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \

@@ -492,6 +492,7 @@ GROUP_SECONDS = {
     "tests/integration/test_study.py": 360,  # three of its tests start `k3pipe study` themselves
     "tests/integration/test_bad_inputs.py": 60,  # 75 with its pure half, now tests/unit/ (about 15 s)
     "tests/integration/test_report_artifacts.py": 40,
+    "tests/integration/test_gpustack_real.py": 55,  # the real GPUStack server, its start most of it
 }
 
 
