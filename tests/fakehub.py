@@ -10,7 +10,9 @@ Paths, query parameters and JSON shapes are taken from that source:
   (``modelscope_hub/_download.py``).
 - ``GET /api/v1/models/{owner}/{name}/repo/files?Revision=R&Recursive=True[&Root=DIR]``:
   ``LegacyClient._list_files_page`` (``modelscope_hub/_legacy_api.py``), which reads
-  ``{"Code": 200, "Data": {"Files": [{"Name", "Path", "Type": "blob"|"tree", "Size", "Sha256"}]}}``.
+  ``{"Code": 200, "Data": {"Files": [{"Name", "Path", "Type": "blob"|"tree", "Size", "Sha256",
+  "Revision"}]}}`` (``Revision``: the file's last commit, which the real client keys its cache on,
+  ``modelscope/hub/utils/caching.py``).
   A listing is cut by the real server at 3000 entries (``REPO_FILES_TRUNCATION_LIMIT``); this one
   never is.
 - ``GET /api/v1/repos/internalAccelerationInfo``: ``DownloadManager._detect_region_uncached``, only
@@ -171,6 +173,9 @@ class FakeHub:
                 "Type": "blob",
                 "Size": len(data),
                 "Sha256": hashlib.sha256(data).hexdigest(),
+                # the commit that last changed the file: here a function of the file's bytes, so that
+                # a file changed on a moved branch gets a new one and the others keep theirs
+                "Revision": hashlib.sha1(f"{model_id}\0{path}\0".encode() + data).hexdigest(),
             }
         return list(entries.values())
 

@@ -16,6 +16,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +59,13 @@ class ModelRecord(BaseModel):
     )
     path: str = Field(description="Absolute path of the model directory.")
     files: dict[str, str] = Field(description="Relative POSIX path -> sha256 hex of the bytes on disk.")
+    file_revisions: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "ModelScope: relative path -> the commit that last changed the file, as the hub's listing "
+            "gives it (empty when local, or where the listing names none)."
+        ),
+    )
     total_bytes: int = Field(ge=0, description="Sum of the sizes of the recorded files.")
     downloaded: bool = Field(description="Whether this call fetched any file from the hub.")
     duration_s: float = Field(ge=0, description="Wall time of the fetch or scan, hashing included.")
@@ -200,7 +208,30 @@ def _scan_local(spec: LocalModel, home: Path, say: Progress) -> ModelRecord:
 # -- ModelScope ---------------------------------------------------------------------------------
 
 
-def _listing(spec: ModelScopeModel, say: Progress) -> tuple[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class _Listed:
+    """One entry of the hub's file listing, as its JSON names it (``Path``, ``Type``, ``Size``,
+    ``Sha256``, ``Revision``: the commit that last changed the file, which the real client reads as
+    a file's cache key, modelscope/hub/utils/caching.py, and modelscope_hub's FileInfo drops)."""
+
+    path: str
+    type: str
+    size: int
+    sha256: str | None
+    revision: str | None
+
+    @classmethod
+    def of(cls, item: Mapping[str, Any]) -> _Listed:
+        return cls(
+            path=str(item.get("Path") or item.get("path") or item.get("Name") or ""),
+            type=str(item.get("Type") or item.get("type") or "blob"),
+            size=int(item.get("Size") or item.get("size") or 0),
+            sha256=item.get("Sha256") or item.get("sha256") or None,
+            revision=item.get("Revision") or item.get("revision") or None,
+        )
+
+
+def _listing(spec: ModelScopeModel, say: Progress) -> tuple[str, dict[str, _Listed]]:
     """The endpoint and the files of ``spec`` the hub lists (allow_patterns applied)."""
     from modelscope_hub import HubApi, get_default_config
     from modelscope_hub.errors import HubError, NotExistError
@@ -211,9 +242,12 @@ def _listing(spec: ModelScopeModel, say: Progress) -> tuple[str, dict[str, Any]]
     try:
         endpoint = HubApi().resolve_endpoint_for_read(spec.id, repo_type="model")
         say(f"listing {spec.id}@{spec.revision} on {endpoint}")
-        listing = HubApi(endpoint=endpoint).list_repo_files(
-            spec.id, "model", revision=spec.revision, recursive=True
+        # the listing as the hub sent it (HubApi.list_repo_files keeps no file's revision); the same
+        # call, truncation handling included (modelscope_hub/_legacy_api.py: list_repo_files)
+        raw = HubApi(endpoint=endpoint).legacy.list_repo_files(
+            repo_id=spec.id, repo_type="model", revision=spec.revision, recursive=True
         )
+        listing = [_Listed.of(item) for item in raw]
     except NotExistError as exc:
         raise ModelSourceError(
             f"{where} was not found on {endpoint} ({_headline(exc)}); check model.id (owner/name, as on the "
@@ -254,6 +288,7 @@ def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> Model
     where = f"ModelScope model {spec.id!r} at revision {spec.revision!r}"
     endpoint, wanted = _listing(spec, say)
     expected = {p: (f.sha256 or "").lower() for p, f in wanted.items()}
+    revisions = {p: f.revision for p, f in sorted(wanted.items()) if f.revision}
     root = _model_root(spec, home)
     pointer = root / spec.revision
     if all(expected.values()):
@@ -337,12 +372,13 @@ def _fetch_modelscope(spec: ModelScopeModel, home: Path, say: Progress) -> Model
         requested_revision=spec.revision,
         # modelscope 1.40.2 resolves no revision: snapshot_download hands it verbatim to
         # DownloadManager.download_repo (modelscope_hub/_download.py, ``revision or "master"``),
-        # which lists and fetches with ``Revision=<it>`` and calls no revisions endpoint; nor does
-        # it keep the listing's commit id (FileInfo in modelscope_hub/types.py has none). So what
-        # was fetched is named by its content: the digest of every file's sha256, never a branch.
+        # which lists and fetches with ``Revision=<it>`` and calls no revisions endpoint. So what
+        # was fetched is named by its content: the digest of every file's sha256, never a branch;
+        # each file's own commit, as the listing gives it, beside
         resolved_revision=CONTENT_PREFIX + _digest(files),
         path=str(target.resolve()),
         files=files,
+        file_revisions={p: r for p, r in revisions.items() if p in files},
         total_bytes=total,
         downloaded=bool(need),
         duration_s=time.perf_counter() - start,

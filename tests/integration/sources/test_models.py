@@ -368,6 +368,9 @@ def test_a_moved_branch_is_fetched_beside_what_it_was_and_says_what_moved(hub: F
     assert (Path(first.path) / "config.json").stat().st_ino == (
         Path(second.path) / "config.json"
     ).stat().st_ino
+    # each file's own commit as the listing gives it: the changed file's is new, the others kept
+    assert set(first.file_revisions) == set(FILES) == set(second.file_revisions)
+    assert {f for f in FILES if first.file_revisions[f] != second.file_revisions[f]} == {"model.safetensors"}
 
 
 def test_a_home_from_before_content_directories_is_moved_aside_and_reused(hub: FakeHub, home: Path) -> None:
