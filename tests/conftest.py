@@ -474,25 +474,27 @@ SHARED_ENGINE_MODULES = frozenset(
         "tests/engine/test_rerun_flow.py",
     }
 )
-# The heaviest groups start first (seconds of one serial run, `pytest --durations`, 2026-12-03), so
-# that the workers end at about the same time; the others follow in collection order.
+# The heaviest groups start first (seconds each took in `make test`'s parallel phase, three workers on
+# two cores, from its junit XML, 2026-12-05), so that the workers end at about the same time; the
+# others follow in collection order.
 GROUP_SECONDS = {
-    "tests/integration/test_faults.py": 620,
-    "tests/integration/test_spool.py": 540,
-    "tests/engine/test_flow.py": 430,
-    "tests/docker": 360,
-    SHARED_ENGINE: 330,
-    "tests/integration/test_gpu_kit.py": 200,
-    "tests/integration/test_bundle.py": 190,
-    "tests/browser/test_ui.py": 150,
-    "tests/integration/test_schedules.py": 150,
-    "tests/integration/test_stack.py": 120,
-    "tests/engine/test_gateway.py": 110,
-    "tests/integration/test_secrets.py": 80,
-    "tests/integration/test_study.py": 360,  # three of its tests start `k3pipe study` themselves
-    "tests/integration/test_bad_inputs.py": 60,  # 75 with its pure half, now tests/unit/ (about 15 s)
-    "tests/integration/test_report_artifacts.py": 40,
+    "tests/integration/test_faults.py": 420,
+    "tests/integration/test_study.py": 385,  # three of its tests start `k3pipe study` themselves
+    "tests/integration/test_fleet_prefect.py": 335,
+    "tests/integration/test_bundle.py": 255,
+    "tests/integration/test_spool.py": 210,
+    SHARED_ENGINE: 195,
+    "tests/docker": 155,
+    "tests/engine/test_flow.py": 155,
+    "tests/integration/test_stack.py": 140,
+    "tests/integration/test_gpu_kit.py": 130,
+    "tests/integration/test_alerts.py": 130,
+    "tests/browser/test_ui.py": 100,
+    "tests/integration/test_fleet.py": 90,
+    "tests/integration/test_jobs.py": 75,
     "tests/integration/test_gpustack_real.py": 55,  # the real GPUStack server, its start most of it
+    "tests/engine/test_gateway.py": 50,
+    "tests/integration/test_secrets.py": 40,
 }
 
 
