@@ -34,7 +34,7 @@ LITELLM_VERSION ?= 1.108.7
 GATEWAY_VENV := $(K3PIPE_HOME)/venvs/litellm-$(LITELLM_VERSION)
 
 # The real GPUStack server the gpustack launcher is checked against (tests/gpustack_real.py), in its own
-# venv: 140 packages, about 600 MB
+# venv: 140 packages, about 900 MB with its bytecode
 GPUSTACK_VERSION ?= 2.3.0
 GPUSTACK_VENV := $(K3PIPE_HOME)/venvs/gpustack-$(GPUSTACK_VERSION)
 
