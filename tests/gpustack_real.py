@@ -192,7 +192,7 @@ def drive(url: str, model_dir: str, wait_s: float) -> dict[str, Any]:
     import httpx
 
     from k3pipe.experiment import parse_experiment
-    from k3pipe.launchers.gpustack import GpustackLauncher
+    from k3pipe.launchers.gpustack import Deployment, GpustackLauncher
     from k3pipe.launchers.specs import GpustackLauncherSpec
     from k3pipe.plan import plan_arm
 
@@ -232,8 +232,6 @@ def drive(url: str, model_dir: str, wait_s: float) -> dict[str, Any]:
         }
     )
     plan = plan_arm(spec, spec.arms[0], Path(model_dir).parent, {"model": model_dir})
-    from k3pipe.launchers.gpustack import Deployment
-
     launcher = GpustackLauncher(
         GpustackLauncherSpec.model_validate(launcher_spec),
         Deployment.of(plan, {}),
