@@ -28,15 +28,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from scipy import stats as sps
+
 from k3pipe.stats import Estimate, estimate
 
 __all__ = [
+    "SATURATION_ALPHA",
     "CapacityResult",
     "CapacitySearch",
     "CapacitySummary",
+    "LadderStop",
     "Probe",
+    "Saturation",
+    "check_saturation",
     "pareto_front",
-    "past_saturation",
     "summarize_searches",
 ]
 
@@ -254,24 +259,108 @@ def _most(values: Iterable[str | None]) -> str | None:
     return max(counts, key=lambda k: counts[k]) if counts else None
 
 
-def past_saturation(
-    before: Mapping[str, float], now: Mapping[str, float], min_gain_pct: float
-) -> str | None:
-    """Why a ladder's point ``now`` is past saturation against the point before it (their summary
-    metrics), or None: output throughput up by less than ``min_gain_pct`` while the mean end-to-end
-    latency rose by more than that (the added load only queued). None where either lacks a figure."""
-    tps0, tps1 = before.get("output_throughput_tps"), now.get("output_throughput_tps")
-    e2e0, e2e1 = before.get("e2e_ms_mean"), now.get("e2e_ms_mean")
-    if not (tps0 and tps1 and e2e0 and e2e1):
-        return None
-    gain = (tps1 / tps0 - 1) * 100
-    rise = (e2e1 / e2e0 - 1) * 100
-    if gain < min_gain_pct and rise > min_gain_pct:
-        return (
-            f"output throughput {gain:+.1f}% while mean E2E {rise:+.1f}% "
-            f"(less than {min_gain_pct:g}% gain)"
+SATURATION_ALPHA = 0.05
+"""A ladder point measured with repeats is called past saturation only when the throughput gain's
+one-sided upper bound at this level is below ``min_gain_pct``."""
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """A ladder point against the point before it. ``flagged``: output throughput up by less than
+    ``min_gain_pct`` while the mean end-to-end latency rose by more (the added load only queued).
+    ``confident``: the flag rests on the repeats' spread (the gain's upper bound is below the margin);
+    a flag from single measurements is a point estimate whose noise is unknown."""
+
+    flagged: bool
+    confident: bool
+    gain_pct: float
+    rise_pct: float
+    gain_upper_pct: float | None  # the one-sided (1 - SATURATION_ALPHA) upper bound; None: one repeat
+    min_gain_pct: float
+
+    def describe(self) -> str:
+        bound = (
+            f" (upper {1 - SATURATION_ALPHA:.0%} bound {self.gain_upper_pct:+.1f}%)"
+            if self.gain_upper_pct is not None
+            else ""
         )
-    return None
+        return (
+            f"output throughput {self.gain_pct:+.1f}%{bound} while mean E2E {self.rise_pct:+.1f}% "
+            f"(less than {self.min_gain_pct:g}% gain)"
+        )
+
+
+def _positive_logs(repeats: Sequence[Mapping[str, float]], key: str) -> list[float] | None:
+    values = [r.get(key) for r in repeats]
+    if not values or any(v is None or not math.isfinite(v) or v <= 0 for v in values):
+        return None
+    return [math.log(v) for v in values if v is not None]
+
+
+def check_saturation(
+    before: Sequence[Mapping[str, float]],
+    now: Sequence[Mapping[str, float]],
+    min_gain_pct: float,
+    alpha: float = SATURATION_ALPHA,
+) -> Saturation | None:
+    """Whether the ladder point ``now`` is past saturation against the point ``before`` (each the
+    summary metrics of its repeats), or None where either lacks a figure.
+
+    The gain and the rise are ratios of geometric means over the repeats. With two or more repeats at
+    both points the gain is judged against its noise: flagged only when the one-sided upper bound of
+    the log-throughput difference (Welch's t over the repeats) is below ``log(1 + min_gain_pct/100)``,
+    so a point whose true gain is ``min_gain_pct`` or more is flagged in at most ``alpha`` of ladders
+    (log throughput normal across repeats). With one repeat at either point the flag is the point
+    estimate's and not ``confident``: the caller confirms it with the next point."""
+    tps0, tps1 = _positive_logs(before, "output_throughput_tps"), _positive_logs(now, "output_throughput_tps")
+    e2e0, e2e1 = _positive_logs(before, "e2e_ms_mean"), _positive_logs(now, "e2e_ms_mean")
+    if tps0 is None or tps1 is None or e2e0 is None or e2e1 is None:
+        return None
+    diff = sum(tps1) / len(tps1) - sum(tps0) / len(tps0)
+    rise = sum(e2e1) / len(e2e1) - sum(e2e0) / len(e2e0)
+    margin = math.log1p(min_gain_pct / 100)
+    gain_pct, rise_pct = math.expm1(diff) * 100, math.expm1(rise) * 100
+    upper: float | None = None
+    if len(tps0) >= 2 and len(tps1) >= 2:
+        v0 = sum((x - sum(tps0) / len(tps0)) ** 2 for x in tps0) / (len(tps0) - 1) / len(tps0)
+        v1 = sum((x - sum(tps1) / len(tps1)) ** 2 for x in tps1) / (len(tps1) - 1) / len(tps1)
+        se = math.sqrt(v0 + v1)
+        if se > 0:
+            df = (v0 + v1) ** 2 / (v0**2 / (len(tps0) - 1) + v1**2 / (len(tps1) - 1))
+            upper = diff + float(sps.t.ppf(1 - alpha, df)) * se
+        else:
+            upper = diff
+        flagged = upper < margin and rise > margin
+        return Saturation(flagged, flagged, gain_pct, rise_pct, math.expm1(upper) * 100, min_gain_pct)
+    flagged = diff < margin and rise > margin
+    return Saturation(flagged, False, gain_pct, rise_pct, None, min_gain_pct)
+
+
+class LadderStop:
+    """Where a ladder ends past saturation, fed its points lowest first (:meth:`add`): at the first
+    point whose repeats show it (:func:`check_saturation`, ``confident``), or, where a point was
+    measured once, at the second point in a row that looks it: one noisy measurement (a GPU's repeat
+    noise is 5-8%, a loaded CPU's 30%) ends nothing, two in a row need two flukes."""
+
+    def __init__(self, min_gain_pct: float, alpha: float = SATURATION_ALPHA) -> None:
+        self.min_gain_pct = min_gain_pct
+        self.alpha = alpha
+        self._before: Sequence[Mapping[str, float]] | None = None
+        self.suspect = ""  # the last point, where it looked past saturation on one measurement
+
+    def add(self, label: str, repeats: Sequence[Mapping[str, float]]) -> str | None:
+        """Take the point ``label`` (its repeats' metrics): why the ladder ends here, or None."""
+        before, self._before = self._before, repeats
+        check = check_saturation(before, repeats, self.min_gain_pct, self.alpha) if before else None
+        if check is None or not check.flagged:
+            self.suspect = ""
+            return None
+        if check.confident:
+            return f"past saturation: {check.describe()}"
+        if self.suspect:
+            return f"past saturation at two points in a row: {self.suspect}; {label}: {check.describe()}"
+        self.suspect = f"{label}: {check.describe()}"
+        return None
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:

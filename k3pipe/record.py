@@ -647,6 +647,13 @@ class ArmRecorder:
         self._kept = kept
         self.tracker.set_tags(self.run_id, {"k3pipe.kept_workloads": ",".join(kept)})
 
+    def repeat_metrics(self, name: str) -> list[dict[str, float]]:
+        """A workload's metrics, one mapping per repeat measured (one for a single-repeat workload)."""
+        per_repeat = self._repeat_metrics.get(name)
+        if per_repeat is None:
+            return [dict(self._single[name])] if name in self._single else []
+        return [dict(m) for m in per_repeat]
+
     def workload_metrics(self, name: str) -> dict[str, float]:
         """What the arm's summary table shows for a workload: its metrics, or across repeats the means
         of its figures and the sums of its request counts."""

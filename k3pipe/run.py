@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, SecretStr
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.bench.summary import slo_attainment_from_arrival
-from k3pipe.capacity import CapacitySearch, past_saturation
+from k3pipe.capacity import CapacitySearch, LadderStop
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import EngineLostError, SpecError
@@ -406,13 +406,14 @@ class ArmRun:
     def _ladder(self, workload: WorkloadSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path) -> None:
         """The workload at each point of its ladder, lowest first, on the running engine: each point a
         workload run of its own (NAME@c8) with the workload's repeats and prompts, the prefix cache
-        emptied before it where the engine offers a way; ended after the first point past
-        saturation when the ladder says so (k3pipe.capacity.past_saturation)."""
+        emptied before it where the engine offers a way; ended past saturation when the ladder says so
+        (k3pipe.capacity.LadderStop): at the first point whose repeats show it, or, measured once a
+        point, at the second point in a row that looks it (one noisy measurement ends nothing)."""
         ladder = workload.ladder
         assert ladder is not None
         assert self.outcome is not None
         points = ladder.values()
-        before: dict[str, float] | None = None
+        stop = LadderStop(ladder.min_gain_pct)
         ran: list[str] = []
         why = ""
         for point in points:
@@ -434,13 +435,15 @@ class ArmRun:
             recorder.tag_rung(rung.name, workload.name, ladder.over, point, reset)
             now = recorder.workload_metrics(rung.name)
             self.outcome.workloads.append({"arm": self.arm, "workload": rung.name, **now})
-            ran.append(ladder.label(point))
-            saturated = past_saturation(before, now, ladder.min_gain_pct) if before is not None else None
-            if saturated and ladder.stop_when_saturated:
-                why = f"; ended at {ladder.label(point)}, past saturation: {saturated}"
+            label = ladder.label(point)
+            ran.append(label)
+            ended = stop.add(label, recorder.repeat_metrics(rung.name))
+            if ended and ladder.stop_when_saturated:
+                why = f"; ended at {label}, {ended}"
                 break
-            before = now
         left = len(points) - len(ran)
+        if stop.suspect and not why and ladder.stop_when_saturated:
+            why = f"; {stop.suspect}, not confirmed (one measurement a point, and no point after it)"
         summary = f"points {', '.join(ran)}{why}" + (f" ({left} higher point(s) not run)" if left else "")
         recorder.log_ladder(workload.name, summary)
         self.say(f"ladder {workload.name}: {summary}")

@@ -810,9 +810,10 @@ class LadderSpec(_Spec):
     workload run of its own (named ``NAME@c8`` or ``NAME@2.5rps``), with the workload's repeats and
     prompts, the prefix cache emptied before each point where the engine offers a way. Points are
     ``points``, or ``start`` times ``factor`` up to ``stop``. With ``stop_when_saturated`` the ladder
-    ends after the first point past saturation: output throughput up by less than ``min_gain_pct``
-    over the point before while the mean end-to-end latency rose by more than that (the added load
-    only queued)."""
+    ends past saturation: output throughput up by less than ``min_gain_pct`` over the point before
+    while the mean end-to-end latency rose by more than that (the added load only queued), shown by
+    the repeats' spread, or by two points in a row where each point is measured once
+    (k3pipe.capacity.LadderStop)."""
 
     over: Literal["concurrency", "rate"] = Field(
         default="concurrency", description="What the ladder varies: concurrency (streams) or request rate."

@@ -3,11 +3,12 @@ vLLM (CPU build) serving the tiny model, the demo's two arms (max_num_seqs 4 aga
 each, with a GPU-hour price so every cell has its cost.
 
 What the engine's own batch size decides, and so what must hold whatever the machine's load: batch1
-decodes one request at a time, so its output throughput does not grow past one stream (its ladder
-ends past saturation, and its best point stays far below batch4's); batch4's grows up to four
-streams. Where batch1's ladder ends is the machine's noise: at 16 requests a point its throughput
-moved by 30% between probes of the same load on 2 cores, so the 5% rule ended it at c2 on an idle
-machine and only at c16 in CI (2026-12-05). A request that waits for a slot
+decodes one request at a time, so its output throughput does not grow past one stream (its best
+point stays far below batch4's); batch4's grows up to four streams. Where batch1's ladder ends is
+the machine's noise: at 16 requests a point its throughput moved by 30% between probes of the same
+load on 2 cores, so one comparison of single measurements ended it at c2 on an idle machine and only
+at c16 in CI (2026-12-05); the ladder now ends only where two points in a row look flat, or runs all
+five points where noise hides it. A request that waits for a slot
 waits a whole request (64 tokens), so under a TTFT SLO batch1 sustains fewer streams than batch4,
 which serves four without queueing. Only batch4 is served with VLLM_SERVER_DEV_MODE=1, the one way
 vLLM empties its prefix cache on request: batch1's ladder points and probes run on a cache the
@@ -81,7 +82,12 @@ def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None
         ]
         for a, r in runs.items()
     }
-    assert "past saturation" in ladders["batch1"], ladders
+    # measured once a point, a ladder ends only where two points in a row look flat: batch1's does or
+    # runs to c16, as the noise has it; batch4's never ends before its four streams
+    if "ended at" in ladders["batch1"]:
+        assert "past saturation at two points in a row" in ladders["batch1"], ladders
+    else:
+        assert len(points["batch1"]) == 5, ladders
     assert {"lad@c1", "lad@c2", "lad@c4"} <= set(points["batch4"]), ladders
     # one stream at a time: batch1's best point far below batch4's (about a quarter of it on 2 cores)
     best = {
