@@ -28,9 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scipy import stats as sps
-
-from k3pipe.stats import Estimate, estimate
+from k3pipe.stats import Estimate, compare, estimate
 
 __all__ = [
     "SATURATION_ALPHA",
@@ -290,11 +288,12 @@ class Saturation:
         )
 
 
-def _positive_logs(repeats: Sequence[Mapping[str, float]], key: str) -> list[float] | None:
+def _cell(repeats: Sequence[Mapping[str, float]], key: str) -> Estimate | None:
+    """One point's repeats of ``key`` as one launch's cell; None where a repeat lacks the figure."""
     values = [r.get(key) for r in repeats]
     if not values or any(v is None or not math.isfinite(v) or v <= 0 for v in values):
         return None
-    return [math.log(v) for v in values if v is not None]
+    return estimate([[float(v) for v in values if v is not None]])
 
 
 def check_saturation(
@@ -307,33 +306,26 @@ def check_saturation(
     summary metrics of its repeats), or None where either lacks a figure.
 
     The gain and the rise are ratios of geometric means over the repeats. With two or more repeats at
-    both points the gain is judged against its noise: flagged only when the one-sided upper bound of
-    the log-throughput difference (Welch's t over the repeats) is below ``log(1 + min_gain_pct/100)``,
+    both points the gain is judged against its noise (:func:`k3pipe.stats.compare`: the repeats'
+    variances pooled where the counts match, else Welch's): flagged only when the one-sided
+    ``1 - alpha`` upper bound of the log-throughput difference is below ``log(1 + min_gain_pct/100)``,
     so a point whose true gain is ``min_gain_pct`` or more is flagged in at most ``alpha`` of ladders
     (log throughput normal across repeats). With one repeat at either point the flag is the point
-    estimate's and not ``confident``: the caller confirms it with the next point."""
-    tps0, tps1 = _positive_logs(before, "output_throughput_tps"), _positive_logs(now, "output_throughput_tps")
-    e2e0, e2e1 = _positive_logs(before, "e2e_ms_mean"), _positive_logs(now, "e2e_ms_mean")
+    estimate's and not ``confident``: :class:`LadderStop` confirms it with the next point."""
+    tps0, tps1 = _cell(before, "output_throughput_tps"), _cell(now, "output_throughput_tps")
+    e2e0, e2e1 = _cell(before, "e2e_ms_mean"), _cell(now, "e2e_ms_mean")
     if tps0 is None or tps1 is None or e2e0 is None or e2e1 is None:
         return None
-    diff = sum(tps1) / len(tps1) - sum(tps0) / len(tps0)
-    rise = sum(e2e1) / len(e2e1) - sum(e2e0) / len(e2e0)
+    gain = compare(tps1, tps0)
+    rise = e2e1.log_mean - e2e0.log_mean
     margin = math.log1p(min_gain_pct / 100)
-    gain_pct, rise_pct = math.expm1(diff) * 100, math.expm1(rise) * 100
-    upper: float | None = None
-    if len(tps0) >= 2 and len(tps1) >= 2:
-        v0 = sum((x - sum(tps0) / len(tps0)) ** 2 for x in tps0) / (len(tps0) - 1) / len(tps0)
-        v1 = sum((x - sum(tps1) / len(tps1)) ** 2 for x in tps1) / (len(tps1) - 1) / len(tps1)
-        se = math.sqrt(v0 + v1)
-        if se > 0:
-            df = (v0 + v1) ** 2 / (v0**2 / (len(tps0) - 1) + v1**2 / (len(tps1) - 1))
-            upper = diff + float(sps.t.ppf(1 - alpha, df)) * se
-        else:
-            upper = diff
-        flagged = upper < margin and rise > margin
-        return Saturation(flagged, flagged, gain_pct, rise_pct, math.expm1(upper) * 100, min_gain_pct)
-    flagged = diff < margin and rise > margin
-    return Saturation(flagged, False, gain_pct, rise_pct, None, min_gain_pct)
+    gain_pct, rise_pct = math.expm1(gain.diff) * 100, math.expm1(rise) * 100
+    bounds = gain.interval(1 - 2 * alpha) if gain.se is not None else None
+    if bounds is None:
+        flagged = gain.diff < margin and rise > margin
+        return Saturation(flagged, False, gain_pct, rise_pct, None, min_gain_pct)
+    flagged = bounds[1] < margin and rise > margin
+    return Saturation(flagged, flagged, gain_pct, rise_pct, math.expm1(bounds[1]) * 100, min_gain_pct)
 
 
 class LadderStop:
