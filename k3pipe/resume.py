@@ -11,7 +11,8 @@ command, failed) runs again on a new engine start, from its first workload that 
 cleanly: the workloads it finished with every repeat and no failed request are kept (their runs move
 under the new launch's run, tagged :data:`KEPT_TAG`), the rest run. A workload is the smallest unit
 kept: the verdicts take each workload's mean over a launch's repeats as one draw of the restart noise,
-so its repeats must share one engine start, and a workload cut short is run again whole. The earlier
+so its repeats must share one engine start, and a workload cut short is run again whole (a ladder:
+kept once it ended, every point's run moved; run again from its first point otherwise). The earlier
 arm run stays in MLflow tagged :data:`SUPERSEDED_TAG` (what else it measured kept, left out of the
 report). A launch whose every workload finished but whose run was never closed (the command ended in
 teardown) is run again whole: there is nothing left to measure on it, and a launch without its
@@ -205,31 +206,50 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
         else:
             point.unfinished.append(arm_run)
             finished = _finished_workloads(tracker, arm_run, spec)
-            if finished:
-                point.kept[key] = KeptWorkloads(arm_run.info.run_id, finished)
+            if finished is not None:
+                point.kept[key] = finished
     for kept in point.kept.values():
         _recorded_prompts(tracker, kept.arm_run_id, spec, point.prompts)
     return point
 
 
-def _finished_workloads(tracker: Tracker, arm_run: Any, spec: ExperimentSpec) -> dict[str, str]:
+def _finished_workloads(tracker: Tracker, arm_run: Any, spec: ExperimentSpec) -> KeptWorkloads | None:
     """The leading workloads of an unfinished launch that finished with every repeat and without a
-    failed request (name -> run), in the experiment's order; {} when none did, or when all did (the
-    launch then runs again whole: see the module's docstring)."""
-    runs: dict[str, Any] = {}
+    failed request, in the experiment's order (a ladder: once it ended, every point clean); None when
+    none did, or when all did (the launch then runs again whole: see the module's docstring)."""
+    clean: dict[str, Any] = {}
+    rungs: dict[str, list[Any]] = {}
     for run in tracker.children(arm_run.info.run_id):
         name = run.data.tags.get("k3pipe.workload")
-        if name and run.info.status == "FINISHED" and not run.data.metrics.get("failed"):
-            runs[name] = run
+        ok = run.info.status == "FINISHED" and not run.data.metrics.get("failed")
+        ladder = run.data.tags.get("k3pipe.ladder")
+        if ladder:
+            rungs.setdefault(ladder, []).append(run if ok else None)
+        elif name and ok:
+            clean[name] = run
     kept: dict[str, str] = {}
+    ladders: dict[str, str] = {}
     for workload in spec.workloads:
-        run = runs.get(workload.name)
-        if run is None:
+        if workload.ladder is not None:
+            summary = arm_run.data.tags.get(f"k3pipe.ladder.{workload.name}")
+            points = rungs.get(workload.name, [])
+            if not summary or not points or any(r is None or not _all_repeats(r, workload) for r in points):
+                break  # a ladder that did not end (its summary is logged last), or a point not clean
+            points.sort(key=lambda r: float(r.data.tags["k3pipe.ladder_point"]))
+            kept[workload.name] = ",".join(r.info.run_id for r in points)
+            ladders[workload.name] = summary
+            continue
+        run = clean.get(workload.name)
+        if run is None or not _all_repeats(run, workload):
             break  # the workloads run in order: the first one missing is where the launch goes on
-        if workload.repeats > 1 and run.data.metrics.get("repeats", 0) < workload.repeats:
-            break
         kept[workload.name] = run.info.run_id
-    return kept if len(kept) < len(spec.workloads) else {}
+    if not kept or len(kept) == len(spec.workloads):
+        return None
+    return KeptWorkloads(arm_run.info.run_id, kept, ladders)
+
+
+def _all_repeats(run: Any, workload: Any) -> bool:
+    return workload.repeats == 1 or run.data.metrics.get("repeats", 0) >= workload.repeats
 
 
 def _recorded_prompts(

@@ -358,8 +358,11 @@ class ArmRun:
             if workload.name in kept:
                 assert self.kept is not None
                 earlier = self.kept.arm_run_id
-                recorder.adopt_workload(workload, kept[workload.name], earlier)
                 self.say(f"workload {workload.name}: kept, measured by the earlier run {earlier}")
+                if workload.ladder is not None:
+                    self._adopt_ladder(workload, kept[workload.name], recorder)
+                    continue
+                recorder.adopt_workload(workload, kept[workload.name], earlier)
                 self.outcome.workloads.append(
                     {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
                 )
@@ -402,6 +405,20 @@ class ArmRun:
             self.outcome.error = str(self._error)
         else:
             self.outcome.status = "FINISHED"
+
+    def _adopt_ladder(self, workload: WorkloadSpec, run_ids: str, recorder: ArmRecorder) -> None:
+        """A ladder the earlier run of this launch ended, kept by a resume: each point's run moved
+        under this one (as :meth:`ArmRecorder.adopt_workload`), and how it went said again here."""
+        assert self.kept is not None
+        assert self.outcome is not None
+        for run_id in run_ids.split(","):
+            tags = self.tracker.client.get_run(run_id).data.tags
+            rung = workload.rung(float(tags["k3pipe.ladder_point"]))
+            recorder.adopt_workload(rung, run_id, self.kept.arm_run_id)
+            self.outcome.workloads.append(
+                {"arm": self.arm, "workload": rung.name, **recorder.workload_metrics(rung.name)}
+            )
+        recorder.log_ladder(workload.name, self.kept.ladders[workload.name])
 
     def _ladder(self, workload: WorkloadSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path) -> None:
         """The workload at each point of its ladder, lowest first, on the running engine: each point a

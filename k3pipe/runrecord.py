@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,7 +34,10 @@ class KeptWorkloads:
 
     arm_run_id: str
     workloads: dict[str, str]
-    """Workload name -> its run (under ``arm_run_id`` until the resume moves it)."""
+    """Workload name -> its run (under ``arm_run_id`` until the resume moves it); a ladder's name ->
+    its points' runs, lowest first, comma-separated."""
+    ladders: dict[str, str] = field(default_factory=dict)
+    """A kept ladder's name -> how it went (its ``k3pipe.ladder.NAME`` summary)."""
 
 
 def prompts_artifact(workload: str, repeat: int) -> str:

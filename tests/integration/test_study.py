@@ -556,6 +556,75 @@ def test_a_resume_keeps_single_run_workloads_and_reruns_one_cut_short(  # type: 
     assert [row["workload"] for row in outcome.workloads] == ["a", "b", "c"]
 
 
+@pytest.mark.parametrize("fails_in", ["after", "lad@c2"])
+def test_a_resume_keeps_a_ladder_that_ended_and_goes_on_after_it(  # type: ignore[no-untyped-def]
+    prefect_harness: None, servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails_in: str
+) -> None:
+    """A ladder (three points, one repeat each) then a plain workload. The launch fails in the
+    workload after the ladder: the resume keeps the ladder whole, its three points' very runs moved
+    under the new launch's run with how it went, and measures only the workload after it. The launch
+    fails in the ladder's second point: nothing is kept, the ladder runs again from its first point."""
+    from dataclasses import replace
+
+    from k3pipe.jobs.steps import Job
+    from k3pipe.jobs.study import resume, study
+    from k3pipe.params import RunRequest
+    from k3pipe.resume import resume_point
+
+    fast, _ = servers
+    ladder = {**WORKLOADS[0], "name": "lad", "repeats": 1,
+              "ladder": {"over": "concurrency", "points": [1, 2, 4], "stop_when_saturated": False}}
+    after = {**WORKLOADS[1], "name": "after", "repeats": 1}
+    exp = tmp_path / "study.yaml"
+    experiment = {**_experiment([_arm("fast", fast.base_url)]), "workloads": [ladder, after]}
+    exp.write_text(yaml.safe_dump(experiment))
+    monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
+    job = Job.library(Settings())
+    bench = job.steps.arm.benchmark
+    measured: list[str] = []
+
+    def failing(plan, workload, *args, **kwargs):  # type: ignore[no-untyped-def]
+        measured.append(workload.name)
+        if workload.name == fails_in and measured.count(fails_in) == 1:
+            raise RuntimeError("engine gone")
+        return bench(plan, workload, *args, **kwargs)
+
+    steps = job.with_steps(arm=replace(job.steps.arm, benchmark=failing))
+    with pytest.raises(Exception, match="engine gone"):
+        study(RunRequest(experiment=str(exp)), steps)
+    (study_run,) = job.tracker.client.search_runs(
+        [job.tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'"
+    )
+    point = resume_point(job.tracker, study_run.info.run_id)
+    (first,) = point.unfinished
+    if fails_in == "lad@c2":
+        assert point.kept == {}  # the ladder did not end: not kept
+        result = resume(study_run.info.run_id, steps)
+        assert measured == ["lad@c1", "lad@c2", "lad@c1", "lad@c2", "lad@c4", "after"]
+        assert [o.status for o in result.arms] == ["FINISHED"]
+        return
+    rungs = {w.data.tags["k3pipe.workload"]: w.info.run_id for w in job.tracker.children(first.info.run_id)}
+    kept = point.kept[("fast", 1)]
+    assert kept.workloads == {"lad": ",".join(rungs[f"lad@c{c}"] for c in (1, 2, 4))}
+    assert kept.ladders["lad"] == first.data.tags["k3pipe.ladder.lad"]
+    assert "lad" in point.summary()
+
+    result = resume(study_run.info.run_id, steps)
+    assert measured == ["lad@c1", "lad@c2", "lad@c4", "after", "after"]  # the ladder measured once
+    (outcome,) = result.arms
+    assert outcome.status == "FINISHED", outcome.error
+    again = job.tracker.client.get_run(outcome.mlflow_run_id)
+    assert again.data.tags["k3pipe.ladder.lad"] == kept.ladders["lad"]
+    assert again.data.tags["k3pipe.kept_workloads"] == "lad@c1,lad@c2,lad@c4"
+    names = {w.data.tags["k3pipe.workload"]: w.info.run_id for w in job.tracker.children(again.info.run_id)}
+    assert {n: names[n] for n in rungs} == rungs  # the very runs, not measured again
+    assert set(names) == {*rungs, "after"}
+    assert [row["workload"] for row in outcome.workloads] == ["lad@c1", "lad@c2", "lad@c4", "after"]
+    assert again.data.metrics["lad_c2.output_throughput_tps"] == pytest.approx(  # MLflow's spelling
+        job.tracker.client.get_run(rungs["lad@c2"]).data.metrics["output_throughput_tps"]
+    )
+
+
 def _k3pipe(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env, capture_output=True, text=True,
