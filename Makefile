@@ -158,7 +158,8 @@ docker:
 # phases (tests/conftest.py says why): the timing tests alone, then the rest on TEST_WORKERS
 # pytest-xdist workers; both run, and the first failure's status is the target's. Three workers on
 # two cores: most of that phase is waiting (servers, engines, timeouts); it took 10 min 23 s on three
-# and 14 min 41 s on two (2026-12-04), the machine still 18% idle.
+# and 14 min 41 s on two (2026-12-04), the machine still 18% idle; four took 18 min 3 s against
+# three's 17 min 1 s (2026-12-05): the two cores bound it now.
 TEST_WORKERS ?= 3
 SUBMAKE = $(MAKE) --no-print-directory
 test: system test-system
