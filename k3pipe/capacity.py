@@ -273,12 +273,13 @@ class Saturation:
     confident: bool
     gain_pct: float
     rise_pct: float
-    gain_upper_pct: float | None  # the one-sided (1 - SATURATION_ALPHA) upper bound; None: one repeat
+    gain_upper_pct: float | None  # the one-sided (1 - alpha) upper bound; None: one repeat
     min_gain_pct: float
+    alpha: float = SATURATION_ALPHA
 
     def describe(self) -> str:
         bound = (
-            f" (upper {1 - SATURATION_ALPHA:.0%} bound {self.gain_upper_pct:+.1f}%)"
+            f" (upper {1 - self.alpha:.0%} bound {self.gain_upper_pct:+.1f}%)"
             if self.gain_upper_pct is not None
             else ""
         )
@@ -323,9 +324,10 @@ def check_saturation(
     bounds = gain.interval(1 - 2 * alpha) if gain.se is not None else None
     if bounds is None:
         flagged = gain.diff < margin and rise > margin
-        return Saturation(flagged, False, gain_pct, rise_pct, None, min_gain_pct)
+        return Saturation(flagged, False, gain_pct, rise_pct, None, min_gain_pct, alpha)
     flagged = bounds[1] < margin and rise > margin
-    return Saturation(flagged, flagged, gain_pct, rise_pct, math.expm1(bounds[1]) * 100, min_gain_pct)
+    upper_pct = math.expm1(bounds[1]) * 100
+    return Saturation(flagged, flagged, gain_pct, rise_pct, upper_pct, min_gain_pct, alpha)
 
 
 class LadderStop:
