@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from k3pipe.specs import ArmSpec, ExperimentSpec
+from k3pipe.specs import ArmSpec, ExperimentSpec, WorkloadSpec
 
 __all__ = [
     "describe_study",
@@ -107,13 +107,46 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
             if w.warmup == "steady"
             else f"{w.warmup_requests} warm-up"
         )
-        load = f"{w.concurrency} streams" if w.load == "concurrency" else f"{w.load} at {w.rate_rps} req/s"
+        bound = f" or {w.duration_s:g} s" if w.duration_s is not None else ""
         lines.append(
-            f"  workload {w.name}: {w.input_tokens:,} in / {w.output_tokens:,} out tokens, {load}, "
-            f"{w.num_requests} requests (+{warmup}), {w.dataset.kind} prompts, "
+            f"  workload {w.name}: {w.input_tokens:,} in / {w.output_tokens:,} out tokens, {load_text(w)}, "
+            f"{w.num_requests} requests{bound} (+{warmup}), {w.dataset.kind} prompts, "
             f"{w.repeats} repeat(s)"
         )
     return lines
+
+
+def load_text(w: WorkloadSpec) -> str:
+    """The load a workload sends, in words: one point, a ladder's points or a capacity search's range
+    (``k3pipe render`` and the study's plan)."""
+    cap = f"at most {w.concurrency} in flight"
+    if w.ladder is not None:
+        lad = w.ladder
+        points = ", ".join(f"{v:g}" for v in lad.values())
+        end = f", ended past saturation (gain under {lad.min_gain_pct:g}%)" if lad.stop_when_saturated else ""
+        if lad.over == "concurrency":
+            return f"a concurrency ladder of {points} streams{end}"
+        return f"a {w.load} rate ladder of {points} req/s ({cap}){end}"
+    if w.capacity is not None:
+        c = w.capacity
+        slo = w.slo
+        goals = []
+        if slo is not None:
+            goals += [
+                f"{k} <= {v:g} ms"
+                for k, v in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms), ("E2E", slo.e2e_ms))
+                if v is not None
+            ]
+        meets = f"{', '.join(goals)} for {c.attainment_pct:g}% of requests"
+        if c.over == "concurrency":
+            return f"the most streams in {c.low:g}-{c.high:g} meeting {meets} (at most {c.max_probes} probes)"
+        return (
+            f"the highest {w.load} rate in {c.low:g}-{c.high:g} req/s meeting {meets} "
+            f"(at most {c.max_probes} probes, {cap})"
+        )
+    if w.load == "concurrency":
+        return f"{w.concurrency} streams"
+    return f"{w.load} at {w.rate_rps:g} req/s ({cap})"
 
 
 def interleaved_order(arms: Sequence[str], launches: Sequence[int]) -> list[tuple[str, int]]:

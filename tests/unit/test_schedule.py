@@ -51,3 +51,48 @@ def test_priming_launches_each_configuration_once_and_is_described() -> None:
     assert prime_order(spec, study_arm_names(spec)) == ["a", "b"]
     assert prime_order(spec, ["b"]) == ["b"]
     assert "first, each of a, b launched once to fill the node's caches" in "\n".join(describe_study(spec))
+
+
+def test_the_plan_says_what_load_a_ladder_or_a_capacity_search_sends() -> None:
+    """A ladder's points and a search's range and objectives, not the single load they replace (the
+    plan printed "poisson at None req/s" for a capacity search)."""
+    base = {"input_tokens": 32, "output_tokens": 8}
+    spec = parse_experiment(
+        {
+            "name": "exp",
+            "model": {"source": "local", "path": "/nonexistent"},
+            "arms": [{"name": "a", "engine": {"kind": "vllm", "executable": ["vllm"]}}],
+            "workloads": [
+                {"name": "one", **base, "concurrency": 4},
+                {"name": "steady", **base, "load": "constant", "rate_rps": 0.25, "concurrency": 8},
+                {"name": "lad", **base, "ladder": {"points": [8, 1, 64]}},
+                {
+                    "name": "rates",
+                    **base,
+                    "load": "poisson",
+                    "concurrency": 32,
+                    "ladder": {"over": "rate", "start": 0.5, "stop": 2, "stop_when_saturated": False},
+                },
+                {
+                    "name": "cap",
+                    **base,
+                    "load": "poisson",
+                    "concurrency": 256,
+                    "duration_s": 10,
+                    "slo": {"ttft_ms": 500, "tpot_ms": 25},
+                    "capacity": {"low": 0.1, "high": 400, "max_probes": 6},
+                },
+            ],
+        }
+    )
+    lines = {line.split(":")[0].split()[-1]: line for line in describe_study(spec) if "workload " in line}
+    assert ", 4 streams," in lines["one"]
+    assert "constant at 0.25 req/s (at most 8 in flight)" in lines["steady"]
+    assert "a concurrency ladder of 1, 8, 64 streams, ended past saturation (gain under 5%)" in lines["lad"]
+    assert "a poisson rate ladder of 0.5, 1, 2 req/s (at most 32 in flight)," in lines["rates"]
+    assert (
+        "the highest poisson rate in 0.1-400 req/s meeting TTFT <= 500 ms, TPOT <= 25 ms for 90% of "
+        "requests (at most 6 probes, at most 256 in flight)" in lines["cap"]
+    )
+    assert "requests or 10 s (+" in lines["cap"]
+    assert "None" not in "\n".join(lines.values())
