@@ -330,9 +330,7 @@ def design_of(decision: dict[str, Any], tests: int, look: dict[str, Any] | None 
     )
 
 
-def _estimates(
-    cells: Iterable[CellData], metric: Metric
-) -> tuple[dict[str, CellStat], set[str], set[str]]:
+def _estimates(cells: Iterable[CellData], metric: Metric) -> tuple[dict[str, CellStat], set[str], set[str]]:
     """Per arm: its estimate of ``metric``; the arms whose client timing was bursty; those whose
     every value was exactly 0 (measured, and none: no estimate on the log scale)."""
     bursty, zeros = set(), set()

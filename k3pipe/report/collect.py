@@ -22,6 +22,8 @@ STUDY_KIND = "study"
 """The ``k3pipe.kind`` tag of a study's parent run."""
 PRIME_TAG = "k3pipe.prime"
 """Tags the arm run of a priming launch (``decision.prime``): launch 0, kept out of the verdicts."""
+LADDER_TAG = "k3pipe.ladder."
+"""An arm run's tag per ladder workload (its name after the prefix): how the ladder ran."""
 SUPERSEDED_TAG = "k3pipe.superseded"
 """Tags the arm run of a launch that did not finish and that a resumed study ran again (its value
 says how): kept in MLflow with what it measured, left out of the report (k3pipe.resume)."""
@@ -63,6 +65,17 @@ class CellData(BaseModel):
         description="A ladder point or capacity search: '1' the prefix cache was emptied before it (every "
         "probe), '0' not (before some), 'off' the workload said not to; None: neither.",
     )
+    searches: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="A capacity search's answer per repeat (every launch's in turn), as its "
+        "capacity.json holds it: capacity, failed_at, censored, converged, binding, cliff, probes.",
+    )
+    slo: dict[str, float] = Field(
+        default_factory=dict, description="The workload's objectives (ttft_ms, tpot_ms, e2e_ms) it set."
+    )
+    attainment_pct: float | None = Field(
+        default=None, description="A capacity search: the share of requests a passing probe met the SLO with."
+    )
 
     def mean(self, metric: str) -> float | None:
         v = self.values.get(metric)
@@ -85,6 +98,7 @@ class CellData(BaseModel):
         for key, values in other.values.items():
             self.values.setdefault(key, []).extend(values)
         self.request_runs.extend(other.request_runs)
+        self.searches.extend(other.searches)
         if other.status != "FINISHED":
             self.status = other.status
         if other.prefix_cache_reset == "0":
@@ -132,6 +146,11 @@ class ArmData(BaseModel):
         description="Where the experiment's hardware: is not the node nvidia-smi showed.",
     )
     findings: list[dict[str, Any]] = Field(default_factory=list, description="Preflight findings.")
+    ladders: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ladder workload -> how it ran on this launch ('points c1, c8, c64', 'ended at c16, "
+        "past saturation ...'), from the arm run's k3pipe.ladder.<name> tags.",
+    )
     stages: dict[str, float] = Field(default_factory=dict, description="Study stage -> seconds.")
     hardware: str | None = Field(
         default=None,
@@ -273,6 +292,7 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         warnings=warnings,
         node_mismatch=[w for w in tags.get("k3pipe.node_mismatch", "").split(" | ") if w],
         findings=json.loads(findings_text) if findings_text else [],
+        ladders={k.removeprefix(LADDER_TAG): v for k, v in tags.items() if k.startswith(LADDER_TAG)},
     )
 
 
@@ -286,6 +306,8 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
         repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get("k3pipe.repeat")]
         repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
         params = wl.data.params
+        capacity = _capacity_label(params)
+        spec = _json(params.get("workload.capacity")) if capacity is not None else {}
         cells.append(
             CellData(
                 arm=arm.name,
@@ -301,13 +323,37 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 load=params.get("workload.load", "concurrency"),
                 rate_rps=_float(params, "workload.rate_rps"),
                 dataset=params.get("workload.dataset.kind", "random"),
-                capacity=_capacity_label(params),
+                capacity=capacity,
+                searches=_searches(tracker, repeats or [wl]) if capacity is not None else [],
+                slo={k: float(v) for k, v in _json(params.get("workload.slo")).items() if v is not None},
+                attainment_pct=spec.get("attainment_pct"),
                 ladder=wl.data.tags.get("k3pipe.ladder"),
                 ladder_point=_float(wl.data.tags, "k3pipe.ladder_point"),
                 prefix_cache_reset=wl.data.tags.get("k3pipe.prefix_cache_reset"),
             )
         )
     return cells
+
+
+def _json(text: str | None) -> dict[str, Any]:
+    """A JSON object param ({} for null, absent or not an object)."""
+    try:
+        value = json.loads(text or "null")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _searches(tracker: Tracker, runs: list[Any]) -> list[dict[str, Any]]:
+    """Each capacity search's capacity.json (k3pipe.record.log_capacity), in repeat order; a search
+    that ended before writing it is left out."""
+    out = []
+    for run in runs:
+        raw = tracker.read_artifact(run.info.run_id, "capacity.json")
+        found = _json(raw.decode() if raw else None)
+        if found:
+            out.append(found)
+    return out
 
 
 def _capacity_label(params: dict[str, str]) -> str | None:

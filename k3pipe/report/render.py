@@ -153,7 +153,7 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
             + "; ".join(f"{arm}'s {', '.join(w)}" for arm, w in unreset.items())
             + ": a ladder point or probe served the prompts an earlier one had cached may show a "
             "TTFT, and a capacity, better than the load alone gives. The engine refused or offers no "
-            "way (vLLM serves `/reset_prefix_cache` only with `VLLM_SERVER_DEV_MODE: \"1\"` in the arm's "
+            'way (vLLM serves `/reset_prefix_cache` only with `VLLM_SERVER_DEV_MODE: "1"` in the arm\'s '
             "`engine.env`; an external endpoint or gateway may not pass it on); the MLflow runs' "
             "`k3pipe.prefix_cache_reset` tag says which."
         )
@@ -387,10 +387,15 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
                 "not decoding (the engine's own figures are in the arm's MLflow run); such a cell is not "
                 "ranked.",
                 results,
+                *filter(None, [_rough_energy(data)]),
             ],
         )
     )
-    for extra in (_calibration_section(data, analysis), _noise_section(data, analysis)):
+    for extra in (
+        _calibration_section(data, analysis),
+        _noise_section(data, analysis),
+        _capacity_section(data),
+    ):
         if extra is not None:
             sections.append(extra)
 
@@ -438,7 +443,8 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         else (
             f"{f.metric.label} ({f.shape}): not a flip the data shows: {f.before} is ahead at "
             f"{f.between[0]:,} and {f.after} at {f.between[1]:,} input tokens (the means cross at about "
-            f"{f.at_tokens:,.0f}, interpolated), but at " + " and ".join(f"{n:,}" for n in f.unseen)
+            f"{f.at_tokens:,.0f}, interpolated), but at "
+            + " and ".join(f"{n:,}" for n in f.unseen)
             + " the verdict is not a detected difference"
         )
         for f in analysis.flips
@@ -450,6 +456,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         )
     )
 
+    ladders = _ladder_runs(data)
     if analysis.pareto:
         gpus = f"{data.gpus} GPU(s), the experiment's hardware" if data.gpus else "1 GPU (no hardware given)"
         front = Table(
@@ -466,9 +473,12 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
                 [f"Each ladder point: output tokens per second one stream receives (1000 / TPOT p50) "
                  f"against output tokens per second per GPU ({gpus}); a point is on its arm's front when "
                  "no other point of that arm's ladder gives more of both. Means over repeats and "
-                 "launches, no intervals: the verdicts on each point are in the results above.", front],
+                 "launches, no intervals: the verdicts on each point are in the results above.", front,
+                 *ladders],
             )
         )  # fmt: skip
+    elif ladders:
+        sections.append(Section("Ladders", ladders))
 
     bounds = Table(
         ["arm", "workload", "figure", "tok/s", "ceiling tok/s", "claimed / ceiling", "check", "ceiling from"],
@@ -578,6 +588,108 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             "pareto.png": "Pareto fronts: tok/s per user against per GPU, per ladder, arms together",
         },
     )
+
+
+MIN_POWER_SAMPLES = 5
+"""Fewer GPU power samples than this inside a cell's window: its energy figures are marked rough."""
+
+
+def _rough_energy(data: StudyData) -> str | None:
+    """A note on the cells whose energy per token rests on few power samples (a short window at
+    the sampler's 1 s): the integral there leans on the samples around the window's edges."""
+    few: dict[str, list[str]] = {}
+    for c in data.cells:
+        samples = c.values.get("gpu_power_samples")
+        if c.values.get("energy_j_per_output_token") and samples and min(samples) < MIN_POWER_SAMPLES:
+            few.setdefault(c.workload, []).append(f"{c.arm} {min(samples):.0f}")
+    if not few:
+        return None
+    listed = "; ".join(f"{w} ({', '.join(arms)})" for w, arms in few.items())
+    return (
+        "GPU energy per token integrates each GPU's power, sampled every metrics_interval_s (1 s by "
+        "default) and taken as linear between samples, over the cell's measured window. Fewer than "
+        f"{MIN_POWER_SAMPLES} samples fell inside the window of these cells (the fewest of any repeat), "
+        f"so their energy figures lean on the samples at its edges: read them as rough: {listed}. "
+        "More requests, or duration_s, give a longer window."
+    )
+
+
+def _ladder_runs(data: StudyData) -> list[Block]:
+    """How each arm's ladders ran: every point, or where it ended past saturation and why."""
+    lines = [
+        f"{data.label(a)}, {name}: {summary}"
+        for a in data.arms
+        for name, summary in sorted(a.ladders.items())
+    ]
+    return (
+        ["How each ladder ran (lowest load first, on one engine start): " + "; ".join(lines) + "."]
+        if lines
+        else []
+    )
+
+
+def _load(value: float | None, over: str) -> str:
+    if value is None:
+        return "-"
+    if over == "concurrency":
+        return f"c{value:.0f}"
+    return f"{value:.3g}" if value < 100 else f"{value:,.0f}"
+
+
+def _capacity_section(data: StudyData) -> Section | None:
+    """Per capacity workload: what a probe had to meet, and per arm and search the answer, the
+    lowest failing load, the binding objective, a cliff, and every probe in the order it ran."""
+    cells = [c for c in data.cells if c.capacity is not None]
+    if not cells:
+        return None
+    names = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "e2e_ms": "E2E"}
+    blocks: list[Block] = []
+    for workload in dict.fromkeys(c.workload for c in cells):
+        group = [c for c in cells if c.workload == workload]
+        first = group[0]
+        slo = ", ".join(f"{names.get(k, k)} <= {v:g} ms" for k, v in first.slo.items()) or "its SLO"
+        target = f"{first.attainment_pct:g}%" if first.attainment_pct is not None else "the target share"
+        blocks.append(
+            f"**{workload}** ({first.input_tokens:,} in / {first.output_tokens:,} out tokens, "
+            f"{first.load_label}): a probe passes when at least {target} of its measured requests met "
+            f"{slo} (TTFT and E2E counted from each request's scheduled arrival; a failed request "
+            "missed)."
+        )
+        table = Table(
+            ["arm", "search", "capacity", "fails at", "bound by", "cliff", "probes in the order run "
+             "(load: share that met the SLO)"],
+            [],
+        )  # fmt: skip
+        for c in group:
+            for i, s in enumerate(c.searches, 1):
+                over = str(s.get("over", "rate"))
+                capacity = _load(s.get("capacity"), over)
+                if s.get("censored") == "above_high":
+                    capacity = f"at least {capacity}"
+                elif s.get("censored") == "below_low":
+                    capacity = f"below {_load(s.get('failed_at'), over)}"
+                if not s.get("converged", True):
+                    capacity += " (not converged)"
+                probes = ", ".join(
+                    f"{_load(p.get('point'), over)}: {p.get('attainment_pct', float('nan')):.3g}% "
+                    + ("pass" if p.get("passed") else "fail")
+                    for p in s.get("probes", [])
+                )
+                binding = s.get("binding")
+                table.rows.append(
+                    [c.arm, str(i), capacity, _load(s.get("failed_at"), over),
+                     names.get(binding, binding) if binding else "-", "yes" if s.get("cliff") else "no",
+                     probes or "-"]
+                )  # fmt: skip
+        blocks.append(table)
+    blocks.append(
+        "The capacity is the highest load that passed; the boundary lies between it and the lowest "
+        "load that failed (the bracket the search closed to its tolerance). 'Bound by': the objective "
+        "met least often at that failing load. A cliff: the share fell from passing to under half the "
+        "target across the final bracket (a wall, not a slope). Each repeat is a search of its own; "
+        "the capacity's interval across them, and the verdict, are in the results above."
+    )
+    return Section("Capacity under the SLO", blocks)
 
 
 def _priming(data: StudyData) -> Section:

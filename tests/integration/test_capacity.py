@@ -87,8 +87,14 @@ def test_a_capacity_search_finds_the_scripted_engines_capacity_within_10_percent
     assert max(float(p.data.params["probe.point"]) for p in passed) == found
     assert search.data.tags["k3pipe.prefix_cache_reset"] == "1"
     report = build_report(tracker, result.study_run_id)
-    assert "capacity" in report.markdown
     assert "The prefix cache was not emptied" not in report.markdown
+    # the report's capacity section: the search's answer, its binding objective and every probe
+    section = report.markdown.split("## Capacity under the SLO", 1)[1].split("\n## ", 1)[0]
+    (row,) = [line for line in section.splitlines() if line.startswith("| scripted |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:3] == ["scripted", "1", f"{found:.3g}" if found < 100 else f"{found:,.0f}"]
+    assert cells[4] == "E2E"
+    assert cells[6].count("pass") + cells[6].count("fail") == len(probes)
 
 
 def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(
@@ -164,4 +170,5 @@ def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(
     assert best.on_front  # the most tokens per GPU
     assert points["lad@c4"].per_gpu_tps == pytest.approx(tps["lad@c4"] / 2)  # two GPUs
     assert "## Pareto fronts" in report.markdown
+    assert f"scripted, lad: {summary}" in report.markdown  # how the ladder ran, beside its front
     assert "pareto.png" in report.figures

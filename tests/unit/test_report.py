@@ -447,3 +447,85 @@ def test_the_published_table_stands_beside_the_cells() -> None:
     assert "vLLM 3.29x, SGLang 1.25x" in text
     data.reference = None
     assert "Beside the published table" not in to_markdown(build_document(data, analyse(data)), {})
+
+
+def test_energy_from_few_power_samples_is_marked_rough() -> None:
+    """A cell of 1.3 s at the sampler's 1 s holds one power sample: its joules per token lean on the
+    samples around the window (the H100's c64 ladder point, 2026-12-05), and the report says so."""
+    cells = [
+        _cell("a", "short", 64, energy_j_per_output_token=[0.07], gpu_power_samples=[1.0]),
+        _cell("b", "short", 64, energy_j_per_output_token=[0.09], gpu_power_samples=[3.0, 6.0]),
+        _cell("a", "long", 128, energy_j_per_output_token=[0.6], gpu_power_samples=[19.0]),
+        _cell("b", "long", 128, energy_j_per_output_token=[0.5], gpu_power_samples=[15.0]),
+    ]
+    text = _markdown(_study(*cells))
+    assert "read them as rough: short (a 1, b 3)." in text
+    assert "long (" not in text
+    plenty = [_cell(a, "long", 128, energy_j_per_output_token=[0.5], gpu_power_samples=[9.0]) for a in "ab"]
+    assert "read them as rough" not in _markdown(_study(*plenty))
+
+
+def _search(capacity: float | None, failed_at: float | None, probes: list[tuple[float, float]], **kw: object):
+    return {
+        "over": "rate",
+        "capacity": capacity,
+        "failed_at": failed_at,
+        "censored": kw.get("censored"),
+        "converged": kw.get("converged", True),
+        "binding": kw.get("binding", "ttft_ms"),
+        "cliff": kw.get("cliff", False),
+        "probes": [{"point": p, "attainment_pct": a, "passed": a >= 90} for p, a in probes],
+    }
+
+
+def test_the_capacity_section_shows_each_search_its_bracket_binding_objective_and_probes() -> None:
+    """Beside the verdict on capacity_rps: what a probe had to meet, and per arm and search where the
+    boundary lies (the highest pass, the lowest fail), the objective that bound, a cliff, a search
+    that never bracketed, one that ran out of probes, and every probe in the order it ran."""
+    common = {"capacity": "rate 1-400 req/s", "load": "poisson", "slo": {"ttft_ms": 500.0, "tpot_ms": 25.0},
+              "attainment_pct": 90.0}  # fmt: skip
+    vllm = _cell("vllm", "cap", 2048, capacity_rps=[61.7]).model_copy(
+        update={**common, "searches": [_search(61.7, 67.3, [(20, 100), (40, 100), (80, 22.5), (61.7, 97.3)])]}
+    )
+    sglang = _cell("sglang", "cap", 2048, capacity_rps=[40.0, 44.0]).model_copy(
+        update={
+            **common,
+            "searches": [
+                _search(40, 43.6, [(20, 100), (40, 100), (43.6, 20.0)], cliff=True),
+                _search(400, None, [(200, 100), (400, 99)], censored="above_high", binding=None),
+                _search(30, 80, [(20, 100), (30, 95), (80, 10)], converged=False, binding="e2e_ms"),
+            ],
+        }
+    )
+    text = _markdown(_study(vllm, sglang))
+    section = text.split("## Capacity under the SLO", 1)[1].split("\n## ", 1)[0]
+    assert "at least 90% of its measured requests met TTFT <= 500 ms, TPOT <= 25 ms" in section
+    assert (
+        "| vllm | 1 | 61.7 | 67.3 | TTFT | no | 20: 100% pass, 40: 100% pass, 80: 22.5% fail, "
+        "61.7: 97.3% pass |" in section
+    )
+    assert "| sglang | 1 | 40 | 43.6 | TTFT | yes |" in section
+    assert "| sglang | 2 | at least 400 | - | - | no |" in section
+    assert "| sglang | 3 | 30 (not converged) | 80 | E2E | no |" in section
+    assert "## Capacity under the SLO" not in _markdown(
+        _study(_cell("a", "w", 64, output_throughput_tps=[1.0]))
+    )
+
+
+def test_how_each_ladder_ran_is_said_beside_its_pareto_front() -> None:
+    cells = [
+        _cell(
+            arm, f"lad@c{c}", 64, concurrency=c, output_throughput_tps=[tps], tpot_ms_p50=[tpot]
+        ).model_copy(update={"ladder": "lad", "ladder_point": float(c)})
+        for arm, points in {"a": [(1, 100.0, 5.0), (8, 700.0, 6.0)], "b": [(1, 90.0, 5.5)]}.items()
+        for c, tps, tpot in points
+    ]
+    data = _study(*cells)
+    data.arms[0].ladders = {"lad": "points c1, c8"}
+    data.arms[1].ladders = {"lad": "points c1; ended at c1, past saturation ..."}
+    text = _markdown(data)
+    assert "## Pareto fronts" in text
+    assert (
+        "How each ladder ran (lowest load first, on one engine start): a, lad: points c1, c8; b, lad: "
+        in text
+    )
