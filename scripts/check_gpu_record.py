@@ -298,7 +298,12 @@ def check_arm(
         for c in reversed(store.runs(f"tags.mlflow.parentRunId = '{run.info.run_id}'"))
     }
     for workload in spec["workloads"]:
-        check_workload(store, report, run, workload, children.get(workload["name"]))
+        if workload.get("ladder"):
+            check_ladder(store, report, run, workload, children)
+        elif workload.get("capacity"):
+            check_capacity(store, report, run, workload, children.get(workload["name"]))
+        else:
+            check_workload(store, report, run, workload, children.get(workload["name"]))
 
     # what other parts of k3pipe add (reported, never failing)
     report.maybe(
@@ -331,9 +336,16 @@ def _gpu_memory(store: Store, run: Any, where: str) -> list[str]:
 
 
 def check_workload(
-    store: Store, report: ArmReport, engine_run: Any, workload: dict[str, Any], run: Any | None
+    store: Store,
+    report: ArmReport,
+    engine_run: Any,
+    workload: dict[str, Any],
+    run: Any | None,
+    prefix: str | None = None,
 ) -> None:
+    """``prefix``: how the engine run's metrics name the workload (a ladder point NAME@c8: NAME_c8)."""
     name = workload["name"]
+    prefix = prefix or name
     if not report.need(f"{name}: nested run", run is not None, "" if run else "no workload run"):
         return
     m = run.data.metrics
@@ -380,7 +392,69 @@ def check_workload(
         report.gpu_memory += _gpu_memory(store, holder, where)
     em = engine_run.data.metrics
     for metric in ARM_WORKLOAD_METRICS:
-        report.need(f"{name}: engine run has {name}.{metric}", f"{name}.{metric}" in em)
+        report.need(f"{name}: engine run has {prefix}.{metric}", f"{prefix}.{metric}" in em)
+
+
+def check_ladder(
+    store: Store, report: ArmReport, engine_run: Any, workload: dict[str, Any], children: dict[str, Any]
+) -> None:
+    """A ladder: its points that ran (NAME@c8, NAME@2.5rps: each a workload run of its own, checked
+    as one), lowest first from the first point, and the arm run's summary of how it ran."""
+    name = workload["name"]
+    rungs = sorted(
+        (run for key, run in children.items() if key and key.startswith(f"{name}@")),
+        key=lambda r: float(r.data.tags.get("k3pipe.ladder_point", "0")),
+    )
+    summary = engine_run.data.tags.get(f"k3pipe.ladder.{name}", "")
+    report.need(f"{name}: ladder points", bool(rungs), f"{len(rungs)} point(s) ran")
+    report.need(f"{name}: engine run tag k3pipe.ladder.{name}", bool(summary), summary[:120])
+    for rung in rungs:
+        point = rung.data.tags["k3pipe.workload"]
+        report.need(f"{point}: tagged k3pipe.ladder = {name}", rung.data.tags.get("k3pipe.ladder") == name)
+        check_workload(store, report, engine_run, {**workload, "name": point}, rung, point.replace("@", "_"))
+
+
+def check_capacity(
+    store: Store, report: ArmReport, engine_run: Any, workload: dict[str, Any], run: Any | None
+) -> None:
+    """A capacity search: its run (one per repeat beneath the workload's with repeats) holds the
+    answer (capacity_rps or capacity_concurrency, or the censored bound) and capacity.json; every
+    probe is a run of its own holding the workload's whole record at its load."""
+    name = workload["name"]
+    if not report.need(f"{name}: search run", run is not None, "" if run else "no capacity search run"):
+        return
+    report.need(f"{name}: status FINISHED", run.info.status == "FINISHED", run.info.status)
+    key = "capacity_rps" if workload["capacity"].get("over", "rate") == "rate" else "capacity_concurrency"
+    repeats = [
+        r
+        for r in store.runs(f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+        if "k3pipe.repeat" in r.data.tags
+    ]
+    for search in sorted(repeats, key=lambda r: int(r.data.tags["k3pipe.repeat"])) or [run]:
+        where = f"{name}#{search.data.tags['k3pipe.repeat']}" if search is not run else name
+        m = search.data.metrics
+        found = m.get(key, m.get(f"{key}_at_least"))
+        report.need(f"{where}: metric {key}", found is not None, _fmt(found))
+        report.need(f"{where}: tag k3pipe.capacity", bool(search.data.tags.get("k3pipe.capacity")),
+                    search.data.tags.get("k3pipe.capacity", ""))  # fmt: skip
+        report.need(f"{where}: artifact capacity.json", "capacity.json" in store.artifact_files(search))
+        probes = store.runs(f"tags.mlflow.parentRunId = '{search.info.run_id}'")
+        report.need(
+            f"{where}: probe runs", len(probes) == int(m.get(f"{key}_probes", -1)),
+            f"{len(probes)} of {m.get(f'{key}_probes', 0):.0f}",
+        )  # fmt: skip
+        for probe in sorted(probes, key=lambda r: r.info.start_time):
+            label = f"{where}@{probe.data.tags.get('k3pipe.probe', '?')}"
+            report.workloads[label] = dict(probe.data.metrics)
+            pm = probe.data.metrics
+            report.need(f"{label}: attainment", "probe.slo_attainment_from_arrival_pct" in pm)
+            for metric in WORKLOAD_METRICS:
+                report.need(f"{label}: metric {metric}", metric in pm, _fmt(pm.get(metric)))
+            report.need(f"{label}: no failed request", pm.get("failed", 1) == 0, _fmt(pm.get("failed")))
+            files = store.artifact_files(probe)
+            for artifact in WORKLOAD_ARTIFACTS:
+                report.need(f"{label}: artifact {artifact}", artifact in files)
+    report.need(f"{name}: engine run has {name}.{key}", f"{name}.{key}" in engine_run.data.metrics)
 
 
 def scan_for_key(root: Path, key: str) -> list[str]:

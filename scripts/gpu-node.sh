@@ -43,7 +43,8 @@
 # K3PIPE_EXPERIMENT (experiments/gpu-h200.yaml), K3PIPE_VLLM_VENV ($K3PIPE_HOME/venvs/vllm-0.22.0),
 # K3PIPE_PIPELINE_PYTHON (the python that runs k3pipe; default: the first of
 # $K3PIPE_HOME/venvs/k3pipe/bin/python, $K3PIPE_HOME/venvs/pipeline/bin/python, .venv/bin/python),
-# K3PIPE_GPU_API_KEY (default: a made-up random key, kept in node-logs/api-key, never in the store),
+# K3PIPE_GPU_API_KEY (default: a made-up random key, made by the first run on the node and kept in
+# node-logs/api-key for the later ones; never in the store, never printed: $OUT/summary.txt alone),
 # K3PIPE_COLLECT_MAX_PARTS (4), K3PIPE_NODE_PYTHON (python3: the base of the venvs), K3PIPE_BENCH_PORT
 # (8031), K3PIPE_BENCH_ENGINE_ARGS (bench: replaces the GPU engine arguments, for a CPU rehearsal),
 # K3PIPE_BENCH_ENGINE_CPUS (bench: a taskset CPU list for the engine, e.g. 0-7; default: not pinned),
@@ -284,12 +285,7 @@ cmd_run() {
     fi
     case $EXPERIMENT in /*) [ -f "$EXPERIMENT" ] ;; *) [ -f "$REPO/$EXPERIMENT" ] ;; esac \
         || die "no experiment file $EXPERIMENT"
-    mkdir -p "$NODE_LOGS"
-    if [ -z "${K3PIPE_GPU_API_KEY:-}" ]; then
-        K3PIPE_GPU_API_KEY="made-up-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-    fi
-    export K3PIPE_GPU_API_KEY
-    printf '%s\n' "$K3PIPE_GPU_API_KEY" > "$NODE_LOGS/api-key"
+    use_key
     printf '%s %s\n' "$EXPERIMENT" "$*" > "$NODE_LOGS/run.experiment"
     # NVLink multicast stays off on these hosts (KINDS.md), also for programs with their own env
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -374,11 +370,7 @@ cmd_bench() {
     trap 'exit 130' INT
     trap 'exit 143' TERM
     mkdir -p "$NODE_LOGS" "$K3PIPE_HOME/logs" "$BENCH_DIR"
-    if [ -z "${K3PIPE_GPU_API_KEY:-}" ]; then
-        K3PIPE_GPU_API_KEY="made-up-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-    fi
-    export K3PIPE_GPU_API_KEY
-    printf '%s\n' "$K3PIPE_GPU_API_KEY" > "$NODE_LOGS/api-key"
+    use_key
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
     end_leftovers "before the bench"
@@ -537,6 +529,41 @@ write_node_facts() {
     fi
 }
 
+# The API key the engines start with: $K3PIPE_GPU_API_KEY, else the node's made-up one (made by the
+# first run and kept in node-logs/api-key, so every later run and collect on the node uses the same
+# one). Every key used is listed in node-logs/api-keys (never packed): collect blanks them all.
+use_key() {
+    mkdir -p "$NODE_LOGS"
+    if [ -z "${K3PIPE_GPU_API_KEY:-}" ]; then
+        if [ -s "$NODE_LOGS/api-key" ]; then
+            K3PIPE_GPU_API_KEY=$(cat "$NODE_LOGS/api-key")
+        else
+            K3PIPE_GPU_API_KEY="made-up-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+        fi
+    fi
+    export K3PIPE_GPU_API_KEY
+    (umask 077 && printf '%s\n' "$K3PIPE_GPU_API_KEY" > "$NODE_LOGS/api-key")
+    grep -qxF -- "$K3PIPE_GPU_API_KEY" "$NODE_LOGS/api-keys" 2>/dev/null \
+        || (umask 077 && printf '%s\n' "$K3PIPE_GPU_API_KEY" >> "$NODE_LOGS/api-keys")
+}
+
+# blank_keys SRC DEST: SRC with every key of node-logs/api-keys replaced by ***, taken literally;
+# prints how many it replaced
+blank_keys() {
+    python3 - "$NODE_LOGS/api-keys" "$1" "$2" <<'PY'
+import pathlib, sys
+keys_file, src, dest = (pathlib.Path(a) for a in sys.argv[1:])
+keys = [k for k in keys_file.read_text().splitlines() if k] if keys_file.is_file() else []
+data = src.read_bytes()
+n = 0
+for key in sorted(keys, key=len, reverse=True):
+    n += data.count(key.encode())
+    data = data.replace(key.encode(), b"***")
+dest.write_bytes(data)
+print(n)
+PY
+}
+
 cmd_collect() {
     [ -n "${OUT:-}" ] || die "OUT is not set (the device call's output folder)"
     mkdir -p "$OUT"
@@ -546,20 +573,15 @@ cmd_collect() {
     mkdir -p "$work/record/logs/engine" "$work/record/mlflow"
     [ -f "$NODE_LOGS/api-key" ] && key=$(cat "$NODE_LOGS/api-key")
     step "node facts (nvidia-smi, versions, compile cache)" write_node_facts "$work/record/node"
-    # the node's own logs, with the made-up key's occurrences counted, then blanked
+    # the node's own logs, with every key a run used (node-logs/api-keys) counted, then blanked
     local leaks=0 f n dest
     for f in "$NODE_LOGS"/*.log "$K3PIPE_HOME"/logs/*.log; do
         [ -f "$f" ] || continue
         dest=$work/record/logs/$(basename "$f")
         case $f in "$K3PIPE_HOME"/logs/*) dest=$work/record/logs/engine/$(basename "$f") ;; esac
-        if [ -n "$key" ]; then
-            n=$(grep -o -F -- "$key" "$f" | wc -l || true)
-            leaks=$((leaks + n))
-            [ "$n" -eq 0 ] || say "!!! the key appears $n time(s) in $f (blanked in the copy)"
-            sed "s/$key/***/g" "$f" > "$dest"
-        else
-            cp "$f" "$dest"
-        fi
+        n=$(blank_keys "$f" "$dest")
+        leaks=$((leaks + n))
+        [ "$n" -eq 0 ] || say "!!! an API key appears $n time(s) in $f (blanked in the copy)"
     done
     if [ -f "$K3PIPE_HOME/mlflow/mlflow.db" ]; then
         step "consistent copy of the MLflow sqlite db" python3 -c "
@@ -615,7 +637,9 @@ src.close()
         (cd "$OUT" && ls -l record.tar.gz.part-*)
     } >> "$summary"
     { echo "made_up_api_key: ${key:-none}"; cat "$summary"; } > "$OUT/summary.txt"
-    cat "$OUT/summary.txt"
+    # printed without the key: this output goes to node-logs/collect.log, which a later collect packs
+    cat "$summary"
+    say "the key is in \$OUT/summary.txt alone (for check_gpu_record.py)"
     say "collected into $OUT: $(cd "$OUT" && find . -maxdepth 1 -type f -printf '%f ' | sort)"
 }
 

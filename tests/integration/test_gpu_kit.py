@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sqlite3
 import struct
@@ -235,6 +236,11 @@ def _experiment(port: int) -> dict[str, Any]:
             {"name": "poisson", "input_tokens": 64, "output_tokens": 8, "load": "poisson", "rate_rps": 20,
              "concurrency": 8, "num_requests": 10, "duration_s": 5, "warmup_requests": 1, "seed": 3,
              "slo": {"ttft_ms": 500}},
+            {"name": "lad", "input_tokens": 64, "output_tokens": 8, "num_requests": 8, "seed": 4,
+             "ladder": {"points": [1, 4]}},
+            {"name": "cap", "input_tokens": 64, "output_tokens": 8, "load": "poisson", "concurrency": 16,
+             "num_requests": 40, "duration_s": 2, "seed": 5, "slo": {"ttft_ms": 500},
+             "capacity": {"low": 1, "high": 16, "max_probes": 2}},
         ],
     }  # fmt: skip
 
@@ -279,6 +285,8 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> Record:
     logs = _node(["model", "--preset", "tiny"], env, 300)
     logs += _node(["run", "--deadline", "300"], env, 420)
     out = root / "out"
+    # twice, as a sitting does after each run: the second packs the first's log (which must hold no key)
+    logs += _node(["collect"], {**env, "OUT": str(out)}, 300)
     logs += _node(["collect"], {**env, "OUT": str(out)}, 300)
     return Record(root, out, experiment, logs)
 
@@ -297,6 +305,7 @@ def test_node_driver_steps_print_timings(record: Record) -> None:
     assert "run_rc: 0" in record.summary
     assert "key_occurrences_in_node_logs: 0" in record.summary
     assert record.key.startswith("made-up-")
+    assert record.key not in record.logs  # printed nowhere: $OUT/summary.txt alone holds it
     # the key is only in $OUT's summary, not in the record
     with tarfile.open(record.out / "record.tar.gz.part-00") as tar:
         names = tar.getnames()
@@ -319,8 +328,9 @@ def test_check_finds_the_whole_record(record: Record) -> None:
         assert f"arm {arm}: FINISHED" in out
     assert out.count("required: ") == 2
     assert "MISSING" not in out
-    for workload in ("c4", "prefix", "poisson"):
-        assert f"  {workload} " in out
+    for workload in ("c4", "prefix", "poisson", "lad@c1", "lad@c4", "cap@"):
+        assert f"  {workload}" in out
+    assert out.count("  cap@") == 4  # a capacity search's probes, two per arm, each checked as a workload
     # present or missing, never failing: what other parts of k3pipe add
     for optional in ("cold-start phases", "compile-cache params", "node facts", "nvidia-smi artifacts",
                      "GPU memory series"):  # fmt: skip
@@ -383,6 +393,29 @@ def test_check_looks_into_every_repeat(record: Record, tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout
     assert "MISSING  c4#2: artifact requests.parquet" in done.stdout
     assert "c4#1: artifact requests.parquet" not in done.stdout
+    assert "record: INCOMPLETE" in done.stdout
+
+
+def test_check_looks_into_ladders_and_capacity_searches(record: Record, tmp_path: Path) -> None:
+    """A ladder without its summary on the arm run, and a capacity search missing one probe's
+    requests and its capacity.json, are named as such."""
+
+    def drop(root: Path) -> None:
+        with sqlite3.connect(root / "mlflow" / "mlflow.db") as db:
+            db.execute("delete from tags where key = 'k3pipe.ladder.lad'")
+            probe, search = db.execute(
+                "select t.run_uuid, p.value from tags t join tags p on p.run_uuid = t.run_uuid "
+                "and p.key = 'mlflow.parentRunId' where t.key = 'k3pipe.probe' limit 1"
+            ).fetchone()
+        experiment_dir = _run_dirs(root, "requests.parquet")[0].parents[1]
+        (experiment_dir / probe / "artifacts" / "requests.parquet").unlink()
+        (experiment_dir / search / "artifacts" / "capacity.json").unlink()
+
+    done = _check(_repack(record, tmp_path, drop), record.experiment)
+    assert done.returncode == 1, done.stdout
+    assert done.stdout.count("MISSING  lad: engine run tag k3pipe.ladder.lad") == 2  # both arms
+    assert "MISSING  cap: artifact capacity.json" in done.stdout
+    assert re.search(r"MISSING  cap@[0-9.]+rps: artifact requests\.parquet", done.stdout)
     assert "record: INCOMPLETE" in done.stdout
 
 
