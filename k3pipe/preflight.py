@@ -555,6 +555,36 @@ def _shared_prompts(spec: ExperimentSpec) -> list[Finding]:
     return findings
 
 
+LADDER_MIN_WAVES = 2
+"""A concurrency ladder point with fewer requests than this many times its streams is one burst."""
+
+
+def _one_wave_points(spec: ExperimentSpec) -> Iterator[Finding]:
+    """Concurrency ladder points whose requests are fewer than two waves of their streams: every
+    request starts at once (64 prefills together at c64, then one decode batch that only drains), so
+    the point measures a burst, never the engine steady at that load; its throughput, TTFT and the
+    saturation test that compares it with the point before all read the burst (on the H100,
+    2026-12-05: a 1-8-64 ladder of 64 requests, its c64 window 1.3 s)."""
+    for w in spec.workloads:
+        if w.ladder is None or w.ladder.over != "concurrency" or w.duration_s is not None:
+            continue
+        short = [v for v in w.ladder.values() if w.num_requests < LADDER_MIN_WAVES * v]
+        if short:
+            labels = ", ".join(w.ladder.label(v) for v in short)
+            yield Finding(
+                severity="warning",
+                rule="ladder-one-wave",
+                arm=None,
+                message=(
+                    f"workload {w.name}: at {labels} its {w.num_requests} requests are fewer than "
+                    f"{LADDER_MIN_WAVES} waves of the streams, so every request starts at once and the "
+                    "point measures a burst (prefills together, then a batch that only drains), not the "
+                    "engine steady at that load; set num_requests to at least "
+                    f"{LADDER_MIN_WAVES * int(max(short))} (or duration_s) for a steady figure"
+                ),
+            )
+
+
 def _shared(a: WorkloadSpec, b: WorkloadSpec) -> str:
     if isinstance(a.dataset, ShareGPTDataset | DocumentsDataset):
         return (
@@ -770,6 +800,7 @@ def preflight(
     if skipped is not None:
         findings.append(skipped)
     findings.extend(_shared_prompts(spec))
+    findings.extend(_one_wave_points(spec))
     if this_machine and spec.fleet is None and gpus:
         findings.extend(_hardware_here(spec, gpus))
     rules = (

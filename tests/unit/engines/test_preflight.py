@@ -284,6 +284,29 @@ def test_workloads_that_would_share_prompts_warn() -> None:
     assert "seed(s) 2" in f.message
 
 
+def test_ladder_points_of_one_wave_warn() -> None:
+    """64 requests at 64 streams all start at once: the point is a burst (the H100's c64, 2026-12-05);
+    two waves or a duration_s bound is a steady point."""
+    w = {"input_tokens": 256, "output_tokens": 8}
+    spec = one_arm(
+        "vllm",
+        {},
+        workloads=[
+            {"name": "brief", **w, "num_requests": 64, "seed": 0, "ladder": {"points": [1, 8, 64]}},
+            {"name": "steady", **w, "num_requests": 128, "seed": 100, "ladder": {"points": [1, 8, 64]}},
+            {"name": "timed", **w, "num_requests": 64, "duration_s": 30, "seed": 200,
+             "ladder": {"points": [64]}},
+            {"name": "rates", **w, "num_requests": 16, "load": "poisson", "concurrency": 64, "seed": 300,
+             "ladder": {"over": "rate", "points": [40, 80]}},
+        ],
+    )  # fmt: skip
+    (f,) = [f for f in preflight(spec) if f.rule == "ladder-one-wave"]
+    assert (f.severity, f.arm) == ("warning", None)
+    assert "workload brief: at c64 its 64 requests" in f.message
+    assert "c8" not in f.message
+    assert "num_requests to at least 128" in f.message
+
+
 def test_workloads_sampling_one_file_warn_whatever_their_seeds() -> None:
     data = {"kind": "sharegpt", "path": "/data/sharegpt.json"}
     spec = one_arm(
