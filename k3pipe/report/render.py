@@ -208,6 +208,16 @@ def _opening_wave(data: StudyData) -> list[Block]:
     lines: list[Block] = []
     for workload in data.workloads():
         cells = [c for c in data.cells if c.workload == workload]
+        first = data.cell_of(workload)
+        sent = [r for c in cells for r in c.values.get("requests", [])]
+        if first.load == "concurrency" and first.capacity is None and sent and max(sent) <= first.concurrency:
+            lines.append(
+                f"{workload}: all {max(sent):.0f} measured requests started at once ({first.concurrency} "
+                "streams): one wave, so its figures are a burst's (the prefills together, then a batch that "
+                "only drains), not the engine's steady at that load; two waves or more of num_requests "
+                "measure that."
+            )
+            continue
         ratios = [r for c in cells for r in c.values.get("first_wave_ttft_ratio", [])]
         if ratios:
             lines.append(

@@ -529,3 +529,21 @@ def test_how_each_ladder_ran_is_said_beside_its_pareto_front() -> None:
         "How each ladder ran (lowest load first, on one engine start): a, lad: points c1, c8; b, lad: "
         in text
     )
+
+
+def test_a_workload_of_one_wave_is_called_a_burst() -> None:
+    """64 requests at 64 streams all start at once (the H100's c64 ladder point): the report says its
+    figures are a burst's; 128 at 64 streams is two waves and gets the first-wave ratio instead."""
+    burst = [
+        _cell(a, "w@c64", 64, concurrency=64, requests=[64.0], output_throughput_tps=[6000.0]) for a in "ab"
+    ]
+    text = _markdown(_study(*burst))
+    assert "w@c64: all 64 measured requests started at once (64 streams): one wave" in text
+    steady = [
+        _cell(a, "w@c64", 64, concurrency=64, requests=[128.0], first_wave_ttft_ratio=[1.5],
+              output_throughput_tps=[6000.0])
+        for a in "ab"
+    ]  # fmt: skip
+    text = _markdown(_study(*steady))
+    assert "one wave" not in text
+    assert "w@c64: the measured phase opens with 64 requests at once" in text
