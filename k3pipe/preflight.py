@@ -133,8 +133,14 @@ def rule_unknown_flags(ctx: ArmContext) -> Iterator[Finding]:
     if table is None:
         return
     declared = ctx.arm.engine.version
-    version_note = (
-        f" (this arm declares version {declared})" if declared and declared != engine.stock_version else ""
+    other = bool(declared) and declared != engine.stock_version
+    version_note = f" (this arm declares version {declared})" if other else ""
+    # what argparse does is said of the version the table is of, never of another one
+    parser = f"{engine.stock_version}'s argparse" if other else "argparse"
+    unchecked = (
+        f" k3pipe has no flag table of {declared}: its `--help` says whether it takes the flag."
+        if other
+        else ""
     )
     for key in ctx.args:
         flag = engine.flag_of(str(key))
@@ -146,9 +152,9 @@ def rule_unknown_flags(ctx: ArmContext) -> Iterator[Finding]:
             alias = table.canonical[short]
             hint = f" It means {alias} only as {short}; write {alias.lstrip('-').replace('-', '_')}."
         elif len(prefixed) == 1:
-            hint = f" argparse reads it as an abbreviation of {prefixed[0]}; spell the full name."
+            hint = f" {parser} reads it as an abbreviation of {prefixed[0]}; spell the full name."
         elif prefixed:
-            hint = f" argparse refuses it as ambiguous ({', '.join(prefixed)} start with it)."
+            hint = f" {parser} refuses it as ambiguous ({', '.join(prefixed)} start with it)."
         else:
             close = engine.flag_suggestions(str(key))
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
@@ -156,7 +162,7 @@ def rule_unknown_flags(ctx: ArmContext) -> Iterator[Finding]:
             "warning",
             "unknown-flag",
             f"engine.args.{key} renders {flag}, which is not a flag of {engine.stock_label}{version_note} "
-            f"({table.source}); fine if your image adds it.{hint}",
+            f"({table.source}); fine if your image adds it.{hint}{unchecked}",
         )
 
 

@@ -384,6 +384,18 @@ def test_unknown_flag_names_the_declared_version_and_near_misses() -> None:
     assert "--mem-fraction-static" in found.message
 
 
+def test_what_argparse_does_is_said_of_the_tables_version_alone() -> None:
+    """SGLang 0.5.16 takes --cuda-graph-max-bs (deprecated; it served the H100 capacity run with it);
+    0.5.23's argparse refuses it as ambiguous. For an arm declaring 0.5.16 the warning says so of
+    0.5.23 and that 0.5.16's flags are unchecked; for one on the stock version, of argparse."""
+    old = rules(preflight(one_arm("sglang", {"cuda_graph_max_bs": 64}, version="0.5.16")))["unknown-flag"]
+    assert "0.5.23's argparse refuses it as ambiguous (--cuda-graph-max-bs-decode" in old.message
+    assert "k3pipe has no flag table of 0.5.16" in old.message
+    stock = rules(preflight(one_arm("sglang", {"cuda_graph_max_bs": 64}, version="0.5.23")))["unknown-flag"]
+    assert " argparse refuses it as ambiguous" in stock.message
+    assert "no flag table" not in stock.message
+
+
 def test_known_flags_are_quiet() -> None:
     args = {"tp_size": 8, "dcp_size": 8, "mem_fraction_static": 0.85, "enable_metrics": True}
     spec = one_arm("sglang", args)
