@@ -94,6 +94,7 @@ def render(
 ) -> None:
     """Print the study (arms in order, workloads), then per arm the engine's environment and exact
     command line."""
+    from k3pipe.design import design_lines
     from k3pipe.experiment import load_experiment
     from k3pipe.launchers import equivalent_command
     from k3pipe.plan import plan_arm
@@ -104,7 +105,9 @@ def render(
         spec = load_experiment(experiment)
         home = Settings().home_dir
         if not arm:
-            print("\n".join(f"# {line}" for line in describe_study(spec)), end="\n\n")
+            print("\n".join(f"# {line}" for line in describe_study(spec)))
+            # the design alone: a study says its cost and what it can see from the node's records
+            print("\n".join(f"# {line}" for line in design_lines(spec)), end="\n\n")
         targets = [(spec, a, "") for a in spec.arms]
         for variant in spec.variants:
             varied = resolve(spec, variant.name)

@@ -15,7 +15,8 @@ from typing import Any
 
 from k3pipe.bench.repeats import Comparison, compare
 from k3pipe.errors import ArtifactMissingError, TrackingError
-from k3pipe.stats import Design
+from k3pipe.priors import find_priors, run_class
+from k3pipe.stats import Design, RestartPrior
 from k3pipe.tracking import Tracker
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "find_run",
     "request_values",
     "resolve_workload_run",
+    "workload_priors",
     "workload_values",
 ]
 
@@ -136,11 +138,38 @@ def request_values(
 def compare_workloads(
     tracker: Tracker, run_a: Any, run_b: Any, metrics: Sequence[str] = DEFAULT_METRICS
 ) -> list[Comparison]:
-    """Metric by metric, workload B against workload A (metrics either lacks are left out)."""
+    """Metric by metric, workload B against workload A (metrics either lacks are left out). Each is
+    one launch: judged with the restart noise earlier studies of its class measured on its node
+    (:func:`workload_priors`), or 'cannot tell' without it."""
     a, b = workload_values(tracker, run_a), workload_values(tracker, run_b)
     shared = [m for m in metrics if _positive(a.get(m)) and _positive(b.get(m))]
     design = Design(tests=max(1, len(shared)))
-    return [compare(m, a[m], b[m], design) for m in shared]
+    pa, pb = workload_priors(tracker, [run_a, run_b], shared)
+    return [compare(m, a[m], b[m], design, pa.get(m), pb.get(m)) for m in shared]
+
+
+def workload_priors(
+    tracker: Tracker, runs: Sequence[Any], metrics: Sequence[str]
+) -> list[dict[str, RestartPrior]]:
+    """Per workload run (in order), metric -> the restart noise that studies before the latest of
+    them kept for its class (k3pipe.priors: its arm's engine, model and node, its workload's shape),
+    within the default age. A run whose class is not known (no arm run above it, no model or node
+    recorded) gets none."""
+    classes = []
+    for run in runs:
+        parent_id = run.data.tags.get("mlflow.parentRunId")
+        arm = tracker.client.get_run(parent_id) if parent_id else None
+        classes.append(run_class(arm, run) if arm is not None and arm.data.tags.get("k3pipe.arm") else None)
+    wanted: dict[str, set[str]] = {}
+    for klass in classes:
+        if klass is not None:
+            wanted.setdefault(klass.key, set()).update(metrics)
+    if not wanted:
+        return [{} for _ in runs]
+    found = find_priors(tracker, wanted, max(r.info.start_time for r in runs) + 1)
+    return [
+        {m: p for (key, m), p in found.items() if klass is not None and key == klass.key} for klass in classes
+    ]
 
 
 def _positive(values: Sequence[float] | None) -> bool:

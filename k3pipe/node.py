@@ -40,7 +40,9 @@ __all__ = [
     "gpu_energy",
     "gpu_memory_frame",
     "gpus_here",
+    "hardware_label",
     "interpreter_versions",
+    "node_here",
     "nvidia_smi_report",
     "parse_cuda_version",
     "parse_gpu_query",
@@ -114,6 +116,28 @@ class NodeInfo(BaseModel):
         for name, version in self.packages.items():
             out[f"node.{name}_version"] = version
         return {k: v for k, v in out.items() if v is not None}
+
+
+def hardware_label(params: Mapping[str, Any]) -> str | None:
+    """'8 x NVIDIA H200, driver 580.159.04' from a run's ``node.*`` params (:meth:`NodeInfo.params`);
+    None when no GPU was recorded."""
+    name = params.get("node.gpu_name")
+    if not name or name == "None":
+        return None
+    return f"{params.get('node.gpu_count', '?')} x {name}, driver {params.get('node.driver_version', '?')}"
+
+
+def node_here() -> str:
+    """This machine as restart noise and cold starts are kept for it (k3pipe.priors): its GPUs'
+    label, else its host name."""
+    import socket
+
+    gpus = gpus_here()
+    if gpus:
+        label = hardware_label(NodeInfo(gpus=gpus, cuda_version=None, nvidia_smi="").params())
+        if label:
+            return label
+    return f"host {socket.gethostname()}"
 
 
 def gpus_here() -> list[GpuInfo]:

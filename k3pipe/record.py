@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
@@ -236,6 +237,8 @@ class ArmRecorder:
             "api_key_env": plan.api_key_env,
             **_gateway_params(plan),
             "k3pipe_commit": git_commit(),
+            # the node restart noise is kept for where no GPU names it (k3pipe.priors)
+            "node.host": socket.gethostname(),
             "client.processes": plan.client.processes or "auto",
             "client.cpus": plan.client.cpus,
             "client.realtime": plan.client.realtime,

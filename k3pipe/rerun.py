@@ -20,7 +20,7 @@ from typing import Any
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import Comparison, compare
-from k3pipe.compare import DEFAULT_METRICS, compare_workloads, find_run, request_values
+from k3pipe.compare import DEFAULT_METRICS, compare_workloads, find_run, request_values, workload_priors
 from k3pipe.errors import K3pipeError, RerunError
 from k3pipe.experiment import parse_experiment
 from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
@@ -268,9 +268,15 @@ class WorkloadVerdict:
         return self._verdict() + (f"; not tested: {'; '.join(self.left_out)}" if self.left_out else "")
 
     def _verdict(self) -> str:
-        tested = [c for c in self.rows if c.outcome != "untested"]
+        tested = [c for c in self.rows if c.outcome not in ("untested", "unknown")]
         where = "" if self.basis == "repeats" else " (single runs: over their requests, a rough test)"
         if not tested:
+            if any(c.outcome == "unknown" for c in self.rows):
+                return (
+                    "cannot tell: restart noise unknown (each side is one launch, and no earlier study "
+                    "kept the restart noise of this configuration on this node; a study with `launches: 2` "
+                    "keeps it)"
+                )
             return "no verdict: neither repeats nor per-request figures to test"
         different = [f"{c.metric} {c.change_text()}" for c in tested if c.different]
         if different:
@@ -290,11 +296,16 @@ def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[Workloa
         rows = compare_workloads(tracker, a[name], b[name], DEFAULT_METRICS)
         basis, left_out = "repeats", list[str]()
         if not any(c.outcome != "untested" for c in rows):
-            # single runs: their requests are the samples (per-request TTFT, TPOT, E2E)
+            # single runs: their requests are the samples (per-request TTFT, TPOT, E2E), each run's
+            # level moved by its launch: the restart noise of the figure's median stands for it
             ra, rb = request_values(tracker, a[name]), request_values(tracker, b[name])
             names, left_out = comparable_request_metrics(ra, rb)
             design = Design(tests=max(1, len(names)))
-            tested = [compare(f"{m} (per request)", ra[m], rb[m], design) for m in names]
+            pa, pb = workload_priors(tracker, [a[name], b[name]], [f"{m}_p50" for m in names])
+            tested = [
+                compare(f"{m} (per request)", ra[m], rb[m], design, pa.get(f"{m}_p50"), pb.get(f"{m}_p50"))
+                for m in names
+            ]
             if tested:
                 rows, basis = tested + rows, "requests"
         out.append(WorkloadVerdict(name, a[name].info.run_id, b[name].info.run_id, rows, basis, left_out))

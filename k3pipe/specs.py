@@ -63,6 +63,9 @@ _MODEL_TYPO = re.compile(r"\{model\.([^{}]*)\}")
 NAME_MAX_CHARS = 100
 MAX_ARMS = 100
 MAX_LAUNCHES = 50
+DEFAULT_LAUNCHES = 2
+"""Launches per arm of an experiment that compares, unless an arm says: the fewest that put restart
+noise into a verdict's variance."""
 MAX_WORKLOADS = 1_000
 MAX_VARIANTS = 100
 MAX_EXTRA_MODELS = 16
@@ -604,8 +607,11 @@ class ArmSpec(_Spec):
         le=MAX_LAUNCHES,
         description=(
             "How many times a study launches this arm (each launch runs every workload); launches of "
-            "all arms are interleaved (A B B A ...). With 2 or more the verdicts include restart "
-            "noise (the spread between launches); with 1 they cannot, and say so."
+            "all arms are interleaved (A B B A ...). Unset: 2 in an experiment that compares (two arms "
+            "or more, variants, or an A/A calibration), else 1. With 2 or more the verdicts include "
+            "restart noise (the spread between launches); with 1 an arm is judged only where an earlier "
+            "study measured the restart noise of its configuration on the node (k3pipe.priors), else "
+            "its verdicts say 'cannot tell: restart noise unknown'."
         ),
     )
 
@@ -1378,6 +1384,16 @@ class DecisionSpec(_Spec):
             "as the floor below which a difference cannot be told from restarting the engine."
         ),
     )
+    prior_days: float = _finite(
+        default=30.0,
+        ge=0,
+        le=3650,
+        description=(
+            "How old the restart noise an earlier study measured on this node (same engine kind, model, "
+            "node and workload shape) may be to judge an arm launched once (k3pipe.priors); 0: never, "
+            "an arm launched once is then never judged."
+        ),
+    )
     mixed_hardware: bool = Field(
         default=False,
         strict=True,
@@ -1458,6 +1474,29 @@ class ExperimentSpec(_Spec):
             "flow); None: every launch on this machine, one after another."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_launches(cls, data: Any) -> Any:
+        """An arm that does not say how many launches gets :data:`DEFAULT_LAUNCHES` in an experiment
+        that compares (two arms or more, variants, an A/A calibration): a verdict needs restart
+        noise, and one launch per arm holds none (docs/measurement.md, "Restart noise")."""
+        if not isinstance(data, dict) or not isinstance(data.get("arms"), list):
+            return data
+        decision = data.get("decision")
+        calibration = isinstance(decision, dict) and decision.get("calibration") is True
+        calibration = calibration or (isinstance(decision, DecisionSpec) and decision.calibration)
+        compares = len(data["arms"]) >= 2 or bool(data.get("variants")) or calibration
+        if not compares:
+            return data
+        arms = []
+        for arm in data["arms"]:
+            if isinstance(arm, dict) and arm.get("launches") is None:
+                arm = {**arm, "launches": DEFAULT_LAUNCHES}
+            elif isinstance(arm, ArmSpec) and "launches" not in arm.model_fields_set:
+                arm = arm.model_copy(update={"launches": DEFAULT_LAUNCHES})
+            arms.append(arm)
+        return {**data, "arms": arms}
 
     @field_validator("name")
     @classmethod

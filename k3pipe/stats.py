@@ -16,7 +16,11 @@ The model (docs/measurement.md, "Verdicts", states it with references):
   - with two launches or more, from the spread of the launch means (``var(launch means) / L``,
     ``L - 1`` degrees of freedom): it holds both levels of noise, whatever their split;
   - with one launch, from the spread of its repeats (``var(repeats) / R``, ``R - 1`` df): restart
-    noise is then *not* in it, and every comparison made with it says so (``restart_noise_measured``);
+    noise is then *not* in it. Such a cell is compared only with a :class:`RestartPrior` (the restart
+    noise earlier studies measured for its configuration class on its node, :mod:`k3pipe.priors`)
+    added to its variance (:func:`with_prior`); without one, a comparison with it is ``unknown``
+    ("cannot tell: restart noise unknown"): neither a difference nor an equivalence is claimed from
+    repeat noise alone, which would call an A/A different far above alpha at a GPU's restart noise;
   - with one launch of one repeat, there is no variance: no test.
 - Two cells are compared on ``d = x_A - x_B``. When both cells have the same basis and the same
   counts (the planned, balanced case) the two variance estimates are pooled (Student's t with
@@ -31,7 +35,9 @@ The model (docs/measurement.md, "Verdicts", states it with references):
     ``alpha / (2 tests)`` each, so a conservative TOST);
   - otherwise **inconclusive**, with the minimum detectable effect: the smallest true difference that
     this standard error and these degrees of freedom would have detected with probability ``power``
-    at this level (noncentral t).
+    at this level (noncentral t);
+  - **unknown** when a side was launched once and no restart prior is known: the restart noise is in
+    the difference but in no variance, so the data cannot say either way.
   A difference can be both detected and inside the margin (a real but small difference): it is
   reported as different, and said to be within the margin.
 
@@ -60,7 +66,10 @@ __all__ = [
     "Design",
     "Estimate",
     "Outcome",
+    "Restart",
+    "RestartPrior",
     "Verdict",
+    "change_words",
     "compare",
     "components",
     "decide",
@@ -71,7 +80,9 @@ __all__ = [
     "mde",
     "planned_power",
     "power",
+    "satterthwaite",
     "spend_alpha",
+    "with_prior",
     "with_resolution",
 ]
 
@@ -79,8 +90,11 @@ DEFAULT_ALPHA = 0.05
 DEFAULT_MARGIN = 0.05
 DEFAULT_POWER = 0.8
 
-Basis = Literal["launches", "repeats", "none"]
-Outcome = Literal["different", "equivalent", "inconclusive", "untested"]
+Basis = Literal["launches", "repeats", "prior", "none"]
+Outcome = Literal["different", "equivalent", "inconclusive", "untested", "unknown"]
+Restart = Literal["measured", "prior", "unknown"]
+"""Where a comparison's restart noise comes from: both cells' launches, a :class:`RestartPrior` (for
+the cells launched once), or nowhere (a cell launched once, no prior): then no verdict."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,31 @@ class Design:
 
 
 @dataclass(frozen=True)
+class RestartPrior:
+    """Restart noise known before a study: the launch effect's variance of one metric (log scale)
+    for a configuration class on a node, pooled from earlier studies that launched it twice or more
+    (:mod:`k3pipe.priors`), with its degrees of freedom and where it came from. Added to the variance
+    of a cell launched once, it lets that cell be judged (:func:`with_prior`)."""
+
+    var: float
+    df: float
+    source: str
+    """In words: which studies, how many launches, how old ('2 studies, 6 launches, 2026-12-01 ..
+    2026-12-04, the newest 2 days old')."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.var) and self.var >= 0):
+            raise ValueError(f"a restart prior's variance must be finite and >= 0, got {self.var}")
+        if not self.df > 0:
+            raise ValueError(f"a restart prior needs degrees of freedom > 0, got {self.df}")
+
+    @property
+    def cv(self) -> float:
+        """The restart noise as a coefficient of variation."""
+        return math.sqrt(math.expm1(self.var))
+
+
+@dataclass(frozen=True)
 class Estimate:
     """One cell's estimate of a metric on the log scale."""
 
@@ -131,12 +170,18 @@ class Estimate:
     df: float
     basis: Basis
     """``launches``: from the spread of launch means (both noise levels); ``repeats``: one launch,
-    from its repeats (restart noise not in it); ``none``: a single value."""
+    from its repeats (restart noise not in it); ``prior``: one launch, its repeats' variance plus a
+    :class:`RestartPrior`; ``none``: a single value."""
     launches: int
     repeats: tuple[int, ...]
     """Repeats per launch."""
     pooled_ss: float = 0.0
     """Sum of squares behind ``var`` (about the launch means' mean, or the repeats' mean)."""
+    prior: RestartPrior | None = None
+    """Basis ``prior``: the restart noise added to ``var``."""
+    repeat_var: float | None = None
+    """Basis ``prior``: the variance from the repeats alone (``var`` less the prior's), and its df."""
+    repeat_df: float = 0.0
 
     @property
     def mean(self) -> float:
@@ -148,6 +193,11 @@ class Estimate:
         """Units the variance is made of: launches (two or more), or the one launch's repeats."""
         return self.launches if self.basis == "launches" else sum(self.repeats)
 
+    @property
+    def restart_known(self) -> bool:
+        """Restart noise is in ``var``: from launches, or a prior."""
+        return self.basis in ("launches", "prior")
+
     def interval(self, confidence: float = 0.95) -> tuple[float, float] | None:
         """The two-sided interval of the geometric mean (None without a variance)."""
         if self.var is None:
@@ -158,9 +208,10 @@ class Estimate:
     @property
     def cv(self) -> float | None:
         """Coefficient of variation of the units (launch means, or repeats), from the log-scale SD."""
-        if self.var is None:
+        var = self.repeat_var if self.basis == "prior" else self.var
+        if var is None:
             return None
-        return math.sqrt(math.expm1(self.var * self.n))
+        return math.sqrt(math.expm1(var * self.n))
 
 
 _MAX_LOG = math.log(sys.float_info.max)
@@ -219,6 +270,34 @@ def with_resolution(est: Estimate, widths: Sequence[float]) -> Estimate:
     return replace(est, var=est.var + unit / est.n, pooled_ss=est.pooled_ss + unit * est.df)
 
 
+def satterthwaite(parts: Sequence[tuple[float, float]]) -> float:
+    """The Welch-Satterthwaite degrees of freedom of a sum of independent variance estimates, each
+    ``(variance, df)``; infinite when every part is exact (or zero)."""
+    total = math.fsum(v for v, _ in parts)
+    denominator = math.fsum(v * v / d for v, d in parts if v > 0 and d > 0 and math.isfinite(d))
+    if total <= 0 or denominator <= 0:
+        return math.inf
+    return total * total / denominator
+
+
+def with_prior(est: Estimate, prior: RestartPrior | None) -> Estimate:
+    """A cell launched once, its restart noise taken from ``prior``: the prior's variance added to
+    the repeats' (``var(repeats) / R + s_b^2``, Satterthwaite's df), basis ``prior``. Unchanged when
+    there is no prior, or the cell was launched twice or more (its own launches hold restart noise)
+    or measured once (no repeat variance to add to)."""
+    if prior is None or est.basis != "repeats" or est.var is None:
+        return est
+    return replace(
+        est,
+        var=est.var + prior.var,
+        df=satterthwaite([(est.var, est.df), (prior.var, prior.df)]),
+        basis="prior",
+        prior=prior,
+        repeat_var=est.var,
+        repeat_df=est.df,
+    )
+
+
 @dataclass(frozen=True)
 class Comparison:
     """``log(A) - log(B)`` of two cells, with its standard error and degrees of freedom."""
@@ -228,8 +307,15 @@ class Comparison:
     df: float
     pooled: bool
     """Student's pooled variance (balanced) rather than Welch's."""
-    restart_noise_measured: bool
-    """Both cells' variances came from two launches or more."""
+    restart: Restart = "measured"
+    """Where the restart noise in ``se`` comes from (``unknown``: nowhere: no verdict)."""
+    prior: RestartPrior | None = None
+    """The restart prior a side was judged with (basis ``prior``), if any."""
+
+    @property
+    def restart_noise_measured(self) -> bool:
+        """Both cells' variances came from two launches or more."""
+        return self.restart == "measured"
 
     @property
     def ratio(self) -> float:
@@ -244,22 +330,47 @@ class Comparison:
         return (self.diff - half, self.diff + half)
 
 
+def _restart(a: Estimate, b: Estimate) -> Restart:
+    if a.basis == "launches" and b.basis == "launches":
+        return "measured"
+    if a.restart_known and b.restart_known:
+        return "prior"
+    return "unknown"
+
+
 def compare(a: Estimate, b: Estimate) -> Comparison:
-    """Cell A against cell B (see the module's docstring for when the variances are pooled)."""
-    measured = a.basis == "launches" and b.basis == "launches"
+    """Cell A against cell B (see the module's docstring for when the variances are pooled). A side
+    judged with a :class:`RestartPrior` is compared by Welch's rule, the prior counted once when both
+    sides share it (one estimate of one variance, in both)."""
+    diff = a.log_mean - b.log_mean
+    restart = _restart(a, b)
+    prior = a.prior or b.prior
     if a.var is None or b.var is None:
-        return Comparison(a.log_mean - b.log_mean, None, 0.0, False, measured)
+        return Comparison(diff, None, 0.0, False, restart, prior)
+    if restart == "prior":
+        parts: list[tuple[float, float]] = [
+            (e.repeat_var, e.repeat_df) if e.basis == "prior" and e.repeat_var is not None else (e.var, e.df)
+            for e in (a, b)
+            if e.var is not None
+        ]
+        priors = [e.prior for e in (a, b) if e.basis == "prior" and e.prior is not None]
+        if len(priors) == 2 and priors[0] == priors[1]:
+            parts.append((2 * priors[0].var, priors[0].df))
+        else:
+            parts.extend((p.var, p.df) for p in priors)
+        var = math.fsum(v for v, _ in parts)
+        return Comparison(diff, math.sqrt(var), satterthwaite(parts), False, restart, prior)
     balanced = a.basis == b.basis and a.n == b.n and a.df > 0 and b.df > 0
     if balanced:
         df = a.df + b.df
         pooled_unit_var = (a.pooled_ss + b.pooled_ss) / df
         se = math.sqrt(pooled_unit_var * (1 / a.n + 1 / b.n))
-        return Comparison(a.log_mean - b.log_mean, se, df, True, measured)
+        return Comparison(diff, se, df, True, restart)
     var = a.var + b.var
     if var == 0:
-        return Comparison(a.log_mean - b.log_mean, 0.0, math.inf, False, measured)
+        return Comparison(diff, 0.0, math.inf, False, restart)
     df = var**2 / sum(v**2 / d for v, d in ((a.var, a.df), (b.var, b.df)) if v > 0)
-    return Comparison(a.log_mean - b.log_mean, math.sqrt(var), df, False, measured)
+    return Comparison(diff, math.sqrt(var), df, False, restart)
 
 
 @lru_cache(maxsize=4096)
@@ -299,6 +410,13 @@ def mde(se: float, df: float, alpha: float, target: float = DEFAULT_POWER) -> fl
     return float(optimize.brentq(lambda d: power(d, se, df, alpha) - target, 0.0, upper, xtol=1e-10))
 
 
+UNKNOWN_RESTART = (
+    "cannot tell: restart noise unknown (a side was launched once, and no earlier study measured the "
+    "restart noise of its configuration on this node): launch each arm twice or more (`launches: 2`)"
+)
+"""What a verdict says when a side's restart noise is in no variance."""
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of one comparison under a :class:`Design`, in a metric's own direction."""
@@ -313,23 +431,35 @@ class Verdict:
     """The advantage's interval at ``confidence`` (ratios; the one the verdict was made with)."""
     confidence: float
     margin: float
-    restart_noise_measured: bool
+    restart: Restart
     pooled: bool
     df: float
     se: float | None = None
     power: float = DEFAULT_POWER
+    higher_is_better: bool = True
+    prior: RestartPrior | None = None
+    """The restart prior a one-launch side was judged with (``restart`` 'prior')."""
+
+    @property
+    def restart_noise_measured(self) -> bool:
+        return self.restart == "measured"
 
     @cached_property
     def mde(self) -> float | None:
         """The minimum detectable difference as a fraction (0.12: 12%): the smallest true difference
-        this comparison would have detected with probability ``power`` at its level."""
-        if self.se is None:
+        this comparison would have detected with probability ``power`` at its level (None: no test)."""
+        if self.se is None or self.outcome == "unknown":
             return None
         return exp_or_inf(mde(self.se, self.df, 1 - self.confidence, self.power), minus_one=True)
 
     @property
     def different(self) -> bool:
         return self.outcome == "different"
+
+    @property
+    def tested(self) -> bool:
+        """A test was made (not a single value, not an unknown restart noise)."""
+        return self.outcome not in ("untested", "unknown")
 
     @property
     def within_margin(self) -> bool:
@@ -339,30 +469,62 @@ class Verdict:
         bound = 1 + self.margin
         return 1 / bound < self.interval[0] and self.interval[1] < bound
 
+    def change_text(self) -> str:
+        """The leader against the other in words a reader cannot misread: '24.0% higher', '30.5%
+        lower', '2.80x higher (+180.0%)', '85.7% lower (the other 7.00x)'."""
+        return change_words(self.advantage, self.higher_is_better)
+
     def text(self) -> str:
-        """'a better than b by 12.3% [+8.1%, +16.7%]', 'equivalent within +-5% (a ahead by 0.4%
-        [-2.0%, +3.1%])' or 'inconclusive: differences below 14% cannot be seen with this data (b ahead
-        by 1.5% [-6.0%, +9.0%])'; the interval is the leader's advantage at the design's level."""
+        """'a better than b: 12.3% higher [+8.1%, +16.7%]', 'equivalent within +-5% (a 0.4% higher
+        [-2.0%, +3.1%])', 'inconclusive: differences below 14% cannot be seen with this data (b 1.5%
+        lower [-8.3%, +6.3%])', or 'cannot tell: restart noise unknown ...'; the interval is the
+        leader's change against the other at the design's level."""
         ci = self.interval_text()
-        noise = "" if self.restart_noise_measured else "; restart noise not measured"
+        said = f"{self.leader} {self.change_text()}" + (f" {ci}" if ci else "")
+        if self.outcome == "unknown":
+            return f"{UNKNOWN_RESTART} ({self.leader} {self.change_text()} than {self.other} in one launch)"
         if self.outcome == "untested":
-            return f"{self.leader} ahead of {self.other} by {pct(self.advantage)} (a single value: no test)"
+            return f"{self.leader} {self.change_text()} than {self.other} (a single value: no test)"
+        noise = self.noise_note()
         if self.outcome == "different":
             small = f"; within the +-{self.margin:.0%} margin" if self.within_margin else ""
-            return f"{self.leader} better than {self.other} by {pct(self.advantage)} {ci}{small}{noise}"
-        lead = f"{self.leader} ahead by {pct(self.advantage)} {ci}"
+            return f"{self.leader} better than {self.other}: {self.change_text()} {ci}{small}{noise}"
         if self.outcome == "equivalent":
-            return f"equivalent within +-{self.margin:.0%} ({lead}){noise}"
+            return f"equivalent within +-{self.margin:.0%} ({said}){noise}"
         if self.mde is not None and math.isinf(self.mde):
-            return f"inconclusive: this data cannot tell a difference of any size ({lead}){noise}"
+            return f"inconclusive: this data cannot tell a difference of any size ({said}){noise}"
         below = detectable(self.mde)
-        return f"inconclusive: differences below {below} cannot be seen with this data ({lead}){noise}"
+        return f"inconclusive: differences below {below} cannot be seen with this data ({said}){noise}"
+
+    def noise_note(self) -> str:
+        """Where the restart noise came from, when not from this study's launches."""
+        if self.restart == "prior" and self.prior is not None:
+            return f"; restart noise {self.prior.cv:.1%} from the history ({self.prior.source})"
+        return ""
 
     def interval_text(self) -> str:
+        """The leader's change against the other, signed: '[+8.1%, +16.7%]' (higher is better),
+        '[-41.2%, -16.7%]' (lower is better: the leader's value below the other's)."""
         if self.interval is None:
             return ""
         lo, hi = self.interval
-        return f"[{signed_pct(lo)}, {signed_pct(hi)}]"
+        if self.higher_is_better:
+            return f"[{signed_pct(lo)}, {signed_pct(hi)}]"
+        return f"[{signed_pct(1 / hi if hi else math.inf)}, {signed_pct(1 / lo if lo else math.inf)}]"
+
+
+def change_words(ratio: float, higher_is_better: bool) -> str:
+    """A leader's advantage ``ratio`` (>= 1) as the change a reader means: higher is better: '24.0%
+    higher', '2.80x higher (+180.0%)'; lower is better: the leader's value below the other's, '30.5%
+    lower', '85.7% lower (the other 7.00x)'."""
+    if math.isinf(ratio):
+        return "infinitely higher" if higher_is_better else "100% lower (the other infinitely higher)"
+    if higher_is_better:
+        if ratio >= 2:
+            return f"{ratio:.2f}x higher (+{(ratio - 1) * 100:.1f}%)"
+        return f"{(ratio - 1) * 100:.1f}% higher"
+    lower = f"{(1 - 1 / ratio) * 100:.1f}% lower"
+    return f"{lower} (the other {ratio:.2f}x)" if ratio >= 2 else lower
 
 
 def pct(ratio: float) -> str:
@@ -392,17 +554,20 @@ def decide(
     higher_is_better: bool,
     names: tuple[str, str] = ("A", "B"),
 ) -> Verdict:
-    """The verdict on ``comparison`` (A = ``names[0]`` over B) under ``design``."""
+    """The verdict on ``comparison`` (A = ``names[0]`` over B) under ``design``: ``unknown`` when a
+    side's restart noise is in no variance (launched once, no prior), whatever the repeats say."""
     a, b = names
     d = comparison.diff
     goodness = d if higher_is_better else -d  # A's advantage over B on the log scale (negative: B's)
     leader, other = (a, b) if goodness >= 0 else (b, a)
     advantage = math.exp(abs(d))
     ci = comparison.interval(design.confidence)
-    if ci is None or comparison.se is None:
+    if ci is None or comparison.se is None or comparison.restart == "unknown":
+        outcome: Outcome = "untested" if ci is None or comparison.se is None else "unknown"
         return Verdict(
-            "untested", leader, other, advantage, None, design.confidence, design.margin,
-            comparison.restart_noise_measured, comparison.pooled, comparison.df, None, design.power,
+            outcome, leader, other, advantage, None, design.confidence, design.margin,
+            comparison.restart, comparison.pooled, comparison.df, None, design.power, higher_is_better,
+            comparison.prior,
         )  # fmt: skip
     # d's interval turned into the interval of the leader's advantage: |d| +- the same half-width
     flip = (goodness >= 0) != higher_is_better
@@ -410,14 +575,15 @@ def decide(
     interval = (exp_or_inf(lo), exp_or_inf(hi))
     margin = design.log_margin
     if lo > 0:
-        outcome: Outcome = "different"
+        outcome = "different"
     elif -margin < lo and hi < margin:
         outcome = "equivalent"
     else:
         outcome = "inconclusive"
     return Verdict(
         outcome, leader, other, advantage, interval, design.confidence, design.margin,
-        comparison.restart_noise_measured, comparison.pooled, comparison.df, comparison.se, design.power,
+        comparison.restart, comparison.pooled, comparison.df, comparison.se, design.power, higher_is_better,
+        comparison.prior,
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy import stats
 
-from k3pipe.stats import Design, decide, detectable, estimate
+from k3pipe.stats import Design, RestartPrior, decide, detectable, estimate, with_prior
 from k3pipe.stats import compare as stats_compare
 
 __all__ = ["Comparison", "RepeatStats", "aggregate_repeats", "compare"]
@@ -71,19 +71,30 @@ class Comparison(BaseModel):
         description="The interval of relative_change at `confidence` (None: a single value on a side)."
     )
     confidence: float = Field(description="The interval's coverage: 1 - alpha / (comparisons made together).")
-    outcome: str = Field(description="different, equivalent, inconclusive or untested.")
+    outcome: str = Field(
+        description="different, equivalent, inconclusive, untested (a single value) or unknown (one launch "
+        "a side and no restart noise known for it: no verdict)."
+    )
     margin: float = Field(description="The equivalence margin (0.05: +-5%).")
     mde: float | None = Field(description="The smallest difference this comparison would have found (80%).")
+    restart: str = Field(
+        default="unknown",
+        description="Where the restart noise in the interval comes from: 'prior' (earlier studies of the "
+        "class on the node, k3pipe.priors) or 'unknown' (then no verdict).",
+    )
+    prior: str | None = Field(default=None, description="The restart prior's source, when one was used.")
 
     @property
     def different(self) -> bool:
         return self.outcome == "different"
 
     def verdict(self) -> str:
-        """'different', 'equivalent within +-5%', 'inconclusive (below 12% cannot be seen)' or
-        'needs repeats'."""
+        """'different', 'equivalent within +-5%', 'inconclusive (below 12% cannot be seen)', 'needs
+        repeats' or 'cannot tell: restart noise unknown'."""
         if self.outcome == "untested":
             return "needs repeats"
+        if self.outcome == "unknown":
+            return "cannot tell: restart noise unknown"
         if self.outcome == "equivalent":
             return f"equivalent within +-{self.margin:.0%}"
         if self.outcome == "inconclusive":
@@ -104,18 +115,29 @@ def aggregate_repeats(per_repeat: Sequence[Mapping[str, float]]) -> dict[str, Re
     return {name: RepeatStats.of([m[name] for m in per_repeat if name in m]) for name in names}
 
 
-def compare(metric: str, a: Sequence[float], b: Sequence[float], design: Design | None = None) -> Comparison:
+def compare(
+    metric: str,
+    a: Sequence[float],
+    b: Sequence[float],
+    design: Design | None = None,
+    prior_a: RestartPrior | None = None,
+    prior_b: RestartPrior | None = None,
+) -> Comparison:
     """How B's values of ``metric`` stand against A's (each one launch's repeats), under ``design``
-    (default: one comparison at alpha 0.05, margin 5%). Values that are not positive are left out."""
+    (default: one comparison at alpha 0.05, margin 5%). Values that are not positive are left out.
+    Each side is one launch: its restart noise is known only from a prior (``prior_a``, ``prior_b``:
+    what earlier studies of its class measured on the node, k3pipe.priors); without one the
+    outcome is ``unknown`` (k3pipe.stats)."""
     if not a or not b:
         raise ValueError(f"{metric}: both sides need at least one value (got {len(a)} and {len(b)})")
     design = design or Design()
     ea, eb = estimate([list(a)]), estimate([list(b)])
     if ea is None or eb is None:
         raise ValueError(f"{metric}: no positive value on one side, nothing to compare")
+    ea, eb = with_prior(ea, prior_a), with_prior(eb, prior_b)
     comparison = stats_compare(eb, ea)
     verdict = decide(comparison, design, True, ("B", "A"))
-    ci = comparison.interval(design.confidence)
+    ci = comparison.interval(design.confidence) if verdict.outcome != "unknown" else None
     return Comparison(
         metric=metric,
         mean_a=ea.mean,
@@ -126,4 +148,6 @@ def compare(metric: str, a: Sequence[float], b: Sequence[float], design: Design 
         outcome=verdict.outcome,
         margin=design.margin,
         mde=verdict.mde,
+        restart=comparison.restart,
+        prior=comparison.prior.source if comparison.prior is not None else None,
     )

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.design import design_lines, load_history
 from k3pipe.errors import PartlyFailedError, RerunError, SpecError, first_line
 from k3pipe.jobs.prepare import Prepared, check_spec, prepare
 from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
+from k3pipe.node import node_here
 from k3pipe.params import INLINE_SOURCE, RunRequest
 from k3pipe.report import report_dir
 from k3pipe.rerun import RerunInputs
@@ -103,6 +105,7 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
         arms=request.arms,
     )  # fmt: skip
     job.say("study %s: MLflow run %s; arms %s", spec.name, run_id, ", ".join(request.arms))
+    _say_design(spec, request.arms, job)
     with study_lock(job.home, run_id):
         try:
             # the first model now (the prompts are drawn with its tokenizer); the others in the background
@@ -120,6 +123,17 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
             spec, run_id, request.experiment, request.arms, prepared, before, request.params, tags, job
         )
         return _finish(study, job)
+
+
+def _say_design(spec: ExperimentSpec, arms: list[str], job: Job) -> None:
+    """The design's cost and what it can see, from this node's records (k3pipe.design); a fleet's
+    launches run on other nodes, whose records this one cannot speak for."""
+    try:
+        history = None if spec.fleet is not None else load_history(job.tracker, spec, node_here(), job.home)
+        for line in design_lines(spec, history, arms):
+            job.say("%s", line)
+    except Exception as exc:  # a preview: never a reason not to run
+        job.note("the study's design could not be previewed: %s: %s", type(exc).__name__, exc)
 
 
 def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None = None) -> StudyResult:

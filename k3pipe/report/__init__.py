@@ -17,8 +17,9 @@ from typing import Any
 
 import pandas as pd
 
+from k3pipe.priors import NoiseEntry, launch_spread, record_noise, repeat_spread
 from k3pipe.report.analysis import Analysis, analyse
-from k3pipe.report.collect import STUDY_KIND, CellData, StudyData, collect, requests_frame
+from k3pipe.report.collect import STUDY_KIND, CellData, StudyData, cell_class_of, collect, requests_frame
 from k3pipe.report.render import Document, Table, build_document, to_html, to_markdown
 from k3pipe.report.steady import steady_decode_tps
 from k3pipe.tracking import Tracker
@@ -159,11 +160,40 @@ def retest_dir(home: Path, experiment: str, run_id: str) -> Path:
     return home / "reports" / f"{experiment}-retest-{run_id[:8]}"
 
 
+def noise_entries(data: StudyData) -> list[NoiseEntry]:
+    """The restart noise this study measured (k3pipe.priors): per cell whose arm has two launches or
+    more with whole repeats, per figure, the spread of its launch means, under the cell's class."""
+    out = []
+    for cell in data.cells:
+        if cell.launches < 2:
+            continue
+        klass = cell_class_of(data.arms, cell)
+        if klass is None:
+            continue
+        for metric in cell.values:
+            launches = cell.by_launch(metric)
+            spread = launch_spread(launches)
+            if spread is None:
+                continue
+            within = repeat_spread(launches)
+            out.append(
+                NoiseEntry(
+                    key=klass.key, label=klass.label(), engine=klass.engine, model=klass.model,
+                    node=klass.node, metric=metric, arm=cell.arm, workload=cell.workload, ss=spread[0],
+                    df=spread[1], repeats=[len(v) for v in launches], ss_within=within[0],
+                    df_within=within[1],
+                )
+            )  # fmt: skip
+    return out
+
+
 def publish(tracker: Tracker, report: Report, out_dir: Path) -> dict[str, Path]:
-    """Write the report under ``out_dir`` and attach it to the study's run (report/)."""
+    """Write the report under ``out_dir`` and attach it to the study's run (report/); keep the
+    restart noise it measured for later studies (k3pipe.priors)."""
     paths = report.write(out_dir)
     for path in [*paths.values(), *sorted((out_dir / "plots").glob("*.png"))]:
         sub = "report/plots" if path.parent.name == "plots" else "report"
         tracker.log_file(report.data.run_id, path, sub)
     tracker.describe(report.data.run_id, report.description())
+    record_noise(tracker, report.data.run_id, noise_entries(report.data))
     return paths

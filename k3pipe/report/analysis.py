@@ -127,7 +127,7 @@ class PairVerdict:
 
     @property
     def tested(self) -> bool:
-        return self.verdict.outcome != "untested"
+        return self.verdict.tested
 
     @property
     def different(self) -> bool:
@@ -153,14 +153,14 @@ class PairVerdict:
         v = self.verdict
         if v.outcome == "different":
             if v.leader == best:
-                return f"{best} better by {stats.pct(v.advantage)} {v.interval_text()}{_suffix(v)}"
-            return f"better than {best} by {stats.pct(v.advantage)} {v.interval_text()}{_suffix(v)}"
+                return f"{best} {v.change_text()} {v.interval_text()}{_suffix(v)}"
+            return f"better than {best}: {v.change_text()} {v.interval_text()}{_suffix(v)}"
         return v.text()
 
 
 def _suffix(v: stats.Verdict) -> str:
     small = f"; within the +-{v.margin:.0%} margin" if v.within_margin else ""
-    return small + ("" if v.restart_noise_measured else "; restart noise not measured")
+    return small + v.noise_note()
 
 
 @dataclass
@@ -316,6 +316,13 @@ class Analysis:
     def restart_noise_measured(self) -> bool:
         return all(c.launches >= 2 for r in self.rows if r.decision for c in r.cells.values())
 
+    @property
+    def restart_unknown(self) -> list[str]:
+        """Arms launched once whose restart noise no prior gave (their comparisons: 'cannot tell')."""
+        return sorted(
+            {a for r in self.rows if r.decision for a, c in r.cells.items() if c.estimate.basis == "repeats"}
+        )
+
 
 def design_of(decision: dict[str, Any], tests: int, look: dict[str, Any] | None = None) -> stats.Design:
     """The :class:`~k3pipe.stats.Design` of an experiment's ``decision`` (defaults where it says
@@ -343,6 +350,7 @@ def _estimates(cells: Iterable[CellData], metric: Metric) -> tuple[dict[str, Cel
         if est is not None:
             if metric.resolution:
                 est = stats.with_resolution(est, c.values.get(metric.resolution, []))
+            est = stats.with_prior(est, c.priors.get(metric.key))
             have[c.arm] = CellStat(est)
         elif (values := c.values.get(metric.key)) and all(v == 0 for v in values):
             zeros.add(c.arm)
@@ -402,7 +410,10 @@ def _judge(
 
 
 def _testable(row: Row, a: str, b: str) -> bool:
-    return row.cells[a].estimate.var is not None and row.cells[b].estimate.var is not None
+    """Whether the pair can be tested: a variance on each side that holds restart noise (from
+    launches, or a prior); a pair that cannot is not counted in the family."""
+    ea, eb = row.cells[a].estimate, row.cells[b].estimate
+    return ea.var is not None and eb.var is not None and ea.restart_known and eb.restart_known
 
 
 def _noise(data: StudyData, rows: list[Row], arms: list[str]) -> list[NoiseRow]:

@@ -13,10 +13,32 @@ from pydantic import BaseModel, Field
 
 from k3pipe.compare import find_run, workload_values
 from k3pipe.errors import ArtifactMissingError, TrackingError
+from k3pipe.node import hardware_label
+from k3pipe.priors import (
+    DEFAULT_PRIOR_DAYS,
+    CellClass,
+    cell_class,
+    find_priors,
+    model_identity,
+    node_of,
+    workload_shape,
+)
 from k3pipe.specs import CALIBRATION_SUFFIX
+from k3pipe.stats import RestartPrior
 from k3pipe.tracking import Tracker
 
-__all__ = ["PRIME_TAG", "STUDY_KIND", "ArmData", "CellData", "StudyData", "collect", "requests_frame"]
+__all__ = [
+    "ABORTED_TAG",
+    "PRIME_TAG",
+    "STUDY_KIND",
+    "ArmData",
+    "CellData",
+    "LaunchPart",
+    "StudyData",
+    "cell_class_of",
+    "collect",
+    "requests_frame",
+]
 
 STUDY_KIND = "study"
 """The ``k3pipe.kind`` tag of a study's parent run."""
@@ -24,9 +46,36 @@ PRIME_TAG = "k3pipe.prime"
 """Tags the arm run of a priming launch (``decision.prime``): launch 0, kept out of the verdicts."""
 LADDER_TAG = "k3pipe.ladder."
 """An arm run's tag per ladder workload (its name after the prefix): how the ladder ran."""
+ABORTED_TAG = "k3pipe.aborted"
+"""Tags a workload run (or a repeat's run) that ended before its planned requests (an interrupt, the
+engine lost): its value says why. Such a repeat is out of every figure (:class:`LaunchPart`)."""
 SUPERSEDED_TAG = "k3pipe.superseded"
 """Tags the arm run of a launch that did not finish and that a resumed study ran again (its value
 says how): kept in MLflow with what it measured, left out of the report (k3pipe.resume)."""
+
+
+class LaunchPart(BaseModel):
+    """What one launch of an arm completed of one workload. A launch enters a cell's figures (its
+    verdicts, noise and calibration) only when its repeats are whole: every planned repeat ran to its
+    end. A launch cut short (a deadline, an interrupt, the engine lost) keeps its record in MLflow and
+    is named in the report; a repeat that ended early (tagged ``k3pipe.aborted``) is never a value."""
+
+    launch: int
+    status: str = Field(description="The arm run's status (FINISHED, FAILED, KILLED).")
+    whole: int = Field(description="Repeats that ran to their end (none of their requests aborted).")
+    planned: int = Field(description="Repeats the workload planned.")
+    cut: list[str] = Field(
+        default_factory=list, description="What was left out: each aborted repeat, and why it ended."
+    )
+
+    @property
+    def counted(self) -> bool:
+        """Its repeats are whole: it enters the cell's figures."""
+        return self.whole >= self.planned > 0
+
+    def text(self) -> str:
+        """'3', or '1 cut' (a launch whose repeats are not whole: what it completed, marked)."""
+        return str(self.whole) if self.counted else f"{self.whole} cut"
 
 
 class CellData(BaseModel):
@@ -48,7 +97,19 @@ class CellData(BaseModel):
     )
     launch_values: list[dict[str, list[float]]] = Field(
         default_factory=list,
-        description="Per launch of the arm (in launch order): metric -> its value in each repeat.",
+        description="Per counted launch of the arm (in launch order): metric -> its value in each repeat.",
+    )
+    parts: list[LaunchPart] = Field(
+        default_factory=list,
+        description="Every launch of the arm that recorded this workload, counted or not (LaunchPart).",
+    )
+    shape_key: str = Field(
+        default="", description="The workload's shape as restart-noise classes hold it (k3pipe.priors)."
+    )
+    priors: dict[str, RestartPrior] = Field(
+        default_factory=dict,
+        description="Metric -> the restart noise earlier studies measured for this cell's configuration "
+        "class on its node (k3pipe.priors); looked up for an arm launched once.",
     )
     load: str = "concurrency"
     rate_rps: float | None = None
@@ -90,8 +151,29 @@ class CellData(BaseModel):
     def launches(self) -> int:
         return max(1, len(self.launch_values))
 
+    @property
+    def cut(self) -> list[LaunchPart]:
+        """The launches of this cell whose repeats are not whole (left out of its figures)."""
+        return [p for p in self.parts if not p.counted]
+
+    def launches_text(self) -> str:
+        """Whole repeats per launch, in launch order: '3 + 3 + 1 cut'."""
+        return " + ".join(p.text() for p in self.parts) or "-"
+
     def add_launch(self, other: CellData) -> None:
-        """Merge the same arm's cell of a further launch into this one."""
+        """Merge the same arm's cell of a further launch into this one (a launch that is not counted
+        adds its part, never its values)."""
+        self.parts.extend(other.parts)
+        if other.parts and not all(p.counted for p in other.parts):
+            if other.status != "FINISHED":
+                self.status = other.status
+            return
+        if not self.values:  # every earlier launch was cut: this one is the first counted
+            self.values = {k: list(v) for k, v in other.values.items()}
+            self.request_runs = list(other.request_runs)
+            self.searches = list(other.searches)
+            self.status = other.status
+            return
         if not self.launch_values:
             self.launch_values = [{k: list(v) for k, v in self.values.items()}]
         self.launch_values.append({k: list(v) for k, v in other.values.items()})
@@ -156,6 +238,13 @@ class ArmData(BaseModel):
         default=None,
         description="The node's GPUs as the launch recorded them ('8 x NVIDIA H200, driver 580.159.04'); "
         "None: no GPU facts (no nvidia-smi, an external endpoint).",
+    )
+    model: str | None = Field(
+        default=None, description="The served model: its ModelScope id, or 'local <directory>'."
+    )
+    node: str | None = Field(
+        default=None,
+        description="The node as restart noise is kept for it (k3pipe.priors): its GPUs, else its host name.",
     )
 
 
@@ -255,25 +344,20 @@ def _float(params: dict[str, str], key: str) -> float | None:
         return None
 
 
-def _hardware(params: dict[str, str]) -> str | None:
-    """'8 x NVIDIA H200, driver 580.159.04' from an arm run's ``node.*`` params (None: none recorded)."""
-    name = params.get("node.gpu_name")
-    if not name or name == "None":
-        return None
-    return f"{params.get('node.gpu_count', '?')} x {name}, driver {params.get('node.driver_version', '?')}"
-
-
 def _values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
     # a workload of repeats must have its repeats.json read, never its means taken for one repeat
     return workload_values(tracker, run)
 
 
 def _arm(tracker: Tracker, run: Any) -> ArmData:
-    tags, metrics = run.data.tags, run.data.metrics
+    tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
+    hardware = hardware_label(params)
     findings_text = tracker.read_artifact(run.info.run_id, "preflight.json")
     warnings = [w.strip() for w in tags.get("k3pipe.engine_warnings", "").split(" | ") if w.strip()]
     return ArmData(
-        hardware=_hardware(run.data.params),
+        hardware=hardware,
+        model=model_identity(params),
+        node=node_of(params),
         name=tags.get("k3pipe.arm", run.info.run_name),
         engine=tags.get("k3pipe.engine", "?"),
         run_id=run.info.run_id,
@@ -308,6 +392,8 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
         params = wl.data.params
         capacity = _capacity_label(params)
         spec = _json(params.get("workload.capacity")) if capacity is not None else {}
+        values = _values(tracker, wl)
+        part, values, kept = _part(tracker, arm, wl, repeats, values)
         cells.append(
             CellData(
                 arm=arm.name,
@@ -318,13 +404,15 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 concurrency=_int(params, "workload.concurrency"),
                 run_id=wl.info.run_id,
                 status=wl.info.status,
-                values=_values(tracker, wl),
-                request_runs=[r.info.run_id for r in repeats] or [wl.info.run_id],
+                values=values,
+                parts=[part],
+                shape_key=workload_shape(params),
+                request_runs=[r.info.run_id for r in kept] or ([] if repeats else [wl.info.run_id]),
                 load=params.get("workload.load", "concurrency"),
                 rate_rps=_float(params, "workload.rate_rps"),
                 dataset=params.get("workload.dataset.kind", "random"),
                 capacity=capacity,
-                searches=_searches(tracker, repeats or [wl]) if capacity is not None else [],
+                searches=_searches(tracker, kept or [wl]) if capacity is not None else [],
                 slo={k: float(v) for k, v in _json(params.get("workload.slo")).items() if v is not None},
                 attainment_pct=spec.get("attainment_pct"),
                 ladder=wl.data.tags.get("k3pipe.ladder"),
@@ -333,6 +421,65 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
             )
         )
     return cells
+
+
+def _part(
+    tracker: Tracker, arm: ArmData, wl: Any, repeats: list[Any], values: dict[str, list[float]]
+) -> tuple[LaunchPart, dict[str, list[float]], list[Any]]:
+    """What this launch completed of the workload, its values without the repeats that ended early,
+    and the repeat runs kept. The rule (docs/measurement.md, "A launch cut short"): a repeat whose run
+    is tagged ``k3pipe.aborted`` (its requests were cut: an interrupt, a deadline, the engine lost) is
+    out of every figure; a launch counts in a cell only when every planned repeat ran to its end."""
+    planned = max(1, int(float(wl.data.params.get("workload.repeats", "1") or 1)))
+    if not repeats:  # one repeat: the workload's run is the repeat
+        aborted = wl.data.tags.get(ABORTED_TAG)
+        cut = [f"its one repeat ended early ({aborted}){_sent(wl)}"] if aborted else []
+        whole = 0 if aborted or not values else 1
+        part = LaunchPart(launch=arm.launch, status=arm.status, whole=whole, planned=planned, cut=cut)
+        return part, ({} if aborted else values), []
+    kept = [r for r in repeats if not r.data.tags.get(ABORTED_TAG)]
+    cut = [
+        f"repeat {r.data.tags['k3pipe.repeat']} ended early ({r.data.tags[ABORTED_TAG]}){_sent(r)}"
+        for r in repeats
+        if r.data.tags.get(ABORTED_TAG)
+    ]
+    if len(kept) < len(repeats):
+        values = _repeat_values(tracker, wl, kept)
+    if len(repeats) < planned:
+        cut.append(f"{planned - len(repeats)} planned repeat(s) never ran")
+    part = LaunchPart(launch=arm.launch, status=arm.status, whole=len(kept), planned=planned, cut=cut)
+    return part, values, kept
+
+
+def _sent(run: Any) -> str:
+    """' after 128 of 384 requests' from a run's metrics (empty when they are not recorded)."""
+    m = run.data.metrics
+    done, planned = m.get("completed"), run.data.params.get("workload.num_requests")
+    if done is None or not planned:
+        return ""
+    return f" after {done:.0f} of {planned} requests completed"
+
+
+def _repeat_values(tracker: Tracker, wl: Any, kept: list[Any]) -> dict[str, list[float]]:
+    """Per metric, its value in each kept repeat (repeat order): from the workload's
+    repeats.parquet (one row per repeat, its number in ``repeat``) where it exists, else from the
+    kept repeats' own runs."""
+    numbers = [int(r.data.tags["k3pipe.repeat"]) for r in kept]
+    raw = tracker.find_artifact(wl.info.run_id, "repeats.parquet")
+    if raw is not None:
+        frame = pd.read_parquet(io.BytesIO(raw))
+        if "repeat" in frame.columns:
+            frame = frame[frame["repeat"].astype(int).isin(numbers)].sort_values("repeat")
+            return {
+                str(c): [float(v) for v in frame[c].dropna()]
+                for c in frame.columns
+                if c != "repeat" and frame[c].notna().any()
+            }
+    out: dict[str, list[float]] = {}
+    for run in kept:
+        for key, value in run.data.metrics.items():
+            out.setdefault(key, []).append(float(value))
+    return out
 
 
 def _json(text: str | None) -> dict[str, Any]:
@@ -405,10 +552,14 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         for cell in _cells(tracker, arm_run, arm):
             earlier = next((c for c in cells if c.arm == cell.arm and c.workload == cell.workload), None)
             if earlier is None:
+                if cell.cut:  # named, never a value (LaunchPart)
+                    cell.values, cell.request_runs, cell.searches = {}, [], []
                 cells.append(cell)
             else:
                 earlier.add_launch(cell)  # a further launch of the same arm
     experiment = _experiment(tracker, run.info.run_id)
+    decision = experiment.get("decision") or {}
+    _attach_priors(tracker, arms, cells, run.info.start_time, decision.get("prior_days"))
     return StudyData(
         run_id=run.info.run_id,
         name=run.data.tags.get("k3pipe.experiment", run.info.run_name),
@@ -419,13 +570,39 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         primed=primed,
         primed_cells=primed_cells,
         reference=_reference(experiment),
-        decision=experiment.get("decision") or {},
+        decision=decision,
         look=_look(run.data.tags),
         resumed=int(run.data.tags.get("k3pipe.resumed", "0")),
         superseded=superseded,
         kept_workloads=kept,
         gpus=(experiment.get("hardware") or {}).get("gpu_count"),
     )
+
+
+def cell_class_of(arms: list[ArmData], cell: CellData) -> CellClass | None:
+    """The configuration class of ``cell`` (k3pipe.priors): its arm's engine, model and node, its
+    workload's shape."""
+    arm = next((a for a in arms if a.name == cell.arm), None)
+    if arm is None:
+        return None
+    return cell_class(arm.engine, arm.model, arm.node, cell.shape_key)
+
+
+def _attach_priors(
+    tracker: Tracker, arms: list[ArmData], cells: list[CellData], start_ms: int, days: Any
+) -> None:
+    """Each cell launched once gets the restart noise earlier studies kept for its class (per
+    metric), when there is some; ``days``: the experiment's ``decision.prior_days``."""
+    alone = [(c, k) for c in cells if c.values and c.launches == 1 and (k := cell_class_of(arms, c))]
+    if not alone:
+        return
+    wanted: dict[str, set[str]] = {}
+    for cell, klass in alone:
+        wanted.setdefault(klass.key, set()).update(cell.values)
+    age = DEFAULT_PRIOR_DAYS if days is None else float(days)
+    found = find_priors(tracker, wanted, start_ms, age)
+    for cell, klass in alone:
+        cell.priors = {m: p for (key, m), p in found.items() if key == klass.key and m in cell.values}
 
 
 def _look(tags: dict[str, str]) -> dict[str, Any]:

@@ -57,7 +57,8 @@ VARIANTS_FILE = "variants.json"
 
 BETTER, WORSE, EQUIVALENT, INCONCLUSIVE = "better", "worse", "equivalent", "inconclusive"
 NO_TEST, DESCRIPTIVE = "no test (a single value)", "descriptive"
-LABELS = (BETTER, WORSE, EQUIVALENT, INCONCLUSIVE, NO_TEST)
+CANNOT_TELL = "cannot tell: restart noise unknown"
+LABELS = (BETTER, WORSE, EQUIVALENT, INCONCLUSIVE, CANNOT_TELL, NO_TEST)
 
 
 @dataclass
@@ -118,6 +119,8 @@ class VariantVerdict:
         v = self.outcome
         if v is None or v.outcome == "untested":
             return NO_TEST
+        if v.outcome == "unknown":
+            return CANNOT_TELL
         if v.outcome == "different":
             return BETTER if v.leader == self.variant else WORSE
         return EQUIVALENT if v.outcome == "equivalent" else INCONCLUSIVE
@@ -133,9 +136,9 @@ class VariantVerdict:
             label = f"equivalent within +-{v.margin:.0%}"
         elif label == INCONCLUSIVE and v is not None and v.mde is not None:
             label = f"inconclusive: differences below {stats.detectable(v.mde)} cannot be seen with this data"
-        notes = ""
-        if v is not None and v.outcome != "untested" and not v.restart_noise_measured:
-            notes = "; restart noise not measured"
+        notes = v.noise_note() if v is not None else ""
+        if label == CANNOT_TELL:
+            notes = "; a side was launched once and no earlier study measured its restart noise here"
         return f"{label} ({self.change_text()}{notes})"
 
 
@@ -157,6 +160,9 @@ def judge_variants(data: RetestData) -> list[VariantVerdict]:
                     stats.estimate(base.by_launch(metric.key)),
                     stats.estimate(cell.by_launch(metric.key)),
                 )
+                if sa is not None and sb is not None:
+                    sa = stats.with_prior(sa, base.priors.get(metric.key))
+                    sb = stats.with_prior(sb, cell.priors.get(metric.key))
                 if sa is None or sb is None:
                     continue  # a figure that could not be measured is judged against nothing
                 verdicts.append(
@@ -166,8 +172,15 @@ def judge_variants(data: RetestData) -> list[VariantVerdict]:
                     )
                 )  # fmt: skip
     judged = [v for v in verdicts if v.decision]
-    # a single value on a side cannot be tested: not one of the family (that follows from the design)
-    testable = sum(v.baseline.estimate.var is not None and v.value.estimate.var is not None for v in judged)
+    # a single value on a side, or a side whose restart noise no launch or prior gives, cannot be
+    # tested: not one of the family (that follows from the design)
+    testable = sum(
+        v.baseline.estimate.var is not None
+        and v.value.estimate.var is not None
+        and v.baseline.estimate.restart_known
+        and v.value.estimate.restart_known
+        for v in judged
+    )
     design = design_of(data.baseline.decision, testable)
     for v in judged:
         v.outcome = stats.decide(v.comparison, design, v.metric.higher_is_better, (v.variant, BASELINE))
@@ -205,6 +218,7 @@ def _answer(data: RetestData, verdicts: Sequence[VariantVerdict]) -> list[str]:
                 more = f" and {len(hits) - 4} more" if len(hits) > 4 else ""
                 parts.append(f"{label} on {shown}{more}")
         for label, said in ((EQUIVALENT, "equivalent within the margin"), (INCONCLUSIVE, "inconclusive"),
+                            (CANNOT_TELL, "not judged: restart noise unknown (launched once; `launches: 2`)"),
                             (NO_TEST, "not tested (a single value)")):  # fmt: skip
             n = sum(v.verdict == label for v in mine)
             if n:
@@ -240,7 +254,7 @@ def build_retest_document(
 ) -> Document:
     """The retest's report: the answer per variant, what each changed, the verdict table, the
     baseline's own results table and where each study's full report is."""
-    judged = [v for v in verdicts if v.outcome is not None and v.outcome.outcome != "untested"]
+    judged = [v for v in verdicts if v.outcome is not None and v.outcome.tested]
     design = design_of(data.baseline.decision, len(judged))
     method = (
         "Each variant's cell against the baseline's cell of the same arm and workload: the change is the "
@@ -411,7 +425,7 @@ def publish_retest(tracker: Tracker, report: RetestReport, out_dir: Path) -> dic
         tracker.log_file(report.data.run_id, path, "report")
     tracker.describe(report.data.run_id, report.description())
     short = {BETTER: "better", WORSE: "worse", EQUIVALENT: "equivalent", INCONCLUSIVE: "inconclusive",
-             NO_TEST: "untested"}  # fmt: skip
+             CANNOT_TELL: "cannot_tell", NO_TEST: "untested"}  # fmt: skip
     counts = {
         f"verdict.{variant}.{short[label]}": float(n)
         for variant, per in summary(report.verdicts).items()

@@ -199,10 +199,15 @@ def test_the_search_resolution_stays_in_the_interval_and_in_the_verdict() -> Non
     assert low < 20.0 * 0.99
     assert high > 20.0 * 1.05  # the truth may sit anywhere in [20, 21)
     design = stats.Design(alpha=0.05, margin=0.05, power=0.8, tests=1)
-    near = stats.with_resolution(stats.estimate([[20.8] * 3]), [w] * 3)  # type: ignore[arg-type]
-    far = stats.with_resolution(stats.estimate([[23.2] * 3]), [w] * 3)  # type: ignore[arg-type]
-    assert stats.decide(stats.compare(near, a), design, higher_is_better=True).outcome != "different"
-    assert stats.decide(stats.compare(far, a), design, higher_is_better=True).outcome == "different"
+    # two launches of three searches each (the default design: restart noise in the interval)
+    a2 = stats.with_resolution(stats.estimate([[20.0] * 3] * 2), [w] * 6)  # type: ignore[arg-type]
+    near = stats.with_resolution(stats.estimate([[20.8] * 3] * 2), [w] * 6)  # type: ignore[arg-type]
+    far = stats.with_resolution(stats.estimate([[23.2] * 3] * 2), [w] * 6)  # type: ignore[arg-type]
+    assert stats.decide(stats.compare(near, a2), design, higher_is_better=True).outcome != "different"
+    assert stats.decide(stats.compare(far, a2), design, higher_is_better=True).outcome == "different"
+    # one launch of each: the restart noise is in no variance, so nothing is claimed
+    once = stats.with_resolution(stats.estimate([[23.2] * 3]), [w] * 3)  # type: ignore[arg-type]
+    assert stats.decide(stats.compare(once, a), design, higher_is_better=True).outcome == "unknown"
     single = stats.estimate([[20.0]])
     assert single is not None
     assert stats.with_resolution(single, [w]) is single  # one value: still untested

@@ -122,8 +122,14 @@ def test_render_cli_prints_the_study(capsys: pytest.CaptureFixture[str]) -> None
     assert result.exit_code == 0, result.output
     # the whole study first: both arms in order, then the study's two workloads
     assert result.output.startswith("# study kimi-k3-8xb300: 2 arm(s) x 2 workload(s)")
-    second = "#   2. sglang: sglang on launcher docker, image lmsysorg/sglang:kimi-k3; also needs draft"
+    # two arms compare: two launches each unless an arm says (one holds no restart noise)
+    second = (
+        "#   2. sglang: sglang on launcher docker, image lmsysorg/sglang:kimi-k3, launched 2 times; also "
+        "needs draft"
+    )
     assert second in result.output
+    assert "# design: 2 arm(s), 2 launch(es) each (interleaved): 4 cold start(s)" in result.output
+    assert "= 6 comparison(s) sharing alpha 0.05" in result.output
     assert (
         "#   workload random-200k: 200,000 in / 3,000 out tokens, 10 streams, 10 requests (+0 warm-up), "
         "random prompts" in result.output

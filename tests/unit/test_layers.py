@@ -56,6 +56,7 @@ FLOORS: list[tuple[str, list[str]]] = [
         [
             "k3pipe.spool", "k3pipe.push", "k3pipe.tracking", "k3pipe.runrecord", "k3pipe.record",
             "k3pipe.compare", "k3pipe.history", "k3pipe.sync", "k3pipe.report", "k3pipe.report.*",
+            "k3pipe.priors", "k3pipe.design",
         ],
     ),
     (

@@ -5,6 +5,7 @@ one family over the retest; and the retest's targets from an experiment."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -16,6 +17,7 @@ from k3pipe.report.collect import ArmData, CellData, StudyData
 from k3pipe.report.render import to_markdown
 from k3pipe.report.retest import (
     BETTER,
+    CANNOT_TELL,
     DESCRIPTIVE,
     EQUIVALENT,
     INCONCLUSIVE,
@@ -27,6 +29,7 @@ from k3pipe.report.retest import (
     summary,
 )
 from k3pipe.retest import describe_retest, retest_targets, workloads_key
+from k3pipe.stats import RestartPrior
 
 
 def _cell(arm: str, workload: str, **values: list[float]) -> CellData:
@@ -39,8 +42,12 @@ def _cell(arm: str, workload: str, **values: list[float]) -> CellData:
 DECISION = {"metrics": ["duration_s", "output_throughput_tps", "ttft_ms_p50"]}
 
 
-def _study(run_id: str, *cells: CellData) -> StudyData:
+def _study(run_id: str, *cells: CellData, prior: bool = True) -> StudyData:
+    """``prior``: each cell (launched once) judged with 1% restart noise an earlier study is taken to
+    have measured (k3pipe.priors); without, nothing launched once is judged."""
     arms = list(dict.fromkeys(c.arm for c in cells))
+    for c in cells:
+        c.priors = {k: RestartPrior(math.log1p(0.01**2), 40.0, "a test's history") for k in c.values} if prior else {}
     return StudyData(
         run_id=run_id, name=run_id, status="FINISHED",
         arms=[ArmData(name=a, engine="vllm", run_id=a, status="FINISHED") for a in arms], cells=list(cells),
@@ -78,6 +85,12 @@ def test_worse_better_noise_and_untested() -> None:
     assert noise.verdict == INCONCLUSIVE
     assert "cannot be seen with this data" in noise.text()
     assert verdicts[("one", "duration_s")].verdict == NO_TEST
+    # the same launches with no restart noise known for them: nothing judged, and said so
+    for cell in [*base.cells, *slower.cells]:
+        cell.priors = {}
+    unknown = {(v.workload, v.metric.key): v for v in judge_variants(data)}
+    assert unknown[("w", "duration_s")].verdict == CANNOT_TELL
+    assert "launched once" in unknown[("w", "duration_s")].text()
     assert ("only-here", "duration_s") not in verdicts
     # TPOT is outside this experiment's decision: a change with an interval, and no verdict
     tpot = verdicts[("w", "tpot_ms_p50")]
@@ -89,7 +102,7 @@ def test_worse_better_noise_and_untested() -> None:
     assert len(judged) == 4
     assert all(v.outcome.confidence == pytest.approx(1 - 0.05 / 3) for v in judged)
     assert summary(list(verdicts.values()))["slower"] == {
-        BETTER: 1, WORSE: 1, EQUIVALENT: 0, INCONCLUSIVE: 1, NO_TEST: 1
+        BETTER: 1, WORSE: 1, EQUIVALENT: 0, INCONCLUSIVE: 1, CANNOT_TELL: 0, NO_TEST: 1
     }  # fmt: skip
 
     doc = build_retest_document(data, list(verdicts.values()))
