@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CAPACITY_FIGURES", "DEFAULT_DECISION", "FIGURES", "TABLE_FIGURES", "Figure", "figure"]
+__all__ = ["CAPACITY_FIGURES", "DEFAULT_DECISION", "FIGURES", "TABLE_FIGURES", "Figure", "figure", "tails_of"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,14 @@ FIGURES: tuple[Figure, ...] = (
     Figure("ttft_ms_p90", "TTFT p90, first delta", "ms", higher_is_better=False),
     Figure("ttft_ms_p99", "TTFT p99, first delta", "ms", higher_is_better=False),
     Figure("tpot_ms_p90", "TPOT p90", "ms", higher_is_better=False),
+    Figure("tpot_ms_p99", "TPOT p99", "ms", higher_is_better=False),
+    Figure("itl_ms_p90", "ITL p90", "ms", higher_is_better=False),
+    Figure("itl_ms_p99", "ITL p99", "ms", higher_is_better=False),
+    Figure("content_ttft_ms_p90", "TTFT p90, first content", "ms", higher_is_better=False),
+    Figure("content_ttft_ms_p99", "TTFT p99, first content", "ms", higher_is_better=False),
     Figure("e2e_ms_p50", "request latency p50", "ms", higher_is_better=False),
     Figure("e2e_ms_p90", "request latency p90", "ms", higher_is_better=False),
+    Figure("e2e_ms_p99", "request latency p99", "ms", higher_is_better=False),
     Figure("request_throughput_rps", "request throughput", "req/s", True, throughput=True),
     Figure("goodput_rps", "goodput (requests within the SLO)", "req/s", True, throughput=True),
     Figure("engine_itl_ms_p50", "ITL p50, engine /metrics", "ms", higher_is_better=False),
@@ -69,6 +75,15 @@ CAPACITY_FIGURES: tuple[str, ...] = ("capacity_rps", "capacity_concurrency")
 """A capacity search's answers: decision metrics by default where a study has them."""
 
 _BY_KEY = {f.key: f for f in FIGURES}
+
+
+def tails_of(key: str) -> tuple[str, ...]:
+    """The tail figures of a median figure, the farthest first ('ttft_ms_p50' -> 'ttft_ms_p99',
+    'ttft_ms_p90'); none for a figure that is not a median."""
+    if not key.endswith("_p50"):
+        return ()
+    stem = key.removesuffix("_p50")
+    return tuple(k for k in (f"{stem}_p99", f"{stem}_p90") if k in _BY_KEY)
 
 
 def figure(key: str) -> Figure:

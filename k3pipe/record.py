@@ -196,6 +196,7 @@ class ArmRecorder:
         self.workload_runs: dict[str, str] = {}
         # workloads with repeats: the metrics of each repeat logged so far, and which are still open
         self._repeat_metrics: dict[str, list[dict[str, float]]] = {}
+        self._aborted: dict[str, set[int]] = {}  # per workload: its repeats cut short (numbers from 1)
         self._open: dict[str, WorkloadSpec] = {}
         self._single: dict[str, dict[str, float]] = {}
         self._bursty: set[str] = set()  # workloads whose client timing was bursty
@@ -404,7 +405,11 @@ class ArmRecorder:
         repeat_params = {**params, "workload.seed": outcome.seed, "repeat": k + 1}
         metrics = self._log_outcome(run_id, repeat_params, outcome)
         self._repeat_metrics[workload.name].append({"repeat": float(k + 1), **metrics})
-        if len(self._repeat_metrics[workload.name]) >= workload.repeats:
+        if outcome.result.aborted or outcome.engine_lost:
+            # cut short (an interrupt, a deadline, the engine lost): in no figure across repeats, and
+            # the workload did not finish; the arm's end closes its run with the arm's status
+            self._aborted.setdefault(workload.name, set()).add(k + 1)
+        elif len(self._repeat_metrics[workload.name]) >= workload.repeats:
             self._close_repeats(workload.name, "FINISHED")
         return run_id
 
@@ -736,21 +741,32 @@ class ArmRecorder:
         run_id = self.workload_runs.get(name)
         if workload is None or run_id is None:
             return
-        per_repeat = self._repeat_metrics.get(name, [])
+        every = self._repeat_metrics.get(name, [])
+        aborted = self._aborted.get(name, set())
+        # a repeat cut short is in no figure across repeats (docs/measurement.md, "A launch cut
+        # short"); repeats.parquet keeps its row, marked
+        per_repeat = [m for m in every if int(m.get("repeat", 0)) not in aborted]
         try:
             stats = aggregate_repeats(per_repeat) if per_repeat else {}
             stats.pop("repeat", None)
             self.tracker.log_metrics(run_id, _repeat_metrics(stats))
             self.tracker.log_metrics(
-                run_id, {"repeats": len(per_repeat), "repeats_planned": workload.repeats}
+                run_id,
+                {
+                    "repeats": len(per_repeat),
+                    "repeats_planned": workload.repeats,
+                    "repeats_aborted": len(aborted),
+                },
             )
             self.tracker.log_dict(run_id, {k: v.model_dump() for k, v in stats.items()}, "repeats.json")
-            if per_repeat:
-                self.tracker.log_frame(run_id, pd.DataFrame(per_repeat), "repeats.parquet")
+            if every:
+                frame = pd.DataFrame(every)
+                frame["aborted"] = [int(int(m.get("repeat", 0)) in aborted) for m in every]
+                self.tracker.log_frame(run_id, frame, "repeats.parquet")
             means = {k: v.mean for k, v in stats.items()}
             self.tracker.log_metrics(self.run_id, {f"{name}.{k}": means.get(k) for k in KEY_METRICS})
         finally:
-            done = len(per_repeat) >= workload.repeats
+            done = len(per_repeat) >= workload.repeats and not aborted
             # a workload whose repeats did not all run did not finish, whatever the arm's status;
             # it ended with its last repeat's last response where that is known
             self.tracker.end_run(

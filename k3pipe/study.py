@@ -282,7 +282,19 @@ class Study:
             models_pool.shutdown(wait=False, cancel_futures=True)
             images_pool.shutdown(wait=False, cancel_futures=True)
             self._close(outcome, time.perf_counter() - start, status)
+            if status != "FINISHED":
+                self._say_resume(outcome)
         return outcome
+
+    def _say_resume(self, outcome: StudyOutcome) -> None:
+        """A study stopped before its end (a deadline's SIGINT, Ctrl-C, a kill): which one, what is
+        kept, and the command that runs the rest."""
+        done = sum(o.status == "FINISHED" for o in outcome.arms)
+        self.warn(
+            f"study {self.spec.name} (MLflow run {self.run_id}) stopped before its end: {done} launch(es) "
+            "finished and are kept; a launch cut short enters no figure of the report. Run the rest with "
+            f"`k3pipe study --resume {self.run_id}`"
+        )
 
     def _until(
         self,

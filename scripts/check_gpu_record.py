@@ -6,9 +6,13 @@
 PARTS_DIR holds what ``scripts/gpu-node.sh collect`` wrote: ``record.tar.gz.part-NN`` and
 ``summary.txt``. The parts are joined (and checked against the sha256 in summary.txt), unpacked into
 a temporary directory and the MLflow store opened from there read-only (``sqlite:///file:...?mode=ro``,
-the node's artifact paths mapped to the unpacked ones). Required, per arm of the experiment file:
+the node's artifact paths mapped to the unpacked ones). Required, per arm a study of the experiment
+file runs (its A/A copy ``<arm>-aa`` too, with ``decision.calibration``) and per launch of it
+(``launches``, unset: 2 where arms are compared); a record of ``k3pipe run`` (no study run in it):
+per arm of the file, once:
 
-- the arm's engine run (the latest, when there are several), status FINISHED;
+- the arm's engine run of that launch (the latest, when there are several; not a priming launch nor
+  one a resume superseded), status FINISHED (a launch cut by a deadline is KILLED: INCOMPLETE);
 - params: engine_version (the one the engine reported: --engine-version, else the arm's declared
   engine.version), engine_version_declared,
   the model's digest, files and bytes, the command (with no key in it), api_key_env, each arg.*;
@@ -245,17 +249,56 @@ class Store:
 # ----------------------------------------------------------------------------------------- checks
 
 
+def study_arms(spec: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
+    """Every arm a study of ``spec`` runs (with ``decision.calibration``, the baseline's A/A copy
+    ``<arm>-aa`` too) and the launches it plans (unset: k3pipe's default, 2 where arms are compared)."""
+    from k3pipe.specs import CALIBRATION_SUFFIX, DEFAULT_LAUNCHES
+
+    arms = list(spec["arms"])
+    decision = spec.get("decision") or {}
+    compares = len(arms) >= 2 or bool(spec.get("variants")) or decision.get("calibration") is True
+    out = [(a, int(a.get("launches") or (DEFAULT_LAUNCHES if compares else 1))) for a in arms]
+    if decision.get("calibration") is True:
+        base = decision.get("baseline") or arms[0]["name"]
+        at = next(i for i, (a, _) in enumerate(out) if a["name"] == base)
+        arm, launches = out[at]
+        out.insert(at + 1, ({**arm, "name": base + CALIBRATION_SUFFIX}, launches))
+    return out
+
+
+def check_record(store: Store, spec: dict[str, Any], engine_version: str | None) -> list[ArmReport]:
+    """A study's record: every arm it runs (the A/A copy too), every launch of each; a record of
+    `k3pipe run` (no study run in the store): each arm of the experiment, once."""
+    study = store.runs(f"tags.`k3pipe.kind` = 'study' and tags.`k3pipe.experiment` = '{spec['name']}'")
+    arms = study_arms(spec) if study else [(a, 1) for a in spec["arms"]]
+    return [
+        check_arm(store, spec, arm, engine_version, None if launches == 1 else k)
+        for arm, launches in arms
+        for k in range(1, launches + 1)
+    ]
+
+
 def check_arm(
-    store: Store, spec: dict[str, Any], arm_spec: dict[str, Any], engine_version: str | None
+    store: Store,
+    spec: dict[str, Any],
+    arm_spec: dict[str, Any],
+    engine_version: str | None,
+    launch: int | None = None,
 ) -> ArmReport:
+    """One arm's engine run (``launch``: that launch of it, by its ``k3pipe.launch`` tag; a priming
+    launch and a superseded run are not it)."""
     arm = arm_spec["name"]
-    report = ArmReport(arm)
+    report = ArmReport(arm if launch is None else f"{arm}#{launch}")
     runs = [
         r
         for r in store.runs(f"tags.`k3pipe.arm` = '{arm}' and tags.`k3pipe.experiment` = '{spec['name']}'")
         if "k3pipe.workload" not in r.data.tags  # the engine run (a study's nests under the study run)
+        and not r.data.tags.get("k3pipe.prime")
+        and not r.data.tags.get("k3pipe.superseded")
+        and (launch is None or r.data.tags.get("k3pipe.launch", "1") == str(launch))
     ]
-    if not report.need("engine run", bool(runs), f"{len(runs)} run(s)" if runs else "no run of this arm"):
+    what = "no run of this arm" if launch is None else f"no run of launch {launch} of this arm"
+    if not report.need("engine run", bool(runs), f"{len(runs)} run(s)" if runs else what):
         return report
     run = report.run = runs[0]
     if len(runs) > 1:
@@ -641,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary.get('run_rc', '?')}, {summary.get('run_seconds', '?')} s)\n"
         )
         store = Store(root, args.mlflow_experiment)
-        reports = [check_arm(store, spec, arm, args.engine_version) for arm in spec["arms"]]
+        reports = check_record(store, spec, args.engine_version)
         hits = scan_for_key(root, key)
         if args.json is not None:
             data = record_summary(reports, hits, summary, spec["name"])

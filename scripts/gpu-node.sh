@@ -311,13 +311,22 @@ cmd_run() {
     t0=$(date +%s.%N)
     say "==> k3pipe $command $EXPERIMENT $*"
     # SIGINT at the deadline: the flow stops the engine and records the arm as KILLED; SIGKILL 60 s later
-    (cd "$REPO" && PYTHONPATH="$REPO" timeout --signal=INT --kill-after=60 "$deadline" \
-        "$py" -m cli.main "$command" "$EXPERIMENT" "$@") || rc=$?
+    # the output kept beside the node's logs too: a study cut by the deadline is named from it
+    (set -o pipefail; cd "$REPO" && PYTHONPATH="$REPO" timeout --signal=INT --kill-after=60 "$deadline" \
+        "$py" -m cli.main "$command" "$EXPERIMENT" "$@" 2>&1 | tee "$NODE_LOGS/run.out") || rc=$?
     echo "$rc" > "$NODE_LOGS/run.rc"
     awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f\n", b - a }' > "$NODE_LOGS/run.seconds"
     end_leftovers "after the run"
     (k3pipe runs --limit 10) || true
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 130 ]; then
+        local study
+        study=$(grep -o 'MLflow run [0-9a-f]\{32\}; arms' "$NODE_LOGS/run.out" 2>/dev/null | head -n 1 | cut -d' ' -f3)
+        if [ "$command" = study ] && [ -n "$study" ]; then
+            die "k3pipe study hit the ${deadline} s deadline (exit $rc) after $(cat "$NODE_LOGS/run.seconds") s:" \
+                "study $study of $EXPERIMENT stopped; its finished launches are kept, a launch cut short is in" \
+                "no figure of its report. The rest: K3PIPE_RUN_COMMAND=study scripts/gpu-node.sh run" \
+                "--deadline S --resume $study (k3pipe study --resume $study)"
+        fi
         die "k3pipe run hit the ${deadline} s deadline (exit $rc) after $(cat "$NODE_LOGS/run.seconds") s"
     fi
     [ "$rc" -eq 0 ] || die "k3pipe run FAILED (exit $rc) after $(cat "$NODE_LOGS/run.seconds") s"

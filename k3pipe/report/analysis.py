@@ -30,15 +30,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scipy import stats as scipy_stats
+
 from k3pipe import stats
 from k3pipe.capacity import pareto_front
-from k3pipe.figures import CAPACITY_FIGURES, DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure
+from k3pipe.figures import CAPACITY_FIGURES, DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure, tails_of
 from k3pipe.figures import figure as figure_of
 from k3pipe.report.collect import CellData, StudyData
 
 __all__ = [
     "TABLE_METRICS",
     "Analysis",
+    "ArmNoise",
     "BoundCheck",
     "CellStat",
     "ClaimCheck",
@@ -46,9 +49,12 @@ __all__ = [
     "Flip",
     "Metric",
     "NoiseRow",
+    "PairNoise",
     "PairVerdict",
     "ParetoPoint",
     "Row",
+    "Tail",
+    "WarmupFinding",
     "analyse",
     "design_of",
     "hardware_refusal",
@@ -112,6 +118,13 @@ class PairVerdict:
     a: str
     b: str
     verdict: stats.Verdict
+    tail: Tail | None = None
+    """A percentile figure's tail (p99, else p90) for both arms, and whether it splits the verdict."""
+
+    @property
+    def split(self) -> bool:
+        """The median is better for one arm and its tail worse beyond the margin."""
+        return self.tail is not None and self.tail.split and self.verdict.different
 
     @property
     def leader(self) -> str:
@@ -145,17 +158,40 @@ class PairVerdict:
         return {self.a, self.b} == {arm, other}
 
     def text(self) -> str:
-        return self.verdict.text()
+        if self.split:
+            return f"a split: {self.verdict.text()}{self.tail_text()}"
+        return self.verdict.text() + self.tail_text()
+
+    def tail_text(self) -> str:
+        """'; tail (TTFT p99): a 2,600 ms, b 840 ms: a's 3.10x: the median better, the tail worse'."""
+        t = self.tail
+        if t is None:
+            return ""
+        lead, other = self.verdict.leader, self.verdict.other
+        # the leader's tail over the other's, as values: higher by a factor, or lower by a share
+        up = t.ratio if not t.metric.higher_is_better else 1 / t.ratio
+        words = stats.change_words(up, True) if up >= 1 else stats.change_words(1 / up, False)
+        said = (
+            f"; tail ({t.metric.label}): {self.a} {_num(t.a)}, {self.b} {_num(t.b)} {t.metric.unit}, "
+            f"{lead}'s {words} than {other}'s"
+        )
+        if self.split:
+            said += f": the median better, the tail worse beyond the +-{self.verdict.margin:.0%} margin"
+        return said
 
     def against(self, best: str) -> str:
-        """The verdict said of the arm that is not ``best``: 'worse than a by 12% [..]', 'equivalent
-        to a within +-5% (...)', 'inconclusive against a: ...'."""
+        """The verdict said of the arm that is not ``best``: 'a 12.0% higher [..]', 'equivalent
+        within +-5% (...)', 'inconclusive: ...', 'a split: ...'; with the tail where it has one."""
         v = self.verdict
-        if v.outcome == "different":
+        if v.outcome == "different" and not self.split:
             if v.leader == best:
-                return f"{best} {v.change_text()} {v.interval_text()}{_suffix(v)}"
-            return f"better than {best}: {v.change_text()} {v.interval_text()}{_suffix(v)}"
-        return v.text()
+                return f"{best} {v.change_text()} {v.interval_text()}{_suffix(v)}{self.tail_text()}"
+            return f"better than {best}: {v.change_text()} {v.interval_text()}{_suffix(v)}{self.tail_text()}"
+        return self.text()
+
+
+def _num(v: float) -> str:
+    return f"{v:,.1f}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
 def _suffix(v: stats.Verdict) -> str:
@@ -202,6 +238,73 @@ class NoiseRow:
     repeats: dict[str, int]
     mde: tuple[float, float] | None
     """The smallest and largest minimum detectable difference among the workload's comparisons."""
+
+
+@dataclass(frozen=True)
+class ArmNoise:
+    """One arm's own noise on a decision figure in a workload (its cell alone), and whether it is much
+    noisier than the rest of the workload's arms (a pooled figure hides such an arm)."""
+
+    workload: str
+    metric: Metric
+    arm: str
+    components: stats.Components | None
+    launches: int
+    repeats: int
+    noisier: float | None = None
+    """Its repeat noise's variance over the other arms' pooled, when the F test finds it larger (one-
+    sided, p < :data:`NOISIER_P`) by at least :data:`NOISIER_RATIO`; None: not much noisier."""
+    causes: tuple[str, ...] = ()
+    """What k3pipe sees that makes repeats vary (warm-ups not settled, preemptions, queueing)."""
+
+
+NOISIER_P = 0.01
+NOISIER_RATIO = 4.0
+"""An arm is much noisier than the rest when its repeats' variance (log scale) is at least 4 times
+the others' pooled (twice the coefficient of variation) and an F test (one-sided) says p < 0.01."""
+
+
+@dataclass(frozen=True)
+class PairNoise:
+    """One pair's own noise: the smallest difference its comparison could see, and the launches per
+    arm a planned 10% difference would need at the two arms' noise."""
+
+    workload: str
+    metric: Metric
+    a: str
+    b: str
+    mde: float | None
+    components: stats.Components | None
+    launches_needed: int | None
+
+
+@dataclass(frozen=True)
+class WarmupFinding:
+    """An arm's repeats whose warm-up had not settled (``warmup_steady`` 0) when measuring began."""
+
+    arm: str
+    unsettled: int
+    of: int
+    workloads: tuple[str, ...]
+    effects: tuple[str, ...] = ()
+    """Per workload and decision figure: the unsettled repeats against the settled ones ('TTFT p50
+    of unsettled repeats 12% higher')."""
+    priming: int = 0
+    """Priming launches whose warm-up had not settled either."""
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The tail of a percentile verdict: the same figure's p99 (else p90) for both arms."""
+
+    metric: Metric
+    a: float
+    b: float
+    ratio: float
+    """The p50 leader's tail over the other's (a ratio in the figure's own direction: above 1 is
+    the leader's tail worse)."""
+    split: bool
+    """The p50 leader's tail is worse beyond the margin: a split, never a plain win."""
 
 
 @dataclass(frozen=True)
@@ -306,6 +409,10 @@ class Analysis:
     hardware_refusal: str | None = None
     """Why nothing is ranked: the arms were measured on different hardware (decision.mixed_hardware
     off); None: they were not, or the experiment allows it."""
+    arm_noise: list[ArmNoise] = field(default_factory=list)
+    """Each arm's own noise per workload and decision figure (beside the pooled :attr:`noise`)."""
+    pair_noise: list[PairNoise] = field(default_factory=list)
+    warmups: list[WarmupFinding] = field(default_factory=list)
 
     @property
     def tests(self) -> int:
@@ -432,6 +539,134 @@ def _noise(data: StudyData, rows: list[Row], arms: list[str]) -> list[NoiseRow]:
                 (min(mdes), max(mdes)) if mdes else None,
             )
         )  # fmt: skip
+    return out
+
+
+def _tails(data: StudyData, rows: list[Row], design: stats.Design) -> None:
+    """Every verdict on a median figure gets the same figure's tail (p99, else p90) for both arms;
+    a detected median win whose tail is worse beyond the margin is a split (PairVerdict.split)."""
+    for row in rows:
+        if not row.decision:
+            continue
+        for key in tails_of(row.metric.key):
+            tail_metric = figure_of(key)
+            means = {}
+            for arm in row.cells:
+                cell = data.cell(arm, row.workload)
+                est = stats.estimate(cell.by_launch(key)) if cell is not None else None
+                if est is not None:
+                    means[arm] = est.mean
+            if not means:
+                continue
+            for v in row.verdicts:
+                if v.a not in means or v.b not in means:
+                    continue
+                lead, other = v.verdict.leader, v.verdict.other
+                bad = means[lead] / means[other]
+                if tail_metric.higher_is_better:
+                    bad = 1 / bad
+                split = v.verdict.different and bad > 1 + design.margin
+                v.tail = Tail(tail_metric, means[v.a], means[v.b], bad, split)
+            break
+
+
+def _arm_noise(data: StudyData, rows: list[Row]) -> list[ArmNoise]:
+    """Each arm's own noise on each decision figure, flagged where it is much noisier than the rest
+    (:data:`NOISIER_RATIO`, :data:`NOISIER_P`), with the causes k3pipe sees in its figures."""
+    out = []
+    for row in rows:
+        if not row.decision:
+            continue
+        cells = {a: c for a in row.cells if (c := data.cell(a, row.workload)) is not None}
+        own = {a: stats.components([c.by_launch(row.metric.key)]) for a, c in cells.items()}
+        for arm, comp in own.items():
+            flag = None
+            others = [o for a, o in own.items() if a != arm and o is not None and o.df_within > 0]
+            if comp is not None and comp.df_within > 0 and others:
+                df_o = sum(o.df_within for o in others)
+                var_o = sum(o.within * o.df_within for o in others) / df_o
+                if var_o > 0:
+                    ratio = comp.within / var_o
+                    p = float(scipy_stats.f.sf(ratio, comp.df_within, df_o))
+                    if ratio >= NOISIER_RATIO and p < NOISIER_P:
+                        flag = ratio
+            cell = cells[arm]
+            series = cell.by_launch(row.metric.key)
+            out.append(
+                ArmNoise(
+                    row.workload, row.metric, arm, comp, len(series), sum(len(x) for x in series), flag,
+                    _causes(cell) if flag is not None else (),
+                )
+            )  # fmt: skip
+    return out
+
+
+def _causes(cell: CellData) -> tuple[str, ...]:
+    """What in a cell's own figures makes its repeats vary."""
+    causes = []
+    steady = cell.values.get("warmup_steady", [])
+    unsettled = sum(1 for v in steady if v == 0)
+    if unsettled:
+        causes.append(f"the warm-up had not settled in {unsettled} of {len(steady)} repeats")
+    preempted = sum(cell.values.get("engine_preemptions", []))
+    if preempted > 0:
+        causes.append(f"the engine preempted {preempted:.0f} request(s)")
+    waiting = max(cell.values.get("engine_requests_waiting_max", []) or [0.0])
+    if waiting > 0 and cell.load == "concurrency":
+        causes.append(
+            f"up to {waiting:.0f} request(s) waited for a batch slot at {cell.concurrency} streams: the "
+            "engine's batch limit is below the load, so each wave queues behind it"
+        )
+    return tuple(causes) or ("k3pipe sees no cause in its figures (warm-up, preemptions, queueing)",)
+
+
+def _pair_noise(data: StudyData, rows: list[Row], design: stats.Design) -> list[PairNoise]:
+    out = []
+    for row in rows:
+        for v in row.verdicts:
+            cells = [c for a in (v.a, v.b) if (c := data.cell(a, row.workload)) is not None]
+            comp = stats.components([c.by_launch(row.metric.key) for c in cells])
+            needed = None
+            if comp is not None and comp.df_between > 0:
+                series = [x for c in cells for x in c.by_launch(row.metric.key)]
+                per_launch = max(1, round(sum(len(x) for x in series) / max(1, len(series))))
+                needed = stats.launches_needed(0.10, comp.between_cv, comp.within_cv, per_launch, design)
+            out.append(PairNoise(row.workload, row.metric, v.a, v.b, v.verdict.mde, comp, needed))
+    return out
+
+
+def _warmups(data: StudyData, decision: Sequence[str]) -> list[WarmupFinding]:
+    """Per arm, its repeats measured before the warm-up settled, and what that did to the figures:
+    the unsettled repeats' mean against the settled ones' on each decision figure, where both exist."""
+    out = []
+    for arm in data.arm_names:
+        cells = [c for c in data.cells if c.arm == arm]
+        flags = [(c, v) for c in cells for v in c.values.get("warmup_steady", [])]
+        unsettled = sum(1 for _, v in flags if v == 0)
+        primed = sum(
+            1 for c in data.primed_cells if c.arm == arm for v in c.values.get("warmup_steady", []) if v == 0
+        )
+        if not unsettled and not primed:
+            continue
+        effects = []
+        for c in cells:
+            steady = c.values.get("warmup_steady", [])
+            for key in decision:
+                values = c.values.get(key, [])
+                if len(values) != len(steady) or not values:
+                    continue
+                bad = [x for x, f in zip(values, steady, strict=True) if f == 0 and x > 0]
+                good = [x for x, f in zip(values, steady, strict=True) if f == 1 and x > 0]
+                if bad and good:
+                    ratio = math.exp(
+                        sum(math.log(x) for x in bad) / len(bad) - sum(math.log(x) for x in good) / len(good)
+                    )
+                    up = ratio >= 1
+                    moved = f"{abs(ratio - 1) * 100:.1f}% {'higher' if up else 'lower'}"
+                    label = figure_of(key).label
+                    effects.append(f"{c.workload}: {label} {moved} than in the settled repeats")
+        workloads = tuple(dict.fromkeys(c.workload for c, v in flags if v == 0))
+        out.append(WarmupFinding(arm, unsettled, len(flags), workloads, tuple(effects), primed))
     return out
 
 
@@ -649,6 +884,7 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
         for r in rows:
             r.ranking, r.leader, r.ratio, r.verdicts, r.calibration = [], None, None, [], None
     main_arms = [a for a in arms if a != copy]
+    _tails(data, rows, design)
     degradations = _degradations(data, main_arms)
     return Analysis(
         rows=rows,
@@ -665,6 +901,9 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
         look=dict(data.look),
         pareto=_pareto(data),
         hardware_refusal=refusal,
+        arm_noise=_arm_noise(data, rows),
+        pair_noise=_pair_noise(data, rows, design),
+        warmups=_warmups(data, metrics),
     )
 
 

@@ -141,11 +141,25 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
                 + " and ".join(f"{n:,}" for n in f.unseen)
                 + " the difference is not detected."
             )
-    if not analysis.restart_noise_measured:
+    unknown = analysis.restart_unknown
+    if unknown:
         lines.append(
-            "Some arms were launched once: their intervals hold the repeat-to-repeat noise of that one "
-            "launch, not the noise of restarting the engine (set `launches: 2` or more on the arms)."
+            f"**Cannot tell for {', '.join(unknown)}**: launched once, and no earlier study on this node "
+            "kept the restart noise of their configuration class, so their repeats' spread holds none of the "
+            "noise of restarting the engine and no verdict is made on them ('cannot tell'). Launch each arm "
+            "twice or more (`launches: 2`, the default where arms are compared); a study that does keeps its "
+            f"restart noise for later ones launched once (for `decision.prior_days` days)."
         )
+    priors = sorted({c.estimate.prior.source for r in analysis.rows if r.decision for c in r.cells.values()
+                     if c.estimate.prior is not None})  # fmt: skip
+    if priors:
+        lines.append(
+            "Arms launched once were judged with the restart noise earlier studies measured for their "
+            "configuration class on this node (the spread of their launch means, a conservative stand-in): "
+            + "; ".join(priors)
+            + "."
+        )
+    lines.extend(_cut_launches(data))
     unreset = _unreset(data)
     if unreset:
         lines.append(
@@ -158,6 +172,67 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
             "`k3pipe.prefix_cache_reset` tag says which."
         )
     return lines
+
+
+def _cut_launches(data: StudyData) -> list[Block]:
+    """The launches whose repeats are not whole (a deadline, an interrupt, the engine lost): named with
+    what they completed, and said to be in no figure (collect.LaunchPart)."""
+    cut = [c for c in data.cells if c.cut]
+    if not cut:
+        return []
+    lines: list[Block] = []
+    for cell in cut:
+        why = "; ".join(f"launch {p.launch} ({p.status}): {', '.join(p.cut) or 'not all repeats ran'}"
+                        for p in cell.cut)  # fmt: skip
+        lines.append(
+            f"**{cell.arm}, {cell.workload}: {cell.launches_text()} repeats** (of {cell.parts[0].planned} "
+            f"per launch): {why}. A launch whose repeats are not whole enters no figure, verdict, noise "
+            "or calibration here; what it measured stays in its MLflow run."
+        )
+    missing = _unreached(data)
+    if missing:
+        lines.append("Not reached by a launch cut short: " + "; ".join(missing) + ".")
+    return lines
+
+
+def _unreached(data: StudyData) -> list[str]:
+    """'a#3: w2, w3' for each launch that recorded fewer workloads than its arm's other launches did."""
+    out = []
+    for arm in data.arms:
+        if arm.status == "FINISHED":
+            continue
+        mine = [c for c in data.cells if c.arm == arm.name]
+        seen = {c.workload for c in mine for p in c.parts if p.launch == arm.launch}
+        lacking = [c.workload for c in mine if c.workload not in seen]
+        if lacking:
+            out.append(f"{data.label(arm)}: {', '.join(lacking)}")
+    return out
+
+
+def _noise_findings(analysis: Analysis, arm: str) -> list[str]:
+    return [
+        f"[noise] {n.workload}, {n.metric.label}: its repeats varied {_cv(n.components.within_cv)} "
+        f"({n.noisier:.1f}x the other arms' variance); " + "; ".join(n.causes)
+        for n in analysis.arm_noise
+        if n.arm == arm and n.noisier and n.components is not None
+    ]
+
+
+def _warmup_findings(analysis: Analysis, arm: str) -> list[str]:
+    out = []
+    for w in analysis.warmups:
+        if w.arm != arm:
+            continue
+        said = (
+            f"[warm-up] {w.unsettled} of {w.of} repeats began before the warm-up settled"
+            + (f" ({', '.join(w.workloads)})" if w.workloads else "")
+            + (f", and {w.priming} priming launch repeat(s)" if w.priming else "")
+            + ": the engine's rate was still changing, so those repeats measure it on the way up"
+        )
+        if w.effects:
+            said += " (" + "; ".join(w.effects) + ")"
+        out.append(said + "; give the workload `warmup: steady` with more `warmup_requests`")
+    return out
 
 
 def _unreset(data: StudyData) -> dict[str, list[str]]:
@@ -197,9 +272,64 @@ def _noise_section(data: StudyData, analysis: Analysis) -> Section | None:
             f"{PLAN_EFFECT:.0%} difference with that probability at this noise and level; '-' where restart "
             "noise was not measured.",
             table,
+            *_own_noise(analysis),
             *_opening_wave(data),
         ],
     )
+
+
+def _cv(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _own_noise(analysis: Analysis) -> list[Block]:
+    """Each arm's own noise (a pooled figure hides an arm much noisier than the rest), and each pair's:
+    what it could see and the launches a 10% difference would need at the two arms' noise."""
+    if not analysis.arm_noise:
+        return []
+    arms = Table(
+        ["workload", "metric", "arm", "launches x repeats", "restart noise (CV)", "repeat noise (CV)",
+         "much noisier than the rest"],
+        [],
+    )  # fmt: skip
+    for n in analysis.arm_noise:
+        c = n.components
+        arms.rows.append(
+            [n.workload, n.metric.label, n.arm, f"{n.launches} x {n.repeats // max(1, n.launches)}",
+             _cv(c.between_cv) if c is not None and c.df_between > 0 else "not measured",
+             _cv(c.within_cv) if c is not None else "-",
+             f"yes: {n.noisier:.1f}x the others' variance; " + "; ".join(n.causes) if n.noisier else "no"]
+        )  # fmt: skip
+        if n.noisier:
+            arms.flagged.add(len(arms.rows) - 1)
+    pairs = Table(
+        ["workload", "metric", "pair", "restart noise (CV)", "repeat noise (CV)",
+         "smallest difference it could see", f"launches per arm to see {PLAN_EFFECT:.0%}"],
+        [],
+    )  # fmt: skip
+    for p in analysis.pair_noise:
+        c = p.components
+        measured = c is not None and c.df_between > 0
+        needed = str(p.launches_needed) if p.launches_needed is not None else "more than 50"
+        pairs.rows.append(
+            [p.workload, p.metric.label, f"{p.a} / {p.b}",
+             _cv(c.between_cv) if measured and c is not None else "not measured",
+             _cv(c.within_cv) if c is not None else "-",
+             stats.detectable(p.mde) if p.mde is not None else "-",
+             needed if measured else "-"]
+        )  # fmt: skip
+    blocks: list[Block] = [
+        "Each arm's own noise: an arm whose repeats vary much more than the others' (an F test, p < 0.01, "
+        "at least 4 times the others' variance) is flagged, with what k3pipe sees that would make it so.",
+        arms,
+    ]
+    if pairs.rows:
+        blocks += [
+            "Each pair's own: the smallest difference its comparison could see, and the launches per arm a "
+            f"{PLAN_EFFECT:.0%} difference would need at the two arms' noise.",
+            pairs,
+        ]
+    return blocks
 
 
 def _opening_wave(data: StudyData) -> list[Block]:
@@ -277,8 +407,17 @@ def _calibration_section(data: StudyData, analysis: Analysis) -> Section | None:
             alarms.append(f"{r.metric.label} in {r.workload}")
             table.flagged.add(len(table.rows) - 1)
     design = analysis.calibration_design
+    counts = {
+        arm: "; ".join(f"{c.workload} {c.launches_text()}" for c in data.cells if c.arm == arm)
+        for arm in (base, copy)
+    }
     times = max((c.launches for c in data.cells if c.arm == base), default=1)
     launched = f": {times} launches each, interleaved" if times > 1 else ""
+    if any(c.cut for c in data.cells if c.arm in (base, copy)):
+        launched = (
+            f"; repeats per launch {base}: {counts[base]}, {copy}: {counts[copy]} (a launch cut short is "
+            "in no figure)"
+        )
     blocks: list[Block] = [
         f"The baseline {base} run as two arms, {base} and {copy} (identical configurations, each "
         f"launched like every arm{launched}), compared as any pair is, at alpha "
@@ -355,7 +494,8 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
     for a in failed:
         head.append(
             f"**Arm {data.label(a)} did not finish ({a.status})**: {a.error or 'see its MLflow run'} "
-            f"(run `{a.run_id}`); its cells below hold what it measured before it stopped, if anything."
+            f"(run `{a.run_id}`); the workloads it completed with whole repeats count below, the rest "
+            "of it is named in the answer and in no figure."
         )
     sections = [Section("Study", head)]
     answer = _answer(data, analysis)
@@ -560,6 +700,8 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         ]
         items += [f"[node] {w}" for w in a.node_mismatch]
         items += [f"[engine log] {w}" for w in a.warnings]
+        if a is data.launches_of(a.name)[0]:  # said once per arm, of all its launches
+            items += _noise_findings(analysis, a.name) + _warmup_findings(analysis, a.name)
         findings.append(f"**{data.label(a)}**: " + (" / ".join(items) if items else "no findings"))
     sections.append(Section("Findings per arm", findings))
 

@@ -1,12 +1,16 @@
-"""The verdicts on the real engine here: one study through the study flow with the real vLLM (CPU
-build) serving the tiny model, the demo's two arms (max_num_seqs 4 against 1) each launched three
-times, interleaved, and the A/A calibration (the first arm's copy, launched three times too).
+"""The verdicts on the real engine here: one study through the study job (what the study flow runs)
+with the real vLLM (CPU build) serving the tiny model, the demo's two arms (max_num_seqs 1 against 4)
+each launched three times, interleaved, and the A/A calibration (batch4's copy, launched three times
+too), the study stopped by a real SIGINT in the last launch, batch4-aa's third, in its second repeat:
+as `timeout --signal=INT` stops a study at a sitting's deadline (the H100's A/A copy was cut so).
 
 What must hold: the A/A is never called better or worse (equivalent within the margin, or
 inconclusive), the A/B is detected on TTFT p50 (batch1 queues three of the four streams: about 15x),
 every verdict is one of the three outcomes with the interval it was made with, and restart noise is
-measured (three launches of every arm). The decision rests on TTFT p50 at alpha 0.01: by design this
-test could fail on the A/A at most 1% of the time, if the engine's noise is as the model says.
+measured (three launches of every arm); the cut launch is named ("3 + 3 + 1 cut"), its engine
+stopped, and the verdicts, calibration and noise are those of the complete launches (the same store
+with the cut launch set aside). The decision rests on TTFT p50 at alpha 0.01: by design this test
+could fail on the A/A at most 1% of the time, if the engine's noise is as the model says.
 
 Power sets the launches. Launch means are the unit, so two launches per arm leave 2 degrees of
 freedom: at alpha 0.01 the A/B is then found only when log(ratio) exceeds 9.92 pooled launch-to-launch
@@ -21,28 +25,35 @@ seen". What is tested is that a real difference is found on a machine quiet enou
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from k3pipe.report import Report, build_report
+from k3pipe.report.analysis import analyse
+from k3pipe.report.collect import SUPERSEDED_TAG, collect
 from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
 from tests.conftest import ASSETS_HOME, REPO, free_port, require_engine
 
-pytestmark = [pytest.mark.engine, pytest.mark.flow, pytest.mark.serial]
+pytestmark = [pytest.mark.engine, pytest.mark.serial]
 
 
 def _experiment() -> dict:
     data = yaml.safe_load((REPO / "experiments" / "demo-study.yaml").read_text())
     data = yaml.safe_load(yaml.safe_dump(data).replace("{home}", str(ASSETS_HOME)))
     data["name"] = "verdicts-cpu"
+    data["arms"].reverse()  # batch1 first: batch4's A/A copy then launches last (b1 b4 b4-aa, ...)
     for arm in data["arms"]:
         arm["launches"] = 3
         arm["launcher"]["port"] = free_port()
         arm["engine"]["env"]["VLLM_CACHE_ROOT"] = str(ASSETS_HOME / "cache" / "vllm")
-    data["decision"] = {"metrics": ["ttft_ms_p50"], "alpha": 0.01, "calibration": True}
+    data["decision"] = {"metrics": ["ttft_ms_p50"], "alpha": 0.01, "calibration": True, "baseline": "batch4"}
     data["workloads"] = [
         {"name": "in256-out64", "input_tokens": 256, "output_tokens": 64, "concurrency": 4,
          "num_requests": 8, "warmup_requests": 1, "repeats": 3, "seed": 1}
@@ -60,24 +71,44 @@ def _seen(report: Report) -> str:
     )
 
 
-def test_an_a_a_and_an_a_b_on_the_real_engine(prefect_harness: None, tmp_path: Path) -> None:
+def test_an_a_a_and_an_a_b_on_the_real_engine_and_a_launch_cut_by_a_deadline(tmp_path: Path) -> None:
     require_engine()
-    from flows.study import study
+    from k3pipe.jobs.steps import Job
+    from k3pipe.jobs.study import study
+    from k3pipe.params import RunRequest
 
     exp = tmp_path / "verdicts-cpu.yaml"
     exp.write_text(yaml.safe_dump(_experiment()))
-    result = study(str(exp))
-    order = [(o["arm"], o["launch"]) for o in result["arms"]]
-    assert order == [
-        ("batch4", 1), ("batch4-aa", 1), ("batch1", 1),
-        ("batch1", 2), ("batch4-aa", 2), ("batch4", 2),
-        ("batch4", 3), ("batch4-aa", 3), ("batch1", 3),
-    ]  # fmt: skip
-    assert all(o["status"] == "FINISHED" for o in result["arms"])
+    job = Job.library(Settings())
+    bench = job.steps.arm.benchmark
+    calls: dict[str, int] = {}
 
-    settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    report = build_report(tracker, result["study_run_id"])
+    def deadline() -> None:
+        time.sleep(0.5)  # into the repeat: its warm-up request or its measured ones are in flight
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def cut(plan, workload, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[plan.arm] = calls.get(plan.arm, 0) + 1
+        if plan.arm == "batch4-aa" and calls[plan.arm] == 8:  # its third launch, second repeat
+            threading.Thread(target=deadline, daemon=True).start()
+        return bench(plan, workload, *args, **kwargs)
+
+    with pytest.raises(KeyboardInterrupt):
+        study(RunRequest(experiment=str(exp)), job.with_steps(arm=replace(job.steps.arm, benchmark=cut)))
+    tracker = job.tracker
+    (study_run,) = tracker.client.search_runs(
+        [tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'"
+    )
+    run_id = study_run.info.run_id
+    arms = sorted(tracker.children(run_id), key=lambda r: r.info.start_time)
+    order = [(r.data.tags["k3pipe.arm"], int(r.data.tags["k3pipe.launch"]), r.info.status) for r in arms]
+    assert order == [
+        ("batch1", 1, "FINISHED"), ("batch4", 1, "FINISHED"), ("batch4-aa", 1, "FINISHED"),
+        ("batch4-aa", 2, "FINISHED"), ("batch4", 2, "FINISHED"), ("batch1", 2, "FINISHED"),
+        ("batch1", 3, "FINISHED"), ("batch4", 3, "FINISHED"), ("batch4-aa", 3, "KILLED"),
+    ]  # fmt: skip
+
+    report = build_report(tracker, run_id)
     (ttft,) = [r for r in report.analysis.rows if r.decision]
     assert ttft.metric.key == "ttft_ms_p50"
     assert all(c.estimate.basis == "launches" for c in ttft.cells.values())
@@ -97,10 +128,25 @@ def test_an_a_a_and_an_a_b_on_the_real_engine(prefect_harness: None, tmp_path: P
     assert aa is not None
     assert aa.outcome in ("equivalent", "inconclusive"), f"{aa.text()}; {seen}"
 
+    # the cut launch: named, in no figure
+    cell = report.data.cell("batch4-aa", "in256-out64")
+    assert cell is not None
+    assert cell.launches == 2
+    assert cell.launches_text() in ("3 + 3 + 1 cut", "3 + 3 + 0 cut"), cell.launches_text()
     text = report.markdown
+    assert f"**batch4-aa, in256-out64: {cell.launches_text()} repeats** (of 3 per launch)" in text
     assert "no difference" not in text
     assert "## Calibration: A/A" in text
     assert "## Noise: restart and repeat" in text
     noise = next(n for n in report.analysis.noise if n.metric.key == "ttft_ms_p50")
     assert noise.components is not None
-    assert noise.components.df_between == 6  # three arms, three launches each
+    assert noise.components.df_between == 5  # three launches of batch1 and batch4, two of the copy
+
+    # the complete launches alone (the cut one set aside) give the same verdicts, A/A and noise
+    tracker.set_tags(arms[-1].info.run_id, {SUPERSEDED_TAG: "set aside by the test"})
+    whole = analyse(collect(tracker, run_id))
+    (whole_ttft,) = [r for r in whole.rows if r.decision]
+    assert [v.text() for v in whole_ttft.verdicts] == [v.text() for v in ttft.verdicts]
+    assert whole_ttft.calibration is not None
+    assert whole_ttft.calibration.text() == aa.text()
+    assert [n.components for n in whole.noise] == [n.components for n in report.analysis.noise]

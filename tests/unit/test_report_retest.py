@@ -46,8 +46,9 @@ def _study(run_id: str, *cells: CellData, prior: bool = True) -> StudyData:
     """``prior``: each cell (launched once) judged with 1% restart noise an earlier study is taken to
     have measured (k3pipe.priors); without, nothing launched once is judged."""
     arms = list(dict.fromkeys(c.arm for c in cells))
+    noise = RestartPrior(math.log1p(0.01**2), 40.0, "a test's history")
     for c in cells:
-        c.priors = {k: RestartPrior(math.log1p(0.01**2), 40.0, "a test's history") for k in c.values} if prior else {}
+        c.priors = dict.fromkeys(c.values, noise) if prior else {}
     return StudyData(
         run_id=run_id, name=run_id, status="FINISHED",
         arms=[ArmData(name=a, engine="vllm", run_id=a, status="FINISHED") for a in arms], cells=list(cells),
