@@ -637,7 +637,7 @@ def _run_kind(settings: Settings, run_ref: str) -> str | None:
 
 
 def _rerun_study(settings: Settings, run_id: str, allow_drift: bool) -> None:
-    """A study run again from its records, then its verdicts per arm, launch and workload."""
+    """A study run again from its records, then its verdicts per arm and workload (over all launches)."""
     prepare_prefect_env(settings, "flows.study")
     from flows.study import study as study_flow
     from k3pipe.bench.repeats import Comparison
@@ -650,7 +650,10 @@ def _rerun_study(settings: Settings, run_id: str, allow_drift: bool) -> None:
         failed, result = exc, exc.result
     _print_study(result)
     for v in result.get("verdicts", []):
-        print(f"\n{v['arm']}#{v['launch']} / {v['workload']}: {v['verdict']}  (rerun of study {run_id[:12]})")
+        print(
+            f"\n{v['arm']} / {v['workload']} (launches {v.get('launches', '?')}): {v['verdict']}  "
+            f"(rerun of study {run_id[:12]})"
+        )
         print(f"  {'metric':<28}{'original':>12}{'rerun':>12}  {'change [interval]':<28}verdict")
         for raw in v["metrics"]:
             c = Comparison.model_validate(raw)
@@ -676,7 +679,7 @@ def _rerun_retest(settings: Settings, run_id: str, allow_drift: bool) -> None:
     for label, s in result["studies"].items():
         print(f"{label}: study run id {s['study_run_id']} (rerun of {s.get('rerun_of', '?')[:12]})")
         for v in s.get("verdicts", []):
-            print(f"  {v['arm']}#{v['launch']} / {v['workload']}: {v['verdict']}")
+            print(f"  {v['arm']} / {v['workload']}: {v['verdict']}")
     print(f"retest: MLflow run id {result['retest_run_id']} (rerun of {run_id[:12]})")
     if failed is not None:
         typer.secho(f"error: {failed}", fg=typer.colors.RED, err=True)

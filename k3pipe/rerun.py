@@ -13,21 +13,22 @@ to do; with ``allow_drift`` the difference is recorded instead (``RunRecord.drif
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3pipe.bench.corpora import PromptSet
-from k3pipe.bench.repeats import Comparison, compare
+from k3pipe.bench.repeats import Comparison, compare, judged
 from k3pipe.compare import DEFAULT_METRICS, compare_workloads, find_run, request_values, workload_priors
 from k3pipe.errors import K3pipeError, RerunError
 from k3pipe.experiment import parse_experiment
+from k3pipe.report.collect import StudyData
 from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
 from k3pipe.secrets import REDACTED
 from k3pipe.sources import ModelRecord, changed_files, fetch_model, hub_files, recorded_dir, verify_dir
 from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel
-from k3pipe.stats import Design
+from k3pipe.stats import Design, estimate, with_prior
 from k3pipe.tracking import Tracker
 
 __all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict", "verdict_rows"]
@@ -258,10 +259,15 @@ class WorkloadVerdict:
     original: str  # workload run ids
     rerun: str
     rows: list[Comparison]
-    basis: str = "repeats"  # or "requests": single runs, tested on their per-request figures
+    # "repeats" (one launch a side), "requests" (single runs, tested on their per-request figures),
+    # or "launches" (a study's arm, every launch of it a side)
+    basis: str = "repeats"
     # per-request figures that could not be tested, each with why (e.g. a TPOT of 0 on every request:
     # the tokens came in one burst, so the client saw no time between them)
     left_out: list[str] = field(default_factory=list)
+    launches: str = ""
+    """A study's arm: each side's whole repeats per launch ('3 + 3 against 3 + 3')."""
+    arm: str = ""
 
     @property
     def summary(self) -> str:
@@ -331,6 +337,35 @@ def comparable_request_metrics(
                 "rerun; a test needs 2 on each side)"
             )
     return names, left_out
+
+
+def study_verdicts(
+    original: StudyData, again: StudyData, metrics: Sequence[str] = DEFAULT_METRICS
+) -> list[WorkloadVerdict]:
+    """A study's rerun against the original, arm by arm and workload by workload over all their
+    launches (each side's cell as the report makes it: its launch means, restart noise in it from two
+    launches or more, else a prior for a cell launched once), the ``metrics`` of a workload sharing
+    alpha as ``k3pipe compare``'s do. Pairing launch with launch would judge one launch against one,
+    which holds no restart noise."""
+    out = []
+    for cell in again.cells:
+        before = original.cell(cell.arm, cell.workload)
+        if before is None:
+            continue
+        pairs = []
+        for m in metrics:
+            ea, eb = estimate(before.by_launch(m)), estimate(cell.by_launch(m))
+            if ea is not None and eb is not None:
+                pairs.append((m, with_prior(ea, before.priors.get(m)), with_prior(eb, cell.priors.get(m))))
+        design = Design(tests=max(1, len(pairs)))
+        rows = [judged(m, ea, eb, design) for m, ea, eb in pairs]
+        out.append(
+            WorkloadVerdict(
+                cell.workload, before.run_id, cell.run_id, rows, "launches",
+                launches=f"{before.launches_text()} against {cell.launches_text()}", arm=cell.arm,
+            )
+        )  # fmt: skip
+    return out
 
 
 def verdict_rows(

@@ -23,10 +23,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy import stats
 
-from k3pipe.stats import Design, RestartPrior, decide, detectable, estimate, with_prior
+from k3pipe.stats import Design, Estimate, RestartPrior, decide, detectable, estimate, with_prior
 from k3pipe.stats import compare as stats_compare
 
-__all__ = ["Comparison", "RepeatStats", "aggregate_repeats", "compare"]
+__all__ = ["Comparison", "RepeatStats", "aggregate_repeats", "compare", "judged"]
 
 CONFIDENCE = 0.95
 
@@ -79,8 +79,9 @@ class Comparison(BaseModel):
     mde: float | None = Field(description="The smallest difference this comparison would have found (80%).")
     restart: str = Field(
         default="unknown",
-        description="Where the restart noise in the interval comes from: 'prior' (earlier studies of the "
-        "class on the node, k3pipe.priors) or 'unknown' (then no verdict).",
+        description="Where the restart noise in the interval comes from: 'measured' (two launches or more "
+        "a side), 'prior' (earlier studies of the class on the node, k3pipe.priors) or 'unknown' (then "
+        "no verdict).",
     )
     prior: str | None = Field(default=None, description="The restart prior's source, when one was used.")
 
@@ -130,11 +131,16 @@ def compare(
     outcome is ``unknown`` (k3pipe.stats)."""
     if not a or not b:
         raise ValueError(f"{metric}: both sides need at least one value (got {len(a)} and {len(b)})")
-    design = design or Design()
     ea, eb = estimate([list(a)]), estimate([list(b)])
     if ea is None or eb is None:
         raise ValueError(f"{metric}: no positive value on one side, nothing to compare")
-    ea, eb = with_prior(ea, prior_a), with_prior(eb, prior_b)
+    return judged(metric, with_prior(ea, prior_a), with_prior(eb, prior_b), design)
+
+
+def judged(metric: str, ea: Estimate, eb: Estimate, design: Design | None = None) -> Comparison:
+    """B's estimate of ``metric`` against A's (any basis: repeats of one launch, launches, a prior),
+    under ``design``, as a :class:`Comparison`."""
+    design = design or Design()
     comparison = stats_compare(eb, ea)
     verdict = decide(comparison, design, True, ("B", "A"))
     ci = comparison.interval(design.confidence) if verdict.outcome != "unknown" else None

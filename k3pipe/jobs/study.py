@@ -17,7 +17,8 @@ from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
 from k3pipe.node import node_here
 from k3pipe.params import INLINE_SOURCE, RunRequest
 from k3pipe.report import report_dir
-from k3pipe.rerun import RerunInputs
+from k3pipe.report.collect import collect
+from k3pipe.rerun import RerunInputs, study_verdicts
 from k3pipe.resume import ResumeError, check_experiment, check_prompts, reopen, resume_point, study_lock
 from k3pipe.run import ArmOutcome
 from k3pipe.runrecord import prompts_digest
@@ -198,8 +199,9 @@ def rerun(
     """The recorded study ``run_ref`` run again from its records alone, as a new study: every arm
     from its first finished launch's record (its image pinned to the recorded digest, its models
     verified or fetched at their recorded content, the prompts it sent, checked against their
-    digests), in the study's own order, launches and overrides; then each launch of the rerun against
-    the original's same launch with the verdict rules (``rerun.verdict``), on the new study's run
+    digests), in the study's own order, launches and overrides; then each arm of the rerun against
+    the original's over all their launches with the verdict rules (``rerun.study_verdicts``), on the
+    new study's run
     (``rerun_verdicts.json``, tag ``k3pipe.rerun_verdict``) and in what it returns. Raises
     :class:`RerunError` before anything starts when an input cannot be had exactly (unless
     ``allow_drift``), :class:`ArmsFailed` after the verdicts when an arm of the rerun failed.
@@ -255,18 +257,24 @@ def rerun(
 
 
 def _rerun_verdicts(job: Job, original: str, result: StudyResult) -> list[dict[str, Any]]:
-    """Each finished launch of the rerun against the same launch of ``original``, recorded."""
-    before = resume_point(job.tracker, original).done
+    """Each arm of the rerun against the same arm of ``original``, workload by workload, over all
+    their launches with whole repeats (k3pipe.rerun.study_verdicts), recorded."""
+    before, after = collect(job.tracker, original), collect(job.tracker, result.study_run_id)
     out = []
-    for o in result.arms:
-        then = before.get((o.arm, o.launch))
-        if then is None or o.status != "FINISHED" or not o.mlflow_run_id:
-            continue
-        for row in job.steps.rerun_verdict(job.tracker, then, o.mlflow_run_id):
-            out.append({"arm": o.arm, "launch": o.launch, **row})
-            job.say("rerun of study: %s#%d / %s: %s", o.arm, o.launch, row["workload"], row["verdict"])
+    for v in study_verdicts(before, after):
+        row = {
+            "arm": v.arm,
+            "launches": v.launches,
+            "workload": v.workload,
+            "verdict": v.summary,
+            "original": v.original,
+            "rerun": v.rerun,
+            "metrics": [c.model_dump() for c in v.rows],
+        }
+        out.append(row)
+        job.say("rerun of study: %s / %s (launches %s): %s", v.arm, v.workload, v.launches, v.summary)
     job.tracker.log_dict(result.study_run_id, out, RERUN_VERDICTS)
-    summary = "; ".join(f"{v['arm']}#{v['launch']}/{v['workload']}: {v['verdict']}" for v in out)
+    summary = "; ".join(f"{v['arm']}/{v['workload']}: {v['verdict']}" for v in out)
     job.tracker.set_tags(result.study_run_id, {"k3pipe.rerun_verdict": scrub(summary)[:4000] or "none"})
     return out
 

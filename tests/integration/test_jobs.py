@@ -22,14 +22,15 @@ from tests.conftest import TINY_MODEL, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
 
 
-def _experiment(arms: dict[str, str]) -> str:
+def _experiment(arms: dict[str, str], launches: int | None = None) -> str:
+    """``launches`` None: the default (2 an arm where arms are compared)."""
     return yaml.safe_dump(
         {
             "name": "jobs-test",
             "model": {"source": "local", "path": str(TINY_MODEL)},
             "arms": [
                 {"name": name, "engine": {"kind": "vllm"}, "launcher": {"kind": "external"},
-                 "endpoint": {"base_url": url, "model": "m"}}
+                 "endpoint": {"base_url": url, "model": "m"}, **({"launches": launches} if launches else {})}
                 for name, url in arms.items()
             ],
             "workloads": [
@@ -73,7 +74,7 @@ def test_a_study_from_the_library_alone_records_reports_once_and_names_the_faile
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: the arm's health gate fails
     published: dict[str, list[Any]] = {}
     job = _job(tmp_path, published)
-    request = RunRequest(experiment_yaml=_experiment({"a": fast.base_url, "broken": dead}))
+    request = RunRequest(experiment_yaml=_experiment({"a": fast.base_url, "broken": dead}, launches=1))
     with pytest.raises(ArmsFailed, match="broken") as failed:
         study(request, job)
     typed, result = failed.value.study, failed.value.result
@@ -127,9 +128,10 @@ def test_a_benchmark_request_is_a_run_or_a_rerun_never_both() -> None:
     assert BenchmarkRequest(run=plain, rerun_of="abc123").rerun_of == "abc123"
 
 
-def test_a_study_rerun_from_its_records_is_compared_launch_by_launch(tmp_path: Path) -> None:
-    """A two-arm study, then `rerun` of it: a new study tagged as the original's rerun, every arm
-    from its record with the same prompts, each launch judged against the original's. Between the
+def test_a_study_rerun_from_its_records_is_compared_arm_by_arm(tmp_path: Path) -> None:
+    """A two-arm study (two launches an arm, the default), then `rerun` of it: a new study tagged as the
+    original's rerun, every arm from its record with the same prompts, each arm judged against the
+    original's over both launches (restart noise in both sides). Between the
     two, arm b's server was made ten times slower: its verdict says different (slower). Arm a's
     server is unchanged, but the machine's load is not (three test workers on two cores doubled a
     2-ms token pacing once), so for a only its verdict is asserted to exist and its throughput to
@@ -152,11 +154,14 @@ def test_a_study_rerun_from_its_records_is_compared_launch_by_launch(tmp_path: P
     tracker = job.tracker
     assert again.rerun_of == first.study_run_id
     assert again.study_run_id != first.study_run_id
-    assert [(o.arm, o.status) for o in again.arms] == [("a", "FINISHED"), ("b", "FINISHED")]
+    assert [(o.arm, o.launch, o.status) for o in again.arms] == [
+        ("a", 1, "FINISHED"), ("b", 1, "FINISHED"), ("b", 2, "FINISHED"), ("a", 2, "FINISHED")
+    ]  # fmt: skip
     run = tracker.client.get_run(again.study_run_id)
     assert run.data.tags["k3pipe.rerun_of"] == first.study_run_id
     # the same prompts, from the original's records
     for before, after in zip(first.arms, again.arms, strict=True):
+        assert (before.arm, before.launch) == (after.arm, after.launch)
         assert (
             read_record(tracker, after.mlflow_run_id).prompts
             == read_record(tracker, before.mlflow_run_id).prompts
@@ -178,7 +183,9 @@ def test_a_study_rerun_from_its_records_is_compared_launch_by_launch(tmp_path: P
     assert same.mean_a / 2 < same.mean_b < same.mean_a * 2, verdicts[("a", "in32")]["verdict"]
     recorded = tracker.read_artifact(again.study_run_id, RERUN_VERDICTS)
     assert recorded is not None
-    assert "b#1/in32: different" in run.data.tags["k3pipe.rerun_verdict"]
+    assert "b/in32: different" in run.data.tags["k3pipe.rerun_verdict"]
+    assert slower["launches"] == "2 + 2 against 2 + 2"  # every launch a side, restart noise in both
+    assert throughput.restart == "measured"
 
 
 def test_a_retest_rerun_reruns_each_study_under_a_new_retest(tmp_path: Path) -> None:

@@ -161,16 +161,35 @@ def test_compare_two_recorded_workloads(
     from k3pipe.compare import compare_workloads, resolve_workload_run
     from k3pipe.errors import TrackingError
 
+    from k3pipe.priors import NoiseEntry, record_noise, run_class
+
     w = workload(3)
     arms = []
+    before = tracker.start_run("study/earlier", tags={"k3pipe.kind": "study"})  # noise kept, below
     for ttfts in ([0.100, 0.101, 0.099], [0.130, 0.131, 0.129], [0.1005, 0.0995, 0.1002]):
         rec = recorder(tracker, tmp_path)
+        # what log_plan records of the model and the node: the class restart noise is kept under
+        tracker.log_params(rec.run_id, {"model.id": "org/model", "node.host": "here"})
         for k, ttft in enumerate(ttfts):
             rec.log_workload(w, outcome(w, k, ttft))
         rec.finish("FINISHED")
         arms.append(rec.run_id)
     base, slower, same = (resolve_workload_run(tracker, arm[:12], "w") for arm in arms)
+    # two runs of one launch each, and no restart noise known for them: no verdict either way
+    unknown = {c.metric: c for c in compare_workloads(tracker, base, slower)}
+    assert unknown["ttft_ms_p50"].outcome == "unknown"
+    assert unknown["ttft_ms_p50"].verdict() == "cannot tell: restart noise unknown"
+    # an earlier study kept 1% restart noise of their class (8 launches): they are judged with it
+    klass = run_class(tracker.client.get_run(arms[0]), base)
+    assert klass is not None
+    record_noise(
+        tracker, before,
+        [NoiseEntry(key=klass.key, label=klass.label(), metric="ttft_ms_p50", arm="a", workload="w",
+                    ss=7 * 1e-4, df=7, repeats=[3] * 8)],
+    )  # fmt: skip
+    tracker.end_run(before, "FINISHED")
     verdicts = {c.metric: c for c in compare_workloads(tracker, base, slower)}
+    assert verdicts["ttft_ms_p50"].restart == "prior"
     assert verdicts["ttft_ms_p50"].different
     assert verdicts["ttft_ms_p50"].relative_change == pytest.approx(0.3, abs=0.01)
     assert not {c.metric: c for c in compare_workloads(tracker, base, same)}["ttft_ms_p50"].different

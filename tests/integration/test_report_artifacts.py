@@ -54,7 +54,9 @@ def _arm(name: str) -> dict[str, Any]:
     }
 
 
-def _spec(name: str, repeats: int, arms: tuple[str, ...] = ("fast", "slow"), **extra: Any) -> ExperimentSpec:
+def _spec(
+    name: str, repeats: int, arms: tuple[str, ...] = ("fast", "slow"), launches: int | None = None, **extra: Any
+) -> ExperimentSpec:
     workloads = [
         {"name": "short", "input_tokens": 8, "output_tokens": 4, "num_requests": 2, "concurrency": 2,
          "warmup_requests": 0, "repeats": repeats, "seed": 1},
@@ -65,7 +67,7 @@ def _spec(name: str, repeats: int, arms: tuple[str, ...] = ("fast", "slow"), **e
         {
             "name": name,
             "model": {"source": "local", "path": "/nonexistent"},
-            "arms": [_arm(a) for a in arms],
+            "arms": [{**_arm(a), **({"launches": launches} if launches else {})} for a in arms],
             "workloads": workloads,
             **extra,
         }
@@ -92,14 +94,17 @@ def _outcome(workload: WorkloadSpec, repeat: int, ttft_s: float) -> WorkloadOutc
 
 
 def _record_arms(tracker: Tracker, spec: ExperimentSpec, study: str, home: Path, scale: float = 1.0) -> None:
-    """Every arm on every workload, each repeat recorded as a node's ArmRecorder records it."""
+    """Every launch of every arm on every workload, each repeat recorded as a node's ArmRecorder
+    records it (a launch moves every repeat a little: restart noise)."""
     for arm in spec.arms:
-        rec = ArmRecorder(tracker, plan_arm(spec, arm, home), parent_id=study)
-        for w in spec.workloads:
-            for k in range(w.repeats):
-                ttft = TTFT_S[arm.name] * scale * (1 + 0.01 * k) * (1 + w.input_tokens / 320)
-                rec.log_workload(w, _outcome(w, k, ttft))
-        rec.finish("FINISHED")
+        for launch in range(1, arm.launches + 1):
+            tags = {"k3pipe.launch": str(launch), "k3pipe.launches": str(arm.launches)}
+            rec = ArmRecorder(tracker, plan_arm(spec, arm, home), tags=tags, parent_id=study)
+            for w in spec.workloads:
+                for k in range(w.repeats):
+                    ttft = TTFT_S[arm.name] * scale * (1 + 0.01 * k) * (1 + w.input_tokens / 320)
+                    rec.log_workload(w, _outcome(w, k, ttft * (1 + 0.015 * launch)))
+            rec.finish("FINISHED")
     tracker.end_run(study)
 
 
@@ -147,7 +152,11 @@ class Store:
         return Tracker(self.uri, EXPERIMENT, read_artifacts_from=self.moved_root if moved else None)
 
     def workload_run(self, tracker: Tracker, study: str, arm: str, workload: str) -> Any:
-        arm_run = next(r for r in tracker.children(study) if r.data.tags.get("k3pipe.arm") == arm)
+        """The workload's run under the arm's first launch."""
+        arm_run = min(
+            (r for r in tracker.children(study) if r.data.tags.get("k3pipe.arm") == arm),
+            key=lambda r: r.info.start_time,
+        )
         runs = tracker.children(arm_run.info.run_id)
         return next(w for w in runs if w.data.tags["k3pipe.workload"] == workload)
 
@@ -163,8 +172,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
         uri = f"sqlite:///{node / 'mlflow.db'}"
         tracker = Tracker(uri, EXPERIMENT, node / "artifacts")
         studies = {}
+        # "repeats": two launches an arm (the default where arms compare); "single": one of one repeat
         for label, repeats in (("repeats", 2), ("single", 1)):
-            spec = _spec(f"study-{label}", repeats)
+            spec = _spec(f"study-{label}", repeats, launches=2 if label == "repeats" else 1)
             studies[label] = start_study(tracker, spec, f"{label}.yaml")
             _record_arms(tracker, spec, studies[label], base)
         studies["partial"] = _record_partial(tracker, base)
@@ -202,8 +212,8 @@ def test_in_place_a_one_repeat_study_reports_untested_cells(store: Store) -> Non
     assert all("(a single value: no test)" in t for t in texts)
     assert store.before["repeats"].analysis.tests > 0
     assert {c.workload: len(c.values["ttft_ms_p50"]) for c in store.before["repeats"].data.cells} == {
-        "short": 2,
-        "long": 2,
+        "short": 4,
+        "long": 4,
     }
     assert any(
         v.outcome is not None and v.outcome.outcome != "untested" for v in store.before["retest"].verdicts
