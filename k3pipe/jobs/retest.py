@@ -144,8 +144,8 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
     """The recorded retest ``run_ref`` run again from its records: a new retest run (tagged
     ``k3pipe.rerun_of``) with its experiment, variants and overrides, each of its studies rerun under
     it (:func:`k3pipe.jobs.study.rerun`: every arm from its record, then each arm judged against the
-    original study's over all its launches), then the retest's report, which judges the variants against the baseline
-    again. A study that cannot be rerun is recorded and the others still are; then
+    original study's over all its launches), then the retest's report, which judges the variants
+    against the baseline again. A study that cannot be rerun is recorded and the others still are; then
     :class:`VariantsFailed` after the report."""
     from k3pipe.compare import find_run
     from k3pipe.errors import RerunError

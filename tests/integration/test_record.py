@@ -160,7 +160,6 @@ def test_compare_two_recorded_workloads(
     from cli.main import app
     from k3pipe.compare import compare_workloads, resolve_workload_run
     from k3pipe.errors import TrackingError
-
     from k3pipe.priors import NoiseEntry, record_noise, run_class
 
     w = workload(3)

@@ -55,7 +55,11 @@ def _arm(name: str) -> dict[str, Any]:
 
 
 def _spec(
-    name: str, repeats: int, arms: tuple[str, ...] = ("fast", "slow"), launches: int | None = None, **extra: Any
+    name: str,
+    repeats: int,
+    arms: tuple[str, ...] = ("fast", "slow"),
+    launches: int | None = None,
+    **extra: Any,
 ) -> ExperimentSpec:
     workloads = [
         {"name": "short", "input_tokens": 8, "output_tokens": 4, "num_requests": 2, "concurrency": 2,
