@@ -131,9 +131,14 @@ class CapacityResult:
 
     @property
     def width(self) -> float | None:
-        """The final bracket's log-width, ``log(failed_at / capacity)``; None unless bracketed."""
+        """The log-width of the capacities the final bracket leaves possible: ``log(failed_at /
+        capacity)`` for a rate (any rate in between may be the boundary); for a whole number of
+        streams ``log((failed_at - 1) / capacity)``, 0 where the two are adjacent (``c`` passed and
+        ``c + 1`` failed: the capacity is ``c``, exactly). None unless bracketed."""
         if self.censored is not None or self.capacity is None or self.failed_at is None:
             return None
+        if self.over == "concurrency":
+            return math.log(max(self.failed_at - 1, self.capacity) / self.capacity)
         return math.log(self.failed_at / self.capacity)
 
     @property
@@ -155,7 +160,7 @@ class CapacityResult:
         }
         if self.width is not None and self.capacity is not None:
             out[key] = self.capacity
-            # the capacity lies in [capacity, failed_at): error the repeats cannot show
+            # the boundary lies in the bracket: error the repeats cannot show (k3pipe.stats.with_resolution)
             out[f"{key}_resolution"] = self.width
         if self.failed_at is not None:
             out[f"{key}_failed_at"] = self.failed_at
@@ -356,7 +361,7 @@ class CapacitySummary:
         return [r.capacity for r in self.results if r.capacity is not None and r.width is not None]
 
     def describe(self, unit: str) -> str:
-        """'20.5 req/s [19.6, 21.4] (95%; 5 searches, one launch: restart noise not in it)', '20.5
+        """'19.9 req/s [18.6, 21.3] (95%; 5 searches, one launch: restart noise not in it)', '20.5
         req/s (a single search: no interval; repeats: 3 to get one)', or why there is no value."""
         est = self.estimate
         n = len(self.values)

@@ -707,7 +707,7 @@ def _capacity_section(data: StudyData, analysis: Analysis) -> Section | None:
 
 
 def _probe_text(probe: Mapping[str, object], over: str) -> str:
-    """'61.7: 97.3% [93.1, 99.2] pass', '80: 89.0% [82.8, 93.5] fail, undecided'; a probe recorded
+    """'61.7: 100% [98.2, 100] pass', '80: 89% [83.8, 93] fail, undecided'; a probe recorded
     without its count (before the interval was kept) as '61.7: 97.3% pass'."""
     share = probe.get("attainment_pct")
     text = f"{_load(_float(probe.get('point')), over)}: {_float(share, math.nan):.3g}%"

@@ -8,6 +8,11 @@ SLO is found by one long simulation. The search, with probes of a few dozen to a
 requests as a user would run them, must land within 10% of it at every scale from 0.1 to 100
 requests a second (the simulation is scale-free: the same queue at a tenth of the rate is the same
 queue with ten times the service time).
+
+The capacity's interval and the verdicts between two arms are held against a second engine, faster to
+simulate: a known curve of attainment against load, each probe a binomial draw of its requests, with
+search-to-search and restart noise on the curve's position; and a probe's own binomial interval
+against the exact binomial distribution.
 """
 
 from __future__ import annotations
@@ -113,9 +118,10 @@ def test_poisson_arrivals_find_the_slo_capacity_within_10_percent(servers: int) 
 
 
 def test_the_capacity_interval_covers_the_truth_at_its_rate() -> None:
-    """The 95% interval of five searches (repeats) covers the simulated engine's true capacity in
-    about 95% of studies: 20 studies here, at least 16 must cover it (P(15 or fewer) = 1.6% at 95%;
-    measured over 40 studies: 92.5-97.5%)."""
+    """The 95% interval of five searches (repeats; bracket middles, the bracket's width counted:
+    summarize_searches) covers the simulated queue's true capacity in about 95% of studies: 20
+    studies here, at least 16 must cover it (P(15 or fewer) = 1.6% at 95%; measured over 40 studies:
+    92.5-97.5%)."""
     servers = 4
     truth = _poisson_truth(servers, 1.0)
     covered = 0
@@ -144,6 +150,17 @@ def test_concurrency_search_finds_the_last_concurrency_within_the_tpot_slo() -> 
     assert (result.capacity, result.failed_at) == (48, 49)
     assert result.binding == "tpot_ms"
     assert result.cliff  # every request at once: 100% at 48, 0% at 49
+    # 48 passed and 49 failed: the capacity is 48 streams exactly, no bracket to add or move by
+    assert result.width == 0
+    est = capacity_estimate([[result, result, result]])
+    assert est is not None
+    assert est.mean == pytest.approx(48)
+    assert est.interval() == pytest.approx((48, 48))
+    assert result.metrics()["capacity_concurrency_resolution"] == 0
+    # at 5% of 400 streams a bracket is 20 wide: the capacity is one of 400..419
+    wide = replace(result, capacity=400.0, failed_at=420.0)
+    assert wide.width == pytest.approx(math.log(419 / 400))
+    assert capacity_estimate([[wide]]).mean == pytest.approx(math.sqrt(400 * 419))  # type: ignore[union-attr]
 
 
 def test_a_gradual_slope_is_no_cliff_and_censored_searches_say_so() -> None:
@@ -268,7 +285,7 @@ def _old_rule(searches: list[list[CapacityResult]]) -> stats.Estimate:
     return replace(est, var=est.var + unit / est.n, pooled_ss=est.pooled_ss + unit * est.df)
 
 
-COVERAGE_STUDIES = 1000
+COVERAGE_STUDIES = 500
 
 
 @pytest.mark.parametrize(
@@ -286,13 +303,13 @@ def test_the_capacity_interval_covers_the_engines_boundary_at_its_level(
     old_at_most: float | None,
 ) -> None:  # fmt: skip
     """The 95% interval of an arm's capacity (:func:`capacity_estimate`, the report's rule) covers
-    the engine's true boundary in at least 95% of 1,000 simulated studies (less three Monte Carlo
-    standard errors, 2.1 points), the boundary placed anywhere on the grid of loads: a steady engine
+    the engine's true boundary in at least 95% of 500 simulated studies (less three Monte Carlo
+    standard errors, 2.9 points), the boundary placed anywhere on the grid of loads: a steady engine
     (every repeat lands in the same bracket; measured 100%), 50 requests a probe (binomial noise of
-    4 points in each probe's share; 98.0%), search-to-search noise of 6% (100%), and restart noise
-    of 5% over three launches of two repeats (99.9%). The rule before (each search's last passing
-    load, the bracket's error divided by the repeats) covered the steady engine's boundary in 35.8% of
-    studies of 10 repeats (66.4% of 5). With one launch, restart noise is not in the interval (the
+    4 points in each probe's share; 98.4%), search-to-search noise of 6% (100%), and restart noise
+    of 5% over three launches of two repeats (100%). The rule before (each search's last passing
+    load, the bracket's error divided by the repeats) covered the steady engine's boundary in 37.8% of
+    studies of 10 repeats (68% of 5). With one launch, restart noise is not in the interval (the
     report says so); that case is tests/unit/test_stats.py's."""
     rng = np.random.default_rng(20261207 + repeats * 100 + requests)
     covered = old_covered = 0
@@ -313,7 +330,7 @@ def test_the_capacity_interval_covers_the_engines_boundary_at_its_level(
         assert old_covered / COVERAGE_STUDIES <= old_at_most, old_covered
 
 
-POWER_TRIALS = 1000
+POWER_TRIALS = 500
 
 
 @pytest.mark.parametrize(("ratio", "launches", "repeats"), [(1.0, 1, 5), (1.2, 1, 5), (1.0, 3, 2)])
@@ -323,9 +340,9 @@ def test_two_arms_20_percent_apart_are_told_apart_and_equal_ones_are_not(
     """Two arms' capacities compared as any pair is (:func:`k3pipe.stats.compare` and ``decide`` at
     alpha 0.05, one comparison), each searched 5 times in one launch (6% search-to-search noise, 400
     requests a probe) or over 3 launches of 2 (5% restart noise, 3% repeat): 20% apart, called
-    different in at least the design's power (80%) of 1,000 seeded trials (measured 94.2% with 5
-    searches; 3 gave 69.4%, and 3 launches of 2 73.7%: designs short of the power, not asserted);
-    equal, in at most alpha (5%; measured 1.1% and 0.6%: the bracket's error counted whole is
+    different in at least the design's power (80%) of 500 seeded trials (measured 94.2% with 5
+    searches; 3 gave 70.2%, and 3 launches of 2 73.8%: designs short of the power, not asserted);
+    equal, in at most alpha (5%; measured 1.2% and 0.6%: the bracket's error counted whole is
     conservative), each with three Monte Carlo standard errors of room."""
     design = stats.Design(alpha=0.05, margin=0.05, power=0.8, tests=1)
     restart, repeat = (0.05, 0.03) if launches > 1 else (0.0, 0.06)
@@ -382,8 +399,8 @@ def _exact_coverage(n: int, p: float, intervals: list[tuple[float, float]]) -> f
 def test_a_probes_attainment_interval_is_clopper_pearson_and_never_covers_less_than_95_percent() -> None:
     """The exact coverage (summed over every count a probe could see) at shares from 50% to 99.5% and
     probes of 20, 50 and 200 requests is at least 95% for Clopper-Pearson; Wilson's (scipy's other
-    method) falls below it at some (93.1% at its lowest here), which is why a probe is not called
-    decided on Wilson's."""
+    method) falls below it at some (90.5% at its lowest here: 20 requests, 99.5%), which is why a
+    probe is not called decided on Wilson's."""
     from scipy.stats import binomtest
 
     from k3pipe.capacity import attainment_interval
@@ -404,7 +421,7 @@ def test_a_probes_attainment_interval_is_clopper_pearson_and_never_covers_less_t
         for p in (0.5, 0.8, 0.88, 0.9, 0.92, 0.95, 0.97, 0.99, 0.995):
             assert _exact_coverage(n, p, exact) >= 0.95 - 1e-9, (n, p)
             wilson_low = min(wilson_low, _exact_coverage(n, p, wilson))
-    assert wilson_low < 0.94, wilson_low
+    assert wilson_low < 0.92, wilson_low
     with pytest.raises(ValueError, match="met 5, requests 4"):
         attainment_interval(5, 4)
 
