@@ -709,8 +709,8 @@ def _capacity_section(data: StudyData, analysis: Analysis) -> Section | None:
 def _probe_text(probe: Mapping[str, object], over: str) -> str:
     """'61.7: 100% [98.2, 100] pass', '80: 89% [83.8, 93] fail, undecided'; a probe recorded
     without its count (before the interval was kept) as '61.7: 97.3% pass'."""
-    share = probe.get("attainment_pct")
-    text = f"{_load(_float(probe.get('point')), over)}: {_float(share, math.nan):.3g}%"
+    share = _float(probe.get("attainment_pct"))
+    text = f"{_load(_float(probe.get('point')), over)}: {'?' if share is None else f'{share:.3g}'}%"
     low, high = _float(probe.get("ci_low_pct")), _float(probe.get("ci_high_pct"))
     if low is not None and high is not None:
         text += f" [{low:.3g}, {high:.3g}]"
@@ -718,20 +718,25 @@ def _probe_text(probe: Mapping[str, object], over: str) -> str:
     return text + (", undecided" if probe.get("undecided") else "")
 
 
-def _float(value: object, default: float | None = None) -> float | None:
-    return float(value) if isinstance(value, int | float) else default
+def _float(value: object) -> float | None:
+    """A number read back from capacity.json (None: absent, or not a number)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _capacity_answer(group: Sequence[CellData], analysis: Analysis) -> list[Block]:
     """Each arm's capacity on one workload with its 95% interval (the analysis' estimate: what the
     results table shows and the verdicts use), or why it has none, and the verdict on every pair."""
-    over = str(next((s.get("over") for c in group for s in c.searches), "rate"))
+    over = "concurrency" if (group[0].capacity or "").startswith("concurrency") else "rate"
     key = "capacity_rps" if over == "rate" else "capacity_concurrency"
     row = next((r for r in analysis.rows if r.workload == group[0].workload and r.metric.key == key), None)
     unit = "req/s" if over == "rate" else "streams"
     table = Table(["arm", f"capacity ({unit})", "95% interval", "searches", "what the interval holds"], [])
     for c in group:
-        bracketed = [s for s in c.searches if s.get("censored") is None and s.get("failed_at") is not None]
+        # a value where a pass and a fail surround it (CapacityResult.width); the others are bounds
+        bracketed = [
+            s for s in c.searches
+            if s.get("censored") is None and s.get("capacity") is not None and s.get("failed_at") is not None
+        ]  # fmt: skip
         bounds = [s for s in c.searches if s not in bracketed]
         count = f"{len(c.searches)}, {len(bracketed)} bracketed" if bounds else str(len(c.searches))
         if c.launches > 1:
@@ -743,7 +748,7 @@ def _capacity_answer(group: Sequence[CellData], analysis: Analysis) -> list[Bloc
         est = stat.estimate
         if est.var is None:
             holds = (
-                "a single search: no interval; repeats: "
+                f"a single {'bracketed ' if bounds else ''}search: no interval; repeats: "
                 f"{SEARCHES_FOR_INTERVAL} (or launches: 2) to get one"
             )
         elif est.basis == "launches":
