@@ -16,28 +16,41 @@ half of ``attainment_pct`` across the final bracket (the load is near a wall, no
 search that passes at ``high`` says the capacity is at least ``high``; one that fails at ``low``,
 below ``low``: neither is a figure to rank on.
 
+A probe's attainment is a share of its requests: :func:`attainment_interval` gives its binomial
+(Clopper-Pearson) interval, and a probe whose interval holds the target is **undecided**: its pass or
+fail is the point estimate's, and another probe of as many requests at the same load could have gone
+the other way.
+
 The bisection assumes attainment falls as load rises; a noisy probe near the boundary moves the
-result by at most one bracket, and the repeats (each a search of its own, with its own arrivals)
-give the interval: :func:`summarize_searches`.
+result by a bracket or more, and the repeats (each a search of its own, with its own arrivals) and
+launches give the interval: :func:`capacity_estimate`, the rule the report's verdicts use
+(:func:`k3pipe.stats.with_resolution`: each search's bracket middle, the bracket's own error added
+whole, since every search walks the same grid of loads).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
-from k3pipe.stats import Estimate, compare, estimate
+from scipy.stats import beta
+
+from k3pipe.stats import Estimate, compare, estimate, with_resolution
 
 __all__ = [
+    "ATTAINMENT_CONFIDENCE",
     "SATURATION_ALPHA",
+    "SEARCHES_FOR_INTERVAL",
     "CapacityResult",
     "CapacitySearch",
     "CapacitySummary",
     "LadderStop",
     "Probe",
     "Saturation",
+    "attainment_interval",
+    "capacity_estimate",
     "check_saturation",
     "pareto_front",
     "summarize_searches",
@@ -45,16 +58,56 @@ __all__ = [
 
 Over = Literal["rate", "concurrency"]
 
+ATTAINMENT_CONFIDENCE = 0.95
+"""The level of a probe's attainment interval (:func:`attainment_interval`)."""
+
+SEARCHES_FOR_INTERVAL = 3
+"""Searches (repeats, or launches) to ask for where a capacity rests on one: two give an interval,
+but on one degree of freedom (Student's t of 12.7 against 4.3 with two) it is 3 to 4 times wider."""
+
+
+def attainment_interval(
+    met: int, requests: int, confidence: float = ATTAINMENT_CONFIDENCE
+) -> tuple[float, float]:
+    """The two-sided ``confidence`` interval of a probe's attainment, in percent: ``met`` of its
+    ``requests`` measured requests met the SLO. Clopper-Pearson, from the beta distribution's
+    quantiles (scipy's ``beta.ppf``; the same as ``binomtest(...).proportion_ci(method="exact")``,
+    which also computes a p-value and costs 25 times as long): its coverage is at least
+    ``confidence`` at every true share, where Wilson's dips below it at some, and a probe called
+    decided must not be a coin toss. It treats the requests as independent draws; requests that
+    queue behind one another are not, so near an overload it is narrower than the probe's real
+    uncertainty (the repeats' spread is what shows that)."""
+    if requests < 1 or not 0 <= met <= requests:
+        raise ValueError(
+            f"a probe's attainment needs 0 <= met <= requests and requests >= 1 (got met {met}, "
+            f"requests {requests})"
+        )
+    tail = (1.0 - confidence) / 2.0
+    low = 0.0 if met == 0 else float(beta.ppf(tail, met, requests - met + 1))
+    high = 1.0 if met == requests else float(beta.ppf(1.0 - tail, met + 1, requests - met))
+    return 100.0 * low, 100.0 * high
+
 
 @dataclass(frozen=True)
 class Probe:
-    """One load point as measured: its attainment, per objective too."""
+    """One load point as measured: its attainment, per objective too, and (when the count of its
+    measured requests is known) the attainment's binomial interval and whether it decides."""
 
     point: float
     attainment_pct: float
     by_objective_pct: Mapping[str, float] = field(default_factory=dict)
     passed: bool = False
     run_id: str | None = None
+    requests: int | None = None
+    """Measured requests (the attainment's denominator); None: not known (older records)."""
+    met: int | None = None
+    """Of them, those that met every objective."""
+    ci_low_pct: float | None = None
+    ci_high_pct: float | None = None
+    """The attainment's :data:`ATTAINMENT_CONFIDENCE` interval (:func:`attainment_interval`)."""
+    undecided: bool | None = None
+    """The interval holds the target (its low end below it, its high end at or above it): the pass
+    or fail is the point estimate's alone. None: no interval."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +128,58 @@ class CapacityResult:
     cliff: bool
     """Attainment fell from passing to below half the target across the final bracket."""
     probes: list[Probe]
+
+    @property
+    def width(self) -> float | None:
+        """The log-width of the capacities the final bracket leaves possible: ``log(failed_at /
+        capacity)`` for a rate (any rate in between may be the boundary); for a whole number of
+        streams ``log((failed_at - 1) / capacity)``, 0 where the two are adjacent (``c`` passed and
+        ``c + 1`` failed: the capacity is ``c``, exactly). None unless bracketed."""
+        if self.censored is not None or self.capacity is None or self.failed_at is None:
+            return None
+        if self.over == "concurrency":
+            return math.log(max(self.failed_at - 1, self.capacity) / self.capacity)
+        return math.log(self.failed_at / self.capacity)
+
+    @property
+    def key(self) -> str:
+        """The metric its capacity is recorded as: ``capacity_rps`` or ``capacity_concurrency``."""
+        return "capacity_rps" if self.over == "rate" else "capacity_concurrency"
+
+    def metrics(self) -> dict[str, float]:
+        """What its search's run records (:meth:`k3pipe.record.ArmRecorder.log_capacity`), and what
+        the report reads back: ``capacity_rps`` (or ``capacity_concurrency``) only where a pass and a
+        fail surround it, with ``_resolution`` (the bracket's log-width); ``_at_least`` where every
+        probe passed (at ``high``, or when ``max_probes`` ran out first); ``_failed_at``, ``_probes``,
+        ``_cliff``, ``_converged``."""
+        key = self.key
+        out = {
+            f"{key}_probes": float(len(self.probes)),
+            f"{key}_cliff": float(self.cliff),
+            f"{key}_converged": float(self.converged),
+        }
+        if self.width is not None and self.capacity is not None:
+            out[key] = self.capacity
+            # the boundary lies in the bracket: error the repeats cannot show (k3pipe.stats.with_resolution)
+            out[f"{key}_resolution"] = self.width
+        if self.failed_at is not None:
+            out[f"{key}_failed_at"] = self.failed_at
+        elif self.capacity is not None:
+            out[f"{key}_at_least"] = self.capacity
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """Its ``capacity.json``: the answer and every probe (with its attainment's interval)."""
+        return {
+            "over": self.over,
+            "capacity": self.capacity,
+            "failed_at": self.failed_at,
+            "censored": self.censored,
+            "converged": self.converged,
+            "binding": self.binding,
+            "cliff": self.cliff,
+            "probes": [asdict(p) for p in self.probes],
+        }
 
     def describe(self, unit: str) -> str:
         if self.censored == "below_low":
@@ -169,16 +274,38 @@ class CapacitySearch:
                 nxt = math.sqrt(ok.point * bad.point)
         return None if nxt in tried else nxt
 
+    def judge(
+        self,
+        point: float,
+        attainment_pct: float,
+        by_objective_pct: Mapping[str, float] | None = None,
+        requests: int | None = None,
+    ) -> Probe:
+        """The probe at ``point`` as the search judges it, not yet taken (:meth:`add` takes it): it
+        passes when its attainment reaches the target. With ``requests`` (its measured requests) it
+        carries its attainment's binomial interval and whether that interval decides the pass or
+        fail."""
+        passed = attainment_pct >= self.target
+        met = low = high = undecided = None
+        if requests is not None and requests > 0:
+            met = round(attainment_pct * requests / 100.0)  # attainment is 100 x met / requests
+            low, high = attainment_interval(met, requests)
+            undecided = low < self.target <= high
+        return Probe(
+            point, attainment_pct, dict(by_objective_pct or {}), passed, None, requests, met, low, high,
+            undecided,
+        )  # fmt: skip
+
     def add(
         self,
         point: float,
         attainment_pct: float,
         by_objective_pct: Mapping[str, float] | None = None,
         run_id: str | None = None,
+        requests: int | None = None,
     ) -> Probe:
-        """Record the probe at ``point``; it passes when its attainment reaches the target."""
-        passed = attainment_pct >= self.target
-        probe = Probe(point, attainment_pct, dict(by_objective_pct or {}), passed, run_id)
+        """Take the probe at ``point`` (:meth:`judge`), recorded as the run ``run_id``."""
+        probe = replace(self.judge(point, attainment_pct, by_objective_pct, requests), run_id=run_id)
         self.probes.append(probe)
         return probe
 
@@ -220,8 +347,9 @@ class CapacitySummary:
     over: Over
     results: list[CapacityResult]
     estimate: Estimate | None
-    """Mean and 95% interval of the capacity (on the log scale, back-transformed) over the bracketed
-    searches; None with fewer than two."""
+    """The capacity over the bracketed searches (:func:`capacity_estimate`): the geometric mean of
+    their brackets' middles, with a variance (an interval) from two searches on; None: none
+    bracketed."""
     binding: str | None
     """The constraint that bound most searches."""
     cliff: bool
@@ -229,17 +357,53 @@ class CapacitySummary:
 
     @property
     def values(self) -> list[float]:
-        return [r.capacity for r in self.results if r.capacity is not None and r.censored is None]
+        """The bracketed searches' capacities (their last passing loads)."""
+        return [r.capacity for r in self.results if r.capacity is not None and r.width is not None]
+
+    def describe(self, unit: str) -> str:
+        """'19.9 req/s [18.6, 21.3] (95%; 5 searches, one launch: restart noise not in it)', '20.5
+        req/s (a single search: no interval; repeats: 3 to get one)', or why there is no value."""
+        est = self.estimate
+        n = len(self.values)
+        if est is None:
+            return f"no value: none of the {len(self.results)} search(es) bracketed the capacity"
+        left = len(self.results) - n
+        aside = f"; {left} censored search(es) left out" if left else ""
+        if est.var is None:
+            return (
+                f"{_fmt(est.mean)} {unit} (a single search: no interval; repeats: "
+                f"{SEARCHES_FOR_INTERVAL} to get one{aside})"
+            )
+        low, high = est.interval(0.95) or (math.nan, math.nan)
+        return (
+            f"{_fmt(est.mean)} {unit} [{_fmt(low)}, {_fmt(high)}] (95%; {n} searches, one launch: "
+            f"restart noise not in it{aside})"
+        )
+
+
+def capacity_estimate(launches: Sequence[Sequence[CapacityResult]]) -> Estimate | None:
+    """The capacity of one arm on one workload from its searches, one list per launch (a search per
+    repeat), by the verdicts' rules: each bracketed search's capacity is one value
+    (:func:`k3pipe.stats.estimate`: launch means on the log scale, the variance from two launches or
+    more, else from the one launch's repeats), moved to its bracket's middle with the bracket's error
+    added (:func:`k3pipe.stats.with_resolution`). This is what the report's table and verdicts
+    compute from the recorded ``capacity_*`` and ``capacity_*_resolution`` metrics. A censored search
+    (above ``high``, below ``low``) is a bound, not a value: left out. None: nothing bracketed."""
+    values = [[r.capacity for r in launch if r.width is not None and r.capacity] for launch in launches]
+    est = estimate(values)
+    if est is None:
+        return None
+    widths = [w for launch in launches for r in launch if (w := r.width) is not None and r.capacity]
+    return with_resolution(est, widths)
 
 
 def summarize_searches(results: Sequence[CapacityResult]) -> CapacitySummary:
-    """The capacity across repeats: each bracketed search's capacity is one draw (a censored one is
-    reported, not averaged)."""
+    """The capacity across the repeats of one launch (:func:`capacity_estimate`); a censored search
+    is reported, not averaged."""
     if not results:
         raise ValueError("no capacity search to summarize")
-    values = [r.capacity for r in results if r.capacity is not None and r.censored is None]
     # the searches of one launch are its repeats: their spread is the repeat noise, not a restart's
-    est = estimate([values]) if len(values) >= 2 else None
+    est = capacity_estimate([results])
     return CapacitySummary(
         over=results[0].over,
         results=list(results),

@@ -18,8 +18,10 @@ class Figure:
     higher_is_better: bool
     throughput: bool = False
     resolution: str | None = None
-    """The metric holding each value's bracket (log of its first failing over its last passing
-    load), for a figure a search found: its width is error the repeats cannot show."""
+    """The metric holding each value's bracket (the log-width of the loads between its last passing
+    and its first failing one: :attr:`k3pipe.capacity.CapacityResult.width`), for a figure a search
+    found: the value is the bracket's lower end, and its width error the repeats cannot show
+    (:func:`k3pipe.stats.with_resolution`)."""
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.higher_is_better else a < b

@@ -9,7 +9,6 @@ beside it (see k3pipe.bench.repeats), plus ``repeats.json`` and ``repeats.parque
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 import traceback
 from collections.abc import Iterable, Mapping
@@ -26,7 +25,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import timing_note
-from k3pipe.capacity import CapacityResult
+from k3pipe.capacity import CapacityResult, Probe, summarize_searches
 from k3pipe.coldstart import ColdStart
 from k3pipe.cost import cell_cost, energy_metrics
 from k3pipe.engines import get_engine
@@ -114,6 +113,19 @@ def _timing_cell(row: Mapping[str, Any]) -> str:
     engine = row.get("engine_itl_ms_p50")
     where = "no engine ITL" if engine is None else f"engine ITL p50 {engine:.2f} ms"
     return f"bursty ({share} of requests): {where}"
+
+
+def _probe_interval(probe: Probe | None) -> dict[str, float]:
+    """A judged probe's counts and attainment interval as metrics (none where its count is unknown)."""
+    if probe is None or probe.requests is None or probe.ci_low_pct is None or probe.ci_high_pct is None:
+        return {}
+    return {
+        "probe.requests": float(probe.requests),
+        "probe.slo_met": float(probe.met or 0),
+        "probe.slo_attainment_ci_low_pct": probe.ci_low_pct,
+        "probe.slo_attainment_ci_high_pct": probe.ci_high_pct,
+        "probe.undecided": float(bool(probe.undecided)),
+    }
 
 
 def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -204,6 +216,7 @@ class ArmRecorder:
         self._last_end_ms: dict[str, int] = {}  # per workload: its latest response's end, wall clock
         # probes per capacity search (by its run) and per workload: [prefix cache emptied, not emptied]
         self._resets: dict[str, list[int]] = {}
+        self._searches: dict[str, list[CapacityResult]] = {}  # a capacity workload's searches so far
         self.engine_log_facts: EngineLogFacts | None = None
         """What the engine log said (set by :meth:`log_engine_findings`, so after :meth:`finish`)."""
         self.gpu_names: list[str] = []
@@ -480,9 +493,13 @@ class ArmRecorder:
         outcome: WorkloadOutcome,
         attainment: tuple[float, Mapping[str, float]],
         reset: bool,
+        judged: Probe | None = None,
     ) -> str:
         """One probe of a capacity search: the workload's whole record at that load, and its SLO
-        attainment from arrival (what the search judged it by)."""
+        attainment from arrival (what the search judged it by); with ``judged`` (the search's
+        :class:`~k3pipe.capacity.Probe` of it), the requests it counted, those that met the SLO, the
+        attainment's binomial interval and whether it was undecided (``probe.undecided`` 1: the
+        interval holds the target)."""
         label = f"{point:.4g}rps" if over == "rate" else f"c{int(point)}"
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{probe.name}@{label}",
@@ -498,6 +515,7 @@ class ArmRecorder:
                 "probe.slo_attainment_from_arrival_pct": pct,
                 **{f"probe.slo_attainment_from_arrival.{k}_pct": v for k, v in by.items()},
                 "probe.prefix_cache_reset": int(reset),
+                **_probe_interval(judged),
             },
         )
         params = {
@@ -510,29 +528,16 @@ class ArmRecorder:
         return run_id
 
     def log_capacity(self, search_run: str, workload: WorkloadSpec, result: CapacityResult) -> None:
-        """A search's answer on its run: ``capacity_rps`` (or ``capacity_concurrency``) where the
-        search bracketed it, the lowest failing point, probes, cliff; the censored bound otherwise;
-        ``capacity.json`` with every probe. One repeat: the workload's run, closed; else the
-        repeat's run, closed, and the workload's once every repeat is in."""
+        """A search's answer on its run (:meth:`~k3pipe.capacity.CapacityResult.metrics`):
+        ``capacity_rps`` (or ``capacity_concurrency``) where a pass and a fail surround it, the lowest
+        failing point, probes, cliff; the bound otherwise (``_at_least``); ``capacity.json`` with every
+        probe and its attainment's interval. One repeat: the workload's run, closed; else the repeat's
+        run, closed, and the workload's once every repeat is in, with the capacity's interval across
+        them."""
         assert workload.capacity is not None
-        key = "capacity_rps" if result.over == "rate" else "capacity_concurrency"
+        key = result.key
         unit = "req/s" if result.over == "rate" else "streams"
-        bracketed = result.censored is None and result.capacity is not None
-        metrics: dict[str, float] = {
-            f"{key}_probes": float(len(result.probes)),
-            f"{key}_cliff": float(result.cliff),
-            f"{key}_converged": float(result.converged),
-        }
-        if bracketed:
-            assert result.capacity is not None
-            metrics[key] = result.capacity
-        if result.failed_at is not None:
-            metrics[f"{key}_failed_at"] = result.failed_at
-            if bracketed:
-                # the capacity lies in [capacity, failed_at): error the repeats cannot show
-                metrics[f"{key}_resolution"] = math.log(result.failed_at / metrics[key])
-        if result.censored == "above_high" and result.capacity is not None:
-            metrics[f"{key}_at_least"] = result.capacity
+        metrics = result.metrics()
         self.tracker.log_metrics(search_run, metrics)
         self.tracker.set_tags(
             search_run,
@@ -543,31 +548,43 @@ class ArmRecorder:
             },
         )
         self._tag_probe_resets(search_run, workload)
-        self.tracker.log_dict(
-            search_run,
-            {
-                "over": result.over,
-                "capacity": result.capacity,
-                "failed_at": result.failed_at,
-                "censored": result.censored,
-                "converged": result.converged,
-                "binding": result.binding,
-                "cliff": result.cliff,
-                "probes": [asdict(p) for p in result.probes],
-            },
-            "capacity.json",
-        )
+        self.tracker.log_dict(search_run, result.record(), "capacity.json")
         if workload.repeats == 1:
             self._single[workload.name] = metrics
             self.tracker.log_metrics(self.run_id, {f"{workload.name}.{key}": metrics.get(key)})
-            self.tracker.end_run(search_run, "FINISHED" if bracketed or result.censored else "FAILED")
+            found = result.capacity is not None or result.censored is not None
+            self.tracker.end_run(search_run, "FINISHED" if found else "FAILED")
             return
         self.tracker.end_run(search_run, "FINISHED")
         self._repeat_metrics[workload.name].append(metrics)
+        searches = self._searches.setdefault(workload.name, [])
+        searches.append(result)
         if len(self._repeat_metrics[workload.name]) >= workload.repeats:
+            self._log_capacity_interval(workload.name, searches, unit)
             self._close_repeats(workload.name, "FINISHED")
             means = self.workload_metrics(workload.name)
             self.tracker.log_metrics(self.run_id, {f"{workload.name}.{key}": means.get(key)})
+
+    def _log_capacity_interval(self, name: str, searches: list[CapacityResult], unit: str) -> None:
+        """The capacity across a workload's searches (its repeats, one launch) by the verdicts' rule
+        (:func:`k3pipe.capacity.summarize_searches`: bracket middles, the bracket's width counted) on
+        its run: ``capacity_rps_estimate`` with ``_estimate_low`` / ``_estimate_high`` (95%), and
+        the tag ``k3pipe.capacity`` saying it in words. The repeats' generic ``capacity_rps.ci95_*``
+        beside them is the mean of the last passing loads, the bracket not counted."""
+        run_id = self.workload_runs.get(name)
+        if run_id is None or not searches:
+            return
+        summary = summarize_searches(searches)
+        key = searches[0].key
+        est = summary.estimate
+        metrics: dict[str, float] = {}
+        if est is not None:
+            metrics[f"{key}_estimate"] = est.mean
+            interval = est.interval(0.95)
+            if interval is not None:
+                metrics[f"{key}_estimate_low"], metrics[f"{key}_estimate_high"] = interval
+        self.tracker.log_metrics(run_id, metrics)
+        self.tracker.set_tags(run_id, {"k3pipe.capacity": summary.describe(unit)})
 
     def _tag_probe_resets(self, search_run: str, workload: WorkloadSpec) -> None:
         """``k3pipe.prefix_cache_reset`` on the search's run and the workload's (all its searches so

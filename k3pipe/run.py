@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, SecretStr
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.bench.summary import slo_attainment_from_arrival
-from k3pipe.capacity import CapacitySearch, LadderStop
+from k3pipe.capacity import CapacityResult, CapacitySearch, LadderStop, summarize_searches
 from k3pipe.coldstart import ColdStart, read_cold_start
 from k3pipe.engines.base import Finding
 from k3pipe.errors import EngineLostError, SpecError
@@ -473,6 +473,7 @@ class ArmRun:
         assert spec is not None
         assert workload.slo is not None
         unit = "req/s" if spec.over == "rate" else "streams"
+        results: list[CapacityResult] = []
         for repeat in range(workload.repeats):
             prompts = self.prompts[workload.name][repeat]
             search_run = recorder.start_search(workload, repeat, workload.seed + repeat)
@@ -489,23 +490,35 @@ class ArmRun:
                     **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
                 )  # fmt: skip
                 attained = slo_attainment_from_arrival(measured.result.records, workload.slo)
+                # the attainment's denominator: its binomial interval says whether the probe decides
+                counted = sum(not r.warmup for r in measured.result.records) or None
+                judged = search.judge(point, attained[0], attained[1], counted)
                 try:
                     run_id = recorder.log_probe(
-                        search_run, probe, point, spec.over, measured, attained, reset
+                        search_run, probe, point, spec.over, measured, attained, reset, judged
                     )
                 finally:
                     if measured.interrupted is not None:
                         deliver(measured.interrupted)
                 if measured.engine_lost:
                     raise EngineLostError(self._lost(workload.name, measured.engine_lost))
-                made = search.add(point, attained[0], attained[1], run_id)
+                made = search.add(point, attained[0], attained[1], run_id, counted)
+                interval = (
+                    f" [{made.ci_low_pct:.1f}, {made.ci_high_pct:.1f}]"
+                    if made.ci_low_pct is not None and made.ci_high_pct is not None
+                    else ""
+                )
+                verdict = ("pass" if made.passed else "fail") + (", undecided" if made.undecided else "")
                 self.say(
                     f"capacity {workload.name}#{repeat + 1}: {point:.4g} {unit} -> "
-                    f"{attained[0]:.1f}% within the SLO ({'pass' if made.passed else 'fail'})"
+                    f"{attained[0]:.1f}%{interval} within the SLO ({verdict})"
                 )
             result = search.result()
             recorder.log_capacity(search_run, workload, result)
             self.say(f"capacity {workload.name}#{repeat + 1}: {result.describe(unit)}")
+            results.append(result)
+        # across this launch's searches, by the verdicts' rule (the report adds the other launches)
+        self.say(f"capacity {workload.name}: {summarize_searches(results).describe(unit)}")
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from k3pipe import stats
+from k3pipe.capacity import SEARCHES_FOR_INTERVAL
 from k3pipe.report.analysis import Analysis, NoiseRow, Row
-from k3pipe.report.collect import StudyData
+from k3pipe.report.collect import CellData, StudyData
 
 __all__ = ["Document", "Section", "Table", "build_document", "cell_text", "num", "to_html", "to_markdown"]
 
@@ -544,7 +545,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
     for extra in (
         _calibration_section(data, analysis),
         _noise_section(data, analysis),
-        _capacity_section(data),
+        _capacity_section(data, analysis),
     ):
         if extra is not None:
             sections.append(extra)
@@ -788,9 +789,11 @@ def _load(value: float | None, over: str) -> str:
     return f"{value:.3g}" if value < 100 else f"{value:,.0f}"
 
 
-def _capacity_section(data: StudyData) -> Section | None:
-    """Per capacity workload: what a probe had to meet, and per arm and search the answer, the
-    lowest failing load, the binding objective, a cliff, and every probe in the order it ran."""
+def _capacity_section(data: StudyData, analysis: Analysis) -> Section | None:
+    """Per capacity workload: what a probe had to meet; each arm's capacity with its interval (or why
+    it has none) and the verdicts between arms, from the analysis' row of the capacity figure; then
+    per arm and search the answer, the lowest failing load, the binding objective, a cliff, and every
+    probe in the order it ran with its attainment's binomial interval."""
     cells = [c for c in data.cells if c.capacity is not None]
     if not cells:
         return None
@@ -807,9 +810,10 @@ def _capacity_section(data: StudyData) -> Section | None:
             f"{slo} (TTFT and E2E counted from each request's scheduled arrival; a failed request "
             "missed)."
         )
+        blocks += _capacity_answer(group, analysis)
         table = Table(
             ["arm", "search", "capacity", "fails at", "bound by", "cliff", "probes in the order run "
-             "(load: share that met the SLO)"],
+             "(load: share that met the SLO [its 95% interval])"],
             [],
         )  # fmt: skip
         for c in group:
@@ -822,11 +826,7 @@ def _capacity_section(data: StudyData) -> Section | None:
                     capacity = f"below {_load(s.get('failed_at'), over)}"
                 if not s.get("converged", True):
                     capacity += " (not converged)"
-                probes = ", ".join(
-                    f"{_load(p.get('point'), over)}: {p.get('attainment_pct', float('nan')):.3g}% "
-                    + ("pass" if p.get("passed") else "fail")
-                    for p in s.get("probes", [])
-                )
+                probes = ", ".join(_probe_text(p, over) for p in s.get("probes", []))
                 binding = s.get("binding")
                 table.rows.append(
                     [c.arm, str(i), capacity, _load(s.get("failed_at"), over),
@@ -835,13 +835,111 @@ def _capacity_section(data: StudyData) -> Section | None:
                 )  # fmt: skip
         blocks.append(table)
     blocks.append(
-        "The capacity is the highest load that passed; the boundary lies between it and the lowest "
-        "load that failed (the bracket the search closed to its tolerance). 'Bound by': the objective "
-        "met least often at that failing load. A cliff: the share fell from passing to under half the "
-        "target across the final bracket (a wall, not a slope). Each repeat is a search of its own; "
-        "the capacity's interval across them, and the verdict, are in the results above."
+        "A search's capacity is the highest load that passed; the boundary lies between it and the "
+        "lowest load that failed (the bracket the search closed to its tolerance). 'Bound by': the "
+        "objective met least often at that failing load. A cliff: the share fell from passing to under "
+        "half the target across the final bracket (a wall, not a slope). A probe's interval is its "
+        "share's 95% Clopper-Pearson interval (its requests taken as independent draws); 'undecided': "
+        "the interval holds the target, so that pass or fail is the point estimate's alone. Each repeat "
+        "is a search of its own: an arm's capacity above is the geometric mean of its searches' "
+        "bracket middles, its interval from their spread (launch means with two launches or more) plus "
+        "the bracket's own width, which repeats walking the same grid of loads do not average away."
     )
     return Section("Capacity under the SLO", blocks)
+
+
+def _probe_text(probe: Mapping[str, object], over: str) -> str:
+    """'61.7: 100% [98.2, 100] pass', '80: 89% [83.8, 93] fail, undecided'; a probe recorded
+    without its count (before the interval was kept) as '61.7: 97.3% pass'."""
+    share = _float(probe.get("attainment_pct"))
+    text = f"{_load(_float(probe.get('point')), over)}: {'?' if share is None else f'{share:.3g}'}%"
+    low, high = _float(probe.get("ci_low_pct")), _float(probe.get("ci_high_pct"))
+    if low is not None and high is not None:
+        text += f" [{low:.3g}, {high:.3g}]"
+    text += " pass" if probe.get("passed") else " fail"
+    return text + (", undecided" if probe.get("undecided") else "")
+
+
+def _float(value: object) -> float | None:
+    """A number read back from capacity.json (None: absent, or not a number)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _capacity_answer(group: Sequence[CellData], analysis: Analysis) -> list[Block]:
+    """Each arm's capacity on one workload with its 95% interval (the analysis' estimate: what the
+    results table shows and the verdicts use), or why it has none, and the verdict on every pair."""
+    over = "concurrency" if (group[0].capacity or "").startswith("concurrency") else "rate"
+    key = "capacity_rps" if over == "rate" else "capacity_concurrency"
+    row = next((r for r in analysis.rows if r.workload == group[0].workload and r.metric.key == key), None)
+    unit = "req/s" if over == "rate" else "streams"
+    table = Table(["arm", f"capacity ({unit})", "95% interval", "searches", "what the interval holds"], [])
+    for c in group:
+        # a value where a pass and a fail surround it (CapacityResult.width); the others are bounds
+        bracketed = [
+            s for s in c.searches
+            if s.get("censored") is None and s.get("capacity") is not None and s.get("failed_at") is not None
+        ]  # fmt: skip
+        bounds = [s for s in c.searches if s not in bracketed]
+        count = f"{len(c.searches)}, {len(bracketed)} bracketed" if bounds else str(len(c.searches))
+        if c.launches > 1:
+            count += f" over {c.launches} launches"
+        stat = row.cells.get(c.arm) if row is not None else None
+        if stat is None:
+            table.rows.append([c.arm, "-", "-", count, "no search bracketed the capacity: no value"])
+            continue
+        est = stat.estimate
+        if est.var is None:
+            holds = (
+                f"a single {'bracketed ' if bounds else ''}search: no interval; repeats: "
+                f"{SEARCHES_FOR_INTERVAL} (or launches: 2) to get one"
+            )
+        elif est.basis == "launches":
+            holds = f"{est.launches} launches: restart and repeat noise, and the bracket's width"
+        elif est.basis == "prior" and est.prior is not None:
+            holds = (
+                f"{sum(est.repeats)} repeats of one launch: repeat noise and the bracket's width, and "
+                f"restart noise {est.prior.cv:.1%} from the history"
+            )
+        else:
+            holds = (
+                f"{sum(est.repeats)} repeats of one launch: repeat noise and the bracket's width; restart "
+                "noise unknown (no verdict on it: launches: 2)"
+            )
+        if bounds:
+            holds += "; censored searches (a bound, not a value) left out"
+        interval = (
+            f"[{_estimate_load(stat.ci_low, over)}, {_estimate_load(stat.ci_high, over)}]"
+            if stat.ci_low is not None
+            else "-"
+        )
+        table.rows.append([c.arm, _estimate_load(stat.mean, over), interval, count, holds])
+    blocks: list[Block] = [table]
+    if row is None or len(row.cells) < 2:
+        return blocks
+    if analysis.hardware_refusal is not None:
+        blocks.append("No verdict between the arms' capacities: " + analysis.hardware_refusal)
+    elif not row.decision:
+        blocks.append(
+            f"No verdict between the arms' capacities: the experiment's decision.metrics does not name "
+            f"{key} (name it to compare them as any decision figure is)."
+        )
+    else:
+        blocks.append(
+            f"Compared as any decision figure is, at the decision's level "
+            f"({analysis.design.confidence:.2%} intervals): "
+            + "; ".join(f"{v.a} against {v.b}: {v.text()}" for v in row.verdicts)
+            + "."
+        )
+    return blocks
+
+
+def _estimate_load(value: float | None, over: str) -> str:
+    """A capacity estimate (a geometric mean of bracket middles: not a load any probe ran)."""
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.3g}" if value < 100 else f"{value:,.0f}"
 
 
 def _priming(data: StudyData) -> Section:

@@ -37,7 +37,7 @@ def _workload(capacity_rps: float, service_s: float, requests: int) -> dict[str,
 
 # A probe sees an overload of e (5%: the tolerance) only once the queue it builds outgrows the SLO's
 # slack (here S): after about slack x rate / e requests, 0.2 x 5 / 0.05 = 20 and 0.1 x 80 / 0.05 = 160
-# (docs/capacity.md: a probe must last about 1/e times the latency budget).
+# (docs/measurement.md, "Capacity under an SLO": a probe must last about 1/e times the latency budget).
 @pytest.mark.parametrize(("slots", "service_s", "requests"), [(1, 0.2, 30), (8, 0.1, 200)])
 def test_a_capacity_search_finds_the_scripted_engines_capacity_within_10_percent(
     slots: int, service_s: float, requests: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -82,19 +82,29 @@ def test_a_capacity_search_finds_the_scripted_engines_capacity_within_10_percent
     assert len(probes) == search.data.metrics["capacity_rps_probes"] == resets  # a reset before each
     assert {p.data.tags["k3pipe.probe"].endswith("rps") for p in probes} == {True}
     assert all(p.data.metrics["probe.prefix_cache_reset"] == 1 for p in probes)
-    # each probe holds the workload's whole record at its rate
+    # each probe holds the workload's whole record at its rate, and its attainment's interval
     passed = [p for p in probes if p.data.metrics["probe.slo_attainment_from_arrival_pct"] >= 90]
+    for p in probes:
+        m = p.data.metrics
+        assert m["probe.requests"] == requests
+        assert m["probe.slo_met"] == round(m["probe.slo_attainment_from_arrival_pct"] * requests / 100)
+        low, high = m["probe.slo_attainment_ci_low_pct"], m["probe.slo_attainment_ci_high_pct"]
+        assert low <= m["probe.slo_attainment_from_arrival_pct"] <= high
+        assert m["probe.undecided"] == float(low < 90 <= high)
     assert max(float(p.data.params["probe.point"]) for p in passed) == found
     assert search.data.tags["k3pipe.prefix_cache_reset"] == "1"
     report = build_report(tracker, result.study_run_id)
     assert "The prefix cache was not emptied" not in report.markdown
-    # the report's capacity section: the search's answer, its binding objective and every probe
+    # the report's capacity section: the arm's capacity (one search: no interval, and how to get
+    # one), then the search's answer, its binding objective and every probe with its interval
     section = report.markdown.split("## Capacity under the SLO", 1)[1].split("\n## ", 1)[0]
-    (row,) = [line for line in section.splitlines() if line.startswith("| scripted |")]
+    answer, row = [line for line in section.splitlines() if line.startswith("| scripted |")]
+    assert "a single search: no interval; repeats: 3 (or launches: 2) to get one" in answer
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:3] == ["scripted", "1", f"{found:.3g}" if found < 100 else f"{found:,.0f}"]
     assert cells[4] == "E2E"
     assert cells[6].count("pass") + cells[6].count("fail") == len(probes)
+    assert cells[6].count("[") == len(probes)
 
 
 def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(

@@ -327,3 +327,61 @@ def test_workload_runs_start_and_end_when_their_requests_did(tracker: Tracker, t
     # the workload's run spans its repeats
     assert workload_run.info.start_time == round((s0 - 2.0) * 1000)
     assert workload_run.info.end_time == round((s0 + 60.0 + last_end) * 1000)
+
+
+def test_a_capacity_search_records_each_probes_interval_and_the_capacitys(
+    tracker: Tracker, tmp_path: Path
+) -> None:
+    """Three searches (repeats) of a rate: each probe's run holds its count, the requests within the
+    SLO, their 95% Clopper-Pearson interval and whether it was undecided; capacity.json keeps them;
+    the workload's run gets the capacity across its searches by the verdicts' rule
+    (summarize_searches: bracket middles, the bracket counted), in numbers and in words. The
+    probes' request records are stand-ins (two requests); their attainment is the search's."""
+    from k3pipe.capacity import CapacitySearch, summarize_searches
+
+    rec = recorder(tracker, tmp_path)
+    w = WorkloadSpec(
+        name="cap", input_tokens=8, output_tokens=4, num_requests=200, repeats=3, load="poisson",
+        concurrency=64, slo={"e2e_ms": 500}, capacity={"low": 1, "high": 64},
+    )  # fmt: skip
+    results = []
+    for k, boundary in enumerate((20.0, 21.0, 19.0)):
+        run = rec.start_search(w, k, w.seed + k)
+        search = CapacitySearch("rate", 1, 64)
+        while (point := search.next_point()) is not None:
+            share = 100.0 if point < 0.97 * boundary else 91.0 if point <= boundary else 40.0
+            judged = search.judge(point, share, {"e2e_ms": share}, requests=200)
+            probe_run = rec.log_probe(
+                run, w.probe(point), point, "rate", outcome(w.probe(point), k, 0.1), (share, {}), True, judged
+            )
+            search.add(point, share, {"e2e_ms": share}, probe_run, requests=200)
+        rec.log_capacity(run, w, search.result())
+        results.append(search.result())
+    rec.finish("FINISHED")
+
+    workload_run = tracker.client.get_run(rec.workload_runs["cap"])
+    searches = tracker.children(workload_run.info.run_id)
+    assert len(searches) == 3
+    probes = [p for s in searches for p in tracker.children(s.info.run_id)]
+    assert len(probes) == sum(len(r.probes) for r in results)
+    for p in probes:
+        m = p.data.metrics
+        assert m["probe.requests"] == 200
+        share = m["probe.slo_attainment_from_arrival_pct"]
+        assert m["probe.slo_met"] == 2 * share
+        low, high = m["probe.slo_attainment_ci_low_pct"], m["probe.slo_attainment_ci_high_pct"]
+        assert low <= share <= high
+        assert m["probe.undecided"] == (1.0 if share == 91.0 else 0.0)  # [86.1, 94.6] holds 90
+    kept = json.loads(tracker.read_artifact(searches[0].info.run_id, "capacity.json") or b"{}")
+    assert {"requests", "met", "ci_low_pct", "ci_high_pct", "undecided"} <= set(kept["probes"][0])
+    est = summarize_searches(results).estimate
+    assert est is not None
+    low, high = est.interval(0.95) or (0.0, 0.0)
+    m = workload_run.data.metrics
+    assert m["capacity_rps_estimate"] == pytest.approx(est.mean)
+    assert (m["capacity_rps_estimate_low"], m["capacity_rps_estimate_high"]) == pytest.approx((low, high))
+    assert low < min(r.capacity for r in results)  # type: ignore[type-var]
+    assert high > max(r.failed_at for r in results)  # type: ignore[type-var]
+    assert workload_run.data.tags["k3pipe.capacity"].endswith(
+        "(95%; 3 searches, one launch: restart noise not in it)"
+    )

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from k3pipe import stats
+from k3pipe.capacity import CapacityResult, CapacitySearch, capacity_estimate
 from k3pipe.report.analysis import analyse
 from k3pipe.report.collect import ArmData, CellData, StudyData
 from k3pipe.report.steady import steady_decode_tps
@@ -717,3 +718,118 @@ def test_each_arms_own_noise_is_recovered() -> None:
         assert sums[arm][1] == pytest.approx(math.log1p(w**2), rel=0.05)
         # the launch level floored at 0 leans a little high where it is small beside the repeats
         assert sums[arm][0] == pytest.approx(math.log1p(b**2), rel=0.25, abs=1e-4)
+def _searched(boundary: float, requests: int = 200) -> CapacityResult:
+    """A search over 1-400 req/s of an engine that meets the SLO for every request well below
+    ``boundary``, for 91% of them just below it (a pass whose interval holds the 90% target) and for
+    half above it."""
+    s = CapacitySearch("rate", 1, 400)
+    while (point := s.next_point()) is not None:
+        share = 100.0 if point < 0.97 * boundary else 91.0 if point <= boundary else 50.0
+        s.add(point, share, {"ttft_ms": share}, requests=requests)
+    return s.result()
+
+
+def _capacity_cell(arm: str, launches: list[list[CapacityResult]]) -> CellData:
+    """An arm's cell as the report reads it back from MLflow: each search's recorded metrics (what
+    ArmRecorder.log_capacity logs) and capacity.json, launch after launch."""
+    common = {"capacity": "rate 1-400 req/s", "load": "poisson", "slo": {"ttft_ms": 500.0},
+              "attainment_pct": 90.0}  # fmt: skip
+
+    def values(searches: list[CapacityResult]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for r in searches:
+            for k, v in r.metrics().items():
+                out.setdefault(k, []).append(v)
+        return out
+
+    cells = [
+        _cell(arm, "cap", 2048, **values(searches)).model_copy(
+            update={**common, "searches": [r.record() for r in searches]}
+        )
+        for searches in launches
+    ]
+    first = cells[0]
+    for later in cells[1:]:
+        first.add_launch(later)
+    return first
+
+
+def _capacity_text(data: StudyData) -> str:
+    return _markdown(data).split("## Capacity under the SLO", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_capacity_section_states_each_arms_capacity_with_its_interval_and_the_verdict() -> None:
+    """Each arm's capacity is the report's estimate of its searches (capacity_estimate: bracket
+    middles, the bracket counted), with its 95% interval and what the interval holds; two arms are
+    compared as any decision figure is; every probe shows its binomial interval, and one whose
+    interval holds the target is said to be undecided."""
+    a = [_searched(b) for b in (20.0, 21.0, 19.5, 20.5)]
+    b = [_searched(b) for b in (26.0, 27.0, 25.0, 26.5)]
+    data = _study(_capacity_cell("a", [a]), _capacity_cell("b", [b]))
+    analysis = analyse(data)
+    row = next(r for r in analysis.rows if r.metric.key == "capacity_rps")
+    assert row.decision  # capacity joins the default decision metrics
+    for arm, searches in (("a", a), ("b", b)):
+        est = capacity_estimate([searches])
+        assert est is not None
+        assert row.cells[arm].estimate == est  # the report's figure is the capacity module's rule
+    text = _capacity_text(data)
+    est_a = capacity_estimate([a])
+    assert est_a is not None
+    low, high = est_a.interval(0.95) or (0.0, 0.0)
+    assert (
+        f"| a | {est_a.mean:.3g} | [{low:.3g}, {high:.3g}] | 4 | 4 repeats of one launch: repeat noise "
+        "and the bracket's width; restart noise unknown (no verdict on it: launches: 2) |" in text
+    )
+    (verdict,) = row.verdicts
+    assert verdict.outcome == "unknown"  # one launch each, no restart noise known: no verdict
+    assert f"{verdict.a} against {verdict.b}: {verdict.text()}" in text
+    # the same searches judged with 2% restart noise an earlier study kept for the class
+    judged = _study(_capacity_cell("a", [a]), _capacity_cell("b", [b]), prior=0.02)
+    (verdict,) = next(r for r in analyse(judged).rows if r.metric.key == "capacity_rps").verdicts
+    assert verdict.outcome == "different"
+    assert verdict.leader == "b"
+    text = _capacity_text(judged)
+    assert f"{verdict.a} against {verdict.b}: {verdict.text()}" in text
+    assert "b better than a: " in text
+    assert "restart noise 2.0% from the history |" in text
+    # the probes: each with its share's interval; 91% of 200 holds 90%: undecided
+    assert f"20: 100% [{100 * 0.025 ** (1 / 200):.3g}, 100] pass" in text  # 200 of 200: [98.2, 100]
+    assert any(p.undecided for p in a[0].probes)
+    assert "91% [86.1, 94.6] pass, undecided" in text  # 182 of 200
+
+
+def test_a_single_search_says_it_has_no_interval_and_how_to_get_one() -> None:
+    one = _searched(20.0)
+    data = _study(_capacity_cell("a", [[one]]), _capacity_cell("b", [[_searched(30.0)]]))
+    text = _capacity_text(data)
+    assert one.capacity is not None
+    assert one.failed_at is not None
+    middle = math.sqrt(one.capacity * one.failed_at)
+    single = "a single search: no interval; repeats: 3 (or launches: 2) to get one"
+    assert f"| a | {middle:.3g} | - | 1 | {single} |" in text
+    assert "(a single value: no test)" in text  # the pair: b ahead, untested
+    # named decision figures without capacity: shown, not judged
+    data.decision = {"metrics": ["output_throughput_tps"]}
+    assert "does not name capacity_rps" in _capacity_text(data)
+
+
+def test_launches_give_the_capacity_interval_restart_noise_in_it() -> None:
+    launches = [[_searched(20.0), _searched(21.0)], [_searched(22.0), _searched(21.5)], [_searched(19.0)]]
+    censored = CapacitySearch("rate", 1, 5)
+    while (point := censored.next_point()) is not None:
+        censored.add(point, 100.0)
+    launches[2].append(censored.result())
+    cell = _capacity_cell("a", launches)
+    data = _study(cell)
+    row = next(r for r in analyse(data).rows if r.metric.key == "capacity_rps")
+    est = capacity_estimate(launches)
+    assert est is not None
+    assert est.basis == "launches"
+    assert row.cells["a"].estimate == est
+    low, high = est.interval(0.95) or (0.0, 0.0)
+    assert (
+        f"| a | {est.mean:.3g} | [{low:.3g}, {high:.3g}] | 6, 5 bracketed over 3 launches | 3 launches: "
+        "restart and repeat noise, and the bracket's width; censored searches (a bound, not a value) left "
+        "out |" in _capacity_text(data)
+    )
