@@ -2,7 +2,8 @@
 GPUs are connected (``nvidia-smi topo -m``) and the NCCL / symmetric-memory settings the engine gets
 (``NCCL_*``, ``TORCH_NCCL_*``, ``TORCH_SYMM_MEM_*``: what decides NVLink multicast, the transports, the
 rings), the engine interpreter's package versions, and the GPUs' memory and power draw sampled while a
-workload runs (the energy a workload took: :func:`gpu_energy`).
+workload runs (the energy a workload took: :func:`gpu_energy`, over the GPUs an arm holds where
+they are known).
 
 Without ``nvidia-smi`` on PATH (a CPU machine) nothing here is recorded and nothing fails:
 :func:`probe_node` returns None, :func:`nvidia_smi_report` None and :class:`GpuMemorySampler`
@@ -17,7 +18,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ __all__ = [
     "parse_cuda_version",
     "parse_gpu_query",
     "parse_memory_query",
+    "parse_uuid_query",
     "probe_node",
 ]
 
@@ -55,6 +57,8 @@ GPU_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,nohea
 MEMORY_QUERY = ["--query-gpu=memory.used,power.draw", "--format=csv,noheader"]
 """Each GPU's memory in use and its power draw (``1234 MiB, 312.45 W``; ``[N/A]`` where the board
 does not report power)."""
+UUID_QUERY = ["--query-gpu=index,uuid", "--format=csv,noheader"]
+"""Each GPU's index and UUID (``0, GPU-8d2f...``): what a UUID in CUDA_VISIBLE_DEVICES is matched to."""
 TOPOLOGY = ["topo", "-m"]
 COMM_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_")
 """The environment that steers collective communication (NCCL_NVLS_ENABLE and
@@ -71,6 +75,7 @@ class GpuInfo(BaseModel):
     name: str
     memory_total_mib: int | None
     driver_version: str
+    uuid: str | None = None
 
 
 class NodeInfo(BaseModel):
@@ -209,6 +214,17 @@ def parse_gpu_query(text: str) -> list[GpuInfo]:
     return out
 
 
+def parse_uuid_query(text: str) -> dict[int, str]:
+    """The lines of ``nvidia-smi --query-gpu=index,uuid --format=csv,noheader`` (``0, GPU-8d2f...``):
+    index -> UUID; a line that is not an index and a UUID is skipped."""
+    out: dict[int, str] = {}
+    for line in text.splitlines():
+        index, _, uuid = (p.strip() for p in line.partition(","))
+        if index.isdigit() and uuid.startswith("GPU-"):
+            out[int(index)] = uuid
+    return out
+
+
 _CUDA = re.compile(r"CUDA Version:\s*([\w.]+)")
 
 
@@ -295,7 +311,9 @@ def probe_node(
     report = nvidia_smi_report()
     if report is None:
         return None
-    gpus = parse_gpu_query(_nvidia_smi(GPU_QUERY) or "")
+    uuids = parse_uuid_query(_nvidia_smi(UUID_QUERY) or "")
+    listed = parse_gpu_query(_nvidia_smi(GPU_QUERY) or "")
+    gpus = [g.model_copy(update={"uuid": uuids.get(g.index)}) for g in listed]
     python = None
     packages: dict[str, str | None] = {}
     if interpreter and argv:
@@ -383,7 +401,8 @@ def gpu_memory_frame(samples: Sequence[GpuMemorySample], t0: float) -> pd.DataFr
 
 @dataclass(frozen=True)
 class GpuEnergy:
-    """The energy the node's GPUs drew over a window, from their sampled power."""
+    """The energy GPUs drew over a window, from their sampled power: the node's, or the GPUs an arm
+    holds."""
 
     joules: float
     """Summed over the GPUs: each GPU's power, linear between samples and held flat before its first
@@ -392,17 +411,24 @@ class GpuEnergy:
     """``joules`` over the window's length: the GPUs' mean draw together."""
     gpus: int
     samples: int
-    """Power samples taken inside the window (all GPUs)."""
+    """Power samples taken inside the window (of the GPUs counted)."""
 
 
-def gpu_energy(samples: Sequence[GpuMemorySample], t_start: float, t_end: float) -> GpuEnergy | None:
-    """The GPUs' energy over ``[t_start, t_end]`` from their power samples (None: a window of no
-    length, or no GPU reported its power)."""
+def gpu_energy(
+    samples: Sequence[GpuMemorySample],
+    t_start: float,
+    t_end: float,
+    gpus: Collection[int] | None = None,
+) -> GpuEnergy | None:
+    """The energy over ``[t_start, t_end]`` of the GPUs whose index is in ``gpus`` (None: every
+    sampled GPU, the node's), from their power samples (None: a window of no length, or none of
+    those GPUs reported its power). The sampler reads every GPU; summing only an arm's leaves the
+    idle boards beside it out of its energy."""
     if not t_end > t_start:
         return None
     by_gpu: dict[int, list[tuple[float, float]]] = {}
     for s in samples:
-        if s.power_w is not None:
+        if s.power_w is not None and (gpus is None or s.gpu in gpus):
             by_gpu.setdefault(s.gpu, []).append((s.t, s.power_w))
     if not by_gpu:
         return None

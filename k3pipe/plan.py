@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3pipe.engines import RenderedCommand, get_engine, render_args
 from k3pipe.engines.base import Engine
 from k3pipe.schedule import models_of
-from k3pipe.secrets import is_secret_name
+from k3pipe.secrets import UnsetVariable, env_references, is_secret_name, resolve_env_references
 from k3pipe.sources import model_dir
 from k3pipe.specs import (
     ArmSpec,
@@ -26,7 +26,19 @@ from k3pipe.specs import (
     expand_home,
 )
 
-__all__ = ["ArmPlan", "CompileCache", "compile_cache_key", "default_model_dirs", "plan_arm"]
+__all__ = [
+    "VISIBLE_DEVICES",
+    "ArmGpus",
+    "ArmPlan",
+    "CompileCache",
+    "GpuBasis",
+    "GpuRequest",
+    "compile_cache_key",
+    "default_model_dirs",
+    "gpu_indexes",
+    "parse_visible_devices",
+    "plan_arm",
+]
 
 
 class CompileCache(BaseModel):
@@ -115,6 +127,207 @@ def _compile_cache(
     )
 
 
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+GpuBasis = Literal["CUDA_VISIBLE_DEVICES", "device arguments", "launcher.gpus", "parallel size", "node-wide"]
+"""How an arm's GPUs were decided: the devices its environment, its engine's own arguments or its
+launcher name; a count from the engine's parallel sizes; or nothing known (the node's, all of them)."""
+
+
+def parse_visible_devices(value: str) -> list[str]:
+    """The devices a ``CUDA_VISIBLE_DEVICES`` value makes visible, read as CUDA reads it: indexes
+    (``'0,1'``) or UUIDs (``'GPU-...'``, ``'MIG-...'``; a unique prefix is enough), comma-separated,
+    up to the first entry that is neither (CUDA ignores it and all after it: ``'0,1,-1,2'`` is 0 and
+    1); ``''`` makes none visible. A device named twice counts once."""
+    out: list[str] = []
+    for part in value.split(","):
+        item = part.strip()
+        if item.isdigit():
+            out.append(str(int(item)))
+        elif item.startswith(("GPU-", "MIG-")) and len(item) > 4:
+            out.append(item)
+        else:
+            break
+    return list(dict.fromkeys(out))
+
+
+def gpu_indexes(devices: Sequence[str], uuids: Sequence[str | None] | None) -> list[int]:
+    """The nvidia-smi indexes of ``devices`` (indexes, or UUIDs as CUDA_VISIBLE_DEVICES writes them,
+    a unique prefix enough) on a node whose GPUs have ``uuids`` in index order (None: not probed, so
+    indexes are taken as written and a UUID cannot be placed). ValueError, saying which and why, for
+    a device that is not one of the node's GPUs or is a MIG instance (its board's power is not its
+    own)."""
+    out: list[int] = []
+    for device in devices:
+        if device.isdigit():
+            index = int(device)
+            if uuids is not None and index >= len(uuids):
+                raise ValueError(f"GPU {index} is not on this node (nvidia-smi lists {len(uuids)})")
+            out.append(index)
+        elif device.startswith("MIG-"):
+            raise ValueError(f"{device} is a MIG instance: nvidia-smi reports its whole board's power")
+        else:
+            found = [i for i, uuid in enumerate(uuids or []) if uuid and uuid.startswith(device)]
+            if len(found) != 1:
+                listed = "its GPUs' UUIDs unknown" if uuids is None else f"{len(uuids)} GPUs listed"
+                raise ValueError(f"{device} matches {len(found)} of the node's GPUs ({listed})")
+            out.append(found[0])
+    return sorted(set(out))
+
+
+def _among(seen: list[str] | None, seen_count: int | None, ids: list[str]) -> tuple[list[str] | None, int]:
+    """``ids`` chosen among the devices an engine sees (``seen``: their ids on the node, None where
+    unknown; ``seen_count``: how many, None where any): an index picks from them, a UUID names a
+    device itself. Read as CUDA does, up to the first index out of range. The devices as node ids
+    (None: some are only an index into devices not named) and how many."""
+    out: list[str] = []
+    named = True
+    for item in ids:
+        if not item.isdigit():
+            out.append(item)
+            continue
+        index = int(item)
+        if seen is not None:
+            if index >= len(seen):
+                break
+            out.append(seen[index])
+        elif seen_count is not None:
+            if index >= seen_count:
+                break
+            named = False
+            out.append(item)
+        else:
+            out.append(item)  # nothing narrowed the node's devices: an index is the node's
+    out = list(dict.fromkeys(out))
+    return (out if named else None), len(out)
+
+
+class ArmGpus(BaseModel):
+    """The GPUs an arm's engine holds, as its launch says, and how that was decided: what its energy
+    sums (the devices, where named), its cost rents and its per-GPU figures divide by (the count)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    devices: list[str] | None = Field(
+        description="The GPUs as the node names them: nvidia-smi indexes ('0') or UUIDs ('GPU-...'); "
+        "None: the launch names no devices."
+    )
+    count: int | None = Field(
+        description="How many GPUs the arm holds: its devices, or the engine's parallel size; None: not "
+        "known (the experiment's hardware.gpu_count stands in)."
+    )
+    basis: GpuBasis
+    source: str = Field(description="What was read, e.g. \"engine.env CUDA_VISIBLE_DEVICES='0,1'\".")
+
+    def counted(self, uuids: Sequence[str | None] | None) -> tuple[list[int] | None, str | None]:
+        """The nvidia-smi indexes of the arm's GPUs on a node whose GPUs have ``uuids`` in index
+        order (None: not probed; indexes are then taken as written), or None (its energy is then
+        node-wide) and why."""
+        if self.devices is None:
+            return None, None
+        try:
+            return gpu_indexes(self.devices, uuids), None
+        except ValueError as exc:
+            return None, str(exc)
+
+    def params(self, uuids: Sequence[str | None] | None) -> dict[str, Any]:
+        """MLflow params ``gpus.*``: ``basis``, ``source``, ``count`` (where known), ``counted`` (the
+        indexes energy sums, or 'node-wide') and ``counted_note`` (why node-wide despite devices)."""
+        indexes, why = self.counted(uuids)
+        out: dict[str, Any] = {
+            "gpus.basis": self.basis,
+            "gpus.source": self.source,
+            "gpus.count": self.count,
+            "gpus.counted": ",".join(map(str, indexes)) if indexes is not None else "node-wide",
+            "gpus.counted_note": why,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class GpuRequest(BaseModel):
+    """What an arm's spec says of the GPUs its engine will hold, read at plan time;
+    :meth:`resolve` decides them, with k3pipe's environment where the engine inherits it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    starts_engine: bool = Field(description="k3pipe starts the engine (else: an endpoint's GPUs are unseen).")
+    launcher: int | list[str] | None = Field(description="The launcher's GPUs: node ids, a count, or None.")
+    visible: str | None = Field(description="CUDA_VISIBLE_DEVICES as the spec's engine.env sets it.")
+    inherits_env: bool = Field(description="The engine inherits k3pipe's environment (a local process).")
+    picks: list[str] | None = Field(description="Devices the engine's own arguments choose (index or UUID).")
+    picks_source: str | None = Field(description="Those arguments as written.")
+    parallel: int = Field(description="The engine's parallel size: the GPUs its ranks take on this node.")
+    parallel_source: str = Field(description="The sizes that give it, e.g. 'tensor_parallel_size 2'.")
+
+    def resolve(self, environ: Mapping[str, str] | None = None) -> ArmGpus:
+        """The arm's GPUs: the devices its launcher, ``CUDA_VISIBLE_DEVICES`` (the spec's, else
+        ``environ``'s where the engine inherits it) and its engine's device arguments name, each
+        choosing among those before; else the engine's parallel size as a count; node-wide for an
+        engine k3pipe does not start. ``environ`` (k3pipe's) also resolves ``{env.NAME}``."""
+        if not self.starts_engine:
+            return ArmGpus(
+                devices=None, count=None, basis="node-wide", source="an endpoint k3pipe does not start"
+            )
+        env = environ or {}
+        text, where = self.visible, "engine.env"
+        if text is None and self.inherits_env and VISIBLE_DEVICES in env:
+            text, where = env[VISIBLE_DEVICES], "k3pipe's environment"
+        notes: list[str] = []
+        written = text  # as the spec writes it: a reference's value is k3pipe's to resolve, not to record
+        if text is not None and env_references(text):
+            try:
+                text = resolve_env_references(text, env.get)
+            except UnsetVariable as exc:
+                notes.append(f"{where} {VISIBLE_DEVICES}={text} refers to {exc.name}, unset here")
+                text = None
+        seen: list[str] | None = None
+        seen_count: int | None = None
+        basis: GpuBasis | None = None
+        read: list[str] = []
+        if isinstance(self.launcher, list):
+            seen, seen_count, basis = list(self.launcher), len(self.launcher), "launcher.gpus"
+            read.append(f"launcher.gpus {','.join(self.launcher)}")
+        elif isinstance(self.launcher, int):
+            seen_count, basis = self.launcher, "launcher.gpus"
+            read.append(f"launcher.gpus {self.launcher} (a count)")
+        if text is not None:
+            seen, seen_count = _among(seen, seen_count, parse_visible_devices(text))
+            basis = "CUDA_VISIBLE_DEVICES"
+            read.append(f"{where} {VISIBLE_DEVICES}={written!r}")
+        if self.picks is not None:
+            seen, seen_count = _among(seen, seen_count, self.picks)
+            basis = "device arguments"
+            read.append(self.picks_source or "the engine's device arguments")
+        if basis is None:
+            return ArmGpus(
+                devices=None,
+                count=self.parallel,
+                basis="parallel size",
+                source="; ".join([self.parallel_source, *notes]),
+            )
+        if seen_count != self.parallel:
+            notes.append(f"the engine's parallel size is {self.parallel} ({self.parallel_source})")
+        return ArmGpus(
+            devices=seen, count=seen_count, basis=basis, source="; ".join([", then ".join(read), *notes])
+        )
+
+
+def gpu_request(engine: Engine, arm: ArmSpec, env: Mapping[str, str]) -> GpuRequest:
+    """What ``arm`` says of its GPUs (``env``: the engine's environment as the spec sets it)."""
+    parallel, parallel_source = engine.parallel_gpus(arm.engine.args)
+    picks = engine.device_picks(arm.engine.args)
+    return GpuRequest(
+        starts_engine=arm.launcher.starts_engine,
+        launcher=arm.launcher.gpu_request(),
+        visible=env.get(VISIBLE_DEVICES),
+        inherits_env=arm.launcher.inherits_env,
+        picks=picks[0] if picks else None,
+        picks_source=picks[1] if picks else None,
+        parallel=parallel,
+        parallel_source=parallel_source,
+    )
+
+
 class ArmPlan(BaseModel):
     """One arm, resolved: everything needed to launch it, reach it and record it."""
 
@@ -160,7 +373,11 @@ class ArmPlan(BaseModel):
     )
     hardware: HardwareSpec | None = Field(
         default=None,
-        description="The experiment's hardware: section (its GPU count and hour price: each cell's cost).",
+        description="The experiment's hardware: section (its hour price, and its GPU count where the "
+        "arm's is not known: each cell's cost).",
+    )
+    gpu_request: GpuRequest | None = Field(
+        default=None, description="What the spec says of the GPUs the engine holds (see gpus())."
     )
 
     # The client target: what the health gate's proof and the benchmark send to (the gateway's three
@@ -185,6 +402,13 @@ class ArmPlan(BaseModel):
     def client_continuous_usage(self) -> bool:
         """Whether requests ask for stream_options.continuous_usage_stats (the gateway's setting)."""
         return self.gateway.continuous_usage_stats if self.gateway else self.continuous_usage
+
+    def gpus(self, environ: Mapping[str, str] | None = None) -> ArmGpus:
+        """The GPUs the arm's engine holds (:meth:`GpuRequest.resolve`; ``environ``: k3pipe's own
+        environment, which a local engine inherits); node-wide for a plan made without a request."""
+        if self.gpu_request is None:
+            return ArmGpus(devices=None, count=None, basis="node-wide", source="not planned")
+        return self.gpu_request.resolve(environ)
 
     def engine_env(self) -> dict[str, str]:
         """The spec's environment plus the compile-cache variables k3pipe sets (a spec's own wins)."""
@@ -269,4 +493,5 @@ def plan_arm(
         compile_cache=_compile_cache(engine, arm, home, host_dirs, model_digests, env),
         client=exp.client,
         hardware=exp.hardware,
+        gpu_request=gpu_request(engine, arm, env),
     )

@@ -27,7 +27,7 @@ from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import timing_note
 from k3pipe.capacity import CapacityResult, Probe, summarize_searches
 from k3pipe.coldstart import ColdStart
-from k3pipe.cost import cell_cost, energy_metrics
+from k3pipe.cost import cell_cost, counted_label, energy_metrics
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
@@ -35,7 +35,7 @@ from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
 from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
 from k3pipe.observe import EngineLogFacts, phase_table, same_device
-from k3pipe.plan import ArmPlan
+from k3pipe.plan import ArmGpus, ArmPlan
 from k3pipe.preflight import hardware_mismatches
 from k3pipe.provenance import git_commit
 from k3pipe.runrecord import RECORD_FILE, PromptsRef, RunRecord, prompts_artifact, prompts_digest
@@ -225,6 +225,12 @@ class ArmRecorder:
         """The run as a value (from :meth:`log_plan` on), written as run_record.json by :meth:`finish`."""
         self.rerun_of: str | None = None
         self.drift: list[str] = []
+        self.gpus: ArmGpus = plan.gpus()
+        """The GPUs the arm's engine holds (set by :meth:`log_gpus`; till then the spec's alone)."""
+        self.gpus_counted: list[int] | None = self.gpus.counted(None)[0]
+        """The nvidia-smi indexes the energy sums (None: every GPU sampled, the node's)."""
+        self.node_gpus: int | None = None
+        self._gpus_logged = False
 
     def log_plan(
         self,
@@ -712,7 +718,11 @@ class ArmRecorder:
                 self.tracker.log_frame(
                     run_id, series_frame(outcome.scrapes, result.t_start), "engine_metrics.parquet"
                 )
-            costs = self._log_gpu_memory(run_id, outcome, metrics) | cell_cost(metrics, self.plan.hardware)
+            if not self._gpus_logged:
+                self.log_gpus(self.gpus, None)
+            costs = self._log_gpu_memory(run_id, outcome, metrics) | cell_cost(
+                metrics, self.plan.hardware, self.gpus.count
+            )
             self.tracker.log_metrics(run_id, costs)
             self.tracker.log_metrics(run_id, outcome.engine_metrics)
             self.tracker.log_metrics(run_id, {"client_engine_discrepancies": len(outcome.discrepancies)})
@@ -930,6 +940,24 @@ class ArmRecorder:
             self.tracker.log_text(self.run_id, node.topology, "node/nvidia-smi-topo.txt")
         self.tracker.log_dict(self.run_id, node.comm_env, "node/comm-env.json")
 
+    def log_gpus(self, gpus: ArmGpus, node: NodeInfo | None) -> None:
+        """The GPUs the arm's engine holds (``gpus``, placed on the node nvidia-smi listed, None
+        without it): params ``gpus.*`` and the tag ``k3pipe.gpus`` ('GPUs 0,1 of 8'). From here on
+        each workload's energy sums those GPUs' power where their indexes are known, and its cost
+        rents ``gpus.count`` GPUs. Call it before the workloads (a workload logs the spec's alone)."""
+        listed = [g.uuid for g in node.gpus] if node is not None else None
+        self.gpus = gpus
+        self.gpus_counted = gpus.counted(listed)[0]
+        self.node_gpus = len(listed) if listed is not None else None
+        self._gpus_logged = True
+        self.tracker.log_params(self.run_id, gpus.params(listed))
+        self.tracker.set_tags(self.run_id, {"k3pipe.gpus": self.gpus_label()})
+
+    def gpus_label(self) -> str:
+        """What this arm's energy and per-GPU figures count ('GPUs 0,1 of 8', 'node-wide: 8 GPUs')."""
+        fallback = self.plan.hardware.gpu_count if self.plan.hardware is not None else None
+        return counted_label(self.gpus.count, self.gpus_counted, self.gpus.basis, self.node_gpus, fallback)
+
     def log_nvidia_smi_after(self, report: str | None) -> None:
         """nvidia-smi's output after teardown (what the engine left behind); never raises."""
         if report is None:
@@ -942,8 +970,9 @@ class ArmRecorder:
     def _log_gpu_memory(
         self, run_id: str, outcome: WorkloadOutcome, metrics: Mapping[str, float]
     ) -> dict[str, float]:
-        """The GPU samples as gpu_memory.parquet, the peak memory, and the energy figures of
-        :func:`k3pipe.cost.energy_metrics` (returned, not logged)."""
+        """The GPU samples as gpu_memory.parquet (every GPU of the node), the peak memory, and the
+        energy figures of :func:`k3pipe.cost.energy_metrics` over the arm's GPUs (returned, not
+        logged; the run's tag ``k3pipe.energy_gpus`` says which GPUs they sum)."""
         if not outcome.gpu_memory:
             return {}
         result = outcome.result
@@ -951,7 +980,10 @@ class ArmRecorder:
         self.tracker.log_frame(run_id, frame, "gpu_memory.parquet")
         peak = max(s.memory_used_mib for s in outcome.gpu_memory)
         self.tracker.log_metrics(run_id, {"gpu_memory_used_mib_max": peak})
-        return energy_metrics(gpu_energy(outcome.gpu_memory, result.t_start, result.t_end), metrics)
+        energy = gpu_energy(outcome.gpu_memory, result.t_start, result.t_end, self.gpus_counted)
+        if energy is not None:
+            self.tracker.set_tags(run_id, {"k3pipe.energy_gpus": self.gpus_label()})
+        return energy_metrics(energy, metrics)
 
     def finish(self, status: str, error: BaseException | None = None, log_path: Path | None = None) -> None:
         """Close workload runs whose repeats did not all run, attach the engine log, its findings and

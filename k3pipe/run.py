@@ -335,7 +335,10 @@ class ArmRun:
             image = (self.image_source or self.steps.pull_image)(plan)
             recorder.log_image(image, plan)
         labels = {**self.labels, "k3pipe.mlflow_run_id": recorder.run_id}
-        recorder.log_node(self.steps.probe_node(plan, self.settings))
+        node = self.steps.probe_node(plan, self.settings)
+        recorder.log_node(node)
+        # a local engine inherits k3pipe's environment (its CUDA_VISIBLE_DEVICES among it)
+        recorder.log_gpus(plan.gpus(self.settings.process_env()), node)
         assert self.log_path is not None
         self.launcher = self.steps.start_engine(
             plan, self.log_path, self.settings, self.api_key, image, labels

@@ -460,7 +460,8 @@ class HardwareSpec(_Spec):
         le=MAX_GPU_HOUR_USD,
         description=(
             "What one accelerator costs an hour, in US dollars: each cell's cost per million tokens "
-            "is gpu_count x this x its measured window (None: no cost figures)."
+            "is the arm's GPUs (gpu_count where they are not known) x this x its measured window "
+            "(None: no cost figures)."
         ),
     )
 

@@ -11,7 +11,8 @@ It behaves as vLLM does where the tests look:
   itself, which k3pipe must keep out of every record. It also prints the sha256 of each, so that a
   test can prove what the engine received without the value being written anywhere;
 - ``SCRIPTED_ENGINE_FAIL_AFTER=N``: the chat requests after the first N answer 500 with an error
-  body that echoes the request's Authorization header (a gateway that echoes its headers).
+  body that echoes the request's Authorization header (a gateway that echoes its headers);
+- ``SCRIPTED_ENGINE_INTER_TOKEN_S=S``: S seconds between token chunks (default none: a TPOT of 0).
 
 Run as ``python tests/scripted_engine.py ...``; SIGTERM ends it (k3pipe stops its process group).
 """
@@ -54,11 +55,12 @@ def main() -> None:
         print(f"scripted engine: environment {name}={value} sha256={_sha(value)}", flush=True)
 
     fail_after = int(os.environ.get("SCRIPTED_ENGINE_FAIL_AFTER", "-1"))
+    inter_token_s = float(os.environ.get("SCRIPTED_ENGINE_INTER_TOKEN_S", "0"))
 
     def script(received: Received) -> Script:
         if 0 <= fail_after <= received.index:
             return Script(status=500, echo_auth_in_error=True)
-        return Script()
+        return Script(inter_token_s=inter_token_s)
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

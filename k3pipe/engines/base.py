@@ -47,6 +47,7 @@ __all__ = [
     "Severity",
     "is_secret_name",
     "load_flag_table",
+    "parallel_product",
     "plain_int",
     "render_args",
 ]
@@ -249,6 +250,18 @@ def plain_int(value: Any) -> int:
     return int(str(value).strip())
 
 
+def parallel_product(sizes: Mapping[str, int]) -> tuple[int, str]:
+    """The product of an engine's parallel sizes and how it was made: the sizes above 1, named
+    (``{'tensor_parallel_size': 2, 'pipeline_parallel_size': 1}`` -> ``(2, 'tensor_parallel_size
+    2')``); the first size alone where every one is 1."""
+    count = 1
+    for size in sizes.values():
+        count *= size
+    named = [f"{name} {size}" for name, size in sizes.items() if size != 1]
+    first = next(iter(sizes.items()), ("parallel size", 1))
+    return count, " x ".join(named) or f"{first[0]} {first[1]}"
+
+
 class MetricWindow(Protocol):
     """The engine's ``/metrics`` over one workload window, as :meth:`Engine.speculation_figures`
     reads it (built by :func:`k3pipe.metrics.engine_side_summary`)."""
@@ -447,6 +460,37 @@ class Engine:
 
     def decode_context_parallel_size(self, args: Mapping[str, Any]) -> int:
         return self._size(args, self.dcp_arg)
+
+    def parallel_gpus(self, args: Mapping[str, Any]) -> tuple[int, str]:
+        """How many of the node's GPUs the engine's ranks take by its parallel sizes, and the product
+        that gives it ('tensor_parallel_size 2 x pipeline_parallel_size 2'): the arm's GPU count where
+        its launch names no devices. Default: tensor x pipeline parallel."""
+        return parallel_product(
+            {self.tp_arg: self.tensor_parallel_size(args), self.pp_arg: self.pipeline_parallel_size(args)}
+        )
+
+    def _per_node(self, args: Mapping[str, Any], count: int, text: str) -> tuple[int, str]:
+        """``count`` ranks spread over ``nnodes`` nodes (both engines' flag): this node's share."""
+        nodes = self._size(args, "nnodes")
+        if nodes > 1 and count % nodes == 0:
+            return count // nodes, f"({text}) / nnodes {nodes}"
+        return count, text
+
+    def _device_list(self, args: Mapping[str, Any], name: str) -> tuple[list[str], str] | None:
+        """A comma-separated (or list) argument of device ids, and how it was written."""
+        found = self.arg(args, name)
+        if found is None or found[1] is None or found[1] is False:
+            return None
+        key, value = found
+        items = value if isinstance(value, list | tuple) else str(value).split(",")
+        ids = [str(v).strip() for v in items if str(v).strip()]
+        return (ids, f"engine.args.{key}={','.join(ids)}") if ids else None
+
+    def device_picks(self, args: Mapping[str, Any]) -> tuple[list[str], str] | None:
+        """The devices the engine's own arguments choose among those it sees (an index into them, or
+        a UUID), and those arguments as written; None where they choose none (the engine then takes
+        the first of the devices it sees, as many as :meth:`parallel_gpus`)."""
+        return None
 
     def context_length(self, args: Mapping[str, Any]) -> int | None:
         """The declared context length (None: taken from the model); ValueError if unparseable."""

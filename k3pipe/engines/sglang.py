@@ -13,7 +13,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar
 
-from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
+from k3pipe.engines.base import (
+    ArmContext,
+    Engine,
+    Finding,
+    MetricWindow,
+    Rule,
+    parallel_product,
+    plain_int,
+)
 from k3pipe.observe import KERNEL_CONFIG_DEVICE, UNTUNED_KERNEL, LogFormat, LogLine, LogPatterns, PhasePattern
 
 __all__ = ["ENGINE", "SGLangEngine", "human_readable_int"]
@@ -227,6 +235,40 @@ class SGLangEngine(Engine):
 
     def parse_int(self, value: Any) -> int:
         return human_readable_int(value)
+
+    def _dp_attention(self, args: Mapping[str, Any]) -> bool:
+        found = self.arg(args, "enable_dp_attention")
+        return found is not None and (found[1] is True or str(found[1]).lower() in ("true", "1"))
+
+    def parallel_gpus(self, args: Mapping[str, Any]) -> tuple[int, str]:
+        """tensor x pipeline parallel x data parallel replicas (``dp_size``; with
+        ``enable_dp_attention`` the DP ranks are the TP ranks and add none), over ``nnodes``."""
+        sizes = {self.tp_arg: self.tensor_parallel_size(args), self.pp_arg: self.pipeline_parallel_size(args)}
+        dp = self._size(args, "dp_size")
+        if not self._dp_attention(args):
+            sizes["dp_size"] = dp
+        count, text = parallel_product(sizes)
+        if dp > 1 and self._dp_attention(args):
+            text += f" (dp_size {dp} inside it: enable_dp_attention)"
+        return self._per_node(args, count, text)
+
+    def device_picks(self, args: Mapping[str, Any]) -> tuple[list[str], str] | None:
+        """``base_gpu_id`` and ``gpu_id_step``: rank k on device base + k x step of those visible.
+        Only where a step other than 1 meets tensor parallelism alone: with pipeline or data
+        parallel ranks SGLang lays them out otherwise (None then: the count stands)."""
+        base_arg, step_arg = self.arg(args, "base_gpu_id"), self.arg(args, "gpu_id_step")
+        if base_arg is None and step_arg is None:
+            return None
+        try:
+            base = self.int_arg(args, "base_gpu_id") or 0
+            step = self.int_arg(args, "gpu_id_step") or 1
+        except ValueError:
+            return None
+        count, _ = self.parallel_gpus(args)
+        if step != 1 and count != self.tensor_parallel_size(args):
+            return None
+        written = ", ".join(f"engine.args.{f[0]}={f[1]}" for f in (base_arg, step_arg) if f is not None)
+        return [str(base + k * step) for k in range(count)], written
 
     def model_references(self, args: Mapping[str, Any]) -> list[tuple[str, str]]:
         """``--speculative-draft-model-path`` (server_args.py), a directory or a hub id."""

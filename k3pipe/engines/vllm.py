@@ -21,7 +21,15 @@ from functools import cache
 from importlib import resources
 from typing import Any, ClassVar
 
-from k3pipe.engines.base import ArmContext, Engine, Finding, MetricWindow, Rule, plain_int
+from k3pipe.engines.base import (
+    ArmContext,
+    Engine,
+    Finding,
+    MetricWindow,
+    Rule,
+    parallel_product,
+    plain_int,
+)
 from k3pipe.kvpool import kv_layout
 from k3pipe.observe import KERNEL_CONFIG_DEVICE, UNTUNED_KERNEL, LogFormat, LogLine, LogPatterns, PhasePattern
 
@@ -306,6 +314,26 @@ class VLLMEngine(Engine):
 
     def parse_int(self, value: Any) -> int:
         return human_readable_int(value)
+
+    def parallel_gpus(self, args: Mapping[str, Any]) -> tuple[int, str]:
+        """tensor x pipeline x prefill-context parallel (config/parallel.py: world_size) x data
+        parallel (``data_parallel_size_local`` where given: this node's ranks), over ``nnodes``;
+        decode context and expert parallelism reuse those ranks and add none."""
+        sizes = {
+            self.tp_arg: self.tensor_parallel_size(args),
+            self.pp_arg: self.pipeline_parallel_size(args),
+            "prefill_context_parallel_size": self._size(args, "prefill_context_parallel_size"),
+        }
+        if self.arg(args, "data_parallel_size_local") is not None:
+            sizes["data_parallel_size_local"] = self._size(args, "data_parallel_size_local")
+            return parallel_product(sizes)
+        sizes["data_parallel_size"] = self._size(args, "data_parallel_size")
+        return self._per_node(args, *parallel_product(sizes))
+
+    def device_picks(self, args: Mapping[str, Any]) -> tuple[list[str], str] | None:
+        """``device_ids`` (0.32: physical ids or UUIDs; integers index into CUDA_VISIBLE_DEVICES
+        where it is set, engine/arg_utils.py _resolve_device_ids)."""
+        return self._device_list(args, "device_ids")
 
     def context_length(self, args: Mapping[str, Any]) -> int | None:
         found = self.arg(args, self.context_length_arg)

@@ -195,6 +195,14 @@ class LauncherSpecBase(BaseModel):
     """A run that ended without its teardown (a killed worker) can leave this kind's engine behind:
     the flow reaps such leftovers before it launches."""
     command_heading: ClassVar[str] = "command"
+    inherits_env: ClassVar[bool] = False
+    """The engine inherits k3pipe's own environment under the spec's (a local process): a
+    CUDA_VISIBLE_DEVICES exported where k3pipe runs is the engine's too."""
+
+    def gpu_request(self) -> int | list[str] | None:
+        """The GPUs the launcher itself gives the engine: their ids on the node, a count, or None
+        (it does not choose them)."""
+        return None
 
     def arm_problem(self, engine: EngineFacts, endpoint: EndpointFacts) -> str | None:
         """Why an arm with this engine and endpoint cannot run on this launcher (None: it can)."""
@@ -252,6 +260,7 @@ class ProcessLauncherSpec(LauncherSpecBase):
     )
 
     probes_interpreter: ClassVar[bool] = True
+    inherits_env: ClassVar[bool] = True
 
     @field_validator("cpus")
     @classmethod
@@ -388,6 +397,9 @@ class DockerLauncherSpec(LauncherSpecBase):
 
     def cache_factors(self, engine: EngineFacts) -> dict[str, Any]:
         return {"executable": None, "image": engine.image}
+
+    def gpu_request(self) -> int | list[str] | None:
+        return self.gpus
 
     def engine_cache_dir(self, host_dir: str, engine_mount: str) -> str:
         return engine_mount
@@ -537,6 +549,9 @@ class GpustackLauncherSpec(LauncherSpecBase):
     def binding(self, default_port: int, served_name: str | None) -> Binding:
         # GPUStack assigns the port and serves the model under the deployment's name
         return Binding(self.host, PORT, MODEL_NAME)
+
+    def gpu_request(self) -> int | list[str] | None:
+        return [str(i) for i in self.gpus] if self.gpus is not None else None
 
     def deployment(self, experiment: str, arm: str) -> str:
         """The deployment's name: the model id of requests through the gateway."""

@@ -838,14 +838,14 @@ def _claims(
 
 def _pareto(data: StudyData) -> list[ParetoPoint]:
     """Per ladder and arm, each point's tokens per second per user (1000 / TPOT p50) and per GPU
-    (output throughput / the experiment's GPU count, 1 when it names none), and the arm's front."""
-    gpus = data.gpus or 1
+    (output throughput / the arm's GPUs, :meth:`StudyData.per_gpu`), and the arm's front."""
     out: list[ParetoPoint] = []
     groups: dict[tuple[str, str], list[CellData]] = {}
     for c in data.cells:
         if c.ladder and c.ladder_point is not None:
             groups.setdefault((c.ladder, c.arm), []).append(c)
     for (ladder, arm), cells in groups.items():
+        gpus, _ = data.per_gpu(arm)
         pts = []
         for c in sorted(cells, key=lambda c: c.ladder_point or 0.0):
             tpot, tps = c.mean("tpot_ms_p50"), c.mean("output_throughput_tps")

@@ -12,6 +12,7 @@ import pandas as pd
 from pydantic import BaseModel, Field
 
 from k3pipe.compare import find_run, workload_values
+from k3pipe.cost import counted_label
 from k3pipe.errors import ArtifactMissingError, TrackingError
 from k3pipe.node import hardware_label
 from k3pipe.priors import (
@@ -32,6 +33,7 @@ __all__ = [
     "PRIME_TAG",
     "STUDY_KIND",
     "ArmData",
+    "ArmGpusData",
     "CellData",
     "LaunchPart",
     "StudyData",
@@ -208,6 +210,17 @@ class CellData(BaseModel):
         return f"{self.load} at {self.rate_rps:g} req/s" if self.rate_rps else self.load
 
 
+class ArmGpusData(BaseModel):
+    """The GPUs an arm's energy and per-GPU figures count, as its run recorded them (``gpus.*``)."""
+
+    count: int | None = Field(default=None, description="The arm's GPUs (per GPU, cost); None: unknown.")
+    counted: list[int] | None = Field(
+        default=None, description="The nvidia-smi indexes its energy sums; None: the node's every GPU."
+    )
+    basis: str = Field(default="node-wide", description="How they were decided (gpus.basis).")
+    node: int | None = Field(default=None, description="The GPUs nvidia-smi listed (node.gpu_count).")
+
+
 class ArmData(BaseModel):
     """An arm's own run: how it ended, its cold start and what its engine said."""
 
@@ -245,6 +258,9 @@ class ArmData(BaseModel):
     node: str | None = Field(
         default=None,
         description="The node as restart noise is kept for it (k3pipe.priors): its GPUs, else its host name.",
+    )
+    gpus: ArmGpusData | None = Field(
+        default=None, description="The GPUs the arm held (None: a run recorded before gpus.* params)."
     )
 
 
@@ -284,13 +300,29 @@ class StudyData(BaseModel):
         default=0, description="Arm runs of unfinished launches a resume ran again (not in the report)."
     )
     gpus: int | None = Field(
-        default=None, description="GPUs an arm runs on, from the experiment's hardware (per-GPU figures)."
+        default=None,
+        description="The experiment's hardware.gpu_count: per-GPU figures of an arm whose own is unknown.",
     )
     kept_workloads: int = Field(
         default=0,
         description="Workloads such a launch had finished cleanly, kept by the resume (measured on the "
         "earlier engine start, their runs moved under the launch's new run).",
     )
+
+    def per_gpu(self, arm: str) -> tuple[int, str]:
+        """What ``arm``'s per-GPU figures divide by, and what its energy and per-GPU figures count in
+        words ('GPUs 0,1 of 8', 'node-wide: 8 GPUs'): its own GPU count where its run recorded one,
+        else the experiment's hardware.gpu_count, else the node's, else 1 (said so)."""
+        first = next((a for a in self.arms + self.primed if a.name == arm), None)
+        own = first.gpus if first is not None else None
+        if own is not None and own.count is not None and own.basis != "node-wide":
+            label = counted_label(own.count, own.counted, own.basis, own.node, self.gpus)
+            # an engine that holds no GPU (CUDA_VISIBLE_DEVICES=''): its figures are the engine's
+            return (own.count, label) if own.count else (1, f"{label}: per engine, not per GPU")
+        n = self.gpus or (own.node if own is not None else None)
+        if not n:
+            return 1, "1 GPU assumed (no hardware given)"
+        return n, counted_label(None, None, None, None, n)
 
     def cell(self, arm: str, workload: str) -> CellData | None:
         return next((c for c in self.cells if c.arm == arm and c.workload == workload), None)
@@ -344,6 +376,21 @@ def _float(params: dict[str, str], key: str) -> float | None:
         return None
 
 
+def _gpus(params: dict[str, str]) -> ArmGpusData | None:
+    """The arm's ``gpus.*`` params (None: none recorded)."""
+    if "gpus.basis" not in params:
+        return None
+    counted = params.get("gpus.counted", "node-wide")
+    count = _float(params, "gpus.count")
+    node = _float(params, "node.gpu_count")
+    return ArmGpusData(
+        count=int(count) if count is not None else None,
+        counted=[int(i) for i in counted.split(",") if i] if counted != "node-wide" else None,
+        basis=params["gpus.basis"],
+        node=int(node) if node is not None else None,
+    )
+
+
 def _values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
     # a workload of repeats must have its repeats.json read, never its means taken for one repeat
     return workload_values(tracker, run)
@@ -358,6 +405,7 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         hardware=hardware,
         model=model_identity(params),
         node=node_of(params),
+        gpus=_gpus(run.data.params),
         name=tags.get("k3pipe.arm", run.info.run_name),
         engine=tags.get("k3pipe.engine", "?"),
         run_id=run.info.run_id,

@@ -538,7 +538,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
                 "not decoding (the engine's own figures are in the arm's MLflow run); such a cell is not "
                 "ranked.",
                 results,
-                *filter(None, [_rough_energy(data)]),
+                *filter(None, [_gpu_basis(data), _rough_energy(data)]),
             ],
         )
     )
@@ -609,7 +609,8 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
 
     ladders = _ladder_runs(data)
     if analysis.pareto:
-        gpus = f"{data.gpus} GPU(s), the experiment's hardware" if data.gpus else "1 GPU (no hardware given)"
+        arms = list(dict.fromkeys(pt.arm for pt in analysis.pareto))
+        gpus = "over each arm's own GPUs: " + "; ".join(f"{a}: {data.per_gpu(a)[1]}" for a in arms)
         front = Table(
             ["ladder", "arm", "load", "tok/s per user", "output tok/s per GPU", "on the arm's front"], []
         )
@@ -745,6 +746,20 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
 
 MIN_POWER_SAMPLES = 5
 """Fewer GPU power samples than this inside a cell's window: its energy figures are marked rough."""
+
+
+def _gpu_basis(data: StudyData) -> str | None:
+    """Which GPUs each arm's energy and dollars count, where the study has either (None otherwise):
+    an arm's own GPUs, not every board of the node."""
+    if not any(c.values.get(k) for c in data.cells for k in ("gpu_energy_j", "cell_usd")):
+        return None
+    listed = "; ".join(f"{a}: {data.per_gpu(a)[1]}" for a in data.arm_names)
+    return (
+        f"GPU energy and dollars count each arm's own GPUs ({listed}). The energy sums the power of "
+        "the GPUs its launch names (CUDA_VISIBLE_DEVICES, the engine's device arguments, the "
+        "launcher's GPUs); where only their count is known (the engine's parallel size) the dollars "
+        "take the count and the energy is the node's, as said."
+    )
 
 
 def _rough_energy(data: StudyData) -> str | None:

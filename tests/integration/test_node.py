@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from k3pipe.coldstart import read_cold_start
 from k3pipe.experiment import parse_experiment
@@ -42,9 +43,14 @@ TOPO = REPO / "tests" / "fixtures" / "node" / "nvidia-smi-topo-8gpu.txt"
 QUERY = "NVIDIA H200, 143771 MiB, 580.159.04"  # what the node's query answered
 
 
+def fake_uuid(index: int) -> str:
+    """The UUID the fake nvidia-smi gives GPU ``index``."""
+    return f"GPU-{index:08x}-5eed-4a1b-9c0d-e1f2a3b4c5d6"
+
+
 def fake_nvidia_smi(bin_dir: Path, gpus: int = 1, topo: bool = True) -> Path:
     """An ``nvidia-smi`` answering as the GPU node's did; memory.used grows by 1000 MiB a call, GPU i
-    draws 300 + 100 i W;
+    draws 300 + 100 i W and has the UUID :func:`fake_uuid` (i);
     ``topo -m`` prints an 8-GPU NVSwitch matrix (``topo``) or fails as an unknown command."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     counter = bin_dir / "calls"
@@ -59,6 +65,10 @@ case "$*" in
     n=$(cat {counter}); n=$((n + 1)); echo $n > {counter}
     i=0; while [ $i -lt {gpus} ]; do
       echo "$((n * 1000 + i)) MiB, $((300 + 100 * i)).00 W"; i=$((i + 1))
+    done ;;
+  *--query-gpu=index,uuid*)
+    i=0; while [ $i -lt {gpus} ]; do
+      printf '%d, GPU-%08x-5eed-4a1b-9c0d-e1f2a3b4c5d6\\n' $i $i; i=$((i + 1))
     done ;;
   "") grep -v '^#' {H200} ;;
   "topo -m") {"grep -v '^#' " + str(TOPO) if topo else "exit 6"} ;;
@@ -361,7 +371,8 @@ def test_a_node_unlike_the_experiments_hardware_is_a_finding_of_the_report(
 
 def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Path) -> None:
     """Memory, power and the energy per token (300 W for the workload's window), and with a price in
-    hardware: the dollars."""
+    hardware: the dollars, of the one GPU the arm's engine takes (its tensor_parallel_size, 1 by
+    default), not the experiment's 8."""
     rec = recorder(tracker, tmp_path)
     rec.plan = rec.plan.model_copy(
         update={
@@ -369,6 +380,13 @@ def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Pa
                 gpu_name="NVIDIA H200", gpu_count=8, gpu_memory_gib=140, gpu_hour_usd=3.6
             )
         }
+    )
+    rec.log_gpus(rec.plan.gpus({}), probe_node([sys.executable], "vllm", {"PATH": "/usr/bin:/bin"}))
+    params = tracker.client.get_run(rec.run_id).data.params
+    assert (params["gpus.basis"], params["gpus.count"], params["gpus.counted"]) == (
+        "parallel size",
+        "1",
+        "node-wide",
     )
     workload = WorkloadSpec(name="w", input_tokens=8, output_tokens=4, num_requests=2, warmup_requests=0)
     with GpuMemorySampler(0.1) as sampler:
@@ -388,9 +406,11 @@ def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Pa
     assert metrics["gpu_energy_j"] == pytest.approx(300.0 * window)
     tokens = metrics["output_tokens_total"]
     assert metrics["energy_j_per_output_token"] == pytest.approx(300.0 * window / tokens)
-    # 8 GPUs at $3.60 an hour: 0.8 cents a second
-    assert metrics["cell_usd"] == pytest.approx(0.008 * window)
-    assert metrics["usd_per_m_output_tokens"] == pytest.approx(0.008 * window / tokens * 1e6)
+    # its energy is the node's (one GPU here): only a count is known, no device
+    assert run.data.tags["k3pipe.energy_gpus"] == "1 GPU by parallel size (energy node-wide: 1 GPU)"
+    # 1 GPU at $3.60 an hour: 0.1 cents a second
+    assert metrics["cell_usd"] == pytest.approx(0.001 * window)
+    assert metrics["usd_per_m_output_tokens"] == pytest.approx(0.001 * window / tokens * 1e6)
     # the arm's overview repeats the two figures a team compares
     arm = tracker.client.get_run(rec.run_id).data.metrics
     assert arm["w.energy_j_per_output_token"] == pytest.approx(metrics["energy_j_per_output_token"])
@@ -403,6 +423,125 @@ def test_workload_gpu_memory_in_mlflow(smi: Path, tracker: Tracker, tmp_path: Pa
     assert "energy_j_per_output_token" not in bare_metrics
     assert "usd_per_m_output_tokens" in bare_metrics  # the price needs no GPU
     assert "gpu_memory.parquet" not in {a.path for a in tracker.client.list_artifacts(bare)}
+
+
+def test_uuids_place_the_arms_gpus_on_the_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-smi's index,uuid list, read with the node's facts, places a CUDA_VISIBLE_DEVICES of
+    UUIDs (or unique prefixes of them) on their indexes; one the node lacks leaves the energy
+    node-wide, and the run says why."""
+    script = fake_nvidia_smi(tmp_path / "bin4", gpus=4)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    node = probe_node(["python3"], "vllm")
+    assert node is not None
+    assert [g.uuid for g in node.gpus] == [fake_uuid(i) for i in range(4)]
+    visible = f"{fake_uuid(3)},{fake_uuid(1)[:12]}"
+    spec = parse_experiment(demo_experiment(8999))
+    arm = spec.arms[0]
+    arm = arm.model_copy(
+        update={"engine": arm.engine.model_copy(update={"env": {"CUDA_VISIBLE_DEVICES": visible}})}
+    )
+    gpus = plan_arm(spec, arm, tmp_path).gpus()
+    assert gpus.counted([g.uuid for g in node.gpus]) == ([1, 3], None)
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
+    rec = ArmRecorder(tracker, plan_arm(spec, arm, tmp_path))
+    rec.log_gpus(gpus, node)
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.params["gpus.counted"] == "1,3"
+    assert run.data.params["gpus.basis"] == "CUDA_VISIBLE_DEVICES"
+    assert run.data.tags["k3pipe.gpus"] == "GPUs 1,3 of 4"
+    elsewhere = ArmRecorder(tracker, plan_arm(spec, arm, tmp_path))
+    elsewhere.log_gpus(gpus, node.model_copy(update={"gpus": node.gpus[:2]}))
+    params = tracker.client.get_run(elsewhere.run_id).data.params
+    assert (params["gpus.counted"], params["gpus.count"]) == ("node-wide", "2")
+    assert params["gpus.counted_note"] == f"{fake_uuid(3)} matches 0 of the node's GPUs (2 GPUs listed)"
+
+
+def test_two_arms_get_the_energy_and_per_gpu_figures_of_their_own_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A study of two arms on a node of four fake GPUs (GPU i draws 300 + 100 i W): 'one' holds GPU 3
+    (CUDA_VISIBLE_DEVICES=3), 'two' GPUs 0 and 1 (by UUID, one written as a prefix). Each launches
+    the scripted engine as a local process and runs a two-point ladder; each point's energy is its
+    own GPUs' draw (600 W, 700 W, not the node's 1800 W) over its window, its dollars its own count
+    of GPUs, and the report's tokens per GPU divide by that count and say which GPUs they are."""
+    from k3pipe.jobs.steps import Job
+    from k3pipe.jobs.study import study
+    from k3pipe.params import RunRequest
+    from k3pipe.report import build_report
+    from tests.conftest import TINY_MODEL, free_port
+    from tests.integration.test_secrets import ENGINE_SCRIPT
+
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
+    script = fake_nvidia_smi(tmp_path / "bin", gpus=4)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    visible = {"one": "3", "two": f"{fake_uuid(0)},{fake_uuid(1)[:12]}"}
+    experiment = {
+        "name": "own-gpus",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "hardware": {"gpu_name": "NVIDIA H200", "gpu_count": 4, "gpu_memory_gib": 140, "gpu_hour_usd": 3.6},
+        "arms": [
+            {
+                "name": name,
+                "engine": {
+                    "kind": "vllm",
+                    "executable": [sys.executable, str(ENGINE_SCRIPT)],
+                    "env": {"CUDA_VISIBLE_DEVICES": devices, "SCRIPTED_ENGINE_INTER_TOKEN_S": "0.05"},
+                    "args": {"tensor_parallel_size": len(devices.split(","))},
+                },
+                "launcher": {"kind": "process", "port": free_port(), "startup_timeout_s": 120},
+                "endpoint": {"model": "scripted"},
+            }
+            for name, devices in visible.items()
+        ],
+        "workloads": [
+            # tokens 50 ms apart: a TPOT to place each point by (at a few ms, small writes on a kept-alive
+            # connection wait for the 40-ms delayed ACK and arrive as one)
+            {"name": "lad", "input_tokens": 16, "output_tokens": 4, "num_requests": 4, "warmup_requests": 0,
+             "ladder": {"over": "concurrency", "points": [1, 2]}}
+        ],
+    }  # fmt: skip
+    exp = tmp_path / "own-gpus.yaml"
+    exp.write_text(yaml.safe_dump(experiment))
+    job = Job.library(Settings())
+    result = study(RunRequest(experiment=str(exp)), job)
+
+    gpus = {"one": 1, "two": 2}
+    watts = {"one": 600.0, "two": 300.0 + 400.0}
+    labels = {"one": "GPU 3 of 4", "two": "GPUs 0,1 of 4"}
+    tps: dict[tuple[str, float], float] = {}
+    for arm in result.arms:
+        assert arm.status == "FINISHED", arm.error
+        run = job.tracker.client.get_run(arm.mlflow_run_id)
+        counted = {"one": "3", "two": "0,1"}[arm.arm]
+        assert (run.data.params["gpus.counted"], run.data.params["gpus.count"]) == (
+            counted,
+            str(gpus[arm.arm]),
+        )
+        assert run.data.params["gpus.basis"] == "CUDA_VISIBLE_DEVICES"
+        assert run.data.tags["k3pipe.gpus"] == labels[arm.arm]
+        points = job.tracker.children(arm.mlflow_run_id)
+        assert len(points) == 2
+        for point in points:
+            m = point.data.metrics
+            assert point.data.tags["k3pipe.energy_gpus"] == labels[arm.arm]
+            assert m["gpu_power_w_mean"] == pytest.approx(watts[arm.arm])
+            assert m["gpu_energy_j"] == pytest.approx(watts[arm.arm] * m["duration_s"])
+            assert m["cell_usd"] == pytest.approx(3.6 * gpus[arm.arm] * m["duration_s"] / 3600)
+            tps[(arm.arm, float(point.data.tags["k3pipe.ladder_point"]))] = m["output_throughput_tps"]
+        # the node's every GPU is still in the series, for whoever reads it
+        local = job.tracker.client.download_artifacts(
+            points[0].info.run_id, "gpu_memory.parquet", str(tmp_path)
+        )
+        assert set(pd.read_parquet(local)["gpu"]) == {0, 1, 2, 3}
+
+    report = build_report(job.tracker, result.study_run_id)
+    per_gpu = {(p.arm, p.point): p.per_gpu_tps for p in report.analysis.pareto}
+    assert per_gpu == pytest.approx({key: value / gpus[key[0]] for key, value in tps.items()})
+    assert "over each arm's own GPUs: one: GPU 3 of 4; two: GPUs 0,1 of 4" in report.markdown
+    assert "GPU energy and dollars count each arm's own GPUs (one: GPU 3 of 4; two: GPUs 0,1 of 4)" in (
+        report.markdown
+    )
 
 
 def test_cold_start_in_mlflow(tracker: Tracker, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from k3pipe.cost import cell_cost, energy_metrics
+from k3pipe.cost import cell_cost, counted_label, energy_metrics
 from k3pipe.node import GpuMemorySample, gpu_energy, parse_memory_query
 from k3pipe.specs import HardwareSpec
 
@@ -54,6 +54,33 @@ def test_gpus_add_up_and_missing_power_is_left_out() -> None:
     assert energy.gpus == 2
     assert gpu_energy(no_power, 0.0, 10.0) is None
     assert gpu_energy(two, 5.0, 5.0) is None  # a window of no length
+
+
+def test_an_arms_energy_is_its_own_gpus_share() -> None:
+    """Four GPUs sampled together, each at its own known draw (one ramping, one without readings):
+    an arm's energy is exactly the integral of its GPUs' samples alone, the idle boards beside it
+    left out, and the node's is the sum over every GPU."""
+    rng = np.random.default_rng(3)
+    t = np.sort(np.concatenate(([0.0, 20.0], rng.uniform(0.0, 20.0, 23))))  # uneven, around the window
+    watts = {0: np.full(t.size, 90.0), 1: 200.0 + 10.0 * t, 2: np.full(t.size, 650.0)}
+    node = [s for gpu, w in watts.items() for s in samples(gpu, t, w)]
+    node += [GpuMemorySample(float(x), 3, 1000, None) for x in t]  # a board that reports no power
+    mine = gpu_energy(node, 2.0, 18.0, gpus=[1, 2])
+    alone = gpu_energy(samples(1, t, watts[1]) + samples(2, t, watts[2]), 2.0, 18.0)
+    assert mine is not None
+    assert alone is not None
+    assert mine == alone
+    # over 2..18 s GPU 1 ramps from 220 to 380 W (linear: exact between samples), GPU 2 holds 650 W
+    assert mine.joules == pytest.approx(16.0 * (300.0 + 650.0))
+    assert mine.gpus == 2
+    assert mine.samples == 2 * int(np.sum((t >= 2.0) & (t <= 18.0)))
+    whole = gpu_energy(node, 2.0, 18.0)
+    assert whole is not None
+    assert whole.joules == pytest.approx(mine.joules + 16.0 * 90.0)
+    assert whole.gpus == 3
+    # a GPU that reports no power leaves nothing to count; an arm of no GPU draws nothing here
+    assert gpu_energy(node, 2.0, 18.0, gpus=[3]) is None
+    assert gpu_energy(node, 2.0, 18.0, gpus=[]) is None
 
 
 @pytest.mark.parametrize("interval_s", [0.25, 1.0, 2.0])
@@ -122,6 +149,34 @@ def test_dollars_per_million_tokens() -> None:
     assert cell_cost({**metrics, "duration_s": 0.0}, hardware(3.5)) == {}
     # a window with no output: its cost, no figure per token
     assert set(cell_cost({"duration_s": 10.0, "output_tokens_total": 0.0}, hardware(3.5))) == {"cell_usd"}
+
+
+def test_the_cost_rents_the_arms_gpus_not_the_nodes() -> None:
+    """A two-GPU arm on the experiment's eight-GPU node: a quarter of the node's price for the same
+    window and tokens; the experiment's count where the arm's is not known; nothing for an arm that
+    holds no GPU."""
+    metrics = {"duration_s": 360.0, "output_tokens_total": 1_400_000.0, "input_tokens_total": 5_600_000.0}
+    node = cell_cost(metrics, hardware(3.5, gpus=8))
+    arm = cell_cost(metrics, hardware(3.5, gpus=8), gpus=2)
+    assert arm["cell_usd"] == pytest.approx(3.5 * 2 * 0.1)
+    assert arm["usd_per_m_output_tokens"] == pytest.approx(node["usd_per_m_output_tokens"] / 4)
+    assert arm["usd_per_m_tokens"] == pytest.approx(node["usd_per_m_tokens"] / 4)
+    assert cell_cost(metrics, hardware(3.5, gpus=8), gpus=None) == node
+    assert cell_cost(metrics, hardware(3.5, gpus=8), gpus=0) == {}
+
+
+def test_what_an_arms_figures_count_in_words() -> None:
+    assert counted_label(2, [0, 1], "CUDA_VISIBLE_DEVICES", 8) == "GPUs 0,1 of 8"
+    assert counted_label(1, [3], "device arguments", None) == "GPU 3"
+    assert counted_label(2, None, "parallel size", 8) == "2 GPUs by parallel size (energy node-wide: 8 GPUs)"
+    assert (
+        counted_label(2, None, "parallel size", None, 4)
+        == "2 GPUs by parallel size (energy node-wide: 4 GPUs)"
+    )
+    assert counted_label(None, None, "node-wide", 8, 4) == "node-wide: 8 GPUs"
+    assert counted_label(None, None, None, None, 1) == "node-wide: 1 GPU"
+    assert counted_label(None, None, "node-wide", None) == "node-wide (GPU count unknown)"
+    assert counted_label(0, [], "CUDA_VISIBLE_DEVICES", 8) == "no GPU (by CUDA_VISIBLE_DEVICES)"
 
 
 def test_cost_is_the_reciprocal_of_throughput() -> None:

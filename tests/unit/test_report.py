@@ -17,7 +17,7 @@ import pytest
 from k3pipe import stats
 from k3pipe.capacity import CapacityResult, CapacitySearch, capacity_estimate
 from k3pipe.report.analysis import analyse
-from k3pipe.report.collect import ArmData, CellData, StudyData
+from k3pipe.report.collect import ArmData, ArmGpusData, CellData, StudyData
 from k3pipe.report.steady import steady_decode_tps
 
 
@@ -577,6 +577,38 @@ def test_how_each_ladder_ran_is_said_beside_its_pareto_front() -> None:
     assert (
         "How each ladder ran (lowest load first, on one engine start): a, lad: points c1, c8; b, lad: "
         in text
+    )
+
+
+def test_tokens_per_gpu_divide_by_each_arms_own_gpus() -> None:
+    """The experiment names 8 GPUs; arm 'one' held GPU 3 (CUDA_VISIBLE_DEVICES), 'two' held 2 GPUs by
+    its parallel size, 'old' was recorded before arms said theirs: each point's tokens per GPU divide
+    by the arm's own count, the experiment's where the arm's is unknown, and the report says which."""
+    tps = {"one": 400.0, "two": 600.0, "old": 800.0}
+    cells = [
+        _cell(arm, f"lad@c{c}", 64, concurrency=c, output_throughput_tps=[rate * c], tpot_ms_p50=[5.0 * c])
+        .model_copy(update={"ladder": "lad", "ladder_point": float(c)})
+        for arm, rate in tps.items()
+        for c in (1, 2)
+    ]  # fmt: skip
+    data = _study(*cells).model_copy(update={"gpus": 8})
+    data.arms[0].gpus = ArmGpusData(count=1, counted=[3], basis="CUDA_VISIBLE_DEVICES", node=8)
+    data.arms[1].gpus = ArmGpusData(count=2, basis="parallel size", node=8)
+    points = {(p.arm, p.point): p.per_gpu_tps for p in analyse(data).pareto}
+    gpus = {"one": 1, "two": 2, "old": 8}
+    assert points == {(arm, float(c)): rate * c / gpus[arm] for arm, rate in tps.items() for c in (1, 2)}
+    text = _markdown(data)
+    assert (
+        "output tokens per second per GPU (over each arm's own GPUs: one: GPU 3 of 8; two: 2 GPUs by "
+        "parallel size (energy node-wide: 8 GPUs); old: node-wide: 8 GPUs)" in text
+    )
+    assert "GPU energy and dollars" not in text  # none of these cells has either
+    priced = data.model_copy(
+        update={"cells": [c.model_copy(update={"values": {**c.values, "cell_usd": [0.1]}}) for c in cells]}
+    )
+    assert (
+        "GPU energy and dollars count each arm's own GPUs (one: GPU 3 of 8; two: 2 GPUs by parallel size "
+        "(energy node-wide: 8 GPUs); old: node-wide: 8 GPUs)" in _markdown(priced)
     )
 
 
