@@ -151,7 +151,7 @@ class RegressionCheck:
 
     retest_run_id: str
     experiment: str
-    status: Literal["none", "worse", "insufficient history"] = "insufficient history"
+    status: Literal["none", "worse", "insufficient history", "nothing measured"] = "insufficient history"
     series: SeriesInfo = field(default_factory=SeriesInfo)
     needed: int = RULE.min_history
     """Earlier retests a figure's series needs before it is judged."""
@@ -175,6 +175,11 @@ class RegressionCheck:
         return bool(self.worse)
 
     def summary(self) -> str:
+        if self.status == "nothing measured":
+            return (
+                f"nothing measured: the retest's baseline study has none of {', '.join(self.metrics)} in "
+                "a launch that finished; nothing to judge"
+            )
         if self.status == "insufficient history":
             most = max(self.insufficient.values(), default=0)
             return (
@@ -384,6 +389,9 @@ def check_regression(
         for k, v in sorted(tonight.launches.items())
     ]
     earlier, kept, check.series = _series(tracker, run, rule)
+    if not tonight.launches:
+        check.status = "nothing measured"
+        return check
     # the series of each figure: the kept earlier retests that measured it, then tonight
     past = [
         (r, _recorded(tracker, r.info.run_id, wanted)) for r, keep in zip(earlier, kept, strict=True) if keep

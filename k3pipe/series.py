@@ -24,21 +24,23 @@ three hold:
    retests are still in the segment.
 
 **The series** is every retest since the newest accepted one (``k3pipe retest accept``; the series
-starts there), whatever it found, except those that raised an alert on this figure: those are left
-out (``kept`` False). A small step that was not detected on its first night stays in the series, in
-the segment of the nights after it, where it adds up; it does not become the baseline until it has
-passed through the segment (8 retests). A regression that was alerted never joins the history: the
-retests after it are judged against the nights before it until it is gone or accepted, and one wild
-night (a 6x slower engine, fixed the next day) does not inflate the spread and blind the series.
+starts there), whatever it found, except those that raised an alert: those are left out (``kept``
+False) until an acceptance clears them. A small step that was not detected on its first night stays
+in the series, in the segment of the nights after it, where it adds up; it does not become the
+baseline until it has passed through the segment (8 retests). A regression that was alerted never
+joins the history: the retests after it are judged against the nights before it until it is gone or
+accepted, and one wild night (a 6x slower engine, fixed the next day) does not inflate the spread
+and blind the series.
 
 **Its rates.** With no change, a retest alerts in at most ``alpha`` (1%) of nights, over all its
 figures, when every retest is kept (the union bound over the ``S * K`` tests; (2) and (3) only
 remove alerts), whatever the noise. Leaving the alerted retests out costs a little: a false alarm
-that came from a short history that happened to be tight can recur for a few nights (simulated, the
-rate over the 20 nights after 4 or 10 earlier retests averages 0.83-0.98% per retest with 1 to 10
-figures, single nights up to 1.3%). ``tests/unit/test_series.py`` holds these rates, the detection of
-a 20% step and the silence on a 3% one on series whose truth is known; docs/measurement.md
-("Regression alerts: a retest against its series") gives the figures.
+that came from a short history that happened to be tight can recur for a few nights. Simulated at
+10% restart noise over the 20 nights after 4 or 10 earlier retests, the rate per retest averaged
+0.5% with one figure, 0.8% with three and 1.0-1.1% with twelve independent ones (single nights up
+to 1.4%). ``tests/unit/test_series.py`` holds these rates, the detection of a 20% step and the
+silence on a 3% one on series whose truth is known; docs/measurement.md ("Regression alerts: a
+retest against its series") gives the figures.
 
 Everything here is numpy/scipy on arrays, vectorized over series so that the tests judge thousands of
 simulated series a night; :func:`judge` is the one-series form the alerts use.
@@ -82,6 +84,11 @@ class SeriesRule:
             raise ValueError(f"SeriesRule.min_history must be 2 or more (a spread), not {self.min_history}")
         if not self.splits or min(self.splits) < 1:
             raise ValueError(f"SeriesRule.splits must be lengths of 1 or more, not {self.splits}")
+        if self.max_series <= self.min_history + max(self.splits, default=1) - 1:
+            raise ValueError(
+                f"SeriesRule.max_series must exceed min_history + the longest split - 1 "
+                f"({self.min_history + max(self.splits) - 1}), not {self.max_series}"
+            )
         if not 0.5 <= self.margin_confidence < 1:
             raise ValueError(
                 f"SeriesRule.margin_confidence must lie in [0.5, 1), not {self.margin_confidence}"
