@@ -388,8 +388,8 @@ def accept(
     ],
 ) -> None:
     """Accept a retest as the new baseline (a version bump or a node change that is the new normal):
-    the regression alerts of every later retest of its experiment, with its overrides, judge it
-    against the series that starts at this retest, and the alerts raised since it are cleared."""
+    every later retest of its experiment, with its overrides, is judged against the series that
+    starts at this retest, and the alerts raised since it are cleared."""
     from k3pipe.alerts import accept as accept_retest
 
     settings = Settings()
