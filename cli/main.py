@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
+from typer.core import TyperCommand
 
 from cli.stack import stack_app
 from cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
@@ -377,7 +378,56 @@ def _resume_check(
     return point.run_id
 
 
-@app.command()
+# `k3pipe retest accept RUN_ID`: a subcommand of a command that takes an experiment file (a typer group
+# would take the file for a subcommand's name); an experiment file named "accept" is ./accept.
+accept_app = typer.Typer(add_completion=False)
+
+
+@accept_app.command()
+def accept(
+    run_id: Annotated[
+        str,
+        typer.Argument(metavar="RETEST_RUN_ID", help="The retest's MLflow run id (a unique prefix will do)."),
+    ],
+) -> None:
+    """Accept a retest as the new baseline (a version bump or a node change that is the new normal):
+    every later retest of its experiment, with its overrides, is judged against the series that
+    starts at this retest, and the alerts raised since it are cleared."""
+    from k3pipe.alerts import accept as accept_retest
+
+    settings = Settings()
+    try:
+        done = accept_retest(_tracker(settings), run_id)
+    except K3pipeError as exc:
+        _fail(exc)
+        return
+    overrides = ", ".join(f"{k.removeprefix('override.')}={v}" for k, v in done.overrides.items()) or "none"
+    print(
+        f"retest {done.run_id} accepted at {done.at} as the new baseline of {done.experiment} "
+        f"(overrides: {overrides}): later retests are judged against the series that starts there "
+        f"({done.later} retest(s) of it so far)"
+    )
+    if done.newer_accepted:
+        typer.secho(
+            f"note: retest {done.newer_accepted}, later, is accepted too: the series starts there, not here",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
+
+
+class _RetestCommand(TyperCommand):
+    """`retest EXPERIMENT ...` runs a retest; `retest accept RETEST_RUN_ID` is :func:`accept`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args[:1] == ["accept"]:
+            code = typer.main.get_command(accept_app).main(
+                args[1:], prog_name=f"{ctx.command_path} accept", standalone_mode=False
+            )
+            ctx.exit(code if isinstance(code, int) else 0)
+        return super().parse_args(ctx, args)
+
+
+@app.command(cls=_RetestCommand)
 @run_options
 def retest(
     experiment: Annotated[Path, typer.Argument(help="Experiment YAML file with `variants:`.")],
@@ -389,9 +439,12 @@ def retest(
     spool: bool,
 ) -> None:
     """Run the baseline and each variant as studies under one MLflow run, then judge every variant
-    against the baseline (better, worse, equivalent or inconclusive, with the interval of the change).
-    Exit 1 when a study failed (the report judges the others). The options after --variant override
-    that field in every workload, the baseline's and the variants' (recorded as override.* params)."""
+    against the baseline (better, worse, equivalent or inconclusive, with the interval of the change),
+    and the baseline against the series of earlier retests (a regression alert). Exit 1 when a study
+    failed (the report judges the others). The options after --variant override that field in every
+    workload, the baseline's and the variants' (recorded as override.* params).
+
+    `k3pipe retest accept RETEST_RUN_ID` accepts a retest as the new baseline of the alerts."""
     from pydantic import ValidationError
 
     from k3pipe.params import Overrides, RunRequest

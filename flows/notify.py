@@ -45,8 +45,10 @@ def notify(retest: str) -> dict[str, Any]:
 
     regression = json.loads(raw)
     lines = [f"# Regression in {regression['experiment']}", "", regression["summary"], ""]
-    lines += [f"- {w['arm']} / {w['workload']}: {w['metric']} {w['change']}" for w in regression["worse"]]
-    lines += ["", "Versions (last accepted -> this retest):"]
+    lines += [
+        f"- {w['arm']} / {w['workload']}: {w['metric']} {w['change']}{_since(w)}" for w in regression["worse"]
+    ]
+    lines += ["", "Versions (the history's last retest -> this retest):"]
     lines += [f"- {arm}: {v['good']} -> {v['bad']}" for arm, v in regression["versions"].items()]
     lines += ["", f"MLflow: {job.tracker.run_link(run_id)}"]
     create_markdown_artifact(
@@ -62,3 +64,18 @@ def notify(retest: str) -> dict[str, Any]:
         "regression posted to Webhook block %r: HTTP %s", WEBHOOK_BLOCK, getattr(answer, "status_code", "?")
     )
     return regression
+
+
+def _since(worse: dict[str, Any]) -> str:
+    """Since which retest, against how many (a regression.json of the series rule; older ones lack it)."""
+    if "segment" not in worse:
+        return ""
+    ago = (
+        "tonight"
+        if worse["segment"] == 1
+        else f"since retest {worse['since_run_id'][:12]} ({worse['since']})"
+    )
+    return (
+        f", {ago}, against the geometric mean of {worse['history']} earlier retest(s) "
+        f"({worse['history_first']} .. {worse['history_last']})"
+    )

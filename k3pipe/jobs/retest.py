@@ -54,22 +54,22 @@ class RetestResult:
         return out
 
 
-def _check_regression(job: Job, run_id: str, metrics: tuple[str, ...]) -> None:
-    """The retest's baseline against the last accepted retest (k3pipe.alerts): recorded on its run;
-    a regression said, and raised as an alert. An analysis after the fact: when it cannot be made,
-    say why and go on."""
+def _check_regression(job: Job, run_id: str, metrics: tuple[str, ...], margin_pct: float) -> None:
+    """The retest's baseline against the series of earlier retests (k3pipe.alerts): recorded on its
+    run; a regression said, and raised as an alert. An analysis after the fact: when it cannot be
+    made, say why and go on."""
     try:
-        check = check_regression(job.tracker, run_id, metrics)
+        check = check_regression(job.tracker, run_id, metrics, margin_pct)
         record_regression(job.tracker, check)
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
-        job.note("the retest could not be compared with the last accepted one: %s", why)
+        job.note("the retest could not be judged against its series: %s", why)
         return
     if check.regressed:
         job.warn("regression: %s", check.summary())
         job.alert(check.as_dict())
     else:
-        job.say("against the last accepted retest: %s", check.summary())
+        job.say("against the series of earlier retests: %s", check.summary())
 
 
 def retest(request: RunRequest, job: Job) -> RetestResult:
@@ -126,7 +126,7 @@ def retest(request: RunRequest, job: Job) -> RetestResult:
     paths = job.steps.retest_report(tracker, run_id, retest_dir(job.home, spec.name, run_id))
     job.say("MLflow run of the retest: %s", tracker.run_link(run_id))
     if "baseline" in studies and "baseline" not in failed:
-        _check_regression(job, run_id, tuple(spec.decision.metrics))
+        _check_regression(job, run_id, tuple(spec.decision.metrics), spec.decision.margin_pct)
     result = RetestResult(run_id, studies, failed, paths)
     if failed:
         details = "; ".join(f"{label}: {why}" for label, why in failed.items())

@@ -21,7 +21,8 @@ FLOORS: list[tuple[str, list[str]]] = [
         "ground: errors, secrets, settings, processes, the statistics (nothing of k3pipe's above)",
         [
             "k3pipe.errors", "k3pipe.secrets", "k3pipe.settings", "k3pipe.procs", "k3pipe.figures",
-            "k3pipe.stats", "k3pipe.capacity", "k3pipe.provenance", "k3pipe.observe", "k3pipe.kvpool",
+            "k3pipe.stats", "k3pipe.series", "k3pipe.capacity", "k3pipe.provenance", "k3pipe.observe",
+            "k3pipe.kvpool",
         ],
     ),
     (
