@@ -86,14 +86,19 @@ def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: igno
 
     # the variant with the baseline's workloads sent the baseline's very prompts
     def prompts(label: str) -> list[str]:
-        (arm,) = tracker.children(studies[label].info.run_id)
-        return [p.sha256 for p in read_record(tracker, arm.info.run_id).prompts]
+        # an experiment with variants compares: two launches an arm, both sending the same prompts
+        first, second = sorted(tracker.children(studies[label].info.run_id), key=lambda r: r.info.start_time)
+        sent = [p.sha256 for p in read_record(tracker, first.info.run_id).prompts]
+        assert sent == [p.sha256 for p in read_record(tracker, second.info.run_id).prompts]
+        return sent
 
     assert prompts("seqs8") == prompts("baseline")
 
     report = build_retest_report(tracker, run.info.run_id[:10])
     e2e = next(v for v in report.verdicts if v.variant == "longer" and v.metric.key == "duration_s")
     assert e2e.verdict == "worse"  # 32 tokens at 10 ms apart against 8
+    assert e2e.outcome is not None
+    assert e2e.outcome.restart == "measured"  # two launches a side
     assert e2e.ratio > 2
     assert {v.variant for v in report.verdicts} == {"longer", "seqs8"}
     assert "**no-docs**: not judged: " in report.markdown
@@ -115,15 +120,16 @@ def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: igno
     rows = recent_runs(tracker, 5)
     assert list(rows["workload"][:2]) == ["(retest)", "(study)"]
     assert rows["name"][0] == "retest/retest-test"
-    assert "    retest-test@longer/fast" in set(rows["name"])
+    assert "    retest-test@longer/fast#1" in set(rows["name"])
     longer = recent_runs(tracker, 5, variant="longer")
     assert [n.strip() for n in longer["name"]] == [
-        "retest/retest-test", "study/retest-test@longer", "retest-test@longer/fast",
+        "retest/retest-test", "study/retest-test@longer", "retest-test@longer/fast#1",
+        "retest-test@longer/fast#2",
     ]  # fmt: skip
     assert recent_runs(tracker, 5, variant="nothing-like-it").empty
     from k3pipe.history import metric_history
 
     trend = metric_history(tracker, "duration_s", "in32", variant="longer")
-    assert list(trend["variant"]) == ["longer"]
+    assert list(trend["variant"]) == ["longer", "longer"]  # its two launches
     assert set(metric_history(tracker, "duration_s", "in32")["variant"]) == {"", "longer", "seqs8"}
-    assert list(metric_history(tracker, "duration_s", "in32", variant="baseline")["variant"]) == [""]
+    assert list(metric_history(tracker, "duration_s", "in32", variant="baseline")["variant"]) == ["", ""]
