@@ -531,7 +531,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             [
                 "Each cell: the geometric mean of the arm's launch means (a launch's mean over its repeats), "
                 "with its 95% interval in brackets (from the spread between launches when the arm was "
-                "launched twice or more, else between the one launch's repeats). Ratio: the leader over the "
+                "launched twice or more, else between the one launch's repeats plus the restart noise an "
+                "earlier study kept for its class, where one did; without that, the interval holds no "
+                "restart noise and understates the cell's). Ratio: the leader over the "
                 "runner-up. Verdicts, on decision metrics only: each arm against the best, at the "
                 f"decision's level ({analysis.design.confidence:.2%} intervals; see 'How the numbers are "
                 "made'). 'bursty': the client's stream came in bursts, so its TPOT and ITL timed delivery, "
