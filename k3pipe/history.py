@@ -145,11 +145,10 @@ def recent_runs(
         except ValueError as exc:
             raise TrackingError(f"--since {since!r} is not a date or time (e.g. 2026-12-01)") from exc
         filters.append(f"attributes.start_time >= {start_ms}")
-    runs = tracker.client.search_runs(
-        [tracker.require_experiment_id()],
-        filter_string=" and ".join(filters),
-        order_by=["attributes.start_time DESC"],
-        max_results=max(limit * 10, 1000) if (engine or model or workload or variant) else limit * 10,
+    runs = _top_level(
+        tracker,
+        " and ".join(filters),
+        max(limit * 10, 1000) if (engine or model or workload or variant) else limit,
     )
 
     def wanted(run: Any) -> bool:
@@ -199,6 +198,33 @@ def recent_runs(
             continue
         rows.extend(found)
     return pd.DataFrame(rows)
+
+
+def _top_level(tracker: Tracker, where: str, wanted: int) -> list[Any]:
+    """The newest runs that are nested under none (a study's, a retest's, a lone run's), at least
+    ``wanted`` of them where there are so many: pages of the newest runs of every kind are read until
+    they hold enough, since a study's nested runs (launches x workloads x repeats) outnumber and
+    postdate the run they are nested under."""
+    found: list[Any] = []
+    token = None
+    page = max(200, wanted * 20)
+    for _ in range(_MAX_PAGES):
+        batch = tracker.client.search_runs(
+            [tracker.require_experiment_id()],
+            filter_string=where,
+            order_by=["attributes.start_time DESC"],
+            max_results=page,
+            page_token=token,
+        )
+        found += [r for r in batch if not r.data.tags.get("mlflow.parentRunId")]
+        token = batch.token
+        if len(found) >= wanted or not token:
+            break
+    return found
+
+
+_MAX_PAGES = 25
+"""At most this many pages of runs read for one listing (a page is 200 runs or more)."""
 
 
 def _run_base(run: Any, indent: str = "") -> dict[str, Any]:

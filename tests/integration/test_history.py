@@ -98,3 +98,21 @@ def test_the_commands(store: Tracker, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "exp/b" in result.output
     assert "  exp/a" not in result.output
+
+
+def test_a_study_newer_than_its_runs_is_listed_whatever_it_nests(tmp_path: Path) -> None:
+    """A study's nested runs (launches x workloads x repeats) start after it and outnumber any page
+    of the newest runs: two launches of three arms on two workloads of three repeats are 54 runs, and
+    `k3pipe runs --limit 3` once read 30 and listed no run at all. The newest top-level runs are
+    found through as many pages as it takes."""
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "history", tmp_path / "artifacts")
+    lone = _arm(tracker, "lone", "vllm", 10.0)
+    study = tracker.start_run("study/s", tags={"k3pipe.kind": "study"})
+    arm = tracker.start_run("s/a", tags={"k3pipe.arm": "a", "k3pipe.engine": "vllm"}, parent_id=study)
+    for k in range(230):  # more than a page (200) of nested runs, all newer than the study
+        tracker.end_run(tracker.start_run(f"s/a/w#{k}", tags={"k3pipe.repeat": str(k)}, parent_id=arm))
+    tracker.end_run(arm)
+    tracker.end_run(study)
+    rows = recent_runs(tracker, 2)
+    assert [n.strip() for n in rows["name"] if not n.startswith(" ")][:2] == ["study/s", "exp/lone"]
+    assert lone in set(rows["run_id"])
