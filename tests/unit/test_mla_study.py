@@ -7,6 +7,7 @@ warned or refused before any engine starts."""
 from __future__ import annotations
 
 import json
+import re
 import stat
 import sys
 from pathlib import Path
@@ -266,3 +267,37 @@ def test_the_overcommit_run_is_the_study_arm_at_098(
     assert {f.rule for f in findings if f.severity != "info"} == {"vllm-gpu-memory-utilization"}
     (estimate,) = [f.message for f in findings if f.rule == "kv-estimate"]
     assert estimate.startswith("estimated KV pool ~35,775,524 tokens")
+
+
+# -- the sitting ------------------------------------------------------------------------------------
+
+
+def test_the_sittings_calls_fit_the_device_rules() -> None:
+    """docs/gpu-mla-sitting.json, the calls in order: each within a call's limits (2,000 characters, 8
+    carried paths, 600 s), at most one bundle part a call, every part of both bundles carried once, the
+    study's deadline in the file it runs and its waits long enough for it (and the SIGKILL after it)."""
+    plan = json.loads((REPO / "docs" / "gpu-mla-sitting.json").read_text())
+    calls = plan["calls"]
+    assert [c["n"] for c in calls] == list(range(1, len(calls) + 1))
+    parts: list[str] = []
+    for call in calls:
+        assert len(call["command"]) <= 2000, call["n"]
+        assert len(call["carry"]) <= 8
+        assert call["timeout_s"] <= 600
+        assert call["expect_s"] < call["timeout_s"]
+        mine = [p for p in call["carry"] if ".part" in p]
+        assert len(mine) <= 1, call["n"]
+        parts += mine
+    assert parts == [f".gpu/bundle/k3pipe-bundle.part{i:03d}" for i in range(8)] + [
+        f".gpu/sgl/k3pipe-bundle.part{i:03d}" for i in range(10)
+    ]
+    detach = "mla-study-h100.yaml scripts/gpu-node.sh detach run"
+    study = next(c["command"] for c in calls if detach in c["command"])
+    found = re.search(r"--deadline (\d+)", study)
+    assert found is not None
+    deadline = int(found[1])
+    assert f"--deadline {deadline}" in STUDY.read_text()  # the file's header says the same
+    waits = [int(m) for c in calls for m in re.findall(r"wait --max (\d+)", c["command"])]
+    assert sum(waits) >= deadline + 60
+    assert "--preset mla-moe" in " ".join(c["command"] for c in calls)
+    assert sum(c["expect_s"] for c in calls) < 26 * 60
