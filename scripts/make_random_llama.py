@@ -23,7 +23,7 @@ Presets (override any dimension with its flag):
     mla-moe  a DeepSeek-V3-style model (scripts/random_mla.py): multi-head latent attention
           (kv_lora_rank 512 + qk_rope_head_dim 64: 576 KV elements per token and layer), 4 layers of
           64 routed experts (8 per token, width 640) and 1 shared expert, hidden 1280, 16 heads,
-          262144 positions: 693.6 M parameters, 1.39 GB of bf16, 2,304 B of fp8 KV per token. The
+          262144 positions: 693.1 M parameters, 1.39 GB of bf16, 2,304 B of fp8 KV per token. The
           study's architecture in miniature (docs/gpu.md, "The study in miniature on one GPU").
           Its flags: --hidden, --layers, --heads, --max-positions, --experts, --experts-per-token,
           --moe-intermediate.

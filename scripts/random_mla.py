@@ -1,6 +1,7 @@
 """A DeepSeek-V3-style model with random weights: MLA attention and routed experts with a shared expert.
 
-The layout of the study's model family (Kimi-K3's, as Kimi-K2's and DeepSeek-V3's): multi-head latent
+The MLA + MoE layout of the study's model family (Kimi-K2's and DeepSeek-V3's; Kimi-K3 adds linear-
+attention layers, which this model has not): multi-head latent
 attention (one latent of ``kv_lora_rank + qk_rope_head_dim`` elements per token and layer is all the KV
 cache holds) and MoE layers of ``n_routed_experts`` experts, ``num_experts_per_tok`` of them per token,
 plus one shared expert every token goes through. scripts/make_random_llama.py builds it for
@@ -36,7 +37,10 @@ __all__ = [
     "ARCHITECTURE",
     "MLA_PRESETS",
     "ROUTING",
+    "build",
     "config_json",
+    "config_kwargs",
+    "describe",
     "kv_bytes_per_token",
     "parameter_count",
     "split_experts",
@@ -55,7 +59,7 @@ MLA_PRESETS: dict[str, dict[str, int]] = {
     # engines ship tuned fused-MoE configs for on H100 and H200 (vLLM 0.22.0
     # fused_moe/configs/E=64,N=640,device_name=NVIDIA_H100_80GB_HBM3.json and NVIDIA_H200.json; SGLang
     # 0.5.16 moe_runner/triton_utils/configs/triton_3_1_0/, which it falls back to under Triton 3.6).
-    # 693.6 M parameters (1.39 GB of bf16); 2,304 B of fp8 KV per token (4 x 576): 10 x 203K tokens
+    # 693.1 M parameters (1.39 GB of bf16); 2,304 B of fp8 KV per token (4 x 576): 10 x 203K tokens
     # are 4.7 GB, and 262,144 positions cover the study's 204,800-token context.
     "mla-moe": {
         "hidden_size": 1280,
@@ -316,7 +320,7 @@ def _transformers_version() -> str:
     return str(transformers.__version__)
 
 
-def gib(n_bytes: float) -> str:
+def _gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.2f} GiB"
 
 
@@ -324,8 +328,8 @@ def describe(shape: Mapping[str, int], vocab: int) -> str:
     """One line for the build's log: parameters, weights and the KV a token takes."""
     params = parameter_count(shape, vocab)
     return (
-        f"{params:,} parameters ({gib(2 * params)} of bf16), "
+        f"{params:,} parameters ({_gib(2 * params)} of bf16), "
         f"KV per token {kv_bytes_per_token(shape, 1):,} B fp8 / {kv_bytes_per_token(shape, 2):,} B bf16, "
         f"{shape['max_position_embeddings']:,} positions; "
-        f"10 x 203K tokens of fp8 KV = {gib(10 * 203_000 * kv_bytes_per_token(shape, 1))}"
+        f"10 x 203K tokens of fp8 KV = {_gib(10 * 203_000 * kv_bytes_per_token(shape, 1))}"
     )
