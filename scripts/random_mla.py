@@ -1,10 +1,10 @@
 """A DeepSeek-V3-style model with random weights: MLA attention and routed experts with a shared expert.
 
-The MLA + MoE layout of the study's model family (Kimi-K2's and DeepSeek-V3's; Kimi-K3 adds linear-
-attention layers, which this model has not): multi-head latent
-attention (one latent of ``kv_lora_rank + qk_rope_head_dim`` elements per token and layer is all the KV
-cache holds) and MoE layers of ``n_routed_experts`` experts, ``num_experts_per_tok`` of them per token,
-plus one shared expert every token goes through. scripts/make_random_llama.py builds it for
+The MLA + MoE layout of the study's model family (Kimi-K2's and DeepSeek-V3's; Kimi-K3 adds
+linear-attention layers, which this model has not): multi-head latent attention (one latent of
+``kv_lora_rank + qk_rope_head_dim`` elements per token and layer is all the KV cache holds) and MoE
+layers of ``n_routed_experts`` experts, ``num_experts_per_tok`` of them per token, plus one shared
+expert every token goes through. scripts/make_random_llama.py builds it for
 ``--preset mla-moe`` (and ``mla-tiny`` for tests); this module holds the shapes, the config, the
 parameter count and the one step transformers does not do for us:
 
