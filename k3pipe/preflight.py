@@ -15,7 +15,9 @@ Generic rules:
 - ``workload-length`` (error): a workload's input + output exceeds the context length.
 - ``kv-capacity`` (warning) / ``kv-capacity-skipped`` (info): the estimated KV pool
   (:func:`~k3pipe.kvpool.estimate_kv_pool`) below the context length, or below what a workload
-  holds at once (an error when the weights leave no memory for it at all).
+  holds at once (an error when the weights leave no memory for it at all); ``kv-estimate``
+  (info): the estimate itself and what went into it, kept in the record's preflight.json beside the
+  pool the engine then reports.
 - ``executable`` (error): a process arm's program (``engine.executable[0]``, '{home}' expanded)
   is not on this machine, or not executable.
 
@@ -298,6 +300,20 @@ def _kv_rule(reserve_bytes_per_gpu: float) -> Rule:
                 f"of the context length ({source}): one full-length request cannot fit; "
                 f"{engine.kv_shortfall_consequence}. Fix: {fixes}. {basis}",
             )
+        # the estimate itself, always: the record keeps it (preflight.json) beside the pool the engine
+        # reports in its log (engine_log.kv_pool_tokens), so the two are compared from the record alone
+        needs = [
+            ((w.input_tokens + w.output_tokens) * w.concurrency, w.name) for w in ctx.experiment.workloads
+        ]
+        most = max(needs, default=None)
+        yield ctx.finding(
+            "info",
+            "kv-estimate",
+            f"estimated KV pool ~{est.tokens:,} tokens ({est.dtype_bytes:g} B per KV element, "
+            f"{engine.kv_cache_dtype(ctx.args)})"
+            + (f"; the most a workload holds at once: {most[0]:,} ({most[1]})" if most else "")
+            + f". {basis}",
+        )
         for w in ctx.experiment.workloads:
             per_request = w.input_tokens + w.output_tokens
             need = per_request * w.concurrency

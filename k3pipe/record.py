@@ -839,7 +839,15 @@ class ArmRecorder:
         said = [facts.oom.describe("GPU memory ran out")] if facts.oom else []
         said += ([wrong_device] if wrong_device else []) + facts.warnings
         if untuned:
-            said.append(untuned.describe("a kernel ran on its default config (none tuned for the device)"))
+            # "Performance might be sub-optimal!": both engines' default config (none tuned for the device),
+            # and SGLang 0.5.16's fallback to a config tuned under another Triton version
+            # (fused_moe_triton_config.py:135-138); the first message says which
+            said.append(
+                untuned.describe(
+                    "a kernel ran on a config its engine calls possibly sub-optimal (the default, none "
+                    "tuned for the device, or one tuned under another Triton version)"
+                )
+            )
         if said:
             warnings = scrub(" | ".join(s.replace(" | ", " / ") for s in said))[:4000]
             self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": warnings})

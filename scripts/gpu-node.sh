@@ -8,7 +8,8 @@
 #                                         arrived are checked against the bundle's manifest.json
 #   scripts/gpu-node.sh install [ARGS]    run the staged bundle's install.sh (--layout two: the vLLM venv
 #                                         and the pipeline's venv under $K3PIPE_HOME/venvs), check both
-#   scripts/gpu-node.sh model [ARGS]      build the random-weight 1B Llama into $K3PIPE_HOME/models
+#   scripts/gpu-node.sh model [ARGS]      build the random-weight 1B Llama into $K3PIPE_HOME/models (ARGS:
+#                                         another preset, e.g. --preset mla-moe, the MLA + MoE scale model)
 #   scripts/gpu-node.sh run [--deadline S] [K3PIPE RUN ARGS...]
 #                                         k3pipe run experiments/gpu-h200.yaml with a made-up API key,
 #                                         interrupted (SIGINT: clean teardown, recorded) after S seconds
@@ -238,8 +239,9 @@ cmd_install() {
 
 cmd_model() {
     # extra ARGS go to make_random_llama.py (tests: --preset tiny; the DCP study: --preset mqa-7b with
-    # K3PIPE_MODEL_DIR=$K3PIPE_HOME/models/llama-mqa-7b-random); K3PIPE_MODEL_PYTHON: one with torch
-    step "random-weight 1B Llama into $MODEL_DIR (${K3PIPE_MODEL_PYTHON:-python3}: the node's torch)" \
+    # K3PIPE_MODEL_DIR=$K3PIPE_HOME/models/llama-mqa-7b-random; the MLA study: --preset mla-moe with
+    # K3PIPE_MODEL_DIR=$K3PIPE_HOME/models/mla-moe-random); K3PIPE_MODEL_PYTHON: one with torch
+    step "random-weight model (--preset 1b $*) into $MODEL_DIR (${K3PIPE_MODEL_PYTHON:-python3}: the node's torch)" \
         "${K3PIPE_MODEL_PYTHON:-python3}" "$REPO/scripts/make_random_llama.py" "$MODEL_DIR" --preset 1b "$@"
     cat "$MODEL_DIR/k3pipe-random-llama.json"
 }

@@ -730,7 +730,8 @@ def rule_gpu_memory_utilization(ctx: ArmContext) -> Iterator[Finding]:
         "run's prefill and first TTFTs pessimistic. Fix: gpu_memory_utilization: 0.92 (vLLM's default), "
         "or pin the pool per GPU with kv_cache_memory_bytes (the study's value was 41317885440 = 38.48 GiB; "
         "vLLM prints the right one at start-up: 'Replace gpu_memory_utilization config with "
-        "`--kv-cache-memory=N`'). The field notes' --kv-cache-memory is only argparse's abbreviation of "
+        "`--kv-cache-memory=N`', at INFO in 0.32, at DEBUG in 0.22: VLLM_LOGGING_LEVEL=DEBUG shows it). "
+        "The field notes' --kv-cache-memory is only argparse's abbreviation of "
         "--kv-cache-memory-bytes: spell the full name.",
     )
 

@@ -34,6 +34,7 @@ CHECK = REPO / "scripts" / "check_gpu_record.py"
 FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 sys.path.insert(0, str(REPO / "scripts"))
 import make_random_llama  # noqa: E402
+import random_mla  # noqa: E402
 
 
 def _torch_python() -> Path:
@@ -119,6 +120,80 @@ def test_the_mqa_preset_builds_at_a_tiny_size(tmp_path: Path) -> None:
     assert header["model.layers.0.self_attn.k_proj.weight"]["shape"] == [32, 256]  # one KV head of 32
     count = sum(math.prod(t["shape"]) for t in header.values())
     assert count == make_random_llama.parameter_count(make_random_llama.resolve_shape("mqa-7b", small))
+
+
+def test_the_mla_preset_builds_at_a_tiny_size(tmp_path: Path) -> None:
+    """--preset mla-tiny, the DeepSeek-V3-style structure of --preset mla-moe (issue 51): the safetensors
+    header holds one gate/up/down per expert (vLLM and SGLang load no fused expert tensor), the routing
+    bias in fp32, every tensor the count predicts; config.json the routing keys the engines read and the
+    positions; the marker the config, the count and the KV a token takes."""
+    out = tmp_path / "models" / "mla"
+    cmd = [str(_torch_python()), str(REPO / "scripts" / "make_random_llama.py"), str(out),
+           "--preset", "mla-tiny", "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "random MLA model written to" in done.stdout
+    shape = random_mla.MLA_PRESETS["mla-tiny"]
+    layers, experts = shape["num_hidden_layers"], shape["n_routed_experts"]
+
+    header = _safetensors_header(out / "model.safetensors")
+    assert not [n for n in header if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for layer in range(layers):
+        for e in range(experts):
+            for proj, rows, cols in (("gate", 64, 256), ("up", 64, 256), ("down", 256, 64)):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+                assert header[name]["shape"] == [rows, cols], name
+        assert header[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]["dtype"] == "F32"
+        assert f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight" in header
+        assert header[f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"]["shape"] == [512 + 64, 256]
+    assert "lm_head.weight" in header  # untied: both engines load it by name
+    assert {t["dtype"] for n, t in header.items() if not n.endswith("e_score_correction_bias")} == {"BF16"}
+    bias = layers * experts
+    count = sum(math.prod(t["shape"]) for t in header.values())
+    assert count - bias == random_mla.parameter_count(shape, make_random_llama.make_tiny_model.VOCAB)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["model_type"] == "deepseek_v3"
+    for key, value in random_mla.ROUTING.items():
+        assert config[key] == value, key
+    assert config["max_position_embeddings"] == 262144
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (512, 64)
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+
+    info = json.loads((out / make_random_llama.MARKER).read_text())
+    assert info["parameters"] == info["parameters_expected"] == count - bias
+    assert info["kv_bytes_per_token"] == {"fp8": 2 * 576, "bf16": 2 * 2 * 576}
+    assert info["config"]["topk_method"] == "noaux_tc"
+    assert info["preset"] == "mla-tiny"
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "already at" in again.stdout
+
+
+def test_split_experts_keeps_transformers_order() -> None:
+    """transformers' fused gate_up_proj [E, 2I, H] is gate then up (``chunk(2)`` of its output): the
+    split gives rows :I to gate_proj and I: to up_proj, down_proj [E, H, I] per expert, cloned."""
+    script = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import random_mla\n"
+        "E, I, H = 3, 2, 4\n"
+        "gu = torch.arange(E * 2 * I * H).reshape(E, 2 * I, H)\n"
+        "d = torch.arange(E * H * I).reshape(E, H, I)\n"
+        "out = random_mla.split_experts({'l.mlp.experts.gate_up_proj': gu, 'l.mlp.experts.down_proj': d,"
+        " 'l.mlp.gate.weight': torch.zeros(E, H)}, E)\n"
+        "assert len(out) == 3 * E + 1, sorted(out)\n"
+        "assert torch.equal(out['l.mlp.experts.2.gate_proj.weight'], gu[2, :I])\n"
+        "assert torch.equal(out['l.mlp.experts.2.up_proj.weight'], gu[2, I:])\n"
+        "assert torch.equal(out['l.mlp.experts.1.down_proj.weight'], d[1])\n"
+        "assert out['l.mlp.experts.0.up_proj.weight'].untyped_storage().data_ptr() != "
+        "gu.untyped_storage().data_ptr()\n"
+        "try:\n    random_mla.split_experts({'x.mlp.experts.gate_up_proj': gu[:2]}, E)\n"
+        "except ValueError as exc:\n    print(exc)\n"
+    )
+    cmd = [str(_torch_python()), "-c", script, str(REPO / "scripts")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "gate_up_proj: shape (2, 4, 4) is not [3, 2 x I, H]" in done.stdout
 
 
 def test_the_tiny_model_is_unchanged(tmp_path: Path) -> None:
@@ -297,7 +372,7 @@ def _check(parts: Path, experiment: Path, *extra: str) -> subprocess.CompletedPr
 
 
 def test_node_driver_steps_print_timings(record: Record) -> None:
-    for step in ("random-weight 1B Llama", "k3pipe render", "k3pipe preflight", "k3pipe run", "tar.gz"):
+    for step in ("random-weight model", "k3pipe render", "k3pipe preflight", "k3pipe run", "tar.gz"):
         assert f"<== {step}" in record.logs, step
     assert "<== k3pipe run: ok in" in record.logs
     files = sorted(p.name for p in record.out.iterdir())

@@ -310,3 +310,40 @@ def test_the_device_engines_chose_kernels_for_is_read_from_their_config_file_nam
 def test_real_logs_of_dense_models_name_no_device_and_no_untuned_kernel(engine: str, log: str) -> None:
     facts = get_engine(engine).parse_log(fixture_lines(log))
     assert (facts.device_names, facts.untuned_kernels) == ([], None)
+
+
+# The MLA study's fused-MoE lookups (issue 51: E=64 experts of width N=640, bf16) as vLLM 0.22.0 and
+# SGLang 0.5.16 word them in their sources, for an H100 (constructed until the sitting brings the real
+# lines): vLLM finds its tuned config (fused_moe.py:1061); SGLang, under the node's Triton 3.6.0, finds
+# none in configs/triton_3_6_0 and falls back to triton_3_1_0's (fused_moe_triton_config.py:135-138).
+_VLLM_022 = "/tmp/k3home/venvs/vllm-0.22.0/lib/python3.12/site-packages/vllm/model_executor/layers/fused_moe"
+_SGLANG_0516 = (
+    "/tmp/sgl-venv/lib/python3.12/site-packages/sglang/srt/layers/moe/moe_runner/triton_utils/configs"
+)
+_H100 = "NVIDIA_H100_80GB_HBM3"
+
+
+def test_the_mla_studys_moe_lookups_name_the_h100_as_the_sources_word_them() -> None:
+    from k3pipe.observe import same_device
+
+    vllm = get_engine("vllm").parse_log(
+        [
+            "(EngineCore pid=1912) INFO 12-07 10:01:02 [fused_moe.py:1061] Using configuration from "
+            f"{_VLLM_022}/configs/E=64,N=640,device_name={_H100}.json for MoE layer."
+        ]
+    )
+    assert vllm.device_names == [_H100]
+    assert vllm.untuned_kernels is None  # a tuned config: nothing to flag
+    sglang = get_engine("sglang").parse_log(
+        [
+            f"[2026-12-07 10:03:04] Config file not found at {_SGLANG_0516}/triton_3_6_0/E=64,N=640,"
+            f"device_name={_H100}.json. Fallback to triton version 3.1.0 and use MoE kernel config from "
+            f"{_SGLANG_0516}/triton_3_1_0/E=64,N=640,device_name={_H100}.json. Performance might be "
+            "sub-optimal!"
+        ]
+    )
+    assert sglang.device_names == [_H100]
+    assert sglang.untuned_kernels is not None
+    assert sglang.untuned_kernels.lines == 1
+    assert "Fallback to triton version 3.1.0" in sglang.untuned_kernels.first_message
+    assert same_device(_H100, ["NVIDIA H100 80GB HBM3"])
