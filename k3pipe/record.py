@@ -557,7 +557,12 @@ class ArmRecorder:
         self.tracker.log_dict(search_run, result.record(), "capacity.json")
         if workload.repeats == 1:
             self._single[workload.name] = metrics
-            self.tracker.log_metrics(self.run_id, {f"{workload.name}.{key}": metrics.get(key)})
+            # a search that only bounded it (every probe passed, or none): its bound, named so
+            bound = f"{key}_at_least"
+            self.tracker.log_metrics(
+                self.run_id,
+                {f"{workload.name}.{key}": metrics.get(key), f"{workload.name}.{bound}": metrics.get(bound)},
+            )
             found = result.capacity is not None or result.censored is not None
             self.tracker.end_run(search_run, "FINISHED" if found else "FAILED")
             return

@@ -492,6 +492,7 @@ def test_two_arms_get_the_energy_and_per_gpu_figures_of_their_own_gpus(
                 },
                 "launcher": {"kind": "process", "port": free_port(), "startup_timeout_s": 120},
                 "endpoint": {"model": "scripted"},
+                "launches": 1,  # what is tested is each arm's GPUs, not a verdict
             }
             for name, devices in visible.items()
         ],
