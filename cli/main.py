@@ -1099,6 +1099,7 @@ def sync() -> None:
 
 def main() -> None:
     from k3pipe.secrets import ScrubbedStream, install_log_filter
+    from k3pipe.settings import load_settings
 
     # MLflow's per-download progress bars would interleave with the tables (rerun reads artifacts)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -1106,9 +1107,10 @@ def main() -> None:
     # the run's secrets; before Prefect is imported, so that its console handler writes through it
     sys.stdout, sys.stderr = ScrubbedStream(sys.stdout), ScrubbedStream(sys.stderr)
     install_log_filter()
-    # the log file before typer parses anything (--debug is looked for here; typer lists it in --help)
-    configure_logging(Settings().home_dir, "--debug" in sys.argv[1:] or _env_debug())
     try:
+        # the log file before typer parses anything (--debug is looked for here; typer lists it in
+        # --help); a bad K3PIPE_ variable is refused here, before any log file, in one clear line
+        configure_logging(load_settings().home_dir, "--debug" in sys.argv[1:] or _env_debug())
         app()  # exits: usage errors 2, typer.Exit(code) its code
     except KeyboardInterrupt:
         typer.secho("interrupted", fg=typer.colors.YELLOW, err=True)

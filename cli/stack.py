@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from pydantic import ValidationError
 
 from k3pipe.errors import K3pipeError
-from k3pipe.settings import Settings
+from k3pipe.settings import SettingsError, load_settings
 
 if TYPE_CHECKING:
     from ops.stack import StackConfig
@@ -32,13 +31,9 @@ def _config() -> StackConfig:
 
     project = _CHECKOUT if (_CHECKOUT / "prefect.yaml").is_file() else Path.cwd()
     try:
-        settings = Settings()
-    except ValidationError as exc:
-        bad = "; ".join(
-            f"K3PIPE_{'_'.join(str(p) for p in e['loc']).upper()}={e.get('input')!r}: {e['msg']}"
-            for e in exc.errors()
-        )
-        typer.secho(f"error: {bad}", fg=typer.colors.RED, err=True)
+        settings = load_settings()
+    except SettingsError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     return StackConfig.from_settings(settings, project)
 

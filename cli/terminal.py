@@ -136,9 +136,7 @@ class Interrupts:
             return
         self.received = sig
         how = "Ctrl-C" if sig == signal.SIGINT else sig.name
-        print(
-            f"\n{how}: stopping the engine and recording what was measured...", file=sys.stderr, flush=True
-        )
+        print(f"\n{how}: stopping the engine and recording what was measured...", file=sys.stderr, flush=True)
         self._timer = threading.Timer(self.deadline_s, self._give_up)
         self._timer.daemon = True
         self._timer.start()

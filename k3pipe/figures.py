@@ -42,10 +42,20 @@ TABLE_FIGURES: tuple[Figure, ...] = (
     Figure("usd_per_m_output_tokens", "cost per million output tokens", "$/Mtok", higher_is_better=False),
     Figure("usd_per_m_tokens", "cost per million tokens, input and output", "$/Mtok", higher_is_better=False),
     # a capacity search's answer (k3pipe.capacity): the highest load whose requests met the SLO
-    Figure("capacity_rps", "capacity within the SLO, request rate", "req/s", True,
-           resolution="capacity_rps_resolution"),
-    Figure("capacity_concurrency", "capacity within the SLO, concurrency", "streams", True,
-           resolution="capacity_concurrency_resolution"),
+    Figure(
+        "capacity_rps",
+        "capacity within the SLO, request rate",
+        "req/s",
+        True,
+        resolution="capacity_rps_resolution",
+    ),
+    Figure(
+        "capacity_concurrency",
+        "capacity within the SLO, concurrency",
+        "streams",
+        True,
+        resolution="capacity_concurrency_resolution",
+    ),
 )
 
 FIGURES: tuple[Figure, ...] = (

@@ -67,7 +67,7 @@ def _count(what: str) -> Any:
 class Overrides(BaseModel):
     """Workload fields laid over every workload of the experiment (empty: as in the experiment)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     repeats: int | None = _count(
         "Run every workload this many times (each repeat with prompts of its own); 1 for a smoke "
@@ -127,7 +127,7 @@ class RunRequest(BaseModel):
     takes the fields as flat parameters of the same names (``--param experiment=PATH`` keeps working
     for ``prefect deployment run``) and builds the request from them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     experiment: str | None = Field(default=None, description=EXPERIMENT_HELP)
     experiment_yaml: str | None = Field(default=None, description=EXPERIMENT_YAML_HELP)

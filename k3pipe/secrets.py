@@ -63,6 +63,7 @@ __all__ = [
     "scrub",
     "scrub_data",
     "scrub_url",
+    "shown",
     "url_credentials",
 ]
 
@@ -149,6 +150,9 @@ def resolve_env_references(value: str, lookup: Callable[[str], str | None]) -> s
 _KEY_SHAPES = re.compile(
     r"(?<![A-Za-z0-9_-])(?:"
     r"sk-[A-Za-z0-9_-]{16,}"  # OpenAI, Anthropic (sk-ant-...), DeepSeek, most gateways
+    r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe-style secret and restricted keys
+    r"|nvapi-[A-Za-z0-9_-]{20,}"  # NVIDIA API catalog
+    r"|AIza[0-9A-Za-z_-]{30,}"  # Google API keys
     r"|hf_[A-Za-z0-9]{16,}"  # Hugging Face
     r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"  # GitHub
     r"|xox[abprs]-[A-Za-z0-9-]{10,}"  # Slack
@@ -180,6 +184,15 @@ def _random_looking(value: str) -> bool:
 def looks_like_key(value: str) -> bool:
     """Whether ``value`` holds something shaped like a well-known API key or token."""
     return bool(_KEY_SHAPES.search(value))
+
+
+def shown(value: str) -> str:
+    """A value for an error message: as typed (``repr``) unless it may be a key (a well-known key's
+    shape, or random-looking), then registered with the scrubber and :func:`mask`-ed."""
+    if looks_like_key(value) or _random_looking(value):
+        register(value)
+        return mask(value)
+    return repr(value)
 
 
 def mask(value: str) -> str:
@@ -399,10 +412,26 @@ class SecretFilter(logging.Filter):
 _FILTER = SecretFilter()
 
 
+def _scrubbing_factory(inner: Callable[..., logging.LogRecord]) -> Callable[..., logging.LogRecord]:
+    def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = inner(*args, **kwargs)
+        _FILTER.filter(record)
+        return record
+
+    make.k3pipe_scrubbing = True  # type: ignore[attr-defined]
+    return make
+
+
 def install_log_filter() -> None:
-    """Put :class:`SecretFilter` on every handler there is now (the root's, every logger's, and
-    logging's last resort); idempotent. Call it after logging is configured (Prefect configures
-    its handlers when it is imported) and again when handlers may have been added."""
+    """Scrub every log record where it is made: a record factory (:func:`logging.setLogRecordFactory`)
+    that runs :class:`SecretFilter` on each record any logger creates, so that every handler, those
+    made later too (the CLI's log file, Prefect's API and console handlers, a worker's), only ever
+    sees scrubbed records; and the filter on every handler there is now (the root's, every
+    logger's, logging's last resort), for records made before it. Idempotent: call it before
+    logging is configured and again whenever handlers may have been added."""
+    current = logging.getLogRecordFactory()
+    if not getattr(current, "k3pipe_scrubbing", False):
+        logging.setLogRecordFactory(_scrubbing_factory(current))
     handlers: list[logging.Handler] = list(logging.getLogger().handlers)
     for logger in list(logging.Logger.manager.loggerDict.values()):
         if isinstance(logger, logging.Logger):

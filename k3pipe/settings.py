@@ -5,10 +5,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["MLFLOW_CLIENT_DEFAULTS", "Settings", "apply_mlflow_client_defaults", "env_value", "read_secret"]
+from k3pipe.errors import K3pipeError
+from k3pipe.secrets import shown
+
+__all__ = [
+    "MLFLOW_CLIENT_DEFAULTS",
+    "Settings",
+    "SettingsError",
+    "apply_mlflow_client_defaults",
+    "env_value",
+    "load_settings",
+    "read_secret",
+]
 
 MLFLOW_CLIENT_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
@@ -22,7 +33,7 @@ MLFLOW_CLIENT_DEFAULTS = {
 class Settings(BaseSettings):
     """Where k3pipe keeps its state and how it reaches its services."""
 
-    model_config = SettingsConfigDict(env_prefix="K3PIPE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="K3PIPE_", extra="ignore", hide_input_in_errors=True)
 
     home: Path = Field(
         default=Path(".k3pipe"),
@@ -119,6 +130,30 @@ class Settings(BaseSettings):
     def process_env(self) -> dict[str, str]:
         """The environment an engine process inherits (the spec's env is laid over it)."""
         return dict(os.environ)
+
+
+class SettingsError(K3pipeError):
+    """A ``K3PIPE_`` variable holds a value k3pipe cannot use; the message names the variable, the value
+    (masked where it may be a key) and what the setting is."""
+
+
+def load_settings() -> Settings:
+    """:class:`Settings`, or a :class:`SettingsError` naming each bad variable (not pydantic's error,
+    which names fields nobody types and, chained, would carry the values)."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = "_".join(str(part) for part in error["loc"])
+            value = error.get("input")
+            about = Settings.model_fields[field].description if field in Settings.model_fields else None
+            problems.append(
+                f"K3PIPE_{field.upper()}={shown(str(value))}: {error['msg'].lower()}"
+                + (f" ({about[0].lower()}{about[1:].rstrip('.')})" if about else "")
+                + "; set it to such a value, or unset it for the default"
+            )
+        raise SettingsError("; ".join(problems)) from None
 
 
 def apply_mlflow_client_defaults() -> None:

@@ -195,7 +195,9 @@ def _count(**kw: Any) -> Any:
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: a ValidationError's text never holds the refused value (a key pasted
+    # where a variable's name belongs); k3pipe's own messages show values, secrets masked
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 def _served(value: str | None) -> str | None:
@@ -313,6 +315,7 @@ class EngineSpec(_Spec):
                     "not starting with a digit"
                 )
             _check_references(f"env.{key}", item)
+            _refuse_literal_secret(f"env.{key}", key, item)
         return value
 
     @field_validator("image")
@@ -334,19 +337,41 @@ class EngineSpec(_Spec):
     @field_validator("args")
     @classmethod
     def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
-        def visit(where: str, item: Any) -> None:
+        def visit(where: str, name: str, item: Any) -> None:
             if isinstance(item, dict):
                 for k, v in item.items():
-                    visit(f"{where}.{k}", v)
+                    visit(f"{where}.{k}", str(k), v)
             elif isinstance(item, list):
                 for i, v in enumerate(item):
-                    visit(f"{where}[{i}]", v)
+                    visit(f"{where}[{i}]", name, v)
             elif isinstance(item, str):
                 _check_references(where, item)
+                _refuse_literal_secret(where, name, item)
 
         for key, item in value.items():
-            visit(f"args.{key}", item)
+            visit(f"args.{key}", key, item)
         return _check_args(value)
+
+
+def _refuse_literal_secret(where: str, name: str, value: str) -> None:
+    """A key written into the experiment (under a secret's name, or shaped like a well-known key)
+    is refused: keys come from the environment, never from a file that gets committed and shared
+    (field-notes.md). It is registered with the scrubber first, so the refusal's own records (a
+    log file, a traceback) never hold it; the error shows it masked, with the way to pass it."""
+    if not value or value == secrets.REDACTED or secrets.env_references(value):
+        return
+    if not (secrets.is_secret_name(name) or secrets.looks_like_key(value)):
+        return
+    secrets.register(value)
+    variable = name.upper().replace("-", "_") if _ENV_NAME.match(name.replace("-", "_")) else "NAME"
+    if not secrets.is_secret_name(variable):
+        variable = "API_KEY"
+    raise ValueError(
+        f"{where}: a literal secret ({secrets.mask(value)}) in the experiment: keys come from the "
+        f"environment, never from a file that gets committed and shared; write '{{env.{variable}}}' and "
+        f"set {variable} where k3pipe runs (an engine's own key: name its variable in "
+        "endpoint.api_key_env)"
+    )
 
 
 def _check_references(where: str, value: str) -> None:

@@ -285,9 +285,7 @@ def with_resolution(est: Estimate, widths: Sequence[float]) -> Estimate:
     unit = math.fsum(x * x for x in w) / len(w) / 4.0
     # compare() pools per-unit variances (pooled_ss / df, times 1/n_A + 1/n_B): the bracket's error,
     # the same whatever n, enters as n x unit per unit
-    return replace(
-        est, log_mean=shifted, var=est.var + unit, pooled_ss=est.pooled_ss + unit * est.n * est.df
-    )
+    return replace(est, log_mean=shifted, var=est.var + unit, pooled_ss=est.pooled_ss + unit * est.n * est.df)
 
 
 def satterthwaite(parts: Sequence[tuple[float, float]]) -> float:

@@ -558,9 +558,24 @@ use_key() {
         || (umask 077 && printf '%s\n' "$K3PIPE_GPU_API_KEY" >> "$NODE_LOGS/api-keys")
 }
 
-# blank_keys SRC DEST: SRC with every key of node-logs/api-keys replaced by ***, taken literally;
-# prints how many it replaced
+# blank_keys SRC DEST: SRC with every secret k3pipe's scrubber knows replaced by *** (ops/scrub.py:
+# the keys of node-logs/api-keys, the secrets of the experiment that ran and of this environment,
+# credential-shaped strings); without the pipeline installed, the keys alone, taken literally.
+# Prints how many it replaced
 blank_keys() {
+    local py experiment
+    if py=$(pipeline_python 2>/dev/null); then
+        experiment=$(cut -d' ' -f1 "$NODE_LOGS/run.experiment" 2>/dev/null || true)
+        case $experiment in /*) ;; ?*) experiment=$REPO/$experiment ;; esac
+        local counts
+        counts=$(cd "$REPO" && PYTHONPATH="$REPO" "$py" -m ops.scrub --keys "$NODE_LOGS/api-keys" \
+            ${experiment:+--experiment "$experiment"} "$1" "$2")
+        # the engine's own echo of a secret it was given is blanked and said; the count is k3pipe's keys
+        set -- $counts
+        [ "${3:-0}" -eq 0 ] || say "blanked $3 other secret(s) in the copy of $(basename "$1")" >&2
+        echo "${2:-0}"
+        return
+    fi
     python3 - "$NODE_LOGS/api-keys" "$1" "$2" <<'PY'
 import pathlib, sys
 keys_file, src, dest = (pathlib.Path(a) for a in sys.argv[1:])
@@ -584,7 +599,7 @@ cmd_collect() {
     mkdir -p "$work/record/logs/engine" "$work/record/mlflow"
     [ -f "$NODE_LOGS/api-key" ] && key=$(cat "$NODE_LOGS/api-key")
     step "node facts (nvidia-smi, versions, compile cache)" write_node_facts "$work/record/node"
-    # the node's own logs, with every key a run used (node-logs/api-keys) counted, then blanked
+    # the node's own logs and the engines', every secret k3pipe knows of counted, then blanked
     local leaks=0 f n dest
     for f in "$NODE_LOGS"/*.log "$K3PIPE_HOME"/logs/*.log; do
         [ -f "$f" ] || continue
@@ -592,7 +607,7 @@ cmd_collect() {
         case $f in "$K3PIPE_HOME"/logs/*) dest=$work/record/logs/engine/$(basename "$f") ;; esac
         n=$(blank_keys "$f" "$dest")
         leaks=$((leaks + n))
-        [ "$n" -eq 0 ] || say "!!! an API key appears $n time(s) in $f (blanked in the copy)"
+        [ "$n" -eq 0 ] || say "!!! a secret appears $n time(s) in $f (blanked in the copy)"
     done
     if [ -f "$K3PIPE_HOME/mlflow/mlflow.db" ]; then
         step "consistent copy of the MLflow sqlite db" python3 -c "

@@ -900,9 +900,7 @@ def slo_attainment_from_arrival(
     return 100.0 * met / n, {k: 100.0 * v / n for k, v in within.items()}
 
 
-def _slo_met(
-    ok: list[RequestRecord], slo: SLOSpec, from_arrival: bool = False
-) -> tuple[int, dict[str, int]]:
+def _slo_met(ok: list[RequestRecord], slo: SLOSpec, from_arrival: bool = False) -> tuple[int, dict[str, int]]:
     """Successful requests meeting every objective, and per objective those within it."""
     limits = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2e_ms": slo.e2e_ms}
     # a request whose k1 is unknown is judged on its TPOT's lower bound (the SLO, not a stored figure)

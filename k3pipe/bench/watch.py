@@ -26,7 +26,6 @@ from k3pipe.bench.client import Abort
 __all__ = ["EngineWatch", "Liveness"]
 
 
-
 class Liveness(Protocol):
     """What the watch asks the launcher (a :class:`k3pipe.launchers.Launcher` is one)."""
 

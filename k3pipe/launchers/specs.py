@@ -138,7 +138,7 @@ class LauncherSpecBase(BaseModel):
     """What every launcher kind's spec has (where the engine binds, how long it may take), and the
     questions the rest of k3pipe asks a launcher instead of testing its kind."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     kind: str
     host: str = Field(default="127.0.0.1", description="Address the engine binds to.")

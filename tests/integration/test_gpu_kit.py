@@ -280,14 +280,20 @@ def test_stash_moves_carried_parts_to_the_stage(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- one flow, then checks
 
 
+HF_TOKEN = "Tq4Wm8Zr2Xn6Lp0Vb3Kc7Jd"  # a secret k3pipe knows only through the experiment's reference
+
+
 def _experiment(port: int) -> dict[str, Any]:
     engine = {
         "kind": "vllm",
         "version": "0.32.0",
         "executable": [sys.executable, str(FAKE_ENGINE)],
         "env": {"VLLM_NO_USAGE_STATS": "1", "VLLM_CACHE_ROOT": "{home}/cache/vllm"},
-        "args": {"startup_delay_s": 0.5, "token_delay_ms": 2, "stats_interval_s": 1, "max_model_len": 4096},
-    }
+        # hf_token from the environment: the fake engine echoes the flags it ignores into its own log,
+        # as a real engine prints its arguments; collect must blank it in the record's copy
+        "args": {"startup_delay_s": 0.5, "token_delay_ms": 2, "stats_interval_s": 1, "max_model_len": 4096,
+                 "hf_token": "{env.K3PIPE_TEST_HF_TOKEN}"},
+    }  # fmt: skip
     launcher = {"kind": "process", "host": "127.0.0.1", "port": port, "startup_timeout_s": 60,
                 "stop_timeout_s": 10}  # fmt: skip
     arms = [
@@ -356,10 +362,14 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> Record:
         K3PIPE_PIPELINE_PYTHON=sys.executable,
         K3PIPE_MODEL_PYTHON=str(_torch_python()),
         PREFECT_HOME=str(root / "prefect"),
+        K3PIPE_TEST_HF_TOKEN=HF_TOKEN,
     )
     logs = _node(["model", "--preset", "tiny"], env, 300)
     logs += _node(["run", "--deadline", "300"], env, 420)
     out = root / "out"
+    # a log k3pipe did not write (as the bench's engine writes its own: gpu-node.sh bench) holding the
+    # secret k3pipe knows only through the experiment's reference: collect must blank it
+    (root / "home" / "node-logs" / "bench-engine.log").write_text(f"args: --hf-token {HF_TOKEN}\n")
     # twice, as a sitting does after each run: the second packs the first's log (which must hold no key)
     logs += _node(["collect"], {**env, "OUT": str(out)}, 300)
     logs += _node(["collect"], {**env, "OUT": str(out)}, 300)
@@ -412,6 +422,14 @@ def test_check_finds_the_whole_record(record: Record) -> None:
         assert optional in out
     # the key given explicitly is looked for too
     assert _check(record.out, record.experiment, "--key-value", record.key).returncode == 0
+    # a secret the experiment names by reference: the engine's log as k3pipe wrote it holds none (its
+    # output is scrubbed line by line), and a log k3pipe did not write is blanked in the record's copy
+    # (collect copies every log through k3pipe's scrubber, ops/scrub.py)
+    assert _check(record.out, record.experiment, "--key-value", HF_TOKEN).returncode == 0
+    home = record.root / "home"
+    assert not any(HF_TOKEN in p.read_text(errors="replace") for p in (home / "logs").glob("*.log"))
+    assert HF_TOKEN in (home / "node-logs" / "bench-engine.log").read_text()
+    assert "blanked 1 other secret(s) in the copy of bench-engine.log" in record.logs
 
 
 def _repack(record: Record, dest: Path, change: Any) -> Path:

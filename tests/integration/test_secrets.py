@@ -1,11 +1,12 @@
 """Planted secrets: distinct random secrets in every place a run can take one from, the real flow run
 (`k3pipe run`, and the flow with the experiment given as text), then every store grepped for each.
 
-The places: the endpoint's key (the variable ``endpoint.api_key_env`` names), a literal secret-named
-``engine.env`` value (HF_TOKEN), an ``{env.NAME}`` reference whose value is in k3pipe's environment
-(under a name that says nothing about secrets), a literal secret-named engine argument (api_key), the
-experiment given as ``experiment_yaml`` text, and endpoints that echo the Authorization header in
-their error bodies (the engine's workload requests; a gateway's health probe). The engine is
+The places: the endpoint's key (the variable ``endpoint.api_key_env`` names), a secret-named
+``engine.env`` value (HF_TOKEN) and a secret-named engine argument (api_key), each an ``{env.NAME}``
+reference (a literal is refused: test_planted_keys_through_every_refusal_path), an ``{env.NAME}``
+reference under a name that says nothing about secrets, the experiment given as ``experiment_yaml``
+text, and endpoints that echo the Authorization header in their error bodies (the engine's workload
+requests; a gateway's health probe). The engine is
 tests/scripted_engine.py under the process launcher: it prints its arguments and those variables raw
 to its log, as engines do, and the sha256 of each, which prove what it received.
 
@@ -57,6 +58,7 @@ def _sha(value: str) -> str:
 
 
 def _experiment(name: str, port: int, gateway: str, hf_token: str, api_key_arg: str) -> dict[str, Any]:
+    """``hf_token`` and ``api_key_arg``: what the experiment says for them (``{env.NAME}`` references)."""
     return {
         "name": name,
         "model": {"source": "local", "path": str(TINY_MODEL)},
@@ -157,10 +159,10 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
         "endpoint key": _secret("endpt"),
         "gateway key": _secret("gatew"),
         "{env.K3PIPE_TEST_REF} value": _secret("refval"),
-        "HF_TOKEN literal (file)": _secret("hftok"),
-        "api_key arg literal (file)": _secret("argkey"),
-        "HF_TOKEN literal (experiment_yaml)": _secret("inlhf"),
-        "api_key arg literal (experiment_yaml)": _secret("inlarg"),
+        "HF_TOKEN (file)": _secret("hftok"),
+        "api_key arg (file)": _secret("argkey"),
+        "HF_TOKEN (experiment_yaml)": _secret("inlhf"),
+        "api_key arg (experiment_yaml)": _secret("inlarg"),
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env |= {
@@ -169,6 +171,10 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
         "K3PIPE_TEST_ENDPOINT_KEY": planted["endpoint key"],
         "K3PIPE_TEST_GATEWAY_KEY": planted["gateway key"],
         "K3PIPE_TEST_REF": planted["{env.K3PIPE_TEST_REF} value"],
+        "K3PIPE_TEST_HF_FILE": planted["HF_TOKEN (file)"],
+        "K3PIPE_TEST_ARG_FILE": planted["api_key arg (file)"],
+        "K3PIPE_TEST_HF_INLINE": planted["HF_TOKEN (experiment_yaml)"],
+        "K3PIPE_TEST_ARG_INLINE": planted["api_key arg (experiment_yaml)"],
     }
     terminal: dict[str, bytes] = {}
     # a gateway whose health probe answers 500 with the request's Authorization header in the body
@@ -178,8 +184,8 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
             "planted-file",
             free_port(),
             gateway.base_url,
-            planted["HF_TOKEN literal (file)"],
-            planted["api_key arg literal (file)"],
+            "{env.K3PIPE_TEST_HF_FILE}",
+            "{env.K3PIPE_TEST_ARG_FILE}",
         )
         path = tmp_path / "planted.yaml"  # the user's own file, outside K3PIPE_HOME
         path.write_text(yaml.safe_dump(exp))
@@ -197,8 +203,8 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
             "planted-inline",
             free_port(),
             gateway.base_url,
-            planted["HF_TOKEN literal (experiment_yaml)"],
-            planted["api_key arg literal (experiment_yaml)"],
+            "{env.K3PIPE_TEST_HF_INLINE}",
+            "{env.K3PIPE_TEST_ARG_INLINE}",
         )
         code = (
             "import sys\n"
@@ -234,21 +240,22 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
     arm_runs = [r for r in runs if not r.data.tags.get("k3pipe.workload")]
     assert sorted(r.data.tags["k3pipe.experiment"] for r in arm_runs) == ["planted-file", "planted-inline"]
     for run in arm_runs:
-        literal = "file" if run.data.tags["k3pipe.experiment"] == "planted-file" else "experiment_yaml"
+        where = "file" if run.data.tags["k3pipe.experiment"] == "planted-file" else "experiment_yaml"
+        tag = "FILE" if where == "file" else "INLINE"
         params = run.data.params
-        assert params["env.HF_TOKEN"] == "***"
+        assert params["env.HF_TOKEN"] == f"{{env.K3PIPE_TEST_HF_{tag}}}"
         assert params["env.SCRIPTED_REF"] == "{env.K3PIPE_TEST_REF}"
-        assert params["arg.api_key"] == "***"
+        assert params["arg.api_key"] == f"{{env.K3PIPE_TEST_ARG_{tag}}}"
         assert "--api-key '***'" in params["command"]
         recorded = json.loads(tracker.read_artifact(run.info.run_id, "experiment.json") or b"{}")
-        assert recorded["arms"][0]["engine"]["env"]["HF_TOKEN"] == "***"
+        assert recorded["arms"][0]["engine"]["env"]["HF_TOKEN"] == f"{{env.K3PIPE_TEST_HF_{tag}}}"
         assert recorded["arms"][0]["engine"]["env"]["SCRIPTED_REF"] == "{env.K3PIPE_TEST_REF}"
         # the engine got every value (their sha256 in its log), and the log holds none of them
         (log,) = [a.path for a in tracker.client.list_artifacts(run.info.run_id, "logs")]
         text = (tracker.read_artifact(run.info.run_id, log) or b"").decode()
         assert f"environment SCRIPTED_REF=*** sha256={_sha(planted['{env.K3PIPE_TEST_REF} value'])}" in text
-        assert f"environment HF_TOKEN=*** sha256={_sha(planted[f'HF_TOKEN literal ({literal})'])}" in text
-        assert f"--api-key sha256={_sha(planted[f'api_key arg literal ({literal})'])}" in text
+        assert f"environment HF_TOKEN=*** sha256={_sha(planted[f'HF_TOKEN ({where})'])}" in text
+        assert f"--api-key sha256={_sha(planted[f'api_key arg ({where})'])}" in text
         # the engine required the endpoint's key: the health probe passed, the two requests got the
         # echoing 500s (the arm failed on them, its records scrubbed)
         (workload,) = tracker.children(run.info.run_id)
@@ -263,14 +270,14 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
     assert '"authorization":"Bearer ***"' in terminal["k3pipe run stderr"].decode()
     assert '"authorization":"Bearer ***"' in terminal["flow stderr"].decode()
 
-    # Prefect stored the inline experiment with its literals scrubbed
+    # Prefect stored the inline experiment as written: references, no values
     (db,) = (home / "prefect").glob("*.db")
     with sqlite3.connect(db) as conn:
         parameters = [json.loads(row[0]) for row in conn.execute("select parameters from flow_run")]
     texts = [p["experiment_yaml"] for p in parameters if p.get("experiment_yaml")]
     assert len(texts) == 1
     stored_spec = yaml.safe_load(texts[0])
-    assert stored_spec["arms"][0]["engine"]["env"]["HF_TOKEN"] == "***"
+    assert stored_spec["arms"][0]["engine"]["env"]["HF_TOKEN"] == "{env.K3PIPE_TEST_HF_INLINE}"
     assert stored_spec["arms"][0]["engine"]["env"]["SCRIPTED_REF"] == "{env.K3PIPE_TEST_REF}"
 
 
@@ -302,3 +309,146 @@ def test_a_run_created_with_a_secret_in_its_parameters_stores_them_scrubbed(pref
     engine = yaml.safe_load(stored)["arms"][0]["engine"]
     assert engine["env"]["HF_TOKEN"] == "***"
     assert engine["args"]["api_key"] == "{env.SOME_KEY}"
+
+
+def _refused_experiment(name: str, engine: dict[str, Any], endpoint: dict[str, Any] | None = None) -> str:
+    arm: dict[str, Any] = {"name": "a", "engine": {"kind": "vllm", **engine}, "launcher": {"kind": "process"}}
+    if endpoint:
+        arm |= {"launcher": {"kind": "external"}, "endpoint": endpoint}
+    return yaml.safe_dump(
+        {
+            "name": name,
+            "model": {"source": "local", "path": str(TINY_MODEL)},
+            "arms": [arm],
+            "workloads": [
+                {"name": "w", "input_tokens": 8, "output_tokens": 2, "num_requests": 1, "concurrency": 1}
+            ],
+        }
+    )
+
+
+def test_planted_keys_through_every_refusal_path(tmp_path: Path, clean_environ: Path) -> None:
+    """Keys planted where k3pipe refuses them, each through the commands that refuse it (with --debug
+    too, whose traceback reaches the terminal), a bad K3PIPE_ setting, a tracking URI with a password,
+    and commands that fail after their flow started; then the whole home, every terminal and a GPU
+    record collected from that home (scripts/gpu-node.sh collect) grepped for every key."""
+    home = clean_environ
+    home.mkdir(parents=True, exist_ok=True)
+    planted = {
+        "engine.env VLLM_API_KEY literal": _secret("envkey"),
+        "engine.args api_key literal": _secret("argkey"),
+        "engine.env key-shaped under a plain name": "nvapi-" + secrets.token_hex(16),
+        "endpoint.api_key_env holding the key": _secret("pasted"),
+        "K3PIPE_MLFLOW_PROBE_TIMEOUT_S holding a key": "sk-" + secrets.token_hex(16),
+        "K3PIPE_STACK_AUTH holding a key": _secret("stauth"),
+        "MLFLOW_TRACKING_URI password": _secret("mlpw"),
+        "endpoint key of a run that fails in its flow": _secret("flowkey"),
+    }
+    files = {
+        "env": _refused_experiment(
+            "env", {"env": {"VLLM_API_KEY": planted["engine.env VLLM_API_KEY literal"]}}
+        ),
+        "args": _refused_experiment("args", {"args": {"api_key": planted["engine.args api_key literal"]}}),
+        "shape": _refused_experiment(
+            "shape", {"env": {"EXTRA": planted["engine.env key-shaped under a plain name"]}}
+        ),
+        "pasted": _refused_experiment(
+            "pasted",
+            {},
+            {
+                "base_url": "http://127.0.0.1:9/v1",
+                "model": "m",
+                "api_key_env": planted["endpoint.api_key_env holding the key"],
+            },
+        ),
+    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    base |= {"K3PIPE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "cli.main"]
+    terminal: dict[str, bytes] = {}
+
+    def command(label: str, argv: list[str], env: dict[str, str], rc: int, says: str) -> None:
+        done = _run(argv, env)
+        terminal[f"{label} stdout"], terminal[f"{label} stderr"] = done.stdout.encode(), done.stderr.encode()
+        output = done.stdout[-2000:] + done.stderr[-3000:]
+        assert done.returncode == rc, f"{label}: rc {done.returncode}\n{output}"
+        assert says in done.stderr, f"{label}: {says!r} not in\n{done.stderr[-3000:]}"
+
+    # 1. bad spec fields, refused by every command that reads an experiment (and with --debug)
+    refusals = {
+        "env": "env.VLLM_API_KEY: a literal secret (",
+        "args": "args.api_key: a literal secret (",
+        "shape": "env.EXTRA: a literal secret (nva… (38 chars))",
+        "pasted": "is not an environment variable name (it looks like a key)",
+    }
+    for name, text in files.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        for verb in ("render", "preflight", "run", "study"):
+            command(f"{verb} {name}", [*cli, verb, str(path)], base, 2, refusals[name])
+        command(f"run --debug {name}", [*cli, "--debug", "run", str(path)], base, 2, refusals[name])
+    assert "write '{env.VLLM_API_KEY}' and set VLLM_API_KEY" in terminal["run env stderr"].decode()
+    assert "write '{env.API_KEY}' and set API_KEY" in terminal["run args stderr"].decode()
+
+    # 2. a bad environment: settings that cannot be parsed, a tracking server's password in its URL
+    demo = REPO / "experiments" / "demo-cpu.yaml"
+    command(
+        "probe timeout",
+        [*cli, "runs"],
+        base | {"K3PIPE_MLFLOW_PROBE_TIMEOUT_S": planted["K3PIPE_MLFLOW_PROBE_TIMEOUT_S holding a key"]},
+        2,
+        "K3PIPE_MLFLOW_PROBE_TIMEOUT_S=sk-… (35 chars): input should be a valid number",
+    )
+    command(
+        "stack auth",
+        [*cli, "stack", "status"],
+        base | {"K3PIPE_STACK_AUTH": planted["K3PIPE_STACK_AUTH holding a key"]},
+        2,
+        "K3PIPE_STACK_AUTH=sta… (",
+    )
+    tracking = f"http://alice:{planted['MLFLOW_TRACKING_URI password']}@127.0.0.1:{free_port()}"
+    for verb in ("run", "runs", "study"):
+        argv = [*cli, verb] + ([str(demo)] if verb != "runs" else [])
+        says = "MLflow at http://***@127.0.0.1:"
+        command(f"tracking {verb}", argv, base | {"MLFLOW_TRACKING_URI": tracking}, 2, says)
+
+    # 3. commands that fail after their flow started: an endpoint that refuses connections
+    gateway = tmp_path / "gone.yaml"
+    gateway.write_text(
+        _refused_experiment(
+            "gone",
+            {},
+            {"base_url": f"http://127.0.0.1:{free_port()}/v1", "model": "m", "api_key_env": "GONE_KEY"},
+        )
+    )
+    failing = base | {"GONE_KEY": planted["endpoint key of a run that fails in its flow"]}
+    command("failing run", [*cli, "run", str(gateway)], failing, 2, "HealthError")
+    command("failing run --debug", [*cli, "--debug", "run", str(gateway)], failing, 2, "HealthError")
+
+    # 4. a GPU record collected from this home, as a sitting packs it, then unpacked
+    out = tmp_path / "out"
+    node_env = base | {"OUT": str(out), "K3PIPE_PIPELINE_PYTHON": sys.executable}
+    node = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu-node.sh"), "collect"],
+        cwd=REPO, env=node_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    terminal["collect"] = (node.stdout + node.stderr).encode()
+    assert node.returncode == 0, node.stdout[-3000:] + node.stderr[-3000:]
+    unpacked = tmp_path / "record"
+    unpacked.mkdir()
+    parts = sorted(out.glob("record.tar.gz.part-*"))
+    (tmp_path / "record.tar.gz").write_bytes(b"".join(p.read_bytes() for p in parts))
+    subprocess.run(["tar", "-xzf", str(tmp_path / "record.tar.gz"), "-C", str(unpacked)], check=True)
+    record = {str(p.relative_to(unpacked)): p for p in unpacked.rglob("*") if p.is_file()}
+    assert any(name.endswith("logs/engine/k3pipe.log") for name in record), sorted(record)
+
+    stored = {
+        f"{where}:{name} ({i})": data
+        for where, root in (("home", home), ("record", unpacked))
+        for name, p in sorted((str(p.relative_to(root)), p) for p in root.rglob("*") if p.is_file())
+        for i, data in enumerate(_texts(p))
+    }
+    assert any(name.startswith("home:logs/k3pipe.log") for name in stored), sorted(stored)
+    log = (home / "logs" / "k3pipe.log").read_text()
+    assert log.count("Traceback") >= 2  # the failures were logged, tracebacks and all
+    assert _leaks(planted, {**terminal, **stored}) == []

@@ -189,17 +189,51 @@ def test_credentials_in_base_url_are_refused(url: str, where: str) -> None:
 
 
 def test_parsing_registers_the_experiment_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
-    hf, ref = _planted("hf"), _planted("ref")
+    ref = _planted("ref")
     monkeypatch.setenv("K3PIPE_T_REF", ref)
-    parse_experiment(_experiment(env={"HF_TOKEN": hf, "X": "{env.K3PIPE_T_REF}"}))
-    assert sec.scrub(f"{hf} {ref}") == "*** ***"
+    parse_experiment(_experiment(env={"HF_TOKEN": "{env.K3PIPE_T_REF}", "X": "{env.K3PIPE_T_REF}"}))
+    assert sec.scrub(ref) == "***"
     # and an error that quotes one (an engine log tail, an echoed body) never carries it
-    assert str(LaunchError(f"engine said HF_TOKEN={hf}")) == "engine said HF_TOKEN=***"
+    assert str(LaunchError(f"engine said HF_TOKEN={ref}")) == "engine said HF_TOKEN=***"
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "where"),
+    [
+        ({"HF_TOKEN": "hf_" + "a1B2" * 6}, {}, "env.HF_TOKEN"),
+        ({"VLLM_API_KEY": "plain-words-but-secret"}, {}, "env.VLLM_API_KEY"),
+        ({"SOMETHING": "sk-" + "q9" * 12}, {}, "env.SOMETHING"),
+        ({}, {"api_key": "sk_live_" + "Z7" * 10}, "args.api_key"),
+        ({}, {"speculative_config": {"hf_token": "x" * 20}}, "args.speculative_config.hf_token"),
+    ],
+    ids=["hf-token", "named-key", "key-shaped", "arg-key", "nested"],
+)
+def test_a_literal_secret_in_engine_env_or_args_is_refused_with_the_way_to_pass_it(
+    env: dict[str, str], args: dict[str, object], where: str
+) -> None:
+    """Keys come from the environment, never from a file that gets committed and shared: a literal
+    under a secret's name, or shaped like a key, is refused naming the field and the reference to
+    write; the value is registered first, so nothing that records the refusal shows it, and the
+    error shows it masked."""
+    value = next(iter(env.values())) if env else str(next(iter(args.values())))
+    if isinstance(args.get("speculative_config"), dict):
+        value = "x" * 20
+    with pytest.raises(SpecError) as info:
+        parse_experiment(_experiment(env=env, args=args))
+    message = str(info.value)
+    assert f"{where}: a literal secret" in message
+    assert "write '{env." in message
+    assert value not in message
+    assert sec.scrub(f"said {value}") == "said ***"
+    # a reference to a variable is how it is given; harmless values under secret-ish names pass
+    parse_experiment(
+        _experiment(env={"HF_TOKEN": "{env.HF_TOKEN}"}, args={"long_prefill_token_threshold": 4096})
+    )
 
 
 def test_an_error_shows_a_secret_field_masked(tmp_path: Path) -> None:
     hf = _planted("hf")
-    data = _experiment(env={"HF_TOKEN": hf})
+    data = _experiment(env={"HF_TOKEN": hf})  # refused itself, beside two unrelated errors
     data["arms"][0]["endpoint"] = {"model": 3}  # an unrelated error beside it
     data["workloads"][0]["input_tokens"] = 0
     with pytest.raises(SpecError) as info:
@@ -210,28 +244,29 @@ def test_an_error_shows_a_secret_field_masked(tmp_path: Path) -> None:
 # -- the command: recorded with references, launched with values ----------------------------------
 
 
-def test_the_rendered_command_shows_references_and_hides_literals(monkeypatch: pytest.MonkeyPatch) -> None:
-    literal, ref = _planted("lit"), _planted("ref")
+def test_the_rendered_command_shows_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _planted("ref")
     monkeypatch.setenv("K3PIPE_T_HF", ref)
+    monkeypatch.setenv("K3PIPE_T_KEY", ref)
     spec = parse_experiment(
         _experiment(
             env={"HF_TOKEN": "{env.K3PIPE_T_HF}", "VLLM_X": "1"},
-            args={"api_key": literal, "hf_token": "{env.K3PIPE_T_HF}", "max_num_seqs": 4},
+            args={"api_key": "{env.K3PIPE_T_KEY}", "hf_token": "{env.K3PIPE_T_HF}", "max_num_seqs": 4},
         )
     )
     plan = plan_arm(spec, spec.arms[0], Path("/h"))
     shell = plan.command.shell()
-    assert literal not in shell
     assert ref not in shell
     assert "HF_TOKEN='{env.K3PIPE_T_HF}'" in shell
-    assert "--api-key '***'" in shell
+    assert "--api-key '{env.K3PIPE_T_KEY}'" in shell
     assert "--hf-token '{env.K3PIPE_T_HF}'" in shell
     assert "--max-num-seqs 4" in shell
     assert plan.command.references() == [
         ("engine.env.HF_TOKEN", "K3PIPE_T_HF"),
+        ("engine.args (--api-key)", "K3PIPE_T_KEY"),
         ("engine.args (--hf-token)", "K3PIPE_T_HF"),
     ]
-    launched = plan.command.resolved({"K3PIPE_T_HF": ref}.get)
+    launched = plan.command.resolved({"K3PIPE_T_HF": ref, "K3PIPE_T_KEY": ref}.get)
     assert launched.env["HF_TOKEN"] == ref
     assert launched.argv[launched.argv.index("--hf-token") + 1] == ref
     # a secret does not change what the engine compiles, and stays out of the cache's factors

@@ -88,7 +88,7 @@ def test_key_ignores_the_front_end() -> None:
     assert key(args={"max_model_len": 8192}, port=9000) == base
     neutral = {
         "max_model_len": 8192,
-        "api_key": "x",
+        "api_key": "{env.K3PIPE_API_KEY}",
         "uvicorn_log_level": "debug",
         "enable_auto_tool_choice": True,
         "tool_call_parser": "hermes",
