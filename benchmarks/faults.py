@@ -319,6 +319,49 @@ def sigkill_then_run(work: Path, engine: str) -> Figures:
     return fig
 
 
+def _outside_engine(port: int) -> subprocess.Popen[bytes]:
+    """An endpoint k3pipe did not start (the scripted engine, started by hand)."""
+    return subprocess.Popen(
+        [sys.executable, str(FAKE_ENGINE), "--model", str(TINY_MODEL), "--served-model-name",
+         "tiny-llama", "--port", str(port), "--token-delay-ms", str(FAKE_TOKEN_DELAY_MS),
+         "--startup-delay-s", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def sigkill_then_runs(work: Path, engine: str, external: bool = False) -> Figures:
+    """SIGKILL of `k3pipe run` alone, then `k3pipe runs` (a read, no run) on the same home: it must
+    end what the killed run left (its engine; ``external``: an endpoint k3pipe did not start, so
+    nothing to end) and close its records, MLflow runs KILLED and flow run Crashed, saying so."""
+    label = "external-sigkill-then-runs" if external else "sigkill-then-runs"
+    exp, home, port = _setup(work, label, engine, external)
+    outside = _outside_engine(port) if external else None
+    run = Run(exp, home)
+    try:
+        run.wait_for(MARKER)
+        left = groups(home)
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+        alive_after_kill = sum(1 for g in left if members(g["pgid"]))
+        t0 = time.monotonic()
+        env = {**run.env}
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", "runs"], cwd=REPO, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        fig = Figures(label, done.returncode, None, time.monotonic() - t0, output=done.stdout + done.stderr)
+    finally:
+        run.kill()
+        if outside is not None:
+            with _suppress():
+                os.killpg(outside.pid, signal.SIGKILL)
+            outside.wait()
+    fig.note = (
+        f"{alive_after_kill} of {len(left)} groups left running by the kill; `k3pipe runs` closed it all"
+    )
+    return read_back(fig, home, [g["pgid"] for g in left])
+
+
 def all_killed_then_run(work: Path, engine: str) -> Figures:
     """SIGKILL of `k3pipe run` and of every group it started (its engine, its Prefect server: what an
     administrator's kill or the OOM killer taking them all does), then a new run on the same home:
@@ -341,7 +384,7 @@ def all_killed_then_run(work: Path, engine: str) -> Figures:
     t0 = time.monotonic()
     again = Run(exp, home, ["--requests", "2"])
     try:
-        noticed = again.wait_for(r"its records are closed")
+        noticed = again.wait_for(r"Running -> Crashed")
         code = again.wait()
         fig = Figures("all-killed-then-run", code, noticed - t0, time.monotonic() - t0, output=again.text())
     finally:
@@ -355,13 +398,7 @@ def engine_fault(work: Path, engine: str, sig: signal.Signals, external: bool = 
     an endpoint k3pipe did not start (here started by hand), killed or frozen the same way."""
     label = ("endpoint" if external else "engine") + ("-killed" if sig == signal.SIGKILL else "-frozen")
     exp, home, port = _setup(work, label, engine, external)
-    outside = None
-    if external:
-        outside = subprocess.Popen(
-            [sys.executable, str(FAKE_ENGINE), "--model", str(TINY_MODEL), "--served-model-name",
-             "tiny-llama", "--port", str(port), "--token-delay-ms", "50", "--startup-delay-s", "0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    outside = _outside_engine(port) if external else None
     run = Run(exp, home)
     try:
         run.wait_for(MARKER)
@@ -552,6 +589,8 @@ FAULTS: dict[str, Callable[[Path, str], Figures]] = {
     "sigterm": lambda w, e: interrupt(w, e, signal.SIGTERM),
     "sigkill-then-run": sigkill_then_run,
     "all-killed-then-run": all_killed_then_run,
+    "sigkill-then-runs": sigkill_then_runs,
+    "external-sigkill-then-runs": lambda w, e: sigkill_then_runs(w, e, external=True),
     "engine-killed": lambda w, e: engine_fault(w, e, signal.SIGKILL),
     "engine-frozen": lambda w, e: engine_fault(w, e, signal.SIGSTOP),
     "endpoint-killed": lambda w, e: engine_fault(w, e, signal.SIGKILL, external=True),

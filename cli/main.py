@@ -29,7 +29,9 @@ def prepare_prefect_env(settings: Settings, *modules: str) -> None:
     ``modules`` (the command's flows) are imported while that server boots."""
     import importlib
 
+    from cli.closing import close_gone
     from cli.local_prefect import LocalPrefect
+    from k3pipe.owners import set_local_prefect
     from k3pipe.procs import GroupRegistry
 
     home = settings.home_dir
@@ -48,10 +50,13 @@ def prepare_prefect_env(settings: Settings, *modules: str) -> None:
             server = LocalPrefect(home, Path(os.environ["PREFECT_HOME"]))
             # set before prefect is imported: its settings are read at import
             os.environ["PREFECT_API_URL"] = server.launch()
+            set_local_prefect(os.environ["PREFECT_API_URL"], Path(os.environ["PREFECT_HOME"]))
         for module in modules:
             importlib.import_module(module)
         if server is not None:
             server.wait()
+        # what killed commands left open: their engines, MLflow runs, flow runs (cli/closing.py)
+        close_gone(settings)
     except OSError as exc:
         _fail(K3pipeError(f"K3PIPE_HOME {home} cannot be used: {exc}"))
 
@@ -554,6 +559,7 @@ def report(
             )
         )
     settings = Settings()
+    _close_gone(settings)
     try:
         tracker = _tracker(settings, artifact_root)
         run = find_run(tracker, study_run)
@@ -601,14 +607,13 @@ def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) 
 
     hide_tracebacks()
     interrupts = Interrupts(on_deadline=end_mine)
-    from flows.runtime import started_flow_runs
 
     try:
         with interrupts.installed():
             return call()
     except KeyboardInterrupt:
         sig = interrupts.received or signal.SIGINT
-        _mark_cancelled(started_flow_runs, f"interrupted by {sig.name}")
+        _mark_cancelled(home, f"interrupted by {sig.name}")
         typer.secho(
             f"interrupted ({sig.name}): the engine was stopped; what was measured is recorded (MLflow "
             "runs ended KILLED)",
@@ -623,19 +628,29 @@ def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) 
         raise  # not reached: _fail exits
 
 
-def _mark_cancelled(flow_run_ids: list[str], why: str) -> None:
-    """The command's flow runs that an interrupt ended (Prefect marks them Crashed): Cancelled, why."""
+def _mark_cancelled(home: Path, why: str) -> None:
+    """The command's flow runs that an interrupt ended (Prefect marks them Crashed): Cancelled, why,
+    each said on the terminal, so that its last word on a flow run is the state recorded."""
     from uuid import UUID
 
     from prefect import get_client
     from prefect.states import Cancelled
 
+    from k3pipe.owners import Owners
+
+    mine = Owners(home).mine()
     try:
         with get_client(sync_client=True) as client:
-            for run_id in flow_run_ids:
-                state = client.read_flow_run(UUID(run_id)).state
+            for note in mine.flow_runs if mine else []:
+                state = client.read_flow_run(UUID(note.id)).state
                 if state is None or not state.is_final() or state.is_crashed():
-                    client.set_flow_run_state(UUID(run_id), Cancelled(message=why), force=True)
+                    was = state.name if state is not None else "no state"
+                    client.set_flow_run_state(UUID(note.id), Cancelled(message=why), force=True)
+                    typer.secho(
+                        f"flow run '{note.name}': {was} -> Cancelled ({why})",
+                        fg=typer.colors.YELLOW,
+                        err=True,
+                    )
     except Exception as exc:  # the exit code and the engine's stop matter more than the label
         log_error(exc)
 
@@ -859,6 +874,7 @@ def runs(
     from k3pipe.tracking import Tracker
 
     settings = Settings()
+    _close_gone(settings)
     try:
         tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
         frame = recent_runs(
@@ -1058,13 +1074,23 @@ def bundle(
     print(f"on the node: copy every file of {result.out_dir} into one directory; bash install.sh --help")
 
 
+def _close_gone(settings: Settings, sync: bool = True) -> None:
+    """What killed k3pipe commands left open, closed before this one reads the store (cli/closing.py);
+    a home that cannot be used is the command's own error to say."""
+    from cli.closing import close_gone
+
+    try:
+        close_gone(settings, sync=sync)
+    except OSError as exc:
+        _fail(K3pipeError(f"K3PIPE_HOME {settings.home_dir} cannot be used: {exc}"))
+
+
 def _tracking_ready(settings: Settings, spool: bool) -> None:
     """Before a run starts anything: MLflow answers (else the one-sentence error, in seconds), unless
-    the spool is allowed (--spool, K3PIPE_ALLOW_SPOOL); then what the spool still holds from earlier
-    runs is pushed."""
+    the spool is allowed (--spool, K3PIPE_ALLOW_SPOOL). What the spool still holds from earlier runs
+    is pushed once the command's Prefect is up (cli.closing.close_gone, from prepare_prefect_env)."""
     from k3pipe.errors import TrackingUnreachableError
     from k3pipe.push import probe_tracking, unreachable_message
-    from k3pipe.spool import list_sessions
 
     if spool:
         os.environ["K3PIPE_ALLOW_SPOOL"] = "1"  # the flow's own Settings() reads it
@@ -1074,13 +1100,6 @@ def _tracking_ready(settings: Settings, spool: bool) -> None:
         if not (spool or settings.allow_spool):
             _fail(TrackingUnreachableError(unreachable_message(uri, reason)))
         return  # the flow's tracker says it once: recording into the spool
-    if list_sessions(settings.spool_dir()):
-        from k3pipe.sync import sync_spool
-
-        report = sync_spool(settings.spool_dir(), probe_timeout_s=settings.mlflow_probe_timeout_s)
-        if report.records or not report.done:
-            for line in report.lines():
-                print(f"spool: {line}")
 
 
 @app.command()
@@ -1090,6 +1109,7 @@ def sync() -> None:
     from k3pipe.sync import sync_spool
 
     settings = Settings()
+    _close_gone(settings, sync=False)  # the engines and flow runs of killed commands; the spool below
     report = sync_spool(settings.spool_dir(), probe_timeout_s=settings.mlflow_probe_timeout_s)
     for line in report.lines():
         print(line)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flows.runtime import flow_job, note_flow_run
+from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.jobs.benchmark import BenchmarkRequest
 from k3pipe.jobs.benchmark import benchmark as benchmark_job
@@ -44,7 +44,6 @@ def benchmark(
         allow_drift: With rerun_of: rerun even though a model file differs from the record (the
             difference is recorded).
     """
-    note_flow_run()
     guard()
     run = RunRequest(experiment=experiment, experiment_yaml=experiment_yaml, arms=arms, overrides=overrides)
     request = BenchmarkRequest(run=run, rerun_of=rerun_of, allow_drift=allow_drift)
@@ -61,7 +60,6 @@ def rerun(run_id: str, allow_drift: bool = False) -> list[dict[str, Any]]:
         allow_drift: Rerun even though a model file differs from the record (the difference is
             recorded).
     """
-    note_flow_run()
     guard()
     return benchmark(rerun_of=run_id, allow_drift=allow_drift)
 

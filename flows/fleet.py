@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from flows.pools import LAUNCH_FLOW
-from flows.runtime import flow_job, note_flow_run
+from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.errors import RunFailedError
 from k3pipe.jobs.launch import LaunchRequest, run_launch
@@ -31,11 +31,8 @@ def launch(study_run_id: str, arm: str, launch: int = 1, launches: int = 1, pool
         launches: How many launches of the arm the study plans.
         pool: The work pool this node serves (recorded on the arm's run).
     """
-    note_flow_run()
     guard()
     outcome = run_launch(LaunchRequest(study_run_id, arm, launch, launches, pool), flow_job())
     if outcome.status != "FINISHED":
         raise RunFailedError(f"arm {arm} launch {launch}: {outcome.status}: {outcome.error or 'see its run'}")
     return outcome.as_dict()
-
-

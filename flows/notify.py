@@ -13,7 +13,7 @@ from prefect.blocks.webhook import Webhook
 from prefect.exceptions import ObjectNotFound
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from flows.runtime import flow_job, note_flow_run
+from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.alerts import REGRESSION_FILE
 from k3pipe.errors import K3pipeError
@@ -34,7 +34,6 @@ def notify(retest: str) -> dict[str, Any]:
     Args:
         retest: The retest's MLflow run id (or the event's resource id, k3pipe.retest.<run id>).
     """
-    note_flow_run()
     guard()
     job = flow_job()
     run_id = retest.removeprefix(RESOURCE_PREFIX)

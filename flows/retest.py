@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flows.runtime import flow_job, note_flow_run
+from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.jobs import retest as job
 from k3pipe.jobs.retest import VariantsFailed
@@ -50,7 +50,6 @@ def retest(
             the variants judged against the baseline again (the fields above are not read).
         allow_drift: With rerun: go on although a model differs from the record (recorded as drift).
     """
-    note_flow_run()
     guard()
     if rerun and rerun.strip():
         return job.rerun_retest(rerun.strip(), flow_job(), allow_drift=allow_drift).as_dict()

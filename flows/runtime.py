@@ -50,21 +50,8 @@ __all__ = [
     "arm_steps",
     "flow_job",
     "flow_run_id",
-    "note_flow_run",
     "prepare_steps",
-    "started_flow_runs",
 ]
-
-started_flow_runs: list[str] = []
-"""The ids of the flow runs this process started (each flow notes its own first), so that the
-command that ran them can mark them Cancelled when it is interrupted (cli.main)."""
-
-
-def note_flow_run() -> None:
-    """Add the current flow run to :data:`started_flow_runs`."""
-    run_id = flow_run_id()
-    if run_id != "none" and run_id not in started_flow_runs:
-        started_flow_runs.append(run_id)
 
 
 def flow_run_id() -> str:

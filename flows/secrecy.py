@@ -23,6 +23,7 @@ persists its result (``cache_policy=NO_CACHE``, no ``persist_result``); tasks ta
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -31,6 +32,7 @@ from prefect import Flow, get_client
 from prefect.context import get_run_context
 
 from k3pipe.experiment import register_experiment_secrets
+from k3pipe.owners import FlowRunNote, Owners, local_prefect
 from k3pipe.secrets import install_log_filter, redact_data, scrub_data
 
 __all__ = ["ScrubbedFlow", "guard", "scrubbed_flow"]
@@ -92,9 +94,24 @@ def scrubbed_flow(name: str) -> Callable[[Callable[P, R]], ScrubbedFlow[P, R]]:
     return wrap
 
 
+def _note(flow_run_id: str, name: str) -> None:
+    """The flow run in this process's owner record (k3pipe.owners), for the command that comes after
+    a kill: it sets the run Crashed when this process is gone and the run is not finished."""
+    from prefect.settings import PREFECT_API_URL
+
+    from k3pipe.settings import Settings
+
+    api_url = str(PREFECT_API_URL.value() or "")
+    local = local_prefect()
+    prefect_home = local[1] if local is not None and local[0] == api_url else None
+    with contextlib.suppress(OSError):  # an unwritable home is said where it matters, not here
+        Owners(Settings().home_dir).note_flow_run(FlowRunNote(flow_run_id, name, api_url, prefect_home))
+
+
 def guard() -> None:
-    """The first step of every flow: the log filter on every handler, and the run's stored parameters
-    scrubbed (a deployment run's were stored as the UI or the API sent them)."""
+    """The first step of every flow: the log filter on every handler, the flow run noted in this
+    process's owner record (k3pipe.owners), and the run's stored parameters scrubbed (a deployment
+    run's were stored as the UI or the API sent them)."""
     install_log_filter()
     try:
         flow_run = get_run_context().flow_run  # type: ignore[union-attr]
@@ -102,6 +119,7 @@ def guard() -> None:
         return
     if flow_run is None:
         return
+    _note(str(flow_run.id), flow_run.name)
     stored = dict(flow_run.parameters or {})
     clean = _scrubbed(stored)
     if clean != stored:

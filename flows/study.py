@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flows.runtime import flow_job, note_flow_run
+from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.jobs import study as job
 from k3pipe.jobs.study import ArmsFailed
@@ -51,7 +51,6 @@ def study(
             compared launch by launch with it (the fields above are not read). Empty: a new study.
         allow_drift: With rerun: go on although a model differs from the record (recorded as drift).
     """
-    note_flow_run()
     guard()
     if resume and resume.strip():
         return job.resume(resume.strip(), flow_job()).as_dict()

@@ -221,11 +221,11 @@ class GroupRegistry:
                             f"which is gone: {what}" + (f"; still running: {left}" if left else "")
                         )
                 elif progress:
-                    # ended by someone else too (an administrator, the OOM killer): nothing to stop,
-                    # but what it belonged to did not end cleanly either, and its records say so
+                    # ended by someone else too (an administrator, the OOM killer): nothing to stop;
+                    # what it belonged to is for the caller to close, and to say
                     progress(
                         f"the {record.describe()} of k3pipe process {record.owner_pid} is gone, and so is "
-                        "that process: its records are closed"
+                        "that process: nothing to stop"
                     )
                 ended.append(record)
                 self.remove(record.pgid)

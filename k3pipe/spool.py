@@ -215,6 +215,18 @@ class Journal:
     def pending(self) -> int:
         return self.seq - self.progress.pushed
 
+    def first(self) -> dict[str, Any] | None:
+        """The journal's first record (its ``create`` when this session created the run)."""
+        return next(iter(_read_lines(self.journal_path)), None)
+
+    def tag(self, key: str) -> str | None:
+        """The last value the journal set for tag ``key`` (at creation or later); None if never."""
+        value = None
+        for record in _read_lines(self.journal_path):
+            if record["op"] in ("create", "tags") and key in record.get("tags", {}):
+                value = str(record["tags"][key])
+        return value
+
     def append(
         self, op: str, data: Mapping[str, Any], file: Path | bytes | None = None, name: str = ""
     ) -> int:

@@ -19,9 +19,20 @@ from k3pipe.push import Pusher, is_remote, is_transient, probe_tracking
 from k3pipe.settings import apply_mlflow_client_defaults
 from k3pipe.spool import IdMap, Journal, list_sessions, try_lock, unlock
 
-__all__ = ["SyncReport", "sync_spool"]
+__all__ = ["ABANDONED", "AbandonedRun", "SyncReport", "sync_spool"]
 
 log = logging.getLogger("k3pipe.sync")
+
+
+@dataclass(frozen=True)
+class AbandonedRun:
+    """A run a process created and never ended, ended KILLED by a sync."""
+
+    pid: int | None
+    """The process that created it (its session's)."""
+    name: str
+    run_id: str
+    """Its MLflow id (its local id while MLflow has not got it)."""
 
 
 @dataclass
@@ -38,6 +49,8 @@ class SyncReport:
     """Records still only in the spool."""
     abandoned: int = 0
     """Runs whose process died without ending them (SIGKILL, a crash): ended KILLED here."""
+    closed: list[AbandonedRun] = field(default_factory=list)
+    """Those runs, each with the process that left it."""
     kept: list[str] = field(default_factory=list)
     """Sessions done but for refused records, moved to spool/refused/ (these paths)."""
     unreadable: list[str] = field(default_factory=list)
@@ -58,8 +71,12 @@ class SyncReport:
         if self.abandoned:
             out.append(
                 f"ended {self.abandoned} run(s) KILLED whose process died without ending them "
-                "(at their last record's time)"
+                "(at their last record's time):"
             )
+            out += [
+                f"  MLflow run {run.run_id} ({run.name}) of k3pipe process {run.pid or '?'}"
+                for run in self.closed
+            ]
         out += [f"  refused by MLflow (left out): {why}" for why in self.refused]
         out += [f"  the refused records are kept in {path}" for path in self.kept]
         if self.pending:
@@ -92,7 +109,9 @@ def sync_spool(
             report.pending += session.pending()
             continue
         try:
-            report.abandoned += _end_abandoned(session.journals())
+            closed = _end_abandoned(session.journals(), session.meta.get("pid"))
+            report.abandoned += len(closed)
+            report.closed += closed
             meta = session.meta
             uri = str(meta.get("tracking_uri") or "")
             if not uri or not meta.get("experiment"):  # never MLflow's default store in the cwd
@@ -132,16 +151,31 @@ def sync_spool(
     return report
 
 
-def _end_abandoned(journals: list[Journal]) -> int:
+ABANDONED = (
+    "its k3pipe process (pid {pid}) ended without ending this run (killed: SIGKILL, the OOM killer, "
+    "a lost machine); a later k3pipe command ended it KILLED at its last record's time"
+)
+"""The ``k3pipe.error`` tag of a run a sync ended for its dead process (unless it had one)."""
+
+
+def _end_abandoned(journals: list[Journal], pid: object) -> list[AbandonedRun]:
     """End, KILLED at the time of its last record, each run a session created and never ended: its
-    session is unlocked, so its process is gone (killed, crashed) without closing its tracker."""
-    count = 0
+    session is unlocked, so its process is gone (killed, crashed) without closing its tracker. A run
+    without an error of its own says why it ended so (``k3pipe.error``)."""
+    closed = []
     for journal in journals:
         refused = journal.progress.mlflow_id is None and not journal.pending  # its creation was refused
         if journal.created_here and not journal.ended and not refused:
-            journal.append("end", {"status": "KILLED", "end_ms": journal.last_ms})
-            count += 1
-    return count
+            last = journal.last_ms
+            if journal.tag("k3pipe.error") is None:
+                journal.append("tags", {"tags": {"k3pipe.error": ABANDONED.format(pid=pid or "?")}})
+            journal.append("end", {"status": "KILLED", "end_ms": last})
+            first = journal.first() or {}
+            run_id = journal.progress.mlflow_id or journal.run_id
+            closed.append(
+                AbandonedRun(pid if isinstance(pid, int) else None, str(first.get("name", "?")), run_id)
+            )
+    return closed
 
 
 def _push_session(journals: list[Journal], pusher: Pusher, report: SyncReport) -> None:

@@ -75,10 +75,35 @@ def test_a_run_killed_with_its_engine_and_server_is_closed_by_the_next_run(tmp_p
     nothing stays Running for good."""
     fig = _run("all-killed-then-run", tmp_path)
     assert fig.exit_code == 0, fig.output[-3000:]
-    assert "its records are closed" in fig.output
+    assert re.search(
+        r"Prefect flow run '[^']+' \(\S+\) of k3pipe process \d+ .*, which is gone: Running -> Crashed",
+        fig.output,
+    )
+    assert "ended 1 run(s) KILLED whose process died without ending them" in fig.output
     assert fig.left_running == []
     assert fig.still_running_records == 0, (fig.mlflow_statuses, fig.prefect_state)
     assert "KILLED" in fig.mlflow_statuses.values() or "FAILED" in fig.mlflow_statuses.values()
+
+
+@pytest.mark.parametrize("name", ["sigkill-then-runs", "external-sigkill-then-runs"])
+def test_a_killed_run_is_closed_by_the_next_k3pipe_runs(name: str, tmp_path: Path) -> None:
+    """SIGKILL of `k3pipe run` (on an engine it started, on an endpoint it did not), then `k3pipe runs`:
+    the engine ended, the MLflow runs KILLED, the flow run Crashed, each said; the table shows them."""
+    fig = _run(name, tmp_path)
+    assert fig.exit_code == 0, fig.output[-3000:]
+    assert fig.still_running_records == 0, (fig.mlflow_statuses, fig.prefect_state, fig.output[-3000:])
+    assert fig.mlflow_statuses == {"arm": "KILLED"}  # the workload's run is made once it ends
+    assert fig.prefect_state == "Crashed"
+    said = fig.output
+    assert "ended 1 run(s) KILLED whose process died without ending them" in said
+    assert re.search(r"MLflow run \w+ \(\S+/arm\) of k3pipe process \d+", said), said
+    assert re.search(r"Prefect flow run '[^']+' \(\S+\) of k3pipe process \d+ \(k3pipe run .*exp.yaml", said)
+    assert "Running -> Crashed" in said
+    if name == "sigkill-then-runs":
+        assert "ended the engine" in said
+    else:
+        assert "ended the engine" not in said  # no engine of k3pipe's: it says nothing of one
+    assert "Traceback" not in said
 
 
 @pytest.mark.parametrize(
