@@ -179,8 +179,15 @@ class SGLangEngine(Engine):
             time_format="%Y-%m-%d %H:%M:%S",
         ),
         ready=readiness_pattern,
-        # managers/scheduler.py:1268: the LOGICAL pool (rows x dcp_size) and the granted running cap
-        kv_pool_tokens=_P(r"\bmax_total_num_tokens=(?P<v>\d+)"),
+        # managers/scheduler.py:1268: the LOGICAL pool (rows x dcp_size) and the granted running cap;
+        # before it (and in a launch that fails in CUDA graph capture, the only pool line: the MLA
+        # study's OOM on the H100) mem_cache/memory_pool.py:1622 (0.5.16) "KV Cache is allocated.
+        # dtype: torch.float8_e4m3fn, #tokens: 30430899, KV size: 65.30 GB", the rows of one rank
+        # (the same number without DCP); the last of the two logged wins
+        kv_pool_tokens=_P(r"(?:\bmax_total_num_tokens=|^KV Cache is allocated\..*?#tokens: )(?P<v>\d+)"),
+        # the same line's size: "GB" there is GiB (memory_pool.py:96, GB = 1024**3); MLA pools log
+        # one "KV size", MHA pools "K size" and "V size" (not read: two numbers)
+        kv_cache_memory_gib=_P(r"^KV Cache is allocated\..*\bKV size: (?P<v>[\d.]+) GB"),
         max_running_requests=_P(r"\bmax_total_num_tokens=\d+.*\bmax_running_requests=(?P<v>\d+)"),
         context_length=_P(r"\bmax_total_num_tokens=\d+.*\bcontext_len=(?P<v>\d+)"),
         # cuda_graph_setup.py:787 (and :695 for prefill graphs): target + draft graphs add up
