@@ -286,6 +286,10 @@ class Engine:
     """The path k3pipe polls until the engine is up."""
     health_paths: ClassVar[tuple[str, ...]] = ("/health",)
     """Every health path the engine serves."""
+    watch_path: ClassVar[str | None] = None
+    """The path the engine watch probes while a workload runs (k3pipe.bench.watch), where the health
+    path does not answer at once from a busy engine: one its HTTP server answers without waiting for
+    the model's scheduler, asked with the endpoint's key (None: the health path, asked without)."""
     version_path: ClassVar[str | None] = None
     server_info_path: ClassVar[str | None] = None
     """Path reporting the resolved server configuration, if the engine has one."""

@@ -108,6 +108,14 @@ class SGLangEngine(Engine):
     # 1-token generation, 503 until the warm-up request finished (http_server.py:721-799)
     health_path: ClassVar[str] = "/health"
     health_paths: ClassVar[tuple[str, ...]] = ("/health", "/health_generate")
+    # ... so /health is no liveness probe during a workload: it answers 200 only once the scheduler
+    # has sent something back after the probe (0.5.16 entrypoints/http_server.py:616-690: a 1-token
+    # generation queued behind whatever the scheduler runs, checked every 1 s, 503 after
+    # SGLANG_HEALTH_CHECK_TIMEOUT = 20 s). The H100 MLA study's SGLang went unanswered for 8 s while its
+    # first 32K-token prefill chunk ran (docs/gpu.md), and the watch stopped a live engine.
+    # /v1/models is served by the HTTP process alone (http_server.py:1780-1809); the scheduler's own
+    # death ends the whole server (the launcher then sees the exit).
+    watch_path: ClassVar[str | None] = "/v1/models"
     # GET /server_info -> {..., "version": "0.5.23", ...} (the old /get_server_info still answers but
     # logs a deprecation line); it also carries every resolved server arg, the logical KV pool
     # (max_total_num_tokens) and, per DP rank, effective_max_running_requests_per_dp
