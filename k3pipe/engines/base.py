@@ -544,6 +544,11 @@ class Engine:
         own metrics; {} when it exports none (engines override)."""
         return {}
 
+    def kv_pool_cap(self, args: Mapping[str, Any]) -> tuple[int, str] | None:
+        """A setting that caps the KV pool below what the memory budget gives: ``(tokens, how it
+        reads)`` (None: none set; engines override)."""
+        return None
+
     def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
         """The settings to change for a bigger KV pool (engines override)."""
         return []

@@ -309,6 +309,15 @@ class SGLangEngine(Engine):
                 out[metric] = mean
         return out
 
+    def kv_pool_cap(self, args: Mapping[str, Any]) -> tuple[int, str] | None:
+        """``max_total_tokens``: the pool is the smaller of it and what the memory gives
+        (mem_cache/kv_cache_configurator.py:1599-1608, 0.5.16)."""
+        found = self.arg(args, "max_total_tokens")
+        if found is None or found[1] is None:
+            return None
+        tokens = self.parse_int(found[1])
+        return tokens, f"max_total_tokens={tokens:,}"
+
     def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
         fixes = ["raise mem_fraction_static", "lower context_length to the real business length"]
         if not self.kv_cache_dtype(args).startswith("fp8"):

@@ -212,6 +212,20 @@ def test_weights_that_leave_no_memory_are_an_error(
     assert error.message.startswith("no memory is left for the KV cache")
 
 
+def test_a_bounded_sglang_pool_is_estimated_at_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """experiments/mla-sglang-h100.yaml (the sitting's SGLang retry): max_total_tokens 2,100,000 caps the
+    pool (kv_cache_configurator.py:1599-1608), so the estimate says so, not the 30.9 M the memory gives
+    (the node's preflight of 2026-12-06 said 30,949,933: the pool logged was 2,100,000)."""
+    retry = load_experiment(REPO / "experiments" / "mla-sglang-h100.yaml")
+    findings = _findings(retry, tmp_path, monkeypatch)
+    assert [f for f in findings if f.severity != "info"] == []
+    (estimate,) = [f.message for f in findings if f.rule == "kv-estimate"]
+    assert estimate.startswith("estimated KV pool ~2,100,000 tokens (1 B per KV element, fp8_e4m3)")
+    assert "= 30,949,977 tokens, capped at 2,100,000 by max_total_tokens=2,100,000" in estimate
+
+
 # -- the experiments --------------------------------------------------------------------------------
 
 
