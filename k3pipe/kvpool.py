@@ -72,6 +72,20 @@ class KVEstimate(BaseModel):
     tp: int
     dcp: int
     layout: KVLayout
+    uncapped_tokens: int | None = Field(
+        default=None, description="What the budget alone gives, where a setting caps the pool below it."
+    )
+    capped_by: str | None = Field(
+        default=None, description="The setting that caps the pool (SGLang max_total_tokens), if one does."
+    )
+
+    def capped(self, tokens: int, setting: str) -> KVEstimate:
+        """The estimate with the pool capped at ``tokens`` by ``setting`` (unchanged if not below)."""
+        if tokens >= self.tokens:
+            return self
+        return self.model_copy(
+            update={"tokens": tokens, "uncapped_tokens": self.tokens, "capped_by": setting}
+        )
 
     def explain(self) -> str:
         lay = self.layout
@@ -86,7 +100,11 @@ class KVEstimate(BaseModel):
             f"{self.bytes_per_token_per_gpu:,.0f} B per token per GPU; "
             f"{self.budget_bytes_per_gpu / GiB:.2f} GiB / that"
             + (f" x dcp {self.dcp}" if self.dcp > 1 else "")
-            + f" = {self.tokens:,} tokens"
+            + (
+                f" = {self.uncapped_tokens:,} tokens, capped at {self.tokens:,} by {self.capped_by}"
+                if self.capped_by is not None and self.uncapped_tokens is not None
+                else f" = {self.tokens:,} tokens"
+            )
         )
 
 

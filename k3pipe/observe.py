@@ -29,6 +29,8 @@ __all__ = [
     "LogLine",
     "LogPatterns",
     "PhasePattern",
+    "TimedLine",
+    "log_wall_time",
     "parse_engine_log",
     "phase_table",
     "read_log_lines",
@@ -48,9 +50,10 @@ config. Performance might be sub-optimal! Config file not found at %s, ..."; its
 configs end ``_down.json``). The name the engine chose kernels for: field notes' pitfall 4, SGLang
 logging "NVIDIA L20D" on a B300 node."""
 
-UNTUNED_KERNEL = re.compile(r"Performance might be sub-optimal!")
+UNTUNED_KERNEL = re.compile(r"Performance might be sub-optimal[!.]")
 """Both engines' words when a kernel runs on a default config for want of one tuned for the device
-(or one tuned under another Triton version, SGLang's fallback)."""
+(or one tuned under another Triton version, SGLang's fallback; SGLang 0.5.16 ends its "Down MoE config
+file not found at ...; reusing the tuned up-projection config without TMA." line with a full stop)."""
 
 
 def _device_key(name: str) -> str:
@@ -75,6 +78,12 @@ class LogFormat:
     prefix: re.Pattern[str]
     time_format: str
 
+    def embedded(self) -> re.Pattern[str]:
+        """The prefix unanchored: where a progress bar (tqdm's, with carriage returns but no newline)
+        ran into the next log record, the record starts mid-line."""
+        source = self.prefix.pattern
+        return re.compile(source[1:] if source.startswith("^") else source, self.prefix.flags)
+
 
 @dataclass(frozen=True)
 class LogLine:
@@ -88,13 +97,19 @@ class LogLine:
 
 
 def read_log_lines(lines: Iterable[str], fmt: LogFormat) -> list[LogLine]:
-    """Split lines into prefix and message; skip blank lines and ``#`` comment lines."""
+    """Split lines into prefix and message; skip blank lines and ``#`` comment lines. A line that
+    does not start with the prefix but has it further on (a progress bar that ran into the next log
+    record: SGLang 0.5.16's "Capturing batches (bs=16 ...): 0%| | 0/6 [..][2026-12-06 09:26:59]
+    Config file not found at ..." on the H100) is read from there; its whole text is kept."""
     out: list[LogLine] = []
+    embedded = fmt.embedded()
     for raw in lines:
         text = raw.rstrip("\r\n")
         if not text.strip() or text.startswith("#"):
             continue
         match = fmt.prefix.match(text)
+        if match is None:
+            match = embedded.search(text, 1)
         if match is None:
             out.append(LogLine(text=text, message=text.strip()))
             continue
@@ -178,6 +193,9 @@ class LogPatterns:
     """Where the log names the device it chose kernels for (group ``v``, every distinct one kept)."""
     untuned_kernels: tuple[re.Pattern[str], ...] = ()
     """Lines saying a kernel runs on a default config, none tuned for this device: counted."""
+    serving_compiles: tuple[re.Pattern[str], ...] = ()
+    """Lines saying a kernel was compiled while the engine served (a latency spike where it falls in
+    a measured window): each kept with its time, for the record to place against the windows."""
 
 
 class ColdStartPhase(BaseModel):
@@ -198,8 +216,14 @@ class RepeatedLine(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     lines: int = Field(description="How many lines matched.")
-    first_time: str | None = Field(default=None, description="Timestamp of the first, as printed.")
-    last_time: str | None = Field(default=None, description="Timestamp of the last, as printed.")
+    first_time: str | None = Field(
+        default=None,
+        description=(
+            "Timestamp of the first, as printed (a line without one, a traceback's: that of the last "
+            "timestamped line before it, the record it continues)."
+        ),
+    )
+    last_time: str | None = Field(default=None, description="Timestamp of the last, likewise.")
     ranks: list[str] = Field(default_factory=list, description="The ranks (processes) that logged them.")
     first_message: str = Field(description="The first such line's message.")
 
@@ -216,10 +240,17 @@ class RepeatedLine(BaseModel):
 
 def count_lines(lines: Sequence[LogLine], patterns: Sequence[re.Pattern[str]]) -> RepeatedLine | None:
     """Every line any of ``patterns`` matches, counted (None: none did)."""
-    hits = [ln for ln in lines if any(p.search(ln.message) for p in patterns)]
+    hits: list[LogLine] = []
+    stamps: list[str] = []
+    last_stamp: str | None = None
+    for ln in lines:
+        last_stamp = ln.timestamp or last_stamp
+        if any(p.search(ln.message) for p in patterns):
+            hits.append(ln)
+            if last_stamp:
+                stamps.append(last_stamp)
     if not hits:
         return None
-    stamps = [ln.timestamp for ln in hits if ln.timestamp]
     return RepeatedLine(
         lines=len(hits),
         first_time=stamps[0] if stamps else None,
@@ -227,6 +258,15 @@ def count_lines(lines: Sequence[LogLine], patterns: Sequence[re.Pattern[str]]) -
         ranks=sorted({ln.rank for ln in hits if ln.rank}),
         first_message=hits[0].message,
     )
+
+
+class TimedLine(BaseModel):
+    """One log line's message and its timestamp as printed (None: the line has none)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    time: str | None = Field(default=None, description="Timestamp as printed.")
+    message: str
 
 
 class EngineLogFacts(BaseModel):
@@ -298,6 +338,10 @@ class EngineLogFacts(BaseModel):
     )
     untuned_kernels: RepeatedLine | None = Field(
         default=None, description="Lines saying a kernel runs untuned on this device, counted (None: none)."
+    )
+    serving_compiles: list[TimedLine] = Field(
+        default_factory=list,
+        description="Kernels compiled while serving, each line with its time (the record places them).",
     )
 
     def phase_seconds(self) -> dict[str, float]:
@@ -471,4 +515,19 @@ def parse_engine_log(
         oom=count_lines(parsed, patterns.oom),
         device_names=_distinct(parsed, patterns.device_name),
         untuned_kernels=count_lines(parsed, patterns.untuned_kernels),
+        serving_compiles=[
+            TimedLine(time=ln.timestamp, message=ln.message)
+            for ln in parsed
+            if any(p.search(ln.message) for p in patterns.serving_compiles)
+        ],
     )
+
+
+def log_wall_time(stamp: str, fmt: LogFormat, year: int) -> float:
+    """A log timestamp on the wall clock (Unix seconds), read as the local time of the machine that
+    reads it (the engine's own, for an engine k3pipe launched on this host); ``year`` completes a
+    format without one (vLLM's ``%m-%d %H:%M:%S``)."""
+    when = _when(stamp, fmt)
+    if "%Y" not in fmt.time_format and "%y" not in fmt.time_format:
+        when = when.replace(year=year)
+    return when.timestamp()

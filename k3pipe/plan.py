@@ -351,6 +351,13 @@ class ArmPlan(BaseModel):
         description="The gateway in front of the engine: the client target (None: the engine itself).",
     )
     health_url: str | None = Field(description="URL polled until the engine answers (None: external).")
+    watch_url: str | None = Field(
+        default=None,
+        description=(
+            "URL the engine watch probes while a workload runs, where it is not health_url (the "
+            "engine's watch_path: one a busy engine still answers; asked with the key)."
+        ),
+    )
     version_url: str | None = Field(description="URL that reports the engine version.")
     metrics_url: str | None = Field(
         default=None, description="The engine's Prometheus endpoint (None: external endpoints)."
@@ -484,6 +491,7 @@ def plan_arm(
         continuous_usage=arm.endpoint.continuous_usage_stats,
         gateway=arm.gateway,
         health_url=None if external else root + engine.health_path,
+        watch_url=None if external or engine.watch_path is None else root + engine.watch_path,
         version_url=None if external or not engine.version_path else root + engine.version_path,
         metrics_url=None if external else root + "/metrics",
         startup_timeout_s=arm.launcher.startup_timeout_s,

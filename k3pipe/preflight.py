@@ -259,8 +259,11 @@ def _kv_estimate(ctx: ArmContext, reserve_bytes_per_gpu: float) -> tuple[KVEstim
             dcp=dcp,
             budget_bytes_per_gpu=bytes_,
         )
+        cap = engine.kv_pool_cap(args)
     except ValueError as exc:
         return ctx.finding("info", "kv-capacity-skipped", f"KV pool not estimated: {exc}.")
+    if cap is not None:
+        estimate = estimate.capped(*cap)
     return estimate, how
 
 

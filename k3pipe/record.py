@@ -34,7 +34,7 @@ from k3pipe.health import EndpointCheck
 from k3pipe.launchers import equivalent_command
 from k3pipe.metrics import series_frame
 from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
-from k3pipe.observe import EngineLogFacts, phase_table, same_device
+from k3pipe.observe import EngineLogFacts, log_wall_time, phase_table, same_device
 from k3pipe.plan import ArmGpus, ArmPlan
 from k3pipe.preflight import hardware_mismatches
 from k3pipe.provenance import git_commit
@@ -214,6 +214,8 @@ class ArmRecorder:
         self._bursty: set[str] = set()  # workloads whose client timing was bursty
         self._kept: list[str] = []  # workloads a resume kept from an earlier run of this launch
         self._last_end_ms: dict[str, int] = {}  # per workload: its latest response's end, wall clock
+        # the measured windows so far, on the wall clock: (workload, or "workload repeat k"), start, end
+        self.windows: list[tuple[str, float, float]] = []
         # probes per capacity search (by its run) and per workload: [prefix cache emptied, not emptied]
         self._resets: dict[str, list[int]] = {}
         self._searches: dict[str, list[CapacityResult]] = {}  # a capacity workload's searches so far
@@ -393,6 +395,9 @@ class ArmRecorder:
             + "."
         )
         times = workload_times(outcome.result)
+        if times is not None:
+            label = workload.name if workload.repeats == 1 else f"{workload.name} repeat {outcome.repeat + 1}"
+            self.windows.append((label, times["measured_start_unix_s"], times["measured_end_unix_s"]))
         if workload.repeats == 1:
             run_id = self.tracker.start_run(
                 f"{self.plan.arm}/{workload.name}",
@@ -842,7 +847,7 @@ class ArmRecorder:
         wrong_device = self._check_device_names(facts)
         # the count first: 32 OOM retries are not one warning among others
         said = [facts.oom.describe("GPU memory ran out")] if facts.oom else []
-        said += ([wrong_device] if wrong_device else []) + facts.warnings
+        said += ([wrong_device] if wrong_device else []) + facts.warnings + self._place_compiles(facts)
         if untuned:
             # "Performance might be sub-optimal!": both engines' default config (none tuned for the device),
             # and SGLang 0.5.16's fallback to a config tuned under another Triton version
@@ -858,6 +863,42 @@ class ArmRecorder:
             self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": warnings})
         self._log_phases(facts)
         return facts
+
+    def _place_compiles(self, facts: EngineLogFacts) -> list[str]:
+        """Kernels the engine compiled while serving, against the measured windows of this arm's
+        workloads: metrics ``engine_log.serving_compiles`` (every such line) and
+        ``engine_log.serving_compiles_measured`` (those whose second overlaps a measured window), and a
+        warning per line inside a window naming the window (a latency spike in its figures). Those
+        outside (the endpoint probe, the warm-ups) are in engine_findings.json alone. The log's stamps
+        are read as this machine's local time (the engine's, when k3pipe launched it here)."""
+        if not facts.serving_compiles:
+            return []
+        fmt = get_engine(self.plan.engine).log_patterns.format
+        said: list[str] = []
+        inside = 0
+        for line in facts.serving_compiles:
+            if line.time is None or not self.windows:
+                continue
+            year = datetime.fromtimestamp(self.windows[0][1]).year
+            try:
+                t = log_wall_time(line.time, fmt, year)
+            except ValueError:
+                continue
+            hit = [label for label, start, end in self.windows if t < end and t + 1 > start]
+            if hit:
+                inside += 1
+                said.append(
+                    f"a kernel was compiled while serving, inside the measured window of {', '.join(hit)} "
+                    f"({line.time}): {line.message}"
+                )
+        self.tracker.log_metrics(
+            self.run_id,
+            {
+                "engine_log.serving_compiles": len(facts.serving_compiles),
+                "engine_log.serving_compiles_measured": inside,
+            },
+        )
+        return said
 
     def _check_device_names(self, facts: EngineLogFacts) -> str | None:
         """The device names the engine chose kernels by, against nvidia-smi's, else the experiment's

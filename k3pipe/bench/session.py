@@ -37,7 +37,7 @@ from k3pipe.node import GpuMemorySample, GpuMemorySampler
 from k3pipe.plan import ArmPlan
 from k3pipe.specs import WorkloadSpec
 
-__all__ = ["WorkloadOutcome", "benchmark_workload", "deliver"]
+__all__ = ["WorkloadOutcome", "benchmark_workload", "deliver", "watch_target"]
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
@@ -67,6 +67,18 @@ class WorkloadOutcome:
     def metrics(self) -> dict[str, float]:
         """The client summary's metrics and the engine-side ones, flat."""
         return {**self.summary.metrics(), **self.engine_metrics}
+
+
+def watch_target(plan: ArmPlan, api_key: SecretStr | None) -> tuple[str, SecretStr | None]:
+    """What the engine watch probes, and with which key: the engine's watch URL (one its HTTP server
+    answers while the model is busy: SGLang's /v1/models, since its /health waits for a generation)
+    with the key; else its health URL without one (vLLM's /health answers at once unless the engine
+    core died); an external endpoint's /models with the key."""
+    if plan.watch_url is not None:
+        return plan.watch_url, api_key
+    if plan.health_url is not None:
+        return plan.health_url, None
+    return f"{plan.base_url}/models", api_key
 
 
 def benchmark_workload(
@@ -104,11 +116,8 @@ def benchmark_workload(
 
     engine = get_engine(plan.engine)
     scraper = MetricsScraper(engine)
-    watch = EngineWatch(
-        plan.health_url or f"{plan.base_url}/models",
-        launcher,
-        None if plan.health_url else api_key,
-    )
+    watch_url, watch_key = watch_target(plan, api_key)
+    watch = EngineWatch(watch_url, launcher, watch_key)
 
     processes, cpu_sets = client_layout(plan.client, workload.concurrency, plan.launch.engine_cpus())
     if progress and (processes > 1 or cpu_sets):

@@ -3,11 +3,15 @@
 Without it, a workload against an engine that died waited out every request's timeout (124 s for a
 frozen endpoint, measured), and one that died between requests sent the rest into refused
 connections. :class:`EngineWatch` runs beside the workload in its event loop: every ``interval_s``
-it asks the launcher whether the engine still runs, and the engine's health URL (an external
-endpoint: its ``/models``) whether it answers. The engine is lost when the launcher says it has
-exited, or when it has not answered for ``frozen_after_s`` (at least two probes in a row failed);
-the watch then sets the workload's :class:`~k3pipe.bench.client.Abort` with the reason, and the
-workload ends with what it has measured.
+it asks the launcher whether the engine still runs, and a URL of the engine whether it answers
+(:func:`k3pipe.bench.session.watch_target`: vLLM's health URL; SGLang's /v1/models, since its /health
+queues a generation behind the scheduler's work and a long prefill step left it unanswered for 8 s on
+a live engine, docs/gpu.md "The study in miniature on one H100"; an external endpoint's ``/models``).
+The engine is lost when the launcher says it has exited, or when it has not answered for
+``frozen_after_s`` (at least two probes in a row failed); the watch then sets the workload's
+:class:`~k3pipe.bench.client.Abort` with the reason, and the workload ends with what it has measured.
+What it tells is an engine whose process or HTTP server is gone or frozen; a scheduler stuck behind a
+live HTTP server shows as requests that wait out their timeout.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class EngineWatch:
     """Polls an engine during a workload (see the module's docstring)."""
 
     url: str
-    """The health URL (an engine k3pipe started), or the endpoint's ``/models`` (external)."""
+    """What is probed (:func:`k3pipe.bench.session.watch_target`)."""
     launcher: Liveness | None = None
     api_key: SecretStr | None = None
     interval_s: float = 1.0

@@ -286,6 +286,10 @@ class Engine:
     """The path k3pipe polls until the engine is up."""
     health_paths: ClassVar[tuple[str, ...]] = ("/health",)
     """Every health path the engine serves."""
+    watch_path: ClassVar[str | None] = None
+    """The path the engine watch probes while a workload runs (k3pipe.bench.watch), where the health
+    path does not answer at once from a busy engine: one its HTTP server answers without waiting for
+    the model's scheduler, asked with the endpoint's key (None: the health path, asked without)."""
     version_path: ClassVar[str | None] = None
     server_info_path: ClassVar[str | None] = None
     """Path reporting the resolved server configuration, if the engine has one."""
@@ -539,6 +543,11 @@ class Engine:
         """Speculative decoding over one workload window (``engine_spec_*``), from the engine's
         own metrics; {} when it exports none (engines override)."""
         return {}
+
+    def kv_pool_cap(self, args: Mapping[str, Any]) -> tuple[int, str] | None:
+        """A setting that caps the KV pool below what the memory budget gives: ``(tokens, how it
+        reads)`` (None: none set; engines override)."""
+        return None
 
     def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
         """The settings to change for a bigger KV pool (engines override)."""

@@ -108,6 +108,14 @@ class SGLangEngine(Engine):
     # 1-token generation, 503 until the warm-up request finished (http_server.py:721-799)
     health_path: ClassVar[str] = "/health"
     health_paths: ClassVar[tuple[str, ...]] = ("/health", "/health_generate")
+    # ... so /health is no liveness probe during a workload: it answers 200 only once the scheduler
+    # has sent something back after the probe (0.5.16 entrypoints/http_server.py:616-690: a 1-token
+    # generation queued behind whatever the scheduler runs, checked every 1 s, 503 after
+    # SGLANG_HEALTH_CHECK_TIMEOUT = 20 s). The H100 MLA study's SGLang went unanswered for 8 s while its
+    # first 32K-token prefill chunk ran (docs/gpu.md), and the watch stopped a live engine.
+    # /v1/models is served by the HTTP process alone (http_server.py:1780-1809); the scheduler's own
+    # death ends the whole server (the launcher then sees the exit).
+    watch_path: ClassVar[str | None] = "/v1/models"
     # GET /server_info -> {..., "version": "0.5.23", ...} (the old /get_server_info still answers but
     # logs a deprecation line); it also carries every resolved server arg, the logical KV pool
     # (max_total_num_tokens) and, per DP rank, effective_max_running_requests_per_dp
@@ -179,8 +187,15 @@ class SGLangEngine(Engine):
             time_format="%Y-%m-%d %H:%M:%S",
         ),
         ready=readiness_pattern,
-        # managers/scheduler.py:1268: the LOGICAL pool (rows x dcp_size) and the granted running cap
-        kv_pool_tokens=_P(r"\bmax_total_num_tokens=(?P<v>\d+)"),
+        # managers/scheduler.py:1268: the LOGICAL pool (rows x dcp_size) and the granted running cap;
+        # before it (and in a launch that fails in CUDA graph capture, the only pool line: the MLA
+        # study's OOM on the H100) mem_cache/memory_pool.py:1622 (0.5.16) "KV Cache is allocated.
+        # dtype: torch.float8_e4m3fn, #tokens: 30430899, KV size: 65.30 GB", the rows of one rank
+        # (the same number without DCP); the last of the two logged wins
+        kv_pool_tokens=_P(r"(?:\bmax_total_num_tokens=|^KV Cache is allocated\..*?#tokens: )(?P<v>\d+)"),
+        # the same line's size: "GB" there is GiB (memory_pool.py:96, GB = 1024**3); MLA pools log
+        # one "KV size", MHA pools "K size" and "V size" (not read: two numbers)
+        kv_cache_memory_gib=_P(r"^KV Cache is allocated\..*\bKV size: (?P<v>[\d.]+) GB"),
         max_running_requests=_P(r"\bmax_total_num_tokens=\d+.*\bmax_running_requests=(?P<v>\d+)"),
         context_length=_P(r"\bmax_total_num_tokens=\d+.*\bcontext_len=(?P<v>\d+)"),
         # cuda_graph_setup.py:787 (and :695 for prefill graphs): target + draft graphs add up
@@ -293,6 +308,15 @@ class SGLangEngine(Engine):
             if mean is not None:
                 out[metric] = mean
         return out
+
+    def kv_pool_cap(self, args: Mapping[str, Any]) -> tuple[int, str] | None:
+        """``max_total_tokens``: the pool is the smaller of it and what the memory gives
+        (mem_cache/kv_cache_configurator.py:1599-1608, 0.5.16)."""
+        found = self.arg(args, "max_total_tokens")
+        if found is None or found[1] is None:
+            return None
+        tokens = self.parse_int(found[1])
+        return tokens, f"max_total_tokens={tokens:,}"
 
     def kv_pool_fixes(self, args: Mapping[str, Any]) -> list[str]:
         fixes = ["raise mem_fraction_static", "lower context_length to the real business length"]

@@ -293,6 +293,11 @@ class VLLMEngine(Engine):
         # "Performance might be sub-optimal!" marks a kernel left on its default config
         device_name=KERNEL_CONFIG_DEVICE,
         untuned_kernels=(UNTUNED_KERNEL,),
+        # triton_utils/jit_monitor.py:103 (0.22.0): a Triton kernel compiled while serving ("This causes
+        # a latency spike"), logged once per kernel name (warning_once: a later compile of the same
+        # kernel at another shape says nothing). The record places each against the measured windows:
+        # on the H100 MLA study they fell in the endpoint probe and the first warm-up
+        serving_compiles=(_P(r"Triton kernel JIT compilation during inference"),),
     )
 
     tp_arg: ClassVar[str] = "tensor_parallel_size"

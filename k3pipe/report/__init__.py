@@ -118,18 +118,38 @@ def _with_steady(tracker: Tracker, cell: CellData) -> dict[tuple[str, str], pd.D
     """Add the client-side steady decode figure of each repeat (unless recorded); the cell's
     requests for the distribution plots."""
     frames = []
-    steady = []
+    steady: list[float | None] = []
     for run_id in cell.request_runs:
         frame = requests_frame(tracker, cell.model_copy(update={"request_runs": [run_id]}))
         if frame is None:
+            steady.append(None)
             continue
         frames.append(frame)
-        value = steady_decode_tps(frame)
-        if value is not None:
-            steady.append(value)
-    if steady and "steady_decode_tps" not in cell.values:
-        cell.values["steady_decode_tps"] = steady
+        steady.append(steady_decode_tps(frame))
+    add_per_repeat(cell, "steady_decode_tps", steady)
     return {(cell.arm, cell.workload): pd.concat(frames, ignore_index=True)} if frames else {}
+
+
+def add_per_repeat(cell: CellData, metric: str, values: list[float | None]) -> None:
+    """Add ``metric`` worked out here, one value per run of ``cell.request_runs`` (None: none for that
+    repeat), unless the record holds it. A cell of several launches gets it per launch too (its runs
+    are in launch order, as many per launch as that launch's repeats): without that the launch-based
+    verdicts saw no value, and the H100 MLA study (2026-12-06, two launches, steady decode a
+    decision metric) showed no steady decode row at all."""
+    if metric in cell.values or not any(v is not None for v in values):
+        return
+    cell.values[metric] = [v for v in values if v is not None]
+    if not cell.launch_values:
+        return
+    sizes = [max((len(v) for v in launch.values()), default=0) for launch in cell.launch_values]
+    if sum(sizes) != len(values):
+        return  # the runs cannot be told apart by launch: the pooled values alone
+    start = 0
+    for launch, size in zip(cell.launch_values, sizes, strict=True):
+        part = [v for v in values[start : start + size] if v is not None]
+        start += size
+        if part:
+            launch[metric] = part
 
 
 def build_report(tracker: Tracker, study_ref: str, claims: list[dict[str, Any]] | None = None) -> Report:

@@ -296,6 +296,32 @@ def test_the_device_the_engine_chose_kernels_for_is_checked_against_nvidia_smi(
         assert warnings[0] == wrong
 
 
+@pytest.mark.parametrize(
+    ("engine", "log"),
+    [("vllm", "vllm/server-0.22.0-h100-mla.log"), ("sglang", "sglang/real-0.5.16-h100-mla-bounded.log")],
+)
+@pytest.mark.parametrize(("gpu", "mismatch"), [("NVIDIA H100 80GB HBM3", 0), ("NVIDIA H200", 1)])
+def test_the_device_check_on_the_engines_real_h100_moe_lines(
+    tracker: Tracker, tmp_path: Path, engine: str, log: str, gpu: str, mismatch: int
+) -> None:
+    """The MoE kernel-config lines vLLM 0.22.0 and SGLang 0.5.16 logged on the H100 of 2026-12-06
+    (the MLA study): the device they name is the GPU nvidia-smi named there, so the check passes; the
+    same lines on an H200 node would be flagged. SGLang's line also counts as an untuned kernel (its
+    Triton-version fallback), vLLM's (a tuned config) does not."""
+    rec = recorder(tracker, tmp_path)
+    rec.plan = rec.plan.model_copy(update={"engine": engine})
+    rec.gpu_names = [gpu]  # as log_node sets them from nvidia-smi
+    rec.finish("FINISHED", log_path=FIXTURES / log)
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.tags["k3pipe.engine_device_names"] == "NVIDIA_H100_80GB_HBM3"
+    assert run.data.metrics["engine_log.device_name_mismatch"] == mismatch
+    assert run.data.metrics["engine_log.untuned_kernel_lines"] == (2 if engine == "sglang" else 0)
+    warnings = run.data.tags.get("k3pipe.engine_warnings", "")
+    assert ("nvidia-smi names the GPU NVIDIA H200" in warnings) == bool(mismatch)
+    if engine == "sglang":
+        assert "first 2026-12-06 09:26:59, last 2026-12-06 09:26:59): Config file not found at" in warnings
+
+
 @pytest.mark.parametrize(("logged", "mismatch"), [("NVIDIA_B300_SXM6_AC", 0), ("NVIDIA_L20D", 1)])
 def test_without_nvidia_smi_the_engines_device_is_checked_against_the_experiments_hardware(
     no_smi: None, tracker: Tracker, tmp_path: Path, logged: str, mismatch: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -385,3 +386,44 @@ def test_a_capacity_search_records_each_probes_interval_and_the_capacitys(
     assert workload_run.data.tags["k3pipe.capacity"].endswith(
         "(95%; 3 searches, one launch: restart noise not in it)"
     )
+
+
+def _window_outcome(w: WorkloadSpec, start: datetime, seconds: float) -> WorkloadOutcome:
+    """One repeat whose measured window starts at ``start`` (local time) and lasts ``seconds``."""
+    base = outcome(w, 0, 0.1)
+    result = base.result.model_copy(
+        update={"t_start": T0, "t_end": T0 + seconds, "started_at_unix_s": start.timestamp()}
+    )
+    return WorkloadOutcome(result, base.summary, repeat=0, seed=w.seed)
+
+
+# vLLM 0.22.0's two "Triton kernel JIT compilation during inference" lines of the H100 MLA study's first
+# launch (tests/fixtures/engines/vllm/server-0.22.0-h100-mla.log): 09:17:29 (the endpoint probe) and
+# 09:17:32 (the first 64K warm-up); that launch's first measured window opened at 09:17:39.725.
+@pytest.mark.parametrize(
+    ("start", "seconds", "inside"),
+    [
+        (datetime(2026, 12, 6, 9, 17, 39, 725000), 11.8, []),
+        (datetime(2026, 12, 6, 9, 17, 31), 10.0, ["fused_moe_kernel"]),
+    ],
+)
+def test_kernels_compiled_while_serving_are_placed_against_the_measured_windows(
+    tracker: Tracker, tmp_path: Path, start: datetime, seconds: float, inside: list[str]
+) -> None:
+    from tests.unit.engines.helpers import FIXTURES
+
+    rec = recorder(tracker, tmp_path)
+    w = workload(1)
+    rec.log_workload(w, _window_outcome(w, start, seconds))
+    rec.finish("FINISHED", log_path=FIXTURES / "vllm" / "server-0.22.0-h100-mla.log")
+    run = tracker.client.get_run(rec.run_id)
+    assert run.data.metrics["engine_log.serving_compiles"] == 2
+    assert run.data.metrics["engine_log.serving_compiles_measured"] == len(inside)
+    warnings = run.data.tags.get("k3pipe.engine_warnings", "")
+    compiled = [s for s in warnings.split(" | ") if s.startswith("a kernel was compiled while serving")]
+    assert compiled == [
+        "a kernel was compiled while serving, inside the measured window of w (12-06 09:17:32): "
+        f"Triton kernel JIT compilation during inference: {name}. This causes a latency spike; "
+        "consider extending warmup to cover this shape/config."
+        for name in inside
+    ]

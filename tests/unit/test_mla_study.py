@@ -29,6 +29,7 @@ import random_mla
 
 STUDY = REPO / "experiments" / "mla-study-h100.yaml"
 OVERCOMMIT = REPO / "experiments" / "mla-overcommit-h100.yaml"
+NEXT = REPO / "experiments" / "mla-study-flashmla-h100.yaml"  # the second sitting's study
 PRESET = random_mla.MLA_PRESETS["mla-moe"]
 VOCAB = make_random_llama.make_tiny_model.VOCAB
 CONFIG = random_mla.config_json(PRESET, VOCAB)
@@ -212,6 +213,20 @@ def test_weights_that_leave_no_memory_are_an_error(
     assert error.message.startswith("no memory is left for the KV cache")
 
 
+def test_a_bounded_sglang_pool_is_estimated_at_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """experiments/mla-sglang-h100.yaml (the sitting's SGLang retry): max_total_tokens 2,100,000 caps the
+    pool (kv_cache_configurator.py:1599-1608), so the estimate says so, not the 30.9 M the memory gives
+    (the node's preflight of 2026-12-06 said 30,949,933: the pool logged was 2,100,000)."""
+    retry = load_experiment(REPO / "experiments" / "mla-sglang-h100.yaml")
+    findings = _findings(retry, tmp_path, monkeypatch)
+    assert [f for f in findings if f.severity != "info"] == []
+    (estimate,) = [f.message for f in findings if f.rule == "kv-estimate"]
+    assert estimate.startswith("estimated KV pool ~2,100,000 tokens (1 B per KV element, fp8_e4m3)")
+    assert "= 30,949,977 tokens, capped at 2,100,000 by max_total_tokens=2,100,000" in estimate
+
+
 # -- the experiments --------------------------------------------------------------------------------
 
 
@@ -269,6 +284,30 @@ def test_the_overcommit_run_is_the_study_arm_at_098(
     assert estimate.startswith("estimated KV pool ~35,775,524 tokens")
 
 
+def test_the_second_sittings_study_names_sglangs_flashmla_and_bounds_its_pool(
+    study: ExperimentSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """experiments/mla-study-flashmla-h100.yaml: the first sitting's study but SGLang's attention_backend
+    (fa3 converted the whole fp8 pool to bf16 in decode: OOM) and max_total_tokens as a safety net;
+    preflight clean on the node's layout, SGLang's estimate the cap."""
+    nxt = load_experiment(NEXT)
+    assert [w.model_dump() for w in nxt.workloads] == [w.model_dump() for w in study.workloads]
+    assert nxt.arms[0].model_dump() == study.arms[0].model_dump()  # vLLM as it ran
+    sglang, first = nxt.arm("sglang").engine.args, study.arm("sglang").engine.args
+    assert {k: v for k, v in sglang.items() if k not in first} == {
+        "attention_backend": "flashmla",
+        "max_total_tokens": 2_100_000,
+    }
+    assert {k: v for k, v in sglang.items() if k in first} == dict(first)
+    flags = preflight(nxt, home=Path("/nonexistent"))
+    assert [f for f in flags if f.rule in ("unknown-flag", "bad-value")] == []
+    findings = _findings(nxt, tmp_path, monkeypatch)
+    assert [f for f in findings if f.severity in ("error", "warning")] == []
+    estimates = {f.arm: f.message for f in findings if f.rule == "kv-estimate"}
+    assert estimates["sglang"].startswith("estimated KV pool ~2,100,000 tokens")
+    assert estimates["vllm"].startswith("estimated KV pool ~33,548,349 tokens")
+
+
 # -- the sitting ------------------------------------------------------------------------------------
 
 
@@ -291,12 +330,12 @@ def test_the_sittings_calls_fit_the_device_rules() -> None:
     assert parts == [f".gpu/bundle/k3pipe-bundle.part{i:03d}" for i in range(8)] + [
         f".gpu/sgl/k3pipe-bundle.part{i:03d}" for i in range(10)
     ]
-    detach = "mla-study-h100.yaml scripts/gpu-node.sh detach run"
+    detach = "mla-study-flashmla-h100.yaml scripts/gpu-node.sh detach run"
     study = next(c["command"] for c in calls if detach in c["command"])
     found = re.search(r"--deadline (\d+)", study)
     assert found is not None
     deadline = int(found[1])
-    assert f"--deadline {deadline}" in STUDY.read_text()  # the file's header says the same
+    assert f"--deadline {deadline}" in NEXT.read_text()  # the file's header says the same
     waits = [int(m) for c in calls for m in re.findall(r"wait --max (\d+)", c["command"])]
     assert sum(waits) >= deadline + 60
     assert "--preset mla-moe" in " ".join(c["command"] for c in calls)

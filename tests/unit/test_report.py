@@ -865,3 +865,29 @@ def test_launches_give_the_capacity_interval_restart_noise_in_it() -> None:
         "restart and repeat noise, and the bracket's width; censored searches (a bound, not a value) left "
         "out |" in _capacity_text(data)
     )
+
+
+def test_steady_decode_worked_out_by_the_report_is_kept_per_launch() -> None:
+    """The report works out steady decode from each repeat's requests (the record does not hold it).
+    In a cell of two launches the values must land in their launches too: the H100 MLA study
+    (2026-12-06: vLLM launched twice, steady_decode_tps a decision metric) had no steady decode row,
+    since the launch-based estimate found none."""
+    from k3pipe.report import add_per_repeat
+
+    cell = _cell("vllm", "w", 64000, launches=[{"duration_s": [11.8, 11.6]}, {"duration_s": [11.2, 11.1]}])
+    cell.request_runs = ["r1", "r2", "r3", "r4"]  # in launch order, a run per repeat
+    assert cell.by_launch("steady_decode_tps") == []
+    add_per_repeat(cell, "steady_decode_tps", [3930.5, 3737.2, None, 3681.3])
+    assert cell.values["steady_decode_tps"] == [3930.5, 3737.2, 3681.3]
+    assert cell.by_launch("steady_decode_tps") == [[3930.5, 3737.2], [3681.3]]
+    rows = analyse(_study(cell, decision={"metrics": ["steady_decode_tps", "duration_s"]})).rows
+    assert {r.metric.key for r in rows if r.decision} == {"steady_decode_tps", "duration_s"}
+    # a value the record holds is not replaced
+    add_per_repeat(cell, "steady_decode_tps", [1.0, 1.0, 1.0, 1.0])
+    assert cell.values["steady_decode_tps"] == [3930.5, 3737.2, 3681.3]
+    # runs that do not add up to the launches' repeats: the pooled values alone
+    odd = _cell("vllm", "w", 64000, launches=[{"duration_s": [11.8]}, {"duration_s": [11.2]}])
+    odd.request_runs = ["r1", "r2", "r3"]
+    add_per_repeat(odd, "steady_decode_tps", [1.0, 2.0, 3.0])
+    assert odd.values["steady_decode_tps"] == [1.0, 2.0, 3.0]
+    assert odd.by_launch("steady_decode_tps") == []

@@ -312,38 +312,127 @@ def test_real_logs_of_dense_models_name_no_device_and_no_untuned_kernel(engine: 
     assert (facts.device_names, facts.untuned_kernels) == ([], None)
 
 
-# The MLA study's fused-MoE lookups (issue 51: E=64 experts of width N=640, bf16) as vLLM 0.22.0 and
-# SGLang 0.5.16 word them in their sources, for an H100 (constructed until the sitting brings the real
-# lines): vLLM finds its tuned config (fused_moe.py:1061); SGLang, under the node's Triton 3.6.0, finds
-# none in configs/triton_3_6_0 and falls back to triton_3_1_0's (fused_moe_triton_config.py:135-138).
-_VLLM_022 = "/tmp/k3home/venvs/vllm-0.22.0/lib/python3.12/site-packages/vllm/model_executor/layers/fused_moe"
-_SGLANG_0516 = (
-    "/tmp/sgl-venv/lib/python3.12/site-packages/sglang/srt/layers/moe/moe_runner/triton_utils/configs"
-)
+# The MLA study's fused-MoE lookups (issue 51: E=64 experts of width N=640, bf16), as vLLM 0.22.0 and
+# SGLang 0.5.16 logged them on the H100 (2026-12-06, docs/gpu.md 'The study in miniature on one H100'):
+# real lines, replacing the ones constructed from the sources before the sitting. vLLM found its tuned
+# config (fused_moe.py:1060); SGLang, under the node's Triton 3.6.0, found none in configs/triton_3_6_0,
+# fell back to triton_3_1_0's and reused the up projection's for the down projection, both lines ending
+# "Performance might be sub-optimal", the first written mid-line after graph capture's progress bar.
 _H100 = "NVIDIA_H100_80GB_HBM3"
+_H100_SMI = "NVIDIA H100 80GB HBM3"  # nvidia-smi's name of the same GPU (the record's node facts)
+_VLLM_H100 = "vllm/server-0.22.0-h100-mla.log"
+_SGLANG_H100_OOM = "sglang/real-0.5.16-h100-mla-oom.log"
+_SGLANG_H100 = "sglang/real-0.5.16-h100-mla-bounded.log"
 
 
-def test_the_mla_studys_moe_lookups_name_the_h100_as_the_sources_word_them() -> None:
+def test_vllms_real_h100_mla_log() -> None:
+    """The study's first vLLM launch: the tuned MoE config of an H100, the fp8 pool, the JIT warnings."""
     from k3pipe.observe import same_device
 
-    vllm = get_engine("vllm").parse_log(
-        [
-            "(EngineCore pid=1912) INFO 12-07 10:01:02 [fused_moe.py:1061] Using configuration from "
-            f"{_VLLM_022}/configs/E=64,N=640,device_name={_H100}.json for MoE layer."
-        ]
+    lines = fixture_lines(_VLLM_H100)
+    facts = get_engine("vllm").parse_log(lines)
+    assert facts.version == "0.22.0"
+    assert facts.ready
+    assert facts.startup_s == 115.0  # 09:15:32 -> 09:17:27, as the record's cold_start.api_ready_s
+    assert facts.context_length == 204_800
+    assert (facts.kv_pool_tokens, facts.kv_cache_memory_gib, facts.max_concurrency) == (
+        32_159_424,
+        69.01,
+        157.03,
     )
-    assert vllm.device_names == [_H100]
-    assert vllm.untuned_kernels is None  # a tuned config: nothing to flag
-    sglang = get_engine("sglang").parse_log(
-        [
-            f"[2026-12-07 10:03:04] Config file not found at {_SGLANG_0516}/triton_3_6_0/E=64,N=640,"
-            f"device_name={_H100}.json. Fallback to triton version 3.1.0 and use MoE kernel config from "
-            f"{_SGLANG_0516}/triton_3_1_0/E=64,N=640,device_name={_H100}.json. Performance might be "
-            "sub-optimal!"
-        ]
+    assert facts.cuda_graph_capture_s == 7.0
+    assert facts.compiled
+    assert not facts.compile_cache_hit
+    assert facts.device_names == [_H100]
+    assert same_device(facts.device_names[0], [_H100_SMI])
+    assert facts.untuned_kernels is None  # a tuned config: nothing to flag
+    moe = [ln for ln in lines if "for MoE layer." in ln]
+    assert moe == [
+        "(EngineCore pid=2543) INFO 12-06 09:16:57 [fused_moe.py:1060] Using configuration from "
+        "/tmp/k3home/venvs/vllm-0.22.0/lib/python3.12/site-packages/vllm/model_executor/layers/fused_moe/"
+        f"configs/E=64,N=640,device_name={_H100}.json for MoE layer."
+    ]
+    # the backends it chose, for the record's readers (no attention_backend was set)
+    assert any(
+        "Using FLASHMLA attention backend out of potential backends: ['FLASHMLA', 'TRITON_MLA']" in ln
+        for ln in lines
     )
-    assert sglang.device_names == [_H100]
-    assert sglang.untuned_kernels is not None
-    assert sglang.untuned_kernels.lines == 1
-    assert "Fallback to triton version 3.1.0" in sglang.untuned_kernels.first_message
-    assert same_device(_H100, ["NVIDIA H100 80GB HBM3"])
+    assert any("Using TRITON Unquantized MoE backend" in ln for ln in lines)
+    # kernels compiled while serving (jit_monitor.py:103), each with its time for the record to place
+    # against the measured windows: here the endpoint probe's and the first warm-up's
+    assert [(c.time, c.message.split(".")[0]) for c in facts.serving_compiles] == [
+        ("12-06 09:17:29", "Triton kernel JIT compilation during inference: _compute_slot_mapping_kernel"),
+        ("12-06 09:17:32", "Triton kernel JIT compilation during inference: fused_moe_kernel"),
+    ]
+    assert facts.warnings == []  # the ulimit warning changes no result
+    assert facts.oom is None
+
+
+def test_sglangs_real_h100_mla_launch_that_ran_out_of_memory_in_graph_capture() -> None:
+    """The study's SGLang launches: the pool they allocated is read from the allocation line (the
+    launch died before "max_total_num_tokens="), and the OOM lines take their record's time."""
+    facts = get_engine("sglang").parse_log(fixture_lines(_SGLANG_H100_OOM))
+    assert not facts.ready
+    assert (facts.kv_pool_tokens, facts.kv_cache_memory_gib) == (30_430_899, 65.30)
+    # 30,430,899 tokens x 4 layers x 576 B (fp8 latent) = 65.30 GiB; the bf16 copy of ONE layer's
+    # buffer that fa3's decode makes (flashattention_backend.py:1939) is 30,430,899 x 576 x 2 B = 32.65 GiB
+    assert round(30_430_899 * 4 * 576 / 2**30, 2) == 65.30
+    assert round(30_430_899 * 576 * 2 / 2**30, 2) == 32.65
+    assert facts.oom is not None
+    assert (facts.oom.lines, facts.oom.first_time) == (2, "2026-12-06 09:20:40")
+    assert "Tried to allocate 32.65 GiB" in facts.oom.first_message
+    assert facts.device_names == []  # no MoE ran
+    assert facts.untuned_kernels is None
+    assert facts.weight_load_s == 0.60
+    assert "Using FP8 KV cache but no scaling factors provided" in facts.warnings[0]
+
+
+def test_sglangs_real_h100_mla_moe_config_lines_and_bounded_pool() -> None:
+    """The SGLang retry with its pool bounded: both pool lines, the Triton-version fallback read from
+    the middle of a progress-bar line, the down projection's line counted too."""
+    from k3pipe.observe import same_device
+
+    lines = fixture_lines(_SGLANG_H100)
+    facts = get_engine("sglang").parse_log(lines)
+    assert facts.ready
+    assert facts.startup_s == 100.0
+    assert (facts.kv_pool_tokens, facts.kv_cache_memory_gib) == (2_100_000, 4.51)
+    assert (facts.max_running_requests, facts.context_length) == (16, 204_800)
+    assert facts.cuda_graph_capture_s == 68.06
+    assert facts.device_names == [_H100]
+    assert same_device(facts.device_names[0], [_H100_SMI])
+    untuned = facts.untuned_kernels
+    assert untuned is not None
+    assert (untuned.lines, untuned.first_time, untuned.last_time) == (
+        2,
+        "2026-12-06 09:26:59",
+        "2026-12-06 09:26:59",
+    )
+    configs = (
+        "/tmp/sgl-venv/lib/python3.12/site-packages/sglang/srt/layers/moe/moe_runner/triton_utils/configs"
+    )
+    assert untuned.first_message == (
+        f"Config file not found at {configs}/triton_3_6_0/E=64,N=640,device_name={_H100}.json. "
+        "Fallback to triton version 3.1.0 and use MoE kernel config from "
+        f"{configs}/triton_3_1_0/E=64,N=640,device_name={_H100}.json. Performance might be sub-optimal!"
+    )
+    # the raw line starts with graph capture's progress bar: the record inside it is read all the same
+    raw = next(ln for ln in lines if "Fallback to triton version" in ln)
+    assert raw.startswith("Capturing batches (bs=16 avail_mem=72.35 GB):")
+    assert any(
+        ln.startswith("[2026-12-06 09:27:16] max_total_num_tokens=2100000, chunked_prefill_size=32768")
+        for ln in lines
+    )
+    assert any("Attention backend not specified. Use fa3 backend by default." in ln for ln in lines)
+
+
+def test_a_record_that_a_progress_bar_ran_into_is_read_from_where_it_starts() -> None:
+    from k3pipe.observe import read_log_lines
+
+    fmt = get_engine("sglang").log_patterns.format
+    bar = "Capturing batches (bs=16 avail_mem=72.35 GB):   0%|          | 0/6 [00:00<?, ?it/s]"
+    (line,) = read_log_lines([bar + "[2026-12-06 09:26:59] Config file not found at X."], fmt)
+    assert (line.timestamp, line.message) == ("2026-12-06 09:26:59", "Config file not found at X.")
+    assert line.text.startswith(bar)
+    (plain,) = read_log_lines([bar], fmt)  # a bar alone stays a line without a prefix
+    assert (plain.timestamp, plain.message) == (None, bar)
