@@ -186,7 +186,14 @@ def start_engine_task(
 def wait_ready_task(plan: ArmPlan, launcher: Launcher) -> float:
     logger = get_run_logger()
     seconds = wait_ready(plan, launcher, progress=logger.info)
-    logger.info("engine healthy after %.1f s (cold start)", seconds)
+    if plan.health_url is None and not plan.launch.starts_engine:
+        # nothing was waited for: an endpoint k3pipe did not start; the health gate is its first word
+        logger.info(
+            "endpoint %s: not started by k3pipe (no cold start); the health gate checks it", plan.base_url
+        )
+    else:
+        what = "engine" if plan.launch.starts_engine else "endpoint"
+        logger.info("%s answers its health URL after %.1f s (cold start)", what, seconds)
     return seconds
 
 

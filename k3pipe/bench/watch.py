@@ -8,7 +8,7 @@ it asks the launcher whether the engine still runs, and a URL of the engine whet
 queues a generation behind the scheduler's work and a long prefill step left it unanswered for 8 s on
 a live engine, docs/gpu.md "The study in miniature on one H100"; an external endpoint's ``/models``).
 The engine is lost when the launcher says it has exited, or when it has not answered for
-``frozen_after_s`` (at least two probes in a row failed); the watch then sets the workload's
+``frozen_after_s`` (4 s; at least two probes in a row failed, each given 2 s); the watch then sets the workload's
 :class:`~k3pipe.bench.client.Abort` with the reason, and the workload ends with what it has measured.
 What it tells is an engine whose process or HTTP server is gone or frozen; a scheduler stuck behind a
 live HTTP server shows as requests that wait out their timeout.
@@ -45,9 +45,14 @@ class EngineWatch:
     """What is probed (:func:`k3pipe.bench.session.watch_target`)."""
     launcher: Liveness | None = None
     api_key: SecretStr | None = None
-    interval_s: float = 1.0
-    probe_timeout_s: float = 3.0
-    frozen_after_s: float = 6.0
+    interval_s: float = 0.5
+    """Between two probes that were answered (after one that was not, the next goes at once)."""
+    probe_timeout_s: float = 2.0
+    frozen_after_s: float = 4.0
+    """Lost when nothing answered for this long and at least two probes in a row failed: a freeze is
+    noticed 4-4.5 s after it (benchmarks/faults.py measures it), while an engine must leave two
+    probes in a row unanswered for 2 s each to be called frozen (none did in the timing tests, nor a
+    vLLM-CPU on two busy cores)."""
     lost: str | None = None
     """Why the engine was declared lost (None: it was not)."""
     probes: int = 0
@@ -84,6 +89,8 @@ class EngineWatch:
                             f"(last: {last_error})",
                         )
                         return
+                    if last_error.endswith("Timeout"):
+                        continue  # it took the whole timeout: ask again at once, not an interval later
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval_s)
 

@@ -55,6 +55,10 @@ def test_interrupt_ends_within_10_s_keeping_what_was_measured(name: str, code: i
     assert fig.prefect_state == "Cancelled"
     assert fig.still_running_records == 0
     assert "Traceback" not in fig.output
+    # the terminal's last word on the flow run is the state recorded (Prefect's own line says Crashed)
+    states = re.findall(r"Finished in state (\w+)|flow run '[^']+': \w+ -> (Cancelled)", fig.output)
+    assert states, fig.output[-3000:]
+    assert states[-1][1] == "Cancelled", fig.output[-3000:]
 
 
 def test_sigkill_leaves_nothing_after_the_next_run(tmp_path: Path) -> None:
@@ -108,7 +112,9 @@ def test_a_killed_run_is_closed_by_the_next_k3pipe_runs(name: str, tmp_path: Pat
 
 @pytest.mark.parametrize(
     ("name", "notice_s"),
-    [("engine-killed", 3), ("engine-frozen", 15), ("endpoint-killed", 5), ("endpoint-frozen", 15)],
+    # frozen: 4-4.5 s by design (two probes of 2 s, benchmarks/faults.py measures 4.5 s); 6 s here
+    # leaves room for a loaded machine's output latency, and still fails the old watch's 8 s
+    [("engine-killed", 3), ("engine-frozen", 6), ("endpoint-killed", 5), ("endpoint-frozen", 6)],
     ids=str,
 )
 def test_a_lost_engine_ends_the_workload_in_seconds(name: str, notice_s: float, tmp_path: Path) -> None:
