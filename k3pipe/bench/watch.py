@@ -8,8 +8,9 @@ it asks the launcher whether the engine still runs, and a URL of the engine whet
 queues a generation behind the scheduler's work and a long prefill step left it unanswered for 8 s on
 a live engine, docs/gpu.md "The study in miniature on one H100"; an external endpoint's ``/models``).
 The engine is lost when the launcher says it has exited, or when it has not answered for
-``frozen_after_s`` (4 s; at least two probes in a row failed, each given 2 s); the watch then sets the workload's
-:class:`~k3pipe.bench.client.Abort` with the reason, and the workload ends with what it has measured.
+``frozen_after_s`` (4 s; at least two probes in a row failed, each given 2 s); the watch then sets the
+workload's :class:`~k3pipe.bench.client.Abort` with the reason, and the workload ends with what it has
+measured.
 What it tells is an engine whose process or HTTP server is gone or frozen; a scheduler stuck behind a
 live HTTP server shows as requests that wait out their timeout.
 """
