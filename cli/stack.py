@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 stack_app = typer.Typer(
     help=(
         "The team stack: PostgreSQL, MLflow on it, Prefect, the k3pipe work pool, a worker "
-        "(on 127.0.0.1; beyond it only with auth)."
+        "(on 127.0.0.1; beyond it only with auth and TLS)."
     ),
     no_args_is_help=True,
 )
@@ -75,14 +75,16 @@ def down_cmd() -> None:
 
 @stack_app.command("status")
 def status_cmd() -> None:
-    """Each service (running, pid, URL, log), then the lines that point a shell at the stack.
-    Exit code 1 when a service that should run is not running."""
-    from ops.stack import env_lines, status
+    """Each service (running, pid, URL, log), who may call the servers and how (bind address, auth,
+    TLS), then the lines that point a shell at the stack. Exit code 1 when a service that should run
+    is not running."""
+    from ops.stack import env_lines, security_lines, status
 
     config = _config()
     try:
         rows = status(config)
         lines = env_lines(config)
+        security = security_lines(config)
     except K3pipeError as exc:
         _fail(exc)
         return
@@ -97,6 +99,8 @@ def status_cmd() -> None:
             down = down or not (row.name == "worker" and not config.worker)
         print(f"{row.name:<9} {state:<24} {pid:<12} {row.url}")
         print(f"{'':<9} log {row.log}")
+    for line in security:
+        print(line)
     print('\n# to use it (or `eval "$(k3pipe stack env)"`):')
     for line in lines:
         print(line)
@@ -125,7 +129,8 @@ def add_node_cmd(
 
 @stack_app.command("env")
 def env_cmd() -> None:
-    """The export lines for MLFLOW_TRACKING_URI and PREFECT_API_URL: eval "$(k3pipe stack env)"."""
+    """The export lines for MLFLOW_TRACKING_URI and PREFECT_API_URL (and, with auth and TLS, the
+    credentials read from their file and the stack's CA): eval "$(k3pipe stack env)"."""
     from ops.stack import env_lines
 
     config = _config()

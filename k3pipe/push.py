@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import sys
 import tempfile
 import threading
@@ -25,6 +26,7 @@ import httpx
 import requests
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.environment_variables import MLFLOW_TRACKING_INSECURE_TLS, MLFLOW_TRACKING_SERVER_CERT_PATH
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
@@ -63,7 +65,14 @@ def probe_tracking(tracking_uri: str, timeout_s: float = 5.0) -> str | None:
     if not is_remote(tracking_uri):
         return None
     try:
-        answer = httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s)
+        verify = _tls_verify()
+    except (OSError, ssl.SSLError) as exc:
+        return (
+            f"MLFLOW_TRACKING_SERVER_CERT_PATH={MLFLOW_TRACKING_SERVER_CERT_PATH.get()} is no CA file it can "
+            f"read ({exc}); copy the stack's ca.pem there"
+        )
+    try:
+        answer = httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s, verify=verify)
     except httpx.TimeoutException:
         return f"no answer within {timeout_s:g} s"
     except httpx.HTTPError as exc:
@@ -76,6 +85,16 @@ def probe_tracking(tracking_uri: str, timeout_s: float = 5.0) -> str | None:
     if answer.status_code >= 500:
         return f"it answered HTTP {answer.status_code}"
     return None  # anything else is a server that answers (a /health behind a path prefix may 404)
+
+
+def _tls_verify() -> ssl.SSLContext | bool:
+    """What MLflow's own client trusts for an https tracking server, so that the probe agrees with it:
+    the CA in MLFLOW_TRACKING_SERVER_CERT_PATH (a team stack's own: ``k3pipe stack env``), nothing
+    with MLFLOW_TRACKING_INSECURE_TLS, else the default (MLflow reads both settings itself)."""
+    if MLFLOW_TRACKING_INSECURE_TLS.get():
+        return False
+    cafile = MLFLOW_TRACKING_SERVER_CERT_PATH.get()
+    return ssl.create_default_context(cafile=cafile) if cafile else True
 
 
 def unreachable_message(tracking_uri: str, reason: str) -> str:

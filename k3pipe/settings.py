@@ -30,6 +30,14 @@ MLFLOW_CLIENT_DEFAULTS = {
 120 s) held a run 759 s on a dead tracking server; k3pipe records into its spool instead of waiting."""
 
 
+_CLIENT_CREDENTIALS = (
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "PREFECT_API_AUTH_STRING",
+    "PREFECT_API_KEY",
+)
+
+
 class Settings(BaseSettings):
     """Where k3pipe keeps its state and how it reaches its services."""
 
@@ -106,6 +114,21 @@ class Settings(BaseSettings):
             "line or a log). Default: K3PIPE_HOME/stack/credentials, made with a random password."
         ),
     )
+    stack_tls: bool | None = Field(
+        default=None,
+        description=(
+            "Serve MLflow and Prefect over HTTPS with a certificate of the stack's own CA "
+            "(K3PIPE_HOME/stack/tls/ca.pem, which clients trust). Default: on when stack_host is not "
+            "loopback (where it may not be off), else off."
+        ),
+    )
+    stack_tls_names: str = Field(
+        default="",
+        description=(
+            "Comma-separated names and addresses nodes use to reach the stack, for its certificate "
+            "(loopback, the bound address and this host's names are always in it)."
+        ),
+    )
 
     @property
     def home_dir(self) -> Path:
@@ -119,6 +142,19 @@ class Settings(BaseSettings):
         if self.mlflow_tracking_uri:
             return self.mlflow_tracking_uri
         return f"sqlite:///{self.home_dir / 'mlflow' / 'mlflow.db'}"
+
+    def client_credentials(self) -> list[str]:
+        """The values of the credentials MLflow's and Prefect's clients read from the environment by
+        their own names (a team stack's: ``k3pipe stack env``), for the scrubber: a process holding
+        them never writes them (the password also on its own, as it is inside the auth string)."""
+        values = []
+        for name in _CLIENT_CREDENTIALS:
+            value = os.environ.get(name)
+            if value:
+                values.append(value)
+                if name == "PREFECT_API_AUTH_STRING" and ":" in value:
+                    values.append(value.split(":", 1)[1])
+        return values
 
     def spool_dir(self) -> Path:
         """Where writes wait for MLflow (k3pipe.spool)."""

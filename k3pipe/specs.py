@@ -122,6 +122,7 @@ LIMIT_REASONS: dict[str, str] = {
     "gpu_hour_usd": "no accelerator rents for more than $1,000 an hour",
     "pools": "each pool is a GPU node with a worker of its own",
     "pickup_timeout_s": "a worker that has not started a launch after a day is not coming",
+    "busy_timeout_s": "a node busy for more than a day is taken; place the arm on another pool",
     "groups": "each group is a random prefix built in memory",
 }
 """Why a field has its limit, by field name: the error of a value past the limit says it."""
@@ -410,8 +411,20 @@ class FleetSpec(_Spec):
         gt=0,
         le=MAX_REQUEST_TIMEOUT_S,
         description=(
-            "A launch that no worker of its pool has started after this long fails, naming the pool "
-            "(its worker is not running, or is busy elsewhere); the others go on."
+            "A pool with no live worker (no heartbeat to its Prefect server) this long is lost, and a "
+            "launch a live, idle worker has not started after this long fails: the pool is named and "
+            "gets nothing more; its launches go to the other pools they may run on."
+        ),
+    )
+    busy_timeout_s: float = _finite(
+        default=7_200.0,
+        gt=0,
+        le=MAX_REQUEST_TIMEOUT_S,
+        description=(
+            "A pool whose worker is alive but runs another flow run (another study's launch) is busy, "
+            "not lost: its launches go to the other pools they may run on as soon as one is free, and "
+            "wait for it, a line every 30 s naming it and what it runs, up to this long; then it gets "
+            "nothing more and a launch that may run only there fails, naming it busy."
         ),
     )
 

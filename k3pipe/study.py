@@ -35,7 +35,7 @@ from typing import Any
 from k3pipe import stats
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
-from k3pipe.fleet import RunOn, Ticket, dispatch, log_study_prompts
+from k3pipe.fleet import Remote, Ticket, dispatch, log_study_prompts
 from k3pipe.launchers.factory import pull_image
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import record_failed_arm
@@ -202,9 +202,10 @@ class Study:
     """The study run's stage times recorded before a resume."""
     prior_wall_s: float = 0.0
     """The study's wall time recorded before a resume."""
-    remote: RunOn | None = None
-    """With the experiment's ``fleet``: runs a launch on a pool (the study flow's deployment runs);
-    the launches are then spread over the pools (:func:`k3pipe.fleet.dispatch`), not run here."""
+    remote: Remote | None = None
+    """With the experiment's ``fleet``: runs a launch on a pool (the study flow's deployment runs)
+    and says what a pool is doing; the launches are then spread over the pools
+    (:func:`k3pipe.fleet.dispatch`), not run here."""
 
     def _prefetch(
         self, arms: Iterable[ArmSpec], models: ThreadPoolExecutor, images: ThreadPoolExecutor
@@ -350,7 +351,10 @@ class Study:
         assert self.remote is not None
         todo = [Ticket(n, k, most[n]) for n, k in launches if (n, k) not in self.done]
         pools = lambda arm: fleet.pools_of(arm, self.spec.baseline_arm)  # noqa: E731
-        ran = iter(dispatch(todo, pools, self.remote, self.say, self.warn))
+        remote = self.remote
+        ran = iter(
+            dispatch(todo, pools, remote.run_on, self.say, self.warn, probe=remote.probe, waits=remote.waits)
+        )
         for name, launch in launches:
             if (name, launch) in self.done:
                 outcome.arms.append(self._kept(name, launch))

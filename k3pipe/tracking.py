@@ -178,6 +178,7 @@ class Tracker:
             self.read_artifacts_from = moved
         self._artifact_uris: dict[str, str] = {}
         _secrets.register_all(secrets)
+        _secrets.register_all(settings.client_credentials())  # the stack's password: never in a record
         # the first use of a new SQLite store creates its tables: several first runs at once on one
         # K3PIPE_HOME raced on that and broke the store for good; one process at a time does it
         lock: contextlib.AbstractContextManager[None] = contextlib.nullcontext()

@@ -1,6 +1,7 @@
 """The team stack: PostgreSQL, an MLflow server on it, a Prefect server, a work pool and its worker.
 
-Everything lives under ``K3PIPE_HOME/stack`` and binds 127.0.0.1 only:
+Everything lives under ``K3PIPE_HOME/stack`` and binds 127.0.0.1 unless told otherwise (MLflow and
+Prefect beyond loopback only with auth and TLS on: :func:`_check_exposure`):
 
     stack/postgres/          the PostgreSQL cluster (owned by the unprivileged user it runs as)
     stack/postgres-run/      its unix socket directory
@@ -9,6 +10,8 @@ Everything lives under ``K3PIPE_HOME/stack`` and binds 127.0.0.1 only:
     stack/prefect/           PREFECT_HOME of the Prefect server (its SQLite database)
     stack/logs/NAME.log      each service's output
     stack/state.json         what ``up`` started: pid, process group, port, URL, log per service
+    stack/credentials        with auth: 'USER:PASSWORD' of MLflow's admin and Prefect (mode 0600)
+    stack/tls/               with TLS: the stack's CA (ca.pem) and the servers' certificate (ops.tls)
 
 Each service runs in its own process group (``start_new_session``); ``down`` ends exactly the groups
 the state file records, never anything found by name. Pure subprocess management: the Prefect CLI is
@@ -26,6 +29,7 @@ import secrets
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -40,6 +44,7 @@ from k3pipe import secrets as k3secrets
 from k3pipe.errors import StackError
 from k3pipe.procs import alive, file_lock, proc_stat, reap, stop_group
 from k3pipe.settings import Settings
+from ops.tls import TlsFiles, describe, ensure_certificates
 
 __all__ = [
     "HOST",
@@ -48,9 +53,11 @@ __all__ = [
     "ServiceRecord",
     "ServiceStatus",
     "StackConfig",
+    "client_env",
     "down",
     "env_lines",
     "load_state",
+    "security_lines",
     "status",
     "up",
 ]
@@ -61,6 +68,12 @@ SERVICES = ("postgres", "mlflow", "prefect", "worker")
 """The services in start order (``down`` stops them in reverse)."""
 WORK_POOL = "k3pipe"
 """The process work pool prefect.yaml's deployments name."""
+MLFLOW_AUTH_CACHE_S = 60
+"""How long MLflow's basic-auth app keeps a checked password (its ``auth_cache_ttl_seconds``; it is off
+by default): without it every request hashes the password again (werkzeug's scrypt, about 0.1 s of a
+core here), which made the server the busiest process of a fleet study. The stack runs one MLflow
+worker, so a password changed through MLflow's API takes effect at once; a cached one is forgotten
+after this long, or when the server restarts."""
 PG_ROLE = "k3pipe"
 PG_DATABASE = "mlflow"
 
@@ -106,14 +119,22 @@ class StackConfig:
     """Whether MLflow and Prefect require the stack's user and password (:meth:`credentials`)."""
     credentials_path: Path | None = None
     """The 'USER:PASSWORD' file (None: stack/credentials, made on first use)."""
+    tls: bool = False
+    """Whether MLflow and Prefect serve HTTPS, with a certificate of the stack's own CA (ops.tls)."""
+    tls_names: tuple[str, ...] = ()
+    """Names and addresses the certificate carries besides loopback's, the host's and its name."""
 
     @classmethod
     def from_settings(cls, settings: Settings, project_dir: Path) -> StackConfig:
         """The stack as K3PIPE_HOME and the K3PIPE_STACK_* settings describe it."""
-        auth = settings.stack_auth if settings.stack_auth is not None else not _loopback(settings.stack_host)
+        exposed = not _loopback(settings.stack_host)
+        auth = settings.stack_auth if settings.stack_auth is not None else exposed
+        tls = settings.stack_tls if settings.stack_tls is not None else exposed
         return cls(
             host=settings.stack_host,
             auth=auth,
+            tls=tls,
+            tls_names=tuple(n.strip() for n in settings.stack_tls_names.split(",") if n.strip()),
             credentials_path=settings.stack_credentials_file,
             home=settings.home_dir,
             postgres_port=settings.stack_postgres_port,
@@ -159,6 +180,23 @@ class StackConfig:
     def prefect_home(self) -> Path:
         return self.stack_dir / "prefect"
 
+    @property
+    def tls_files(self) -> TlsFiles:
+        return TlsFiles(self.stack_dir / "tls")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    def cert_names(self) -> list[str]:
+        """What the servers' certificate is valid for: loopback, the bound address (unless a
+        wildcard), this host's name and fully qualified name, and :attr:`tls_names`."""
+        names = ["127.0.0.1", "::1", "localhost"]
+        if self.host not in ("0.0.0.0", "::", ""):
+            names.append(self.host)
+        names += [socket.gethostname(), socket.getfqdn(), *self.tls_names]
+        return list(dict.fromkeys(n for n in names if n))
+
     def port(self, service: str) -> int:
         """The configured port of a server (the worker has none: 0)."""
         return {"postgres": self.postgres_port, "mlflow": self.mlflow_port, "prefect": self.prefect_port}.get(
@@ -172,7 +210,7 @@ class StackConfig:
             return f"postgresql://{PG_ROLE}@{HOST}:{port}/{PG_DATABASE}"
         if service == "worker":
             return f"pool {WORK_POOL}"
-        return f"http://{self.client_host}:{port}"
+        return f"{self.scheme}://{self.client_host}:{port}"
 
     @property
     def client_host(self) -> str:
@@ -403,9 +441,10 @@ def _wait_ready(
         time.sleep(0.3)
 
 
-def _http_ok(url: str, auth: tuple[str, str] | None = None) -> bool:
+def _http_ok(config: StackConfig, url: str) -> bool:
     try:
-        return httpx.get(url, timeout=2.0, trust_env=False, auth=auth).status_code == 200
+        with _client(config, 2.0) as http:
+            return http.get(url).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -636,11 +675,13 @@ def _prefect_env(config: StackConfig, api_port: int) -> dict[str, str]:
     env = _service_env(
         config,
         PREFECT_HOME=str(config.prefect_home),
-        PREFECT_API_URL=f"http://{config.client_host}:{api_port}/api",
+        PREFECT_API_URL=config.url("prefect", api_port) + "/api",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
     )
     if (creds := config.credentials()) is not None:
         env["PREFECT_API_AUTH_STRING"] = ":".join(creds)
+    if config.tls:
+        env["PREFECT_API_SSL_CERT_FILE"] = str(config.tls_files.ca)
     return env
 
 
@@ -655,6 +696,7 @@ def _mlflow_auth_env(config: StackConfig) -> dict[str, str]:
     ini.write_text(
         "[mlflow]\n"
         "default_permission = NO_PERMISSIONS\n"
+        f"auth_cache_ttl_seconds = {MLFLOW_AUTH_CACHE_S}\n"
         f"database_uri = sqlite:///{config.stack_dir / 'mlflow-auth.db'}\n"
         f"admin_username = {creds[0]}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
@@ -673,16 +715,24 @@ def _mlflow_auth_env(config: StackConfig) -> dict[str, str]:
     }
 
 
-def _client_auth(config: StackConfig) -> tuple[str, str] | None:
-    """httpx's basic auth for the stack's own calls to its servers (None: auth off)."""
-    return config.credentials()
+def _client(config: StackConfig, timeout_s: float) -> httpx.Client:
+    """httpx for the stack's own calls to its servers: basic auth (with auth on), the stack's CA as
+    the only trusted one (once it exists: a server started with TLS), no proxy from the environment."""
+    verify: ssl.SSLContext | bool = True
+    if config.tls_files.ca.exists():
+        verify = ssl.create_default_context(cafile=str(config.tls_files.ca))
+    return httpx.Client(auth=config.credentials(), verify=verify, trust_env=False, timeout=timeout_s)
 
 
 def _mlflow_argv(config: StackConfig, pg_port: int) -> list[str]:
+    tls = config.tls_files
+    # uvicorn (MLflow's server by default) serves TLS itself; the key file is mode 0600
+    serve_tls = ["--ssl-keyfile", str(tls.key), "--ssl-certfile", str(tls.cert)] if config.tls else []
     return [
         _executable(config, "mlflow"),
         "server",
         *(["--app-name", "basic-auth"] if config.auth else []),
+        *(["--uvicorn-opts", shlex.join(serve_tls)] if serve_tls else []),
         "--host",
         config.host,
         "--port",
@@ -697,6 +747,22 @@ def _mlflow_argv(config: StackConfig, pg_port: int) -> list[str]:
         "--workers",
         "1",
     ]
+
+
+def _prefect_argv(config: StackConfig, env: dict[str, str]) -> list[str]:
+    """``prefect server start``; with TLS, the same application under uvicorn with its TLS options
+    (``prefect server start`` has none: it runs ``create_app(final=True)`` under uvicorn in-process,
+    which ``PREFECT__SERVER_FINAL`` and uvicorn's ``--factory`` do here). ``env`` gets what it needs."""
+    if not config.tls:
+        argv = [_executable(config, "prefect"), "server", "start", "--host", config.host]
+        return [*argv, "--port", str(config.prefect_port)]
+    env["PREFECT__SERVER_FINAL"] = "1"
+    tls = config.tls_files
+    return [
+        _executable(config, "python"), "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
+        "--host", config.host, "--port", str(config.prefect_port),
+        "--ssl-keyfile", str(tls.key), "--ssl-certfile", str(tls.cert),
+    ]  # fmt: skip
 
 
 def _run_prefect(config: StackConfig, api_port: int, args: list[str], what: str, timeout_s: float) -> str:
@@ -744,8 +810,9 @@ def _pools_named(project_dir: Path) -> list[str]:
 
 
 def _ensure_pool(config: StackConfig, api_port: int, name: str) -> None:
-    api = f"http://{config.client_host}:{api_port}/api"
-    pool = httpx.get(f"{api}/work_pools/{name}", timeout=10, trust_env=False, auth=_client_auth(config))
+    api = config.url("prefect", api_port) + "/api"
+    with _client(config, 10.0) as http:
+        pool = http.get(f"{api}/work_pools/{name}")
     if pool.status_code == 404:
         _run_prefect(config, api_port, ["work-pool", "create", name, "--type", "process"], "work pool", 120)
         limit = None
@@ -784,9 +851,10 @@ def _worker_name() -> str:
 
 def _worker_online(config: StackConfig, api_port: int, name: str, since: dt.datetime) -> bool:
     """Whether the worker called ``name`` has sent a heartbeat since ``since``."""
-    url = f"http://{config.client_host}:{api_port}/api/work_pools/{WORK_POOL}/workers/filter"
+    url = config.url("prefect", api_port) + f"/api/work_pools/{WORK_POOL}/workers/filter"
     try:
-        answer = httpx.post(url, json={}, timeout=5, trust_env=False, auth=_client_auth(config))
+        with _client(config, 5.0) as http:
+            answer = http.post(url, json={})
     except httpx.HTTPError:
         return False
     if answer.status_code != 200:
@@ -802,11 +870,33 @@ def _worker_online(config: StackConfig, api_port: int, name: str, since: dt.date
 
 def _worker_env(config: StackConfig, api_port: int, mlflow_port: int) -> dict[str, str]:
     env = _prefect_env(config, api_port)
-    env["MLFLOW_TRACKING_URI"] = config.url("mlflow", mlflow_port)
+    env.update(client_env(config, mlflow_port, api_port))
     env["K3PIPE_HOME"] = str(config.home)
+    env.pop("K3PIPE_MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def client_env(
+    config: StackConfig, mlflow_port: int | None = None, prefect_port: int | None = None
+) -> dict[str, str]:
+    """What a client of the stack (a worker, a node's worker, a study started from a shell) needs in
+    its environment, by MLflow's and Prefect's own names: the two URLs; with auth the user and
+    password (read from the credentials file: pass this to a process's environment, never to a
+    command line or a log); with TLS the stack's CA for both clients."""
+    state = load_state(config)
+    if mlflow_port is None:
+        mlflow_port = state["mlflow"].port if "mlflow" in state else config.mlflow_port
+    if prefect_port is None:
+        prefect_port = state["prefect"].port if "prefect" in state else config.prefect_port
+    env = {
+        "MLFLOW_TRACKING_URI": config.url("mlflow", mlflow_port),
+        "PREFECT_API_URL": config.url("prefect", prefect_port) + "/api",
+    }
     if (creds := config.credentials()) is not None:
         env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"] = creds
-    env.pop("K3PIPE_MLFLOW_TRACKING_URI", None)
+        env["PREFECT_API_AUTH_STRING"] = ":".join(creds)
+    if config.tls:
+        env["PREFECT_API_SSL_CERT_FILE"] = env["MLFLOW_TRACKING_SERVER_CERT_PATH"] = str(config.tls_files.ca)
     return env
 
 
@@ -848,13 +938,24 @@ def _loopback(host: str) -> bool:
 
 
 def _check_exposure(config: StackConfig) -> None:
-    """MLflow and Prefect bind beyond loopback only with auth on: neither asks who calls by itself."""
-    if not _loopback(config.host) and not config.auth:
+    """MLflow and Prefect bind beyond loopback only with auth and TLS on: neither asks who calls by
+    itself, and over plain HTTP the password and every run cross the network readable."""
+    if _loopback(config.host):
+        return
+    if not config.auth:
         raise StackError(
             f"K3PIPE_STACK_HOST={config.host} binds MLflow and Prefect beyond loopback, where anyone who "
             "reaches the ports could read and change every run, with K3PIPE_STACK_AUTH off: turn it on "
             f"(the user and password are kept in {config.credentials_file}, made if absent), or bind "
             "127.0.0.1 and reach the stack through an SSH tunnel"
+        )
+    if not config.tls:
+        raise StackError(
+            f"K3PIPE_STACK_HOST={config.host} binds MLflow and Prefect beyond loopback with K3PIPE_STACK_TLS "
+            "off: the stack's password and every run would cross the network as plain HTTP; turn it on "
+            f"(the stack's CA and certificate are made in {config.tls_files.directory}; name the addresses "
+            "nodes use in K3PIPE_STACK_TLS_NAMES), or bind 127.0.0.1 and reach the stack through an SSH "
+            "tunnel"
         )
 
 
@@ -896,6 +997,9 @@ def _up(
         note = f" (settings now say port {config.port(name)})" if rec.port != config.port(name) else ""
         progress(f"{name}: already running (pid {rec.pid}), {rec.url}{note}")
 
+    if config.tls:
+        tls = ensure_certificates(config.tls_files.directory, config.cert_names())
+        progress(f"tls: {describe(tls)}")
     # PostgreSQL and the Prefect server start side by side; MLflow needs PostgreSQL first
     pg_bin = _pg_bin(config)
     if "postgres" in state:
@@ -910,12 +1014,10 @@ def _up(
     else:
         _check_port(config, "prefect")
         config.prefect_home.mkdir(parents=True, exist_ok=True)
-        argv = [_executable(config, "prefect"), "server", "start", "--host", config.host]
-        argv += ["--port", str(config.prefect_port)]
         env = _prefect_env(config, config.prefect_port)
         if (creds := config.credentials()) is not None:  # in the environment, never on a command line
             env["PREFECT_SERVER_API_AUTH_STRING"] = ":".join(creds)
-        start("prefect", argv, env, config.prefect_home)
+        start("prefect", _prefect_argv(config, env), env, config.prefect_home)
 
     pg = state["postgres"]
     _wait_ready(
@@ -944,7 +1046,7 @@ def _up(
         "prefect",
         pf,
         launched.get("prefect"),
-        lambda: _http_ok(f"{pf.url}/api/health", _client_auth(config)),
+        lambda: _http_ok(config, f"{pf.url}/api/health"),
         f"GET {pf.url}/api/health",
         timeout,
     )
@@ -959,7 +1061,7 @@ def _up(
         "mlflow",
         ml,
         launched.get("mlflow"),
-        lambda: _http_ok(f"{ml.url}/health", _client_auth(config)),
+        lambda: _http_ok(config, f"{ml.url}/health"),
         f"GET {ml.url}/health",
         timeout,
     )
@@ -1024,9 +1126,9 @@ def status(config: StackConfig) -> list[ServiceStatus]:
         running = alive(record.pid, record.proc_start)
         answering: bool | None = None
         if running and name == "mlflow":
-            answering = _http_ok(f"{record.url}/health", _client_auth(config))
+            answering = _http_ok(config, f"{record.url}/health")
         elif running and name == "prefect":
-            answering = _http_ok(f"{record.url}/api/health", _client_auth(config))
+            answering = _http_ok(config, f"{record.url}/api/health")
         elif running and name == "postgres":
             with contextlib.suppress(StackError):
                 answering = _pg_ready(config, _pg_bin(config), record.port)
@@ -1051,7 +1153,26 @@ def env_lines(config: StackConfig) -> list[str]:
             f'export MLFLOW_TRACKING_USERNAME="$(cut -d: -f1 {path})"',
             f'export MLFLOW_TRACKING_PASSWORD="$(cut -d: -f2- {path})"',
         ]
+    if config.tls:  # each client trusts the stack's CA: Prefect's and MLflow's own settings
+        ca = shlex.quote(str(config.tls_files.ca))
+        lines += [f"export PREFECT_API_SSL_CERT_FILE={ca}", f"export MLFLOW_TRACKING_SERVER_CERT_PATH={ca}"]
     return lines
+
+
+def security_lines(config: StackConfig) -> list[str]:
+    """What ``k3pipe stack status`` says of who may call the servers and how: auth, TLS."""
+    where = "beyond loopback" if not _loopback(config.host) else "loopback only"
+    auth = (
+        f"auth: on (user and password in {config.credentials_file}, mode 0600)"
+        if config.auth
+        else "auth: off (K3PIPE_STACK_AUTH=true turns it on)"
+    )
+    tls = (
+        f"tls: on ({describe(config.tls_files)})"
+        if config.tls
+        else "tls: off: plain HTTP (K3PIPE_STACK_TLS=true turns it on)"
+    )
+    return [f"bind: {config.host} ({where})", auth, tls]
 
 
 def add_node(config: StackConfig, name: str, progress: Progress = lambda _line: None) -> list[str]:
@@ -1083,6 +1204,8 @@ def add_node(config: StackConfig, name: str, progress: Progress = lambda _line: 
         if config.auth
         else ["# the stack binds 127.0.0.1: reach it through an SSH tunnel (README, 'GPU nodes')"]
     )
+    if config.tls:
+        copy.append(f"# and {config.tls_files.ca} (the stack's CA: not secret), at the same path")
     return [
         *copy,
         *env_lines(config),

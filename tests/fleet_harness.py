@@ -1,25 +1,36 @@
 """Two GPU nodes on this machine for fleet studies (an experiment's ``fleet``): a process work pool per
 node (one run at a time) with its ``launch`` deployment, deployed as `k3pipe stack add-node` does, and
 a worker of its own whose K3PIPE_HOME is its own; a study flow run as a user runs it
-(`python -m flows.study`, its own process). tests/integration/test_fleet_prefect.py and
-benchmarks/fleet_wall.py use it."""
+(`python -m flows.study`, its own process). :func:`team_stack` is the stack they run against as a
+team runs it beyond loopback (ops.stack: PostgreSQL, MLflow, Prefect; auth and TLS on), here on
+127.0.0.1. tests/integration/test_fleet_prefect.py and benchmarks/fleet_wall.py use them."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
-from tests.conftest import PREFECT, REPO, stop_group
+from ops.stack import StackConfig, add_node, down, up
+from tests.conftest import PREFECT, REPO, free_port, stop_group
 
-__all__ = ["Fleet", "kill_flow_runs_of"]
+__all__ = ["Fleet", "StudyProcess", "base_env", "kill_flow_runs_of", "prefect_cli", "team_stack"]
+
+_ISOLATED = ("K3PIPE_", "MLFLOW_", "PREFECT_")
 
 
-def _prefect(env: dict[str, str], *args: str, timeout: float = 300) -> str:
+def prefect_cli(env: dict[str, str], *args: str, timeout: float = 300) -> str:
+    """The Prefect CLI, from the checkout, with ``env``; its output (an assertion names a failure)."""
     out = subprocess.run(
         [PREFECT, *args],
         cwd=REPO,
@@ -32,9 +43,82 @@ def _prefect(env: dict[str, str], *args: str, timeout: float = 300) -> str:
     return out.stdout
 
 
+def base_env() -> dict[str, str]:
+    """This environment without any k3pipe, MLflow or Prefect setting."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_ISOLATED)}
+
+
+@contextmanager
+def team_stack(pools: tuple[str, ...] = ()) -> Iterator[StackConfig]:
+    """The team stack (ops.stack.up) with auth and TLS on, as beyond loopback, bound to 127.0.0.1 on
+    free ports, without a worker of its own; each of ``pools`` set up as `k3pipe stack add-node` does.
+    Its home is under /tmp (PostgreSQL's unprivileged user must reach it). Taken down on the way out."""
+    home = Path(tempfile.mkdtemp(prefix="k3fleet-", dir="/tmp"))
+    home.chmod(0o755)
+    ports: set[int] = set()
+    while len(ports) < 3:
+        ports.add(free_port())
+    pg, ml, pf = sorted(ports)
+    config = StackConfig(
+        home=home, postgres_port=pg, mlflow_port=ml, prefect_port=pf, start_timeout_s=300, worker=False,
+        project_dir=REPO, base_env=base_env(), auth=True, tls=True,
+    )  # fmt: skip
+    try:
+        up(config)
+        for pool in pools:
+            add_node(config, pool)
+        yield config
+    finally:
+        try:
+            down(config)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+class StudyProcess:
+    """A study (or retest) flow in a process of its own, its output in a file that can be read while
+    it runs; ``communicate``, ``poll`` and ``returncode`` as a ``Popen``'s."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._out: IO[bytes] = log.open("wb")
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def wait_for(self, marker: str, timeout_s: float = 300) -> str:
+        """The output once it holds ``marker``; fails if the study ends or the time passes first."""
+        deadline = time.monotonic() + timeout_s
+        while marker not in (text := self.text()):
+            assert self.proc.poll() is None, f"the study ended before {marker!r}:\n{text[-6000:]}"
+            assert time.monotonic() < deadline, f"{marker!r} never appeared:\n{text[-6000:]}"
+            time.sleep(0.5)
+        return text
+
+    def communicate(self, timeout: float) -> tuple[str, None]:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                stop_group(self.proc, signal.SIGINT)
+            self._out.close()
+        return self.text(), None
+
+
 class Fleet:
-    """The two pools with their launch deployments and workers (each its own K3PIPE_HOME), and how
-    to run a study flow against them as a user does (`python -m flows.study`, its own process)."""
+    """The pools' workers (each its own K3PIPE_HOME), and how to run a study flow against them as a
+    user does (`python -m flows.study`, its own process). ``start(deploy=True)`` also makes each pool
+    and its launch deployment (without a stack's `add-node`)."""
 
     def __init__(
         self, env: dict[str, str], tmp_path: Path, pools: tuple[str, ...] = ("node-a", "node-b")
@@ -43,36 +127,37 @@ class Fleet:
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[Any] = []
 
-    def start(self) -> None:
+    def start(self, deploy: bool = True) -> None:
+        if deploy:
+            for pool in self.pools:
+                prefect_cli(self.env, "work-pool", "create", pool, "--type", "process")
+                prefect_cli(self.env, "work-pool", "set-concurrency-limit", pool, "1")
+                prefect_cli(
+                    self.env, "--no-prompt", "deploy", "flows/fleet.py:launch", "--name", pool, "--pool", pool
+                )
         for pool in self.pools:
-            _prefect(self.env, "work-pool", "create", pool, "--type", "process")
-            _prefect(self.env, "work-pool", "set-concurrency-limit", pool, "1")
-            _prefect(
-                self.env, "--no-prompt", "deploy", "flows/fleet.py:launch", "--name", pool, "--pool", pool
-            )
-        for pool in self.pools:
-            log = (self.tmp / f"worker-{pool}.log").open("wb")
-            self._logs.append(log)
-            self.workers[pool] = subprocess.Popen(
-                [PREFECT, "worker", "start", "--pool", pool],
-                cwd=self.tmp,
-                env={**self.env, "K3PIPE_HOME": str(self.tmp / pool)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            self.start_worker(pool)
 
-    def study(self, experiment: dict[str, Any], flow: str = "study") -> subprocess.Popen[str]:
+    def start_worker(self, pool: str) -> None:
+        log = (self.tmp / f"worker-{pool}.log").open("ab")
+        self._logs.append(log)
+        self.workers[pool] = subprocess.Popen(
+            [PREFECT, "worker", "start", "--pool", pool],
+            cwd=self.tmp,
+            env={**self.env, "K3PIPE_HOME": str(self.tmp / pool)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def study(self, experiment: dict[str, Any], flow: str = "study") -> StudyProcess:
         """The study (or, ``flow="retest"``, the retest) flow of ``experiment`` in a process of its own."""
         exp = self.tmp / f"{experiment['name']}.yaml"
         exp.write_text(yaml.safe_dump(experiment))
-        return subprocess.Popen(
+        return StudyProcess(
             [sys.executable, "-m", f"flows.{flow}", str(exp)],
-            cwd=REPO,
-            env={**self.env, "K3PIPE_HOME": str(self.tmp / "parent")},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            {**self.env, "K3PIPE_HOME": str(self.tmp / "parent")},
+            self.tmp / f"{experiment['name']}-{flow}.log",
         )
 
     def logs(self) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from k3pipe.errors import TrackingError
-from k3pipe.fleet import RunOn
+from k3pipe.fleet import Remote
 from k3pipe.jobs.prepare import PrepareSteps
 from k3pipe.params import RunRequest
 from k3pipe.record import record_speculation
@@ -107,9 +107,10 @@ class Job:
     alert: Callable[[dict[str, Any]], object] = field(default=_no_artifact)
     """``(regression)``: a scheduled retest found a regression (k3pipe.alerts); a flow emits it as a
     Prefect event, which prefect.yaml's ``notify`` deployment turns into a notification."""
-    fleet: Callable[[FleetSpec, str], RunOn] | None = None
-    """``(fleet, study_run_id)``: what runs a study's launch on a pool (the study flow's: a run of
-    the pool's ``launch`` deployment); None: a job that cannot spread a study (outside Prefect)."""
+    fleet: Callable[[FleetSpec, str], Remote] | None = None
+    """``(fleet, study_run_id)``: what runs a study's launch on a pool and says what a pool is doing
+    (the study flow's: a run of the pool's ``launch`` deployment, its Prefect server's word); None: a
+    job that cannot spread a study (outside Prefect)."""
 
     @classmethod
     def library(cls, settings: Settings | None = None, tracker: Tracker | None = None) -> Job:

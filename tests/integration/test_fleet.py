@@ -24,6 +24,7 @@ from k3pipe.fleet import (
     PROMPTS_INDEX,
     PoolUnavailable,
     PromptsMismatch,
+    Remote,
     Ticket,
     last_heartbeat,
     read_study_prompts,
@@ -117,7 +118,7 @@ def _run(
                 LaunchRequest(study_run_id, ticket.arm, ticket.launch, ticket.launches, pool), node
             )
 
-        return run_on
+        return Remote(run_on)
 
     exp = tmp_path / "fleet.yaml"
     exp.write_text(yaml.safe_dump(experiment))

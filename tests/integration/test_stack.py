@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -414,26 +415,33 @@ def test_a_service_that_dies_at_start_is_named_with_its_log(tmp_path: Path) -> N
         _down_and_remove(s)
 
 
-def test_a_stack_with_auth_refuses_clients_without_its_password() -> None:
-    """K3PIPE_STACK_AUTH on (here on loopback, as a stack bound beyond it must be): MLflow's basic-auth
-    app and Prefect's auth string refuse a client without the stack's password, or with a wrong one,
-    and serve one with it; the worker comes online and a tracked run lands through the authenticated
-    APIs; the password is in a 0600 file, never on a command line, in a log or in `stack env`.
-    Binding beyond loopback without auth is refused before anything starts."""
+def test_a_stack_with_auth_and_tls_refuses_plain_http_and_clients_without_its_password() -> None:
+    """K3PIPE_STACK_AUTH and K3PIPE_STACK_TLS on (here on loopback, as a stack bound beyond it must
+    have them): both servers serve HTTPS only, with a certificate of the stack's own CA, and MLflow's
+    basic-auth app and Prefect's auth string refuse a client without the stack's password, or with a
+    wrong one; plain HTTP gets no answer, a client that does not trust the CA refuses the certificate;
+    a client with both is served. The worker comes online through them and a tracked run lands
+    through `k3pipe stack env`'s settings; `stack status` says auth and TLS are on; the password is in
+    a 0600 file, never on a command line, in a log or in `stack env`. Binding beyond loopback without
+    auth, or without TLS, is refused before anything starts."""
     s = Stack(_stack_home(), *_free_ports(3))
     s.env["K3PIPE_STACK_AUTH"] = "true"
+    s.env["K3PIPE_STACK_TLS"] = "true"
     try:
-        bare = subprocess.run(
-            [sys.executable, "-m", "cli.main", "stack", "up"],
-            cwd=s.home,
-            env={**s.env, "PYTHONPATH": str(REPO), "K3PIPE_STACK_HOST": "0.0.0.0", "K3PIPE_STACK_AUTH": "0"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert bare.returncode != 0
-        assert "binds MLflow and Prefect beyond loopback" in bare.stderr, bare.stderr
-        assert load_state(s.config) == {}  # nothing started
+        for auth, tls, says in (("0", "1", "K3PIPE_STACK_AUTH off"), ("1", "0", "K3PIPE_STACK_TLS off")):
+            bare = subprocess.run(
+                [sys.executable, "-m", "cli.main", "stack", "up"],
+                cwd=s.home,
+                env={**s.env, "PYTHONPATH": str(REPO), "K3PIPE_STACK_HOST": "0.0.0.0",
+                     "K3PIPE_STACK_AUTH": auth, "K3PIPE_STACK_TLS": tls},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )  # fmt: skip
+            assert bare.returncode != 0
+            assert "binds MLflow and Prefect beyond loopback" in bare.stderr, bare.stderr
+            assert says in bare.stderr, bare.stderr
+            assert load_state(s.config) == {}  # nothing started
 
         out = s.cli("up", timeout=600)
         assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
@@ -441,26 +449,46 @@ def test_a_stack_with_auth_refuses_clients_without_its_password() -> None:
         assert creds.stat().st_mode & 0o777 == 0o600
         user, _, password = creds.read_text().strip().partition(":")
         wrong = (user, password + "x")
+        tls = s.home / "stack" / "tls"
+        assert (tls / "ca.pem").stat().st_mode & 0o777 == 0o644
+        for key in ("ca-key.pem", "server-key.pem"):
+            assert (tls / key).stat().st_mode & 0o777 == 0o600
+        ca = ssl.create_default_context(cafile=str(tls / "ca.pem"))
+        mlflow_url = f"https://127.0.0.1:{s.mlflow_port}"
+        prefect_api = f"https://127.0.0.1:{s.prefect_port}/api"
 
-        # Prefect: every API call needs the auth string
-        pools = f"{s.prefect_api}/work_pools/k3pipe"
-        assert httpx.get(pools, trust_env=False).status_code == 401
-        assert httpx.get(pools, trust_env=False, auth=wrong).status_code == 401
-        assert httpx.get(pools, trust_env=False, auth=(user, password)).status_code == 200
-        workers = httpx.post(f"{pools}/workers/filter", json={}, trust_env=False, auth=(user, password))
-        assert [w["status"] for w in workers.json()] == ["ONLINE"]  # the worker authenticated
-        # MLflow: the same
-        search = f"{s.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=5"
-        assert httpx.get(search, trust_env=False).status_code == 401
-        assert httpx.get(search, trust_env=False, auth=wrong).status_code == 401
-        assert httpx.get(search, trust_env=False, auth=(user, password)).status_code == 200
+        pools = f"{prefect_api}/work_pools/k3pipe"
+        search = f"{mlflow_url}/api/2.0/mlflow/experiments/search?max_results=5"
+        for url in (pools, search):
+            with pytest.raises(httpx.TransportError):  # plain HTTP to a TLS port: no answer
+                httpx.get("http://" + url.removeprefix("https://"), auth=(user, password), trust_env=False)
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                httpx.get(url, auth=(user, password), trust_env=False)  # the public CAs only
+            assert httpx.get(url, verify=ca, trust_env=False).status_code == 401
+            assert httpx.get(url, verify=ca, trust_env=False, auth=wrong).status_code == 401
+            assert httpx.get(url, verify=ca, trust_env=False, auth=(user, password)).status_code == 200
+        workers = httpx.post(
+            f"{pools}/workers/filter", json={}, verify=ca, trust_env=False, auth=(user, password)
+        )
+        assert [w["status"] for w in workers.json()] == ["ONLINE"]  # the worker authenticated over TLS
 
-        # a client given the stack's env (read from the file) records a run
+        status = s.cli("status")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "auth: on" in status.stdout
+        (tls_line,) = [line for line in status.stdout.splitlines() if line.startswith("tls: ")]
+        assert tls_line.startswith(f"tls: on (CA {tls / 'ca.pem'} (copy it to each node); certificate for ")
+        assert "127.0.0.1, " in tls_line
+        assert f"export MLFLOW_TRACKING_SERVER_CERT_PATH={tls / 'ca.pem'}" in status.stdout
+        assert f"export PREFECT_API_SSL_CERT_FILE={tls / 'ca.pem'}" in status.stdout
+
+        # a client given the stack's env (the password read from the file, the CA trusted) records a
+        # run, and k3pipe's own check of the tracking server trusts the same CA
         script = (
             f'eval "$({sys.executable} -m cli.main stack env)"; '
-            f"{sys.executable} -c \"import mlflow; mlflow.set_tracking_uri('{s.mlflow_url}'); "
+            f'{sys.executable} -c "import mlflow; from k3pipe.push import probe_tracking; '
+            f"assert probe_tracking('{mlflow_url}') is None; mlflow.set_tracking_uri('{mlflow_url}'); "
             "mlflow.set_experiment('auth-check'); r = mlflow.start_run(); mlflow.log_metric('m', 1.0); "
-            "mlflow.end_run(); print(r.info.run_id)\""
+            'mlflow.end_run(); print(r.info.run_id)"'
         )
         shell = subprocess.run(
             ["bash", "-c", script], env={**s.env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,

@@ -1,6 +1,8 @@
 """The fleet's scheduler (k3pipe.fleet.dispatch) with pools that are threads here: placement, every
 pool kept busy in the study's order, one launch at a time per pool, failures kept to their launch, and
-a pool whose worker never comes named and routed around."""
+a pool whose worker never comes named and routed around; a busy pool (its worker alive, running
+another flow run) passed over and waited for, a lost one (no live worker) given up, each by its own
+limit and named as what it is."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 
 from k3pipe.errors import SpecError
 from k3pipe.experiment import parse_experiment
-from k3pipe.fleet import PoolUnavailable, Ticket, dispatch
+from k3pipe.fleet import PoolState, PoolUnavailable, Ticket, Waits, dispatch
 from k3pipe.run import ArmOutcome
 
 pytestmark = pytest.mark.unit
@@ -106,6 +108,100 @@ def test_a_pool_without_a_worker_is_named_and_routed_around() -> None:
     assert {p for p, _, _ in pools.ran} == {"n1"}
     assert "no worker of pool n2" in (out[1].error or "")
     assert any("pool n2" in w and "no more launches" in w for w in warnings)
+
+
+class Probe:
+    """A pool's state as its server would tell it: ``busy[pool]`` (or ``lost[pool]``) until that many
+    seconds after the first question, free after."""
+
+    def __init__(self, busy: dict[str, float] | None = None, lost: dict[str, float] | None = None) -> None:
+        self.busy, self.lost = busy or {}, lost or {}
+        self.t0: float | None = None
+
+    def __call__(self, pool: str) -> PoolState:
+        self.t0 = self.t0 or time.monotonic()
+        spent = time.monotonic() - self.t0
+        if spent < self.lost.get(pool, 0):
+            return PoolState("lost", "no worker of it is alive (its last, 'w2', was heard at 10:00:00 UTC)")
+        if spent < self.busy.get(pool, 0):
+            return PoolState("busy", "flow run 'other-study' of launch/n2, Running since 10:00:00 UTC")
+        return PoolState("free")
+
+
+FAST = Waits(busy_timeout_s=30, pickup_timeout_s=30, poll_s=0.02, say_every_s=0.1)
+
+
+def test_a_busy_pool_is_passed_over_and_waited_for_not_lost() -> None:
+    """n2 runs another study's flow run for 0.4 s: a (n1 or n2) runs on n1 meanwhile; b (n2 only)
+    waits, lines naming n2 and what it runs, then runs there once it is free. Nothing fails."""
+    order = tickets("a#1", "b#1", "a#2", "b#2")
+    pools, lines, warnings = Pools({"a": 0.05, "b": 0.05}), [], []
+    out = dispatch(
+        order, lambda arm: ["n1", "n2"] if arm == "a" else ["n2"], pools, lines.append, warnings.append,
+        probe=Probe(busy={"n2": 0.4}), waits=FAST,
+    )  # fmt: skip
+    assert [o.status for o in out] == ["FINISHED"] * 4
+    assert {label: p for p, label, _ in pools.ran} == {"a#1": "n1", "a#2": "n1", "b#1": "n2", "b#2": "n2"}
+    busy = [line for line in lines if "pool n2 is busy" in line]
+    assert busy, lines
+    assert "flow run 'other-study' of launch/n2" in busy[0]
+    assert "b#1" in busy[0]
+    assert "fleet.busy_timeout_s 30" in busy[0]
+    assert not warnings
+    assert not any("lost" in line for line in lines)
+
+
+def test_a_launch_goes_to_whichever_of_its_pools_is_free() -> None:
+    order = tickets("a#1", "a#2", "a#3")
+    pools = Pools({"a": 0.03})
+    out = dispatch(order, lambda arm: ["n1", "n2"], pools, probe=Probe(busy={"n1": 5.0}), waits=FAST)
+    assert [o.status for o in out] == ["FINISHED"] * 3
+    assert {p for p, _, _ in pools.ran} == {"n2"}
+
+
+def test_a_pool_busy_past_its_limit_gets_nothing_more_and_is_named_busy() -> None:
+    order = tickets("a#1", "b#1")
+    warnings: list[str] = []
+    out = dispatch(
+        order, lambda arm: ["n1"] if arm == "a" else ["n2"], Pools({"a": 0.02, "b": 0.02}),
+        warn=warnings.append, probe=Probe(busy={"n2": 60}), waits=Waits(busy_timeout_s=0.3, poll_s=0.02),
+    )  # fmt: skip
+    assert [o.status for o in out] == ["FINISHED", "FAILED"]
+    error = out[1].error or ""
+    assert "no pool could run it (pool n2 is busy with another flow run (flow run 'other-study'" in error
+    assert "(fleet.busy_timeout_s 0.3)" in error
+    assert "lost" not in error
+    assert any("pool n2 gets no more launches" in w for w in warnings)
+
+
+def test_a_pool_without_a_live_worker_is_lost_after_the_pickup_timeout() -> None:
+    order = tickets("a#1", "b#1")
+    out = dispatch(
+        order, lambda arm: ["n1"] if arm == "a" else ["n2"], Pools({"a": 0.02, "b": 0.02}),
+        probe=Probe(lost={"n2": 60}), waits=Waits(busy_timeout_s=60, pickup_timeout_s=0.3, poll_s=0.02),
+    )  # fmt: skip
+    assert [o.status for o in out] == ["FINISHED", "FAILED"]
+    error = out[1].error or ""
+    assert "pool n2 is lost: no worker of it is alive" in error
+    assert "(fleet.pickup_timeout_s 0.3)" in error
+    assert "busy" not in error
+
+
+def test_a_launch_given_back_is_taken_by_a_pool_that_had_run_out_of_work() -> None:
+    """n1 finishes a#1 with nothing left to take while a#2 is on n2; n2 turns out unavailable and
+    gives a#2 back: n1, still serving, runs it."""
+
+    class Late(Pools):
+        def __call__(self, pool: str, ticket: Ticket) -> ArmOutcome:
+            if pool == "n2":
+                time.sleep(0.3)
+                raise PoolUnavailable(f"no worker of pool n2 started launch {ticket.label} within 0.3 s")
+            return super().__call__(pool, ticket)
+
+    pools = Late({"a": 0.02})
+    out = dispatch(tickets("a#1", "a#2"), lambda arm: ["n1", "n2"], pools)
+    assert [(o.status, o.launch) for o in out] == [("FINISHED", 1), ("FINISHED", 2)]
+    assert [(p, label) for p, label, _ in pools.ran] == [("n1", "a#1"), ("n1", "a#2")]
 
 
 def _fleet_experiment(**fleet: object) -> dict:
