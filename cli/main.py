@@ -497,6 +497,7 @@ def _tracker(settings: Settings, artifact_root: Path | None = None) -> Any:
         settings.mlflow_experiment,
         settings.artifact_root(),
         read_artifacts_from=artifact_root,
+        allow_spool=False,  # a command that reads (or accepts a baseline) has no use for the spool
     )
 
 
@@ -695,11 +696,9 @@ def _run_kind(settings: Settings, run_ref: str) -> str | None:
     """The ``k3pipe.kind`` tag of the run ``run_ref`` names (None: an arm's, or a run not found here:
     the arm rerun then says so)."""
     from k3pipe.compare import find_run
-    from k3pipe.tracking import Tracker
 
     try:
-        tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-        return find_run(tracker, run_ref).data.tags.get("k3pipe.kind")
+        return find_run(_tracker(settings), run_ref).data.tags.get("k3pipe.kind")
     except K3pipeError:
         return None
 
@@ -871,12 +870,11 @@ def runs(
     import pandas as pd
 
     from k3pipe.history import recent_runs
-    from k3pipe.tracking import Tracker
 
     settings = Settings()
     _close_gone(settings)
     try:
-        tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
+        tracker = _tracker(settings)
         frame = recent_runs(
             tracker, limit, engine=engine, model=model, workload=workload, since=since, variant=variant
         )

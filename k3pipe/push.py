@@ -97,8 +97,14 @@ def _tls_verify() -> ssl.SSLContext | bool:
     return ssl.create_default_context(cafile=cafile) if cafile else True
 
 
-def unreachable_message(tracking_uri: str, reason: str) -> str:
-    """The one sentence a run that cannot start says."""
+def unreachable_message(tracking_uri: str, reason: str, *, spool: bool = True) -> str:
+    """The one sentence a command that cannot reach MLflow says: one that records (``spool``) may
+    record locally instead; one that reads (runs, report, history, compare) has nothing to read."""
+    if not spool:
+        return (
+            f"MLflow at {tracking_uri} is not reachable ({reason}): start it, or point "
+            "MLFLOW_TRACKING_URI (or K3PIPE_MLFLOW_TRACKING_URI) at the tracking server that holds the runs"
+        )
     return (
         f"MLflow at {tracking_uri} is not reachable ({reason}): start it, or set K3PIPE_ALLOW_SPOOL=1 "
         "(or pass --spool) to record locally and push later with `k3pipe sync`"

@@ -160,7 +160,8 @@ class Tracker:
         """``spool_dir`` (default K3PIPE_HOME/spool) keeps every write until MLflow has it;
         ``allow_spool`` (default the setting ``allow_spool``): a tracking server that does not
         answer now is no error, the run is recorded into the spool. Without it, such a server raises
-        :class:`TrackingUnreachableError` within seconds. ``read_artifacts_from``: read every run's
+        :class:`TrackingUnreachableError` within seconds (``False``: a command that reads, whose
+        error does not offer the spool). ``read_artifacts_from``: read every run's
         artifacts from ``DIR/<run_id>/artifacts`` instead of where the store records them (a store
         moved from another machine); such a tracker writes no artifact."""
         settings = settings or Settings()
@@ -207,7 +208,9 @@ class Tracker:
                 reason = f"{exc}".splitlines()[0][:300]
         allowed = settings.allow_spool if allow_spool is None else allow_spool
         if reason is not None and not allowed:
-            raise TrackingUnreachableError(unreachable_message(tracking_uri, reason))
+            raise TrackingUnreachableError(
+                unreachable_message(tracking_uri, reason, spool=allow_spool is not False)
+            )
         self.spool_dir = spool_dir or settings.spool_dir()
         self.ids = IdMap(self.spool_dir)
         pusher = Pusher(

@@ -255,6 +255,24 @@ def test_a_tracking_server_that_never_started_fails_the_start_in_seconds(tmp_pat
     )
 
 
+@pytest.mark.parametrize(
+    "command", [("runs",), ("report", "some-run"), ("history", "ttft_ms_p50", "--workload", "w")], ids=str
+)
+def test_a_command_that_reads_does_not_offer_the_spool(command: tuple[str, ...]) -> None:
+    """`k3pipe runs`, `report` and `history` with MLflow down: exit 2 with the sentence that helps a
+    reader (start it, or point at the server that holds the runs), not a run's advice to record
+    locally, which would leave them nothing to read."""
+    uri = f"http://127.0.0.1:{free_port()}"
+    done = k3pipe_cli(*command, uri=uri)
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = " ".join(done.stderr.split())  # the terminal may wrap it
+    expected = f"MLflow at {uri} is not reachable (connection refused): start it, or point MLFLOW_TRACKING"
+    assert expected in said
+    assert "--spool" not in said
+    assert "K3PIPE_ALLOW_SPOOL" not in said
+    assert "Traceback" not in done.stdout + done.stderr
+
+
 def test_k3pipe_run_fails_in_seconds_and_starts_no_engine(tmp_path: Path) -> None:
     """`k3pipe run` of the demo experiment (a vLLM process arm) against a tracking server that never
     started: the one sentence, exit 2, before Prefect or the engine start."""
