@@ -371,6 +371,7 @@ def _resume_check(
             )
         )
     _tracking_ready(settings, False)
+    _close_gone(settings)  # the killed command's runs ended KILLED before the study's state is read
     try:
         tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
         point = resume_point(tracker, resume)

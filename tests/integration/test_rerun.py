@@ -12,7 +12,7 @@ import pytest
 
 from k3pipe.bench import load_tokenizer
 from k3pipe.bench.prompts import prepare_prompts
-from k3pipe.errors import RerunError
+from k3pipe.errors import RerunError, SpecError
 from k3pipe.experiment import parse_experiment
 from k3pipe.plan import plan_arm
 from k3pipe.record import ArmRecorder
@@ -167,9 +167,19 @@ def test_a_draft_model_k3pipe_fetched_is_pinned(tmp_path: Path) -> None:
     assert restore(tracker, run_id, home).drift == []
 
 
-def test_a_secret_written_in_the_experiment_refuses_a_rerun_and_a_reference_does_not(tmp_path: Path) -> None:
-    # the record holds '***' for a literal secret: a rerun would start the engine with it
-    tracker, run_id, home, _ = _record(tmp_path / "literal", args={"api_key": "literal-key-0123456789"})
+def test_a_secret_written_in_the_experiment_refuses_a_rerun_and_a_reference_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A literal key in an experiment is refused when it is parsed now; a record made before that
+    rule holds '***' in its place, and a rerun of it (which would start the engine with '***') is
+    refused naming the field and the '{env.NAME}' way. A reference is restored as written."""
+    import k3pipe.specs
+
+    with pytest.raises(SpecError, match=r"args\.api_key: a literal secret"):
+        parse_experiment(_experiment(tmp_path, {"api_key": "literal-key-0123456789"}))
+    with monkeypatch.context() as older:  # a record of a k3pipe without the refusal
+        older.setattr(k3pipe.specs, "_refuse_literal_secret", lambda *_args: None)
+        tracker, run_id, home, _ = _record(tmp_path / "literal", args={"api_key": "literal-key-0123456789"})
     with pytest.raises(RerunError, match=r"engine\.args\.api_key.*\{env\.NAME\}"):
         restore(tracker, run_id, home)
     assert "literal-key-0123456789" not in (read_record(tracker, run_id).model_dump_json())
