@@ -47,6 +47,10 @@ def notify(retest: str) -> dict[str, Any]:
     lines += [
         f"- {w['arm']} / {w['workload']}: {w['metric']} {w['change']}{_since(w)}" for w in regression["worse"]
     ]
+    lines += [  # the output probe: answers that moved are a regression of their own (k3pipe.alerts)
+        f"- {a['arm']}: answers moved since retest {a['against_run_id'][:12]} ({a['against']}): {a['verdict']}"
+        for a in regression.get("answers", [])
+    ]
     lines += ["", "Versions (the history's last retest -> this retest):"]
     lines += [f"- {arm}: {v['good']} -> {v['bad']}" for arm, v in regression["versions"].items()]
     lines += ["", f"MLflow: {job.tracker.run_link(run_id)}"]

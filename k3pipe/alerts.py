@@ -32,10 +32,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from k3pipe.answers import agreement
+from k3pipe.answers import judge as judge_answers
 from k3pipe.compare import find_run, workload_values
 from k3pipe.errors import TrackingError
 from k3pipe.figures import DEFAULT_DECISION, FIGURES
-from k3pipe.report.collect import PRIME_TAG, SUPERSEDED_TAG
+from k3pipe.report.collect import PRIME_TAG, SUPERSEDED_TAG, collect
+from k3pipe.report.gate import first_answers, floor_of
 from k3pipe.report.retest import BASELINE, RETEST_KIND
 from k3pipe.rerun import RERUN_TAG
 from k3pipe.series import SeriesRule, judge
@@ -118,6 +121,31 @@ class Worse:
         )
 
 
+@dataclass(frozen=True)
+class AnswersMoved:
+    """An arm whose answers tonight diverge beyond the floor from those of the retest the series starts
+    at (the accepted one, else the first that recorded answers)."""
+
+    arm: str
+    against_run_id: str
+    against: str
+    """When that retest started (UTC)."""
+    verdict: str
+    """The verdict with its interval (k3pipe.answers.AnswersVerdict.describe)."""
+    floor: str
+    """Which pair the floor is (tonight's arm launched twice, or that retest's)."""
+
+    def text(self) -> str:
+        return (
+            f"{self.arm}'s answers moved since retest {self.against_run_id[:12]} ({self.against}): "
+            f"{self.verdict} (floor: {self.floor})"
+        )
+
+
+ANSWERS_ALPHA = 0.01
+"""The level an answers check is made at, shared by the arms (the series' own false-alarm budget)."""
+
+
 @dataclass
 class SeriesInfo:
     """The earlier retests tonight's was judged against."""
@@ -169,18 +197,31 @@ class RegressionCheck:
     arm_versions: dict[str, str] = field(default_factory=dict)
     metrics: list[str] = field(default_factory=list)
     series_version: int = SERIES_VERSION
+    answers: list[AnswersMoved] = field(default_factory=list)
+    """Arms whose answers moved (the output probe, an experiment with answers:): each a regression."""
+    speed: Literal["none", "worse", "insufficient history", "nothing measured"] = "insufficient history"
+    """The speed figures' own outcome (``status`` is 'worse' also when only the answers moved)."""
+    answers_note: str | None = None
+    """What the answers check did ('3 arm(s) compared with retest ...'), or why it did not run."""
 
     @property
     def regressed(self) -> bool:
-        return bool(self.worse)
+        return bool(self.worse or self.answers)
 
     def summary(self) -> str:
-        if self.status == "nothing measured":
+        moved = "; ".join(a.text() for a in self.answers)
+        if self.answers and not self.worse:
+            return f"worse: answers moved: {moved}; speed: {self._speed()}"
+        said = self._speed()
+        return f"{said}; answers moved: {moved}" if self.answers else said
+
+    def _speed(self) -> str:
+        if self.speed == "nothing measured":
             return (
                 f"nothing measured: the retest's baseline study has none of {', '.join(self.metrics)} in "
                 "a launch that finished; nothing to judge"
             )
-        if self.status == "insufficient history":
+        if self.speed == "insufficient history":
             most = max(self.insufficient.values(), default=0)
             return (
                 f"insufficient history: {self.series.text()}; a figure needs {self.needed} earlier "
@@ -193,8 +234,8 @@ class RegressionCheck:
         )
         if not self.worse:
             return (
-                f"none: {self.compared} figure(s) judged against {self.series.text()}; none worse by more "
-                f"than the {self.margin_pct:g}% margin{short}"
+                f"{'no figure worse' if self.answers else 'none'}: {self.compared} figure(s) judged against "
+                f"{self.series.text()}; none worse by more than the {self.margin_pct:g}% margin{short}"
             )
         shown = "; ".join(w.text() for w in self.worse[:5])
         more = f" and {len(self.worse) - 5} more" if len(self.worse) > 5 else ""
@@ -389,8 +430,10 @@ def check_regression(
         for k, v in sorted(tonight.launches.items())
     ]
     earlier, kept, check.series = _series(tracker, run, rule)
+    check.answers, check.answers_note = _answers_moved(tracker, run, earlier, kept)
     if not tonight.launches:
-        check.status = "nothing measured"
+        check.speed = "nothing measured"
+        check.status = "worse" if check.answers else check.speed
         return check
     # the series of each figure: the kept earlier retests that measured it, then tonight
     past = [
@@ -408,7 +451,8 @@ def check_regression(
         last = next((vals.versions[arm] for _, vals in reversed(past) if arm in vals.versions), None)
         check.versions[arm] = {"good": last or "?", "bad": bad}
     if not judged:
-        check.status = "insufficient history"
+        check.speed = "insufficient history"
+        check.status = "worse" if check.answers else check.speed
         return check
     figures = len(judged)
     for key, s in judged.items():
@@ -456,8 +500,68 @@ def check_regression(
         good = by_id.get(history[-1].info.run_id)
         if good is not None and arm in good.versions:
             check.versions[arm]["good"] = good.versions[arm]
-    check.status = "worse" if check.worse else "none"
+    check.speed = "worse" if check.worse else "none"
+    check.status = "worse" if check.worse or check.answers else "none"
     return check
+
+
+def _answers_moved(
+    tracker: Tracker, run: Any, earlier: list[Any], kept: list[bool]
+) -> tuple[list[AnswersMoved], str | None]:
+    """Tonight's answers (the output probe of its baseline study) against those of the retest the
+    series starts at (its first kept retest that recorded answers), arm by arm, judged against the
+    floor (the arm launched twice tonight, else in that retest) at :data:`ANSWERS_ALPHA` over the arms
+    (k3pipe.answers.judge, the experiment's answers.margin_nats). No min_history: the floor comes from
+    the launches, not from the series. ([], why) when there is nothing to compare."""
+    study = _baseline_study(tracker, run.info.run_id)
+    if study is None:
+        return [], None
+    tonight = collect(tracker, study.info.run_id)
+    if not any(a.answers for a in tonight.arms):
+        return [], None
+    reference = None
+    for r, keep in zip(earlier, kept, strict=True):
+        other = _baseline_study(tracker, r.info.run_id) if keep else None
+        if other is not None:
+            data = collect(tracker, other.info.run_id)
+            if any(a.answers for a in data.arms):
+                reference = (r, data)
+                break
+    if reference is None:
+        return [], "no earlier retest of the series recorded answers: tonight's are the first"
+    against, then = reference
+    margin = float((tonight.answers or {}).get("margin_nats", 0.0))
+    arms = [a for a in tonight.arm_names if first_answers(tonight, a) and first_answers(then, a)]
+    alpha = ANSWERS_ALPHA / max(1, len(arms))
+    moved: list[AnswersMoved] = []
+    unjudged: list[str] = []
+    for arm in arms:
+        mine, theirs = first_answers(tonight, arm), first_answers(then, arm)
+        assert mine is not None
+        assert theirs is not None
+        if mine[1].digest != theirs[1].digest:
+            unjudged.append(f"{arm} (other probe prompts)")
+            continue
+        label, floor = floor_of(tonight, arm, mine)
+        if floor is None:
+            label, floor = floor_of(then, arm, theirs)
+            label = f"retest {against.info.run_id[:12]}'s {label}" if label else None
+        if floor is None:
+            unjudged.append(f"{arm} (no floor: launched once in both)")
+            continue
+        verdict = judge_answers(
+            agreement(mine[1].answers, theirs[1].answers), floor, margin=margin, alpha=alpha
+        )
+        if verdict.diverges:
+            moved.append(
+                AnswersMoved(
+                    arm, against.info.run_id, _when(against.info.start_time), verdict.describe(), str(label)
+                )
+            )
+    note = f"{len(arms) - len(unjudged)} arm(s) compared with retest {against.info.run_id[:12]}"
+    if unjudged:
+        note += "; not judged: " + ", ".join(unjudged)
+    return moved, note
 
 
 def record_regression(tracker: Tracker, check: RegressionCheck) -> None:

@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException
 
 from k3pipe.bench import WorkloadResult, records_frame
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.bench.probe import ANSWERS_FILE, ProbeRecord
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import timing_note
@@ -177,6 +178,14 @@ def _times_params(times: Mapping[str, float] | None) -> dict[str, str]:
 
 def _ms(times: Mapping[str, float] | None, key: str) -> int | None:
     return None if times is None else round(times[key] * 1000)
+
+
+ANSWERS_ERROR_TAG = "k3pipe.answers_error"
+"""Why a launch's output probe stopped short (the answers it got are still in answers.json)."""
+LOSSLESS_TAG = "k3pipe.answers_lossless"
+"""A speculative arm's setting: under greedy decoding its tokens must be its plain twin's."""
+TWIN_TAG = "k3pipe.answers_twin"
+"""The plain arm (the same engine, model and other settings) a lossless setting is checked against."""
 
 
 class ArmRecorder:
@@ -379,6 +388,31 @@ class ArmRecorder:
         if check is not None:
             self.tracker.log_dict(self.run_id, check.model_dump(), "endpoint_check.json")
             self.tracker.log_metrics(self.run_id, {"probe_first_delta_s": check.first_delta_s})
+
+    def log_answers(self, record: ProbeRecord, lossless: str | None = None, twin: str | None = None) -> None:
+        """The output probe's answers (answers.json), its time and count as metrics, and why it
+        stopped, if it did (tag k3pipe.answers_error); the report compares the arms' answers.
+        ``lossless``: the arm's setting that must not change greedy tokens (speculation), checked
+        against the plain arm ``twin`` (tags k3pipe.answers_lossless and k3pipe.answers_twin)."""
+        if lossless:
+            self.tracker.set_tags(
+                self.run_id, {LOSSLESS_TAG: lossless[:500], **({TWIN_TAG: twin} if twin else {})}
+            )
+        data = record.as_json()
+        if record.error:
+            data["error"] = scrub(record.error)
+            self.tracker.set_tags(self.run_id, {ANSWERS_ERROR_TAG: scrub(record.error)[:500]})
+        self.tracker.log_dict(self.run_id, data, ANSWERS_FILE)
+        self.tracker.log_metrics(
+            self.run_id,
+            {
+                "answers.seconds": record.seconds,
+                "answers.prompts": len(record.answers),
+                "answers.scored": int(
+                    record.scored and all(a.logprobs is not None for a in record.answers.values())
+                ),
+            },
+        )
 
     def log_workload(self, workload: WorkloadSpec, outcome: WorkloadOutcome) -> str:
         """One run of a workload, as soon as it ends: workload params, client summary, engine-side

@@ -28,6 +28,8 @@ from typing import Any
 from pydantic import BaseModel, Field, SecretStr
 
 from k3pipe.bench.corpora import PromptSet
+from k3pipe.bench.datasets import load_tokenizer
+from k3pipe.bench.probe import ProbeRecord, dialect_of, draw_prompts, run_probe
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.bench.summary import slo_attainment_from_arrival
 from k3pipe.capacity import CapacityResult, CapacitySearch, LadderStop, summarize_searches
@@ -53,13 +55,15 @@ from k3pipe.secrets import register, scrub
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
-from k3pipe.specs import ExperimentSpec, WorkloadSpec
+from k3pipe.specs import AnswersSpec, ExperimentSpec, WorkloadSpec
+from k3pipe.speculation import choose_baseline, speculation_setting
 from k3pipe.tracking import Tracker
 
 __all__ = [
     "ArmOutcome",
     "ArmRun",
     "ArmSteps",
+    "answer_probe",
     "arm_key",
     "benchmark",
     "client_key",
@@ -101,6 +105,7 @@ class ArmSteps:
     engine_version: Callable[[ArmPlan], str | None]
     cold_start: Callable[[ArmPlan, Path | None, float | None, str], ColdStart]
     benchmark: Callable[..., WorkloadOutcome]
+    answers: Callable[..., ProbeRecord] = field(default=lambda *a, **k: answer_probe(*a, **k))
 
     @classmethod
     def library(cls, say: Callable[[str], None] | None = None) -> ArmSteps:
@@ -198,6 +203,33 @@ def benchmark(
     """One repeat of a workload against the arm's client target (the gateway's, when it has one;
     ``api_key`` its key), its engine watched through ``launcher``."""
     return benchmark_workload(plan, workload, model_dir, api_key, progress, repeat, home, prompts, launcher)
+
+
+def answer_probe(
+    plan: ArmPlan,
+    answers: AnswersSpec,
+    model_dir: Path,
+    engine_key: SecretStr | None,
+    client_key: SecretStr | None,
+) -> ProbeRecord:
+    """The output probe against the running arm (k3pipe.bench.probe): its prompts drawn from the
+    model's tokenizer and ``answers.seed`` (the same for every arm and launch), sent one at a time.
+    vLLM's dialect goes where the workloads go (the gateway, with its key); SGLang's native API is on
+    the engine's own root, with the engine's key."""
+    tokenizer = load_tokenizer(model_dir)
+    prompts = draw_prompts(
+        tokenizer, answers.prompts, answers.prompt_tokens, answers.continuation_tokens, answers.seed
+    )
+    dialect = dialect_of(plan.engine)
+    if dialect == "sglang":
+        base, model, key = plan.base_url, plan.model, engine_key
+    else:
+        base, model, key = plan.client_base_url, plan.client_model, client_key
+    headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else None
+    return run_probe(
+        base, model, prompts, output_tokens=answers.output_tokens, score=answers.score, dialect=dialect,
+        headers=headers,
+    )  # fmt: skip
 
 
 def arm_key(plan: ArmPlan) -> SecretStr | None:
@@ -401,6 +433,8 @@ class ArmRun:
             self.outcome.workloads.append(
                 {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
             )
+        if self.spec.answers is not None:
+            self._probe_answers(self.spec.answers, plan, recorder, model_dir)
         failed = {r["workload"]: int(r.get("failed") or 0) for r in self.outcome.workloads if r.get("failed")}
         if failed:
             where = ", ".join(f"{n} in {w}" for w, n in failed.items())
@@ -408,6 +442,37 @@ class ArmRun:
             self.outcome.error = str(self._error)
         else:
             self.outcome.status = "FINISHED"
+
+    def _probe_answers(
+        self, answers: AnswersSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path
+    ) -> None:
+        """The output probe, after every timed repeat (it never shares the engine with one): recorded
+        whatever came of it; a probe the engine could not answer is said, and fails nothing."""
+        self.say(f"answers: {answers.prompts} probe prompts, one at a time")
+        try:
+            record = self.steps.answers(plan, answers, model_dir, self.api_key, self.client_key)
+        except Exception as exc:
+            record = ProbeRecord("", dialect_of(plan.engine), answers.output_tokens, answers.score)
+            record.error = f"{type(exc).__name__}: {exc}"
+        recorder.log_answers(record, *self._lossless())
+        got = f"{len(record.answers)} of {answers.prompts} prompts answered in {record.seconds:.1f} s"
+        if record.error:
+            self.warn(f"answers: {got}; the probe stopped: {scrub(record.error)}")
+        else:
+            self.say(f"answers: {got} (prompts' digest {record.digest})")
+
+    def _lossless(self) -> tuple[str | None, str | None]:
+        """A speculative arm's setting and its plain twin (the same engine and model, no other setting
+        different): under the probe's greedy decoding its tokens must be the twin's. (None, None):
+        the arm does not speculate, or no such twin is in the study."""
+        arm = self.spec.arm(self.arm)
+        setting = speculation_setting(arm)
+        if setting is None:
+            return None, None
+        choice = choose_baseline(self.spec, self.arm, [a.name for a in self.spec.study_arms()])
+        if choice.baseline is None or choice.differences:
+            return setting, None
+        return setting, choice.baseline
 
     def _adopt_ladder(self, workload: WorkloadSpec, run_ids: str, recorder: ArmRecorder) -> None:
         """A ladder the earlier run of this launch ended, kept by a resume: each point's run moved

@@ -26,6 +26,7 @@ from k3pipe.launchers.specs import check_http_url as _check_base_url
 from k3pipe.procs import parse_cpu_list
 
 __all__ = [
+    "AnswersSpec",
     "ArmOverride",
     "ArmSpec",
     "DatasetSpec",
@@ -1363,6 +1364,62 @@ DECISION_METRICS = tuple(f.key for f in FIGURES)
 """The figures a decision may rest on (k3pipe.figures.FIGURES)."""
 
 
+class AnswersSpec(_Spec):
+    """The output probe (issue 47; docs/measurement.md, "Answers"): after each launch's timed repeats,
+    the same fixed prompts sent to every arm one at a time, answered greedily to a fixed length and, where
+    the engine offers it, a fixed continuation scored teacher-forced. Each arm's answers are compared with
+    the reference arm's (``decision.baseline``, else the first) and judged against the floor (the
+    reference against itself launched again); an arm detected faster whose answers diverge beyond the
+    floor is 'faster, answers differ' and never the recommendation without ``decision.accept_divergence``.
+    The prompts are random token ids from the model's vocabulary, drawn from ``seed`` (the same for every
+    arm and launch; their digest is recorded)."""
+
+    prompts: int = Field(
+        default=16, ge=2, le=256, strict=True, description="How many prompts the probe sends each launch."
+    )
+    prompt_tokens: int = Field(
+        default=64, ge=2, le=8192, strict=True, description="Tokens in each probe prompt."
+    )
+    output_tokens: int = Field(
+        default=32,
+        ge=1,
+        le=2048,
+        strict=True,
+        description=(
+            "Tokens each greedy answer runs to (the end of sequence ignored: every arm answers as many)."
+        ),
+    )
+    continuation_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=2048,
+        strict=True,
+        description="Tokens of the fixed continuation scored teacher-forced after each prompt.",
+    )
+    score: bool = Field(
+        default=True,
+        strict=True,
+        description=(
+            "Score the continuation teacher-forced (vLLM's prompt_logprobs, SGLang's input "
+            "log-probabilities); off: greedy tokens alone (a weaker test: it can detect a divergence, "
+            "never rule one out)."
+        ),
+    )
+    margin_nats: float = _finite(
+        default=0.0,
+        ge=0,
+        le=10,
+        description=(
+            "How far (mean absolute log-probability difference, nats per token) an arm may diverge beyond "
+            "the floor and still be 'within the floor' (0.02: a token's probability moved by about 2% on "
+            "average). 0: any divergence detected beyond the floor gates the arm, and an arm is called "
+            "within only where its answers are exactly the floor's (a deterministic engine); on a GPU, "
+            "whose floor is not nil, set a margin to be able to hear 'within'."
+        ),
+    )
+    seed: int = Field(default=47, ge=0, strict=True, description="Seed the probe's prompts are drawn from.")
+
+
 class DecisionSpec(_Spec):
     """How the study's report turns repeats into verdicts (docs/measurement.md, "Verdicts").
 
@@ -1431,6 +1488,14 @@ class DecisionSpec(_Spec):
             "How old the restart noise an earlier study measured on this node (same engine kind, model, "
             "node and workload shape) may be to judge an arm launched once (k3pipe.priors); 0: never, "
             "an arm launched once is then never judged."
+        ),
+    )
+    accept_divergence: bool = Field(
+        default=False,
+        strict=True,
+        description=(
+            "Let an arm whose answers diverge beyond the floor (answers:) still be the recommendation when "
+            "it is detected faster; off: it is reported 'faster, answers differ' and not recommended."
         ),
     )
     mixed_hardware: bool = Field(
@@ -1505,6 +1570,14 @@ class ExperimentSpec(_Spec):
     decision: DecisionSpec = Field(
         default_factory=DecisionSpec,
         description="How the report's verdicts are made (metrics, error rate, margin, baseline, A/A).",
+    )
+    answers: AnswersSpec | None = Field(
+        default=None,
+        description=(
+            "The output probe: every launch's answers to fixed prompts compared with the reference arm's "
+            "and judged against the floor, and the verdict gated on them (docs/measurement.md, 'Answers'); "
+            "None: answers are not checked."
+        ),
     )
     fleet: FleetSpec | None = Field(
         default=None,

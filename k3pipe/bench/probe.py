@@ -37,29 +37,45 @@ fixtures under tests/fixtures/engines/*/probe-*.json):
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import random
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
+from tokenizers import Tokenizer
 
 from k3pipe.answers import ProbeAnswer
 from k3pipe.errors import BenchmarkError
 
 __all__ = [
+    "ANSWERS_FILE",
     "DIALECTS",
     "ProbePrompt",
+    "ProbeRecord",
     "ask",
+    "dialect_of",
+    "draw_prompts",
     "greedy_body",
     "parse_greedy",
     "parse_scored",
+    "prompts_digest",
+    "read_record",
+    "run_probe",
     "scored_body",
 ]
 
 Dialect = Literal["vllm", "sglang"]
 DIALECTS: tuple[Dialect, ...] = ("vllm", "sglang")
+
+
+ANSWERS_FILE = "answers.json"
+"""The arm run's artifact holding what the probe sent and got back (:class:`ProbeRecord`)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,94 @@ class ProbePrompt:
     prompt_id: str
     tokens: tuple[int, ...]
     continuation: tuple[int, ...]
+
+
+def dialect_of(engine: str) -> Dialect:
+    """The probe's dialect for an engine kind: SGLang's native API for ``sglang``, else vLLM's
+    completions (an external or unknown engine is asked the vLLM way; one that does not take it is
+    recorded as not answering the probe)."""
+    return "sglang" if engine == "sglang" else "vllm"
+
+
+def draw_prompts(
+    tokenizer: Tokenizer, count: int, prompt_tokens: int, continuation_tokens: int, seed: int
+) -> list[ProbePrompt]:
+    """``count`` probe prompts of random token ids, each ``prompt_tokens`` long with a continuation of
+    ``continuation_tokens``: ids of the tokenizer's own vocabulary, never an added or special token
+    (an end of sequence inside a prompt would end nothing, but a chat marker would change what it
+    asks). Deterministic for ``(seed, lengths, tokenizer)``: every arm and launch of a study gets the
+    same prompts, and the digest (:func:`prompts_digest`) is recorded with each launch's answers."""
+    added = set(tokenizer.get_added_tokens_decoder())
+    vocab = [i for i in range(tokenizer.get_vocab_size(with_added_tokens=False)) if i not in added]
+    if len(vocab) < 2:
+        raise BenchmarkError(
+            f"the model's tokenizer has {len(vocab)} ordinary token(s): the output probe needs a vocabulary"
+        )
+    rng = random.Random(f"k3pipe-answers:{seed}:{prompt_tokens}:{continuation_tokens}")
+    return [
+        ProbePrompt(
+            f"p{i:03d}",
+            tuple(rng.choice(vocab) for _ in range(prompt_tokens)),
+            tuple(rng.choice(vocab) for _ in range(continuation_tokens)),
+        )
+        for i in range(count)
+    ]
+
+
+def prompts_digest(prompts: Sequence[ProbePrompt]) -> str:
+    """A short digest of the probe's prompts (ids, tokens and continuations), to tell two launches'
+    prompt sets apart."""
+    data = json.dumps([[p.prompt_id, list(p.tokens), list(p.continuation)] for p in prompts])
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+@dataclass
+class ProbeRecord:
+    """One launch's probe: what was sent (digest, lengths, dialect), how long it took, and each
+    prompt's answers; ``error`` when it could not finish (the answers it got before are kept)."""
+
+    digest: str
+    dialect: Dialect
+    output_tokens: int
+    scored: bool
+    seconds: float = 0.0
+    answers: dict[str, ProbeAnswer] = field(default_factory=dict)
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "dialect": self.dialect,
+            "output_tokens": self.output_tokens,
+            "scored": self.scored,
+            "seconds": round(self.seconds, 3),
+            "error": self.error,
+            "answers": {
+                pid: {"tokens": list(a.tokens), "logprobs": None if a.logprobs is None else list(a.logprobs)}
+                for pid, a in self.answers.items()
+            },
+        }
+
+
+def read_record(data: Mapping[str, Any]) -> ProbeRecord:
+    """A :class:`ProbeRecord` from its JSON (:meth:`ProbeRecord.as_json`)."""
+    answers = {
+        pid: ProbeAnswer(
+            pid,
+            tuple(int(t) for t in a["tokens"]),
+            None if a.get("logprobs") is None else tuple(float(x) for x in a["logprobs"]),
+        )
+        for pid, a in (data.get("answers") or {}).items()
+    }
+    return ProbeRecord(
+        digest=str(data.get("digest", "")),
+        dialect="sglang" if data.get("dialect") == "sglang" else "vllm",
+        output_tokens=int(data.get("output_tokens", 0)),
+        scored=bool(data.get("scored")),
+        seconds=float(data.get("seconds", 0.0)),
+        answers=answers,
+        error=data.get("error"),
+    )
 
 
 def greedy_body(
@@ -222,6 +326,40 @@ async def ask(
             logprobs = parse_scored(scored, prompt, dialect)
         answers[prompt.prompt_id] = ProbeAnswer(prompt.prompt_id, tokens, logprobs)
     return answers
+
+
+def run_probe(
+    base_url: str,
+    model: str,
+    prompts: Sequence[ProbePrompt],
+    *,
+    output_tokens: int,
+    score: bool,
+    dialect: Dialect,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> ProbeRecord:
+    """The probe against one launch, timed (:func:`ask`): never raises for what the engine answers;
+    a request refused, a field missing or the time running out ends it with ``error`` set and the
+    answers got until then kept."""
+    record = ProbeRecord(prompts_digest(prompts), dialect, output_tokens, score)
+    t0 = time.perf_counter()
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+            for prompt in prompts:  # one by one, so what was answered before an error is kept
+                got = await ask(
+                    client, base_url, model, [prompt], output_tokens=output_tokens, score=score,
+                    dialect=dialect, headers=headers,
+                )  # fmt: skip
+                record.answers.update(got)
+
+    try:
+        asyncio.run(go())
+    except (BenchmarkError, httpx.HTTPError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, BenchmarkError) else str(exc)
+    record.seconds = time.perf_counter() - t0
+    return record
 
 
 async def _post(

@@ -37,6 +37,7 @@ from k3pipe.capacity import pareto_front
 from k3pipe.figures import CAPACITY_FIGURES, DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure, tails_of
 from k3pipe.figures import figure as figure_of
 from k3pipe.report.collect import CellData, StudyData
+from k3pipe.report.gate import AnswersAnalysis, analyse_answers
 
 __all__ = [
     "TABLE_METRICS",
@@ -413,6 +414,8 @@ class Analysis:
     """Each arm's own noise per workload and decision figure (beside the pooled :attr:`noise`)."""
     pair_noise: list[PairNoise] = field(default_factory=list)
     warmups: list[WarmupFinding] = field(default_factory=list)
+    answers: AnswersAnalysis | None = None
+    """The output probe's answers against the reference's, and the gate (None: no probe ran)."""
 
     @property
     def tests(self) -> int:
@@ -904,6 +907,7 @@ def analyse(data: StudyData, claims: Iterable[dict[str, Any]] = ()) -> Analysis:
         arm_noise=_arm_noise(data, rows),
         pair_noise=_pair_noise(data, rows, design),
         warmups=_warmups(data, metrics),
+        answers=analyse_answers(data),
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 from pydantic import BaseModel, Field
 
+from k3pipe.bench.probe import ANSWERS_FILE
 from k3pipe.compare import find_run, workload_values
 from k3pipe.cost import counted_label
 from k3pipe.errors import ArtifactMissingError, TrackingError
@@ -262,6 +263,15 @@ class ArmData(BaseModel):
     gpus: ArmGpusData | None = Field(
         default=None, description="The GPUs the arm held (None: a run recorded before gpus.* params)."
     )
+    lossless: str | None = Field(
+        default=None, description="A setting that must not change greedy tokens (speculation), if any."
+    )
+    twin: str | None = Field(default=None, description="The plain arm that setting is checked against.")
+    answers: dict[str, Any] | None = Field(
+        default=None,
+        description="The launch's output probe (answers.json, k3pipe.bench.probe.ProbeRecord's JSON); None: "
+        "the experiment had no answers: section, or the launch ended before its probe.",
+    )
 
 
 class StudyData(BaseModel):
@@ -302,6 +312,9 @@ class StudyData(BaseModel):
     gpus: int | None = Field(
         default=None,
         description="The experiment's hardware.gpu_count: per-GPU figures of an arm whose own is unknown.",
+    )
+    answers: dict[str, Any] | None = Field(
+        default=None, description="The experiment's answers: (the output probe's settings), if any."
     )
     kept_workloads: int = Field(
         default=0,
@@ -425,6 +438,9 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         node_mismatch=[w for w in tags.get("k3pipe.node_mismatch", "").split(" | ") if w],
         findings=json.loads(findings_text) if findings_text else [],
         ladders={k.removeprefix(LADDER_TAG): v for k, v in tags.items() if k.startswith(LADDER_TAG)},
+        lossless=tags.get("k3pipe.answers_lossless"),
+        twin=tags.get("k3pipe.answers_twin"),
+        answers=_json((tracker.read_artifact(run.info.run_id, ANSWERS_FILE) or b"").decode() or None) or None,
     )
 
 
@@ -623,6 +639,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         resumed=int(run.data.tags.get("k3pipe.resumed", "0")),
         superseded=superseded,
         kept_workloads=kept,
+        answers=experiment.get("answers") or None,
         gpus=(experiment.get("hardware") or {}).get("gpu_count"),
     )
 

@@ -14,6 +14,7 @@ from k3pipe import stats
 from k3pipe.capacity import SEARCHES_FOR_INTERVAL
 from k3pipe.report.analysis import Analysis, NoiseRow, Row
 from k3pipe.report.collect import CellData, StudyData
+from k3pipe.specs import AnswersSpec
 
 __all__ = ["Document", "Section", "Table", "build_document", "cell_text", "num", "to_html", "to_markdown"]
 
@@ -88,14 +89,16 @@ def _direction(higher: bool) -> str:
     return "higher is better" if higher else "lower is better"
 
 
-def _ranking(row: Row, baseline: str | None) -> str:
+def _ranking(row: Row, baseline: str | None, gated: Sequence[str] = ()) -> str:
     """Every ranked arm of a decision row, best first, each with its verdict against the best (and
-    against the baseline, when there is one and it is not the best)."""
+    against the baseline, when there is one and it is not the best); a best arm whose answers diverge
+    beyond the floor (``gated``) is said to be so."""
     if not row.ranking:
         return "-"
     best = row.ranking[0]
     unit = row.metric.unit
-    parts = [f"{best} {num(row.cells[best].mean)} {unit} (best)"]
+    mark = "best; its answers differ beyond the floor: not recommended" if best in gated else "best"
+    parts = [f"{best} {num(row.cells[best].mean)} {unit} ({mark})"]
     for arm in row.ranking[1:]:
         pair = row.pair(best, arm)
         said = pair.against(best) if pair is not None else "not compared"
@@ -126,7 +129,8 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
                 why = "bursty client timing" if r.bursty else "fewer than two arms measured it"
                 lines.append(f"{head}, {r.metric.label}: not ranked ({why}).")
                 continue
-            lines.append(f"{head}, {r.metric.label}: {_ranking(r, analysis.baseline)}.")
+            gated = analysis.answers.gated if analysis.answers else ()
+            lines.append(f"{head}, {r.metric.label}: {_ranking(r, analysis.baseline, gated)}.")
     for f in analysis.flips:
         if f.metric.key not in analysis.decision_metrics:
             continue
@@ -142,6 +146,7 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
                 + " and ".join(f"{n:,}" for n in f.unseen)
                 + " the difference is not detected."
             )
+    lines += _answers_gate(analysis)
     unknown = analysis.restart_unknown
     if unknown:
         lines.append(
@@ -173,6 +178,125 @@ def _answer(data: StudyData, analysis: Analysis) -> list[Block]:
             "`k3pipe.prefix_cache_reset` tag says which."
         )
     return lines
+
+
+def _leads(analysis: Analysis, arm: str) -> list[str]:
+    """The decision figures ``arm`` is detected best on ('TTFT p50 on in256-out64')."""
+    out = []
+    for r in analysis.rows:
+        if r.decision and len(r.ranking) >= 2 and r.ranking[0] == arm:
+            pair = r.pair(arm, r.ranking[1])
+            if pair is not None and pair.different:
+                out.append(f"{r.metric.label} on {r.workload}")
+    return out
+
+
+def _answers_gate(analysis: Analysis) -> list[Block]:
+    """The answer's lines on answers: an arm detected faster whose answers diverge beyond the floor
+    ('faster, answers differ': not the recommendation unless decision.accept_divergence), any other
+    diverging arm, and a lossless setting that changed tokens."""
+    answers = analysis.answers
+    if answers is None:
+        return []
+    lines: list[Block] = []
+    for row in answers.arms:
+        if row.diverges:
+            assert row.verdict is not None
+            leads = _leads(analysis, row.arm)
+            said = f"its answers against {answers.reference}'s: {row.verdict.describe()}"
+            if leads and not answers.accept_divergence:
+                lines.append(
+                    f"**{row.arm}: faster, answers differ.** It is detected best on {', '.join(leads)}, but "
+                    f"{said}: it is not the recommendation. If that difference is acceptable, say so with "
+                    "`decision.accept_divergence: true`."
+                )
+            elif leads:
+                lines.append(
+                    f"**{row.arm}: faster, answers differ** (accepted: `decision.accept_divergence`). It is "
+                    f"detected best on {', '.join(leads)}; {said}."
+                )
+            else:
+                lines.append(f"**{row.arm}'s answers differ**: {said}.")
+        if row.differences:
+            lines.append(
+                f"**{row.arm} changed greedy tokens**: {row.lossless} must leave them as "
+                f"{row.twin or answers.reference}'s, and {_differences(row)}."
+            )
+    return lines
+
+
+def _differences(row: object) -> str:
+    diffs = getattr(row, "differences", None) or []
+    shown = ", ".join(f"{d.prompt_id} at token {d.position}" for d in diffs[:8])
+    more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
+    return f"{len(diffs)} prompt(s) differ where the floor pair agreed: {shown}{more}"
+
+
+PROBE_SHARE = 0.10
+"""The share of a study's wall time the output probe is meant to stay under (said when it does not)."""
+
+
+def _answers_section(data: StudyData, analysis: Analysis) -> Section | None:
+    """What the output probe found: the floor, each arm against the reference, lossless settings,
+    the probe's cost (docs/measurement.md, 'Answers')."""
+    answers = analysis.answers
+    if answers is None:
+        return None
+    spec = {**AnswersSpec().model_dump(), **(data.answers or {})}
+    scored = "the continuation" if spec["score"] else "no continuation (score: false)"
+    blocks: list[Block] = [
+        f"The output probe: {spec['prompts']} prompts of {spec['prompt_tokens']} random tokens (seed "
+        f"{spec['seed']}), answered greedily to {spec['output_tokens']} tokens, and {scored} of "
+        f"{spec['continuation_tokens']} tokens scored teacher-forced; one request at a time after each "
+        "launch's timed repeats, the same for every arm. Reference: "
+        + (f"{answers.reference} launch {answers.reference_launch}." if answers.reference_launch
+           else f"{answers.reference}, which answered no probe.")
+    ]  # fmt: skip
+    if answers.floor is not None:
+        blocks.append(f"The floor ({answers.floor_label}): {answers.floor.describe()}.")
+    else:
+        blocks.append(
+            "No floor: the reference answered the probe on one launch only and has no A/A copy, so no arm's "
+            "answers are judged (launch the reference twice, the default where arms are compared, or set "
+            "`decision.calibration`)."
+        )
+    table = Table(["arm", "launch", "against the reference", "against the floor", "lossless setting"], [])
+    for row in answers.arms:
+        lossless = "-"
+        if row.lossless:
+            twin = row.twin or "no plain twin (other settings differ)"
+            lossless = f"{row.lossless} vs {twin}: " + (
+                "identical where the floor agreed" if row.differences == [] else
+                _differences(row) if row.differences else "not checked"
+            )  # fmt: skip
+        table.rows.append(
+            [
+                row.arm,
+                str(row.launch) if row.launch is not None else "-",
+                row.agreement.describe() if row.agreement is not None else "-",
+                row.verdict.describe() if row.verdict is not None else f"cannot tell: {row.why_not}",
+                lossless,
+            ]
+        )
+    blocks.append(table)
+    blocks.append(
+        f"Each arm is judged at {answers.alpha:.3g} (the decision's alpha over the arms judged), margin "
+        f"{answers.margin:g} nats/token: 'diverges beyond the floor' when its per-prompt log-probability "
+        "difference from the reference exceeds the floor's by more than the margin (Student's t over the "
+        "prompts; greedy tokens alone: McNemar's exact test, which can detect a divergence but never rule "
+        "one out)."
+    )
+    wall = data.metrics.get("study.wall_s")
+    share = f": {answers.probe_seconds / wall:.1%} of the study's wall time ({num(wall)} s)" if wall else ""
+    blocks.append(f"The probe took {answers.probe_seconds:.1f} s over all launches{share}.")
+    if wall and answers.probe_seconds > PROBE_SHARE * wall:
+        blocks.append(
+            f"That is more than {PROBE_SHARE:.0%}: the workloads are short beside it. Fewer or shorter probe "
+            "prompts (`answers.prompts`, `answers.output_tokens`) cost less, and test less."
+        )
+    for error in answers.errors:
+        blocks.append(f"**The probe stopped short** on {error}")
+    return Section("Answers", blocks)
 
 
 def _cut_launches(data: StudyData) -> list[Block]:
@@ -545,6 +669,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         )
     )
     for extra in (
+        _answers_section(data, analysis),
         _calibration_section(data, analysis),
         _noise_section(data, analysis),
         _capacity_section(data, analysis),
@@ -704,6 +829,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         ]
         items += [f"[node] {w}" for w in a.node_mismatch]
         items += [f"[engine log] {w}" for w in a.warnings]
+        gate = analysis.answers.arm(a.name) if analysis.answers else None
+        if gate is not None and gate.differences and a.launch == gate.launch:
+            items.append(f"[answers] {gate.lossless} changed greedy tokens: {_differences(gate)}")
         if a is data.launches_of(a.name)[0]:  # said once per arm, of all its launches
             items += _noise_findings(analysis, a.name) + _warmup_findings(analysis, a.name)
         findings.append(f"**{data.label(a)}**: " + (" / ".join(items) if items else "no findings"))

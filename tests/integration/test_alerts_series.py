@@ -41,10 +41,12 @@ def write_retest(
     overrides: dict[str, str] | None = None,
     version: str = "1.0",
     other_launches: dict[str, float] | None = None,
+    answers: list[dict[str, Any]] | None = None,
 ) -> str:
     """A retest started on ``day`` (after T0) whose baseline study launched arm 'engine' once per
     value of ``e2e_ms`` (the workload 'w', one repeat: its E2E and a throughput of 1000 / E2E);
-    ``other_launches``: launches that must not count ('superseded', 'prime', 'failed') -> a value.
+    ``other_launches``: launches that must not count ('superseded', 'prime', 'failed') -> a value;
+    ``answers``: each measured launch's output probe (answers.json), in order.
     A variant study beside it measures something else entirely."""
     start = int(T0.timestamp() * 1000) + day * DAY_MS
     retest = tracker.start_run(
@@ -79,6 +81,8 @@ def write_retest(
                 start_ms=start + 2 + n,
             )
             tracker.log_params(arm, {"engine_version_declared": version})
+            if answers and variant == "baseline" and n < len(answers):
+                tracker.log_dict(arm, answers[n], "answers.json")
             workload = tracker.start_run(
                 "w", tags={"k3pipe.workload": "w"}, parent_id=arm, start_ms=start + 2 + n
             )
@@ -174,3 +178,50 @@ def test_accepting_what_is_not_a_scheduled_retest_is_refused_naming_it(tracker: 
     with pytest.raises(TrackingError, match="'0000000000'"):
         accept(tracker, "0000000000")
     assert ACCEPTED_TAG not in tracker.client.get_run(retest).data.tags
+
+
+def probe(rng: np.random.Generator, base: np.ndarray) -> dict[str, Any]:
+    """One launch's answers.json: 16 prompts' greedy tokens and continuation log-probabilities,
+    ``base`` moved by the engine's own noise (0.002 nats)."""
+    answers = {
+        f"p{i:03d}": {
+            "tokens": list(range(i, i + 8)),
+            "logprobs": [float(x) for x in base[i] + rng.normal(0, 0.002, 8)],
+        }
+        for i in range(len(base))
+    }
+    return {"digest": "d", "dialect": "vllm", "output_tokens": 8, "scored": True, "seconds": 1.0,
+            "error": None, "answers": answers}  # fmt: skip
+
+
+def test_answers_that_moved_are_a_regression_even_when_speed_did_not(tracker: Tracker) -> None:
+    """The output probe in a retest's series: tonight's answers against those of the retest the
+    series starts at, judged against the floor of tonight's two launches. The same answers again:
+    no alert (with too little history for the speed figures to be judged). Answers moved by 0.05
+    nats a token on the same speed: a regression, said as such, the same night."""
+    rng = np.random.default_rng(5)
+    base = rng.normal(-3.0, 1.0, (16, 8))
+    same = [4000.0, 4040.0]
+    first = write_retest(tracker, 200, same, answers=[probe(rng, base), probe(rng, base)])
+    check = judged(tracker, first)
+    assert check.answers == []
+    assert check.answers_note == "no earlier retest of the series recorded answers: tonight's are the first"
+    again = write_retest(tracker, 201, same, answers=[probe(rng, base), probe(rng, base)])
+    check = judged(tracker, again)
+    assert check.answers == []
+    assert check.answers_note == f"1 arm(s) compared with retest {first[:12]}"
+    assert check.status == "insufficient history"
+    other = base + rng.choice([-0.05, 0.05], base.shape)  # other arithmetic, the same on every launch
+    moved = write_retest(tracker, 202, same, answers=[probe(rng, other), probe(rng, other)])
+    check = judged(tracker, moved)
+    assert check.status == "worse"
+    assert check.speed == "insufficient history"
+    assert check.regressed
+    (what,) = check.answers
+    assert what.arm == "engine"
+    assert what.against_run_id == first
+    assert "diverges beyond the floor over 16 prompts" in what.verdict
+    assert check.summary().startswith(
+        f"worse: answers moved: engine's answers moved since retest {first[:12]}"
+    )
+    assert tracker.client.get_run(moved).data.tags[REGRESSION_TAG].startswith("worse: answers moved")
