@@ -25,6 +25,7 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.probe import ANSWERS_FILE, ProbeRecord
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.bench.session import WorkloadOutcome
+from k3pipe.bench.structured import STRUCTURED_FILE, StructuredRecord
 from k3pipe.bench.summary import timing_note
 from k3pipe.capacity import CapacityResult, Probe, summarize_searches
 from k3pipe.coldstart import ColdStart
@@ -411,6 +412,23 @@ class ArmRecorder:
                 "answers.scored": int(
                     record.scored and all(a.logprobs is not None for a in record.answers.values())
                 ),
+            },
+        )
+
+    def log_structured(self, record: StructuredRecord) -> None:
+        """The tool-calling check (structured.json) and its counts as metrics."""
+        data = record.as_json()
+        if record.error:
+            data["error"] = scrub(record.error)
+        self.tracker.log_dict(self.run_id, redact_data(data), STRUCTURED_FILE)
+        rate = record.per_1000()
+        self.tracker.log_metrics(
+            self.run_id,
+            {
+                "structured.requests": len(record.calls),
+                "structured.failures": record.failures,
+                "structured.failures_per_1000": rate[0] if rate else None,
+                "structured.seconds": record.seconds,
             },
         )
 

@@ -31,9 +31,11 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.datasets import load_tokenizer
 from k3pipe.bench.probe import ProbeRecord, dialect_of, draw_prompts, run_probe
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
+from k3pipe.bench.structured import StructuredRecord, run_structured
 from k3pipe.bench.summary import slo_attainment_from_arrival
 from k3pipe.capacity import CapacityResult, CapacitySearch, LadderStop, summarize_searches
 from k3pipe.coldstart import ColdStart, read_cold_start
+from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.errors import EngineLostError, SpecError
 from k3pipe.health import (
@@ -106,6 +108,7 @@ class ArmSteps:
     cold_start: Callable[[ArmPlan, Path | None, float | None, str], ColdStart]
     benchmark: Callable[..., WorkloadOutcome]
     answers: Callable[..., ProbeRecord] = field(default=lambda *a, **k: answer_probe(*a, **k))
+    structured: Callable[..., StructuredRecord] = field(default=lambda *a, **k: structured_probe(*a, **k))
 
     @classmethod
     def library(cls, say: Callable[[str], None] | None = None) -> ArmSteps:
@@ -229,6 +232,30 @@ def answer_probe(
     return run_probe(
         base, model, prompts, output_tokens=answers.output_tokens, score=answers.score, dialect=dialect,
         headers=headers,
+    )  # fmt: skip
+
+
+def parsers_of(spec: ExperimentSpec, arm: str) -> tuple[bool, bool]:
+    """Whether the arm serves with a tool-call parser and with a reasoning parser (its engine args,
+    any spelling)."""
+    arm_spec = spec.arm(arm)
+    engine = get_engine(arm_spec.engine.kind)
+    on = [
+        found is not None and found[1] not in (None, False)
+        for found in (engine.arg(arm_spec.engine.args, n) for n in ("tool_call_parser", "reasoning_parser"))
+    ]
+    return on[0], on[1]
+
+
+def structured_probe(
+    plan: ArmPlan, requests: int, tool_parser: bool, reasoning_parser: bool, client_key: SecretStr | None
+) -> StructuredRecord:
+    """The tool-calling requests (k3pipe.bench.structured) where the workloads go (the gateway, with
+    its key), one at a time."""
+    headers = {"Authorization": f"Bearer {client_key.get_secret_value()}"} if client_key is not None else None
+    return run_structured(
+        plan.client_base_url, plan.client_model, requests, tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser, headers=headers,
     )  # fmt: skip
 
 
@@ -435,6 +462,7 @@ class ArmRun:
             )
         if self.spec.answers is not None:
             self._probe_answers(self.spec.answers, plan, recorder, model_dir)
+            self._probe_structured(self.spec.answers, plan, recorder)
         failed = {r["workload"]: int(r.get("failed") or 0) for r in self.outcome.workloads if r.get("failed")}
         if failed:
             where = ", ".join(f"{n} in {w}" for w, n in failed.items())
@@ -460,6 +488,35 @@ class ArmRun:
             self.warn(f"answers: {got}; the probe stopped: {scrub(record.error)}")
         else:
             self.say(f"answers: {got} (prompts' digest {record.digest})")
+
+    def _probe_structured(self, answers: AnswersSpec, plan: ArmPlan, recorder: ArmRecorder) -> None:
+        """The tool-calling requests, for an arm with a tool-call or reasoning parser: recorded whatever
+        came of them; failures are counted, never fail the arm."""
+        tool_parser, reasoning_parser = parsers_of(self.spec, self.arm)
+        if not (tool_parser or reasoning_parser) or not answers.tool_requests:
+            return
+        which = " and ".join(
+            n for n, on in (("tool-call", tool_parser), ("reasoning", reasoning_parser)) if on
+        )
+        self.say(f"structured output: {answers.tool_requests} tool-calling requests ({which} parser)")
+        try:
+            record = self.steps.structured(
+                plan, answers.tool_requests, tool_parser, reasoning_parser, self.client_key
+            )
+        except Exception as exc:  # the check never fails the arm: what went wrong is recorded
+            record = StructuredRecord(tool_parser, reasoning_parser, error=f"{type(exc).__name__}: {exc}")
+        recorder.log_structured(record)
+        rate = record.per_1000()
+        said = (
+            f"{record.failures} of {len(record.calls)} answers failed ({rate[0]:.0f} per 1,000), "
+            f"in {record.seconds:.1f} s"
+            if rate
+            else "no answer checked"
+        )
+        if record.error:
+            self.warn(f"structured output: {said}; stopped: {scrub(record.error)}")
+        else:
+            self.say(f"structured output: {said}" + (f": {record.kinds()}" if record.failures else ""))
 
     def _lossless(self) -> tuple[str | None, str | None]:
         """A speculative arm's setting and its plain twin (the same engine and model, no other setting

@@ -1418,6 +1418,17 @@ class AnswersSpec(_Spec):
         ),
     )
     seed: int = Field(default=47, ge=0, strict=True, description="Seed the probe's prompts are drawn from.")
+    tool_requests: int = Field(
+        default=16,
+        ge=0,
+        le=1000,
+        strict=True,
+        description=(
+            "Tool-calling chat requests sent to an arm with a tool-call or reasoning parser "
+            "(tool_call_parser, reasoning_parser), every other one streamed, each answer checked "
+            "(k3pipe.bench.structured); 0: none."
+        ),
+    )
 
 
 class DecisionSpec(_Spec):

@@ -12,7 +12,9 @@ It behaves as vLLM does where the tests look:
   test can prove what the engine received without the value being written anywhere;
 - ``SCRIPTED_ENGINE_FAIL_AFTER=N``: the chat requests after the first N answer 500 with an error
   body that echoes the request's Authorization header (a gateway that echoes its headers);
-- ``SCRIPTED_ENGINE_INTER_TOKEN_S=S``: S seconds between token chunks (default none: a TPOT of 0).
+- ``SCRIPTED_ENGINE_INTER_TOKEN_S=S``: S seconds between token chunks (default none: a TPOT of 0);
+- ``SCRIPTED_ENGINE_TOOLS=good,bad-json,...``: chat requests that offer tools are answered with these
+  behaviours in turn (tests/scripted_tools.py: good and broken tool calls as vLLM spells them).
 
 Run as ``python tests/scripted_engine.py ...``; SIGTERM ends it (k3pipe stops its process group).
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.scripted_openai import Received, Script, ScriptedOpenAI
+from tests.scripted_tools import ToolScript
 
 
 def _sha(value: str) -> str:
@@ -65,7 +68,10 @@ def main() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     model = args.served_model_name or "scripted"
-    with ScriptedOpenAI(script, api_key=os.environ.get("VLLM_API_KEY"), model=model, port=args.port):
+    behaviours = [b for b in os.environ.get("SCRIPTED_ENGINE_TOOLS", "").split(",") if b]
+    tools = ToolScript(behaviours) if behaviours else None
+    key = os.environ.get("VLLM_API_KEY")
+    with ScriptedOpenAI(script, api_key=key, model=model, port=args.port, tools=tools):
         print(f"scripted engine: serving {model!r} on 127.0.0.1:{args.port}", flush=True)
         stop.wait()
     print("scripted engine: stopped", flush=True)

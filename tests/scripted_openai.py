@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.docker import openai_wire as wire
+from tests.scripted_tools import ToolScript
 
 __all__ = ["Received", "Script", "ScriptedOpenAI"]
 
@@ -100,7 +101,9 @@ class ScriptedOpenAI:
         model: str = "scripted",
         port: int = 0,
         slots: int | None = None,
+        tools: ToolScript | None = None,
     ) -> None:
+        self.tools = tools  # chat requests that offer tools: answered by it (tests/scripted_tools.py)
         self.slots = slots
         self._slots: asyncio.Semaphore | None = None  # made on the server's loop, at its first request
         self.script: ScriptSource = script if script is not None else Script()
@@ -261,6 +264,12 @@ class ScriptedOpenAI:
                 ),
                 status_code=400,
             )
+        if api == "chat" and body.get("tools") and self.tools is not None:
+            behaviour = self.tools.next()
+            if body.get("stream"):
+                events = self.tools.events(body, behaviour)
+                return StreamingResponse(events, media_type=wire.SSE_CONTENT_TYPE)
+            return JSONResponse(self.tools.response(body, behaviour))
         if script.status != 200:
             content = script.error_body
             if content is None:

@@ -12,6 +12,7 @@ import pandas as pd
 from pydantic import BaseModel, Field
 
 from k3pipe.bench.probe import ANSWERS_FILE
+from k3pipe.bench.structured import STRUCTURED_FILE
 from k3pipe.compare import find_run, workload_values
 from k3pipe.cost import counted_label
 from k3pipe.errors import ArtifactMissingError, TrackingError
@@ -263,6 +264,11 @@ class ArmData(BaseModel):
     gpus: ArmGpusData | None = Field(
         default=None, description="The GPUs the arm held (None: a run recorded before gpus.* params)."
     )
+    structured: dict[str, Any] | None = Field(
+        default=None,
+        description="The launch's tool-calling check (structured.json, k3pipe.bench.structured); None: "
+        "the arm has no tool-call or reasoning parser, or no answers: section.",
+    )
     lossless: str | None = Field(
         default=None, description="A setting that must not change greedy tokens (speculation), if any."
     )
@@ -438,6 +444,8 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         node_mismatch=[w for w in tags.get("k3pipe.node_mismatch", "").split(" | ") if w],
         findings=json.loads(findings_text) if findings_text else [],
         ladders={k.removeprefix(LADDER_TAG): v for k, v in tags.items() if k.startswith(LADDER_TAG)},
+        structured=_json((tracker.read_artifact(run.info.run_id, STRUCTURED_FILE) or b"").decode() or None)
+        or None,
         lossless=tags.get("k3pipe.answers_lossless"),
         twin=tags.get("k3pipe.answers_twin"),
         answers=_json((tracker.read_artifact(run.info.run_id, ANSWERS_FILE) or b"").decode() or None) or None,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from k3pipe.answers import Agreement, AnswersVerdict, Difference, agreement, judge, lossless_differences
 from k3pipe.bench.probe import ProbeRecord, read_record
+from k3pipe.bench.structured import StructuredRecord, read_structured
 from k3pipe.report.collect import ArmData, StudyData
 from k3pipe.specs import AnswersSpec
 
@@ -68,6 +69,8 @@ class AnswersAnalysis:
     """Every launch's probe, summed."""
     errors: list[str] = field(default_factory=list)
     """Launches whose probe stopped short, each with why."""
+    structured: dict[str, StructuredRecord] = field(default_factory=dict)
+    """Arm -> its launches' tool-calling checks added together (arms with a parser)."""
 
     def arm(self, name: str) -> ArmAnswers | None:
         return next((a for a in self.arms if a.arm == name), None)
@@ -123,7 +126,7 @@ def floor_of(
 def analyse_answers(data: StudyData) -> AnswersAnalysis | None:
     """The study's answers (see the module); None when no launch recorded a probe."""
     launches = [a for a in data.arms if a.answers]
-    if not launches:
+    if not launches and not any(a.structured for a in data.arms):
         return None
     decision = data.decision
     margin = float((data.answers or {}).get("margin_nats", AnswersSpec().margin_nats))
@@ -170,7 +173,20 @@ def analyse_answers(data: StudyData) -> AnswersAnalysis | None:
             against = first_answers(data, twin) if twin and twin != reference else ref
             if against is not None:
                 row.differences = lossless_differences(agreement(mine[1].answers, against[1].answers), floor)
+    structured: dict[str, StructuredRecord] = {}
+    for launch in data.arms:
+        if launch.structured:
+            one = read_structured(launch.structured)
+            total = structured.setdefault(
+                launch.name, StructuredRecord(one.tool_parser, one.reasoning_parser)
+            )
+            total.calls += one.calls
+            total.seconds += one.seconds
+            if one.error:
+                total.error = one.error
+                errors.append(f"{data.label(launch)} (tool-calling requests): {one.error}")
     return AnswersAnalysis(
+        structured=structured,
         reference=reference,
         reference_launch=ref[0] if ref else None,
         floor_label=floor_label,
@@ -179,6 +195,6 @@ def analyse_answers(data: StudyData) -> AnswersAnalysis | None:
         margin=margin,
         alpha=alpha,
         accept_divergence=bool(decision.get("accept_divergence")),
-        probe_seconds=seconds,
+        probe_seconds=seconds + sum(s.seconds for s in structured.values()),
         errors=errors,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from k3pipe import stats
+from k3pipe.bench.structured import StructuredRecord, read_structured
 from k3pipe.capacity import SEARCHES_FOR_INTERVAL
 from k3pipe.report.analysis import Analysis, NoiseRow, Row
 from k3pipe.report.collect import CellData, StudyData
@@ -222,7 +223,22 @@ def _answers_gate(analysis: Analysis) -> list[Block]:
                 f"**{row.arm} changed greedy tokens**: {row.lossless} must leave them as "
                 f"{row.twin or answers.reference}'s, and {_differences(row)}."
             )
+    for arm, record in answers.structured.items():
+        if record.failures:
+            lines.append(f"**{arm}'s structured output failed**: {_structured_text(record)}.")
     return lines
+
+
+def _structured_text(record: StructuredRecord) -> str:
+    """'3 of 16 answers (188 per 1,000 [40, 456]): arguments not JSON 2, reasoning in content 1'."""
+    rate = record.per_1000()
+    if rate is None:
+        return "no answer checked"
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(record.kinds().items(), key=lambda kv: -kv[1]))
+    return (
+        f"{record.failures} of {len(record.calls)} answers ({rate[0]:.0f} per 1,000 [{rate[1]:.0f}, "
+        f"{rate[2]:.0f}])" + (f": {kinds}" if kinds else "")
+    )
 
 
 def _differences(row: object) -> str:
@@ -279,6 +295,24 @@ def _answers_section(data: StudyData, analysis: Analysis) -> Section | None:
             ]
         )
     blocks.append(table)
+    if answers.structured:
+        parsed = Table(["arm", "parsers", "tool-calling requests", "tool calls", "failures"], [])
+        for arm, record in answers.structured.items():
+            which = " and ".join(n for n, on in (("tool-call", record.tool_parser),
+                                                 ("reasoning", record.reasoning_parser)) if on)  # fmt: skip
+            streamed = sum(c.stream for c in record.calls)
+            parsed.rows.append(
+                [arm, which, f"{len(record.calls)} ({streamed} streamed)",
+                 str(sum(c.tool_calls for c in record.calls)), _structured_text(record)]
+            )  # fmt: skip
+        blocks.append(
+            "Structured output, for the arms with a tool-call or reasoning parser: tool-calling chat "
+            "requests (tool_choice auto, every other one streamed), each answer checked: every tool call "
+            "names an offered tool and its arguments parse as JSON within the tool's schema, no "
+            "tool-call markup is left in the content, and with a reasoning parser no reasoning markup "
+            "(k3pipe.bench.structured). Failures per 1,000 answers with their 95% interval."
+        )
+        blocks.append(parsed)
     blocks.append(
         f"Each arm is judged at {answers.alpha:.3g} (the decision's alpha over the arms judged), margin "
         f"{answers.margin:g} nats/token: 'diverges beyond the floor' when its per-prompt log-probability "
@@ -832,6 +866,11 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         gate = analysis.answers.arm(a.name) if analysis.answers else None
         if gate is not None and gate.differences and a.launch == gate.launch:
             items.append(f"[answers] {gate.lossless} changed greedy tokens: {_differences(gate)}")
+        if a.structured:
+            own = read_structured(a.structured)
+            if own.failures or own.error:
+                said = _structured_text(own) + (f"; stopped: {own.error}" if own.error else "")
+                items.append(f"[answers] structured output: {said}")
         if a is data.launches_of(a.name)[0]:  # said once per arm, of all its launches
             items += _noise_findings(analysis, a.name) + _warmup_findings(analysis, a.name)
         findings.append(f"**{data.label(a)}**: " + (" / ".join(items) if items else "no findings"))
