@@ -48,6 +48,7 @@ from typing import Literal
 from scipy import stats
 
 __all__ = [
+    "AccuracyVerdict",
     "Agreement",
     "AnswersVerdict",
     "Difference",
@@ -55,7 +56,9 @@ __all__ = [
     "agreement",
     "first_difference",
     "judge",
+    "judge_accuracy",
     "lossless_differences",
+    "question_fields",
 ]
 
 Outcome = Literal["diverges beyond the floor", "within the floor", "cannot tell"]
@@ -269,3 +272,86 @@ def lossless_differences(arm: Agreement, floor: Agreement) -> list[Difference]:
         for pid, where in zip(arm.prompt_ids, arm.first_diff, strict=True)
         if where is not None and pid in f_pos and f_pos[pid] is None
     ]
+
+
+AccuracyOutcome = Literal["worse", "better", "equivalent", "cannot tell"]
+
+
+@dataclass(frozen=True)
+class AccuracyVerdict:
+    """An arm's task score against the reference's, on the same questions (paired)."""
+
+    outcome: AccuracyOutcome
+    questions: int
+    arm_accuracy: float
+    reference_accuracy: float
+    difference: float
+    """The arm's accuracy minus the reference's, in points (percentage points)."""
+    interval: tuple[float, float]
+    """The difference's ``1 - 2 alpha`` interval, in points (each side tested at ``alpha``)."""
+    margin: float
+    alpha: float
+
+    def describe(self) -> str:
+        low, high = self.interval
+        shown = (
+            f"{self.arm_accuracy:.1%} against {self.reference_accuracy:.1%} on {self.questions} questions: "
+            f"{self.difference:+.1f} points [{low:+.1f}, {high:+.1f}]"
+        )
+        said = {
+            "worse": "worse",
+            "better": "better",
+            "equivalent": f"equivalent within {self.margin:g} points",
+            "cannot tell": f"cannot tell within {self.margin:g} points",
+        }[self.outcome]
+        return f"{said}: {shown}"
+
+
+def accuracy_interval(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """A score's Clopper-Pearson interval."""
+    if not n:
+        return (0.0, 1.0)
+    ci = stats.binomtest(correct, n).proportion_ci(confidence, method="exact")
+    return (float(ci.low), float(ci.high))
+
+
+def judge_accuracy(
+    arm: Sequence[bool], reference: Sequence[bool], *, margin_points: float = 2.0, alpha: float = 0.05
+) -> AccuracyVerdict:
+    """``arm``'s correctness against ``reference``'s, question by question (the same questions, in the
+    same order): the paired difference in accuracy (points), its ``1 - 2 alpha`` interval from the
+    per-question differences (the discordant questions carry it, as McNemar's); **worse** or **better**
+    when the interval lies on one side of 0 (each a one-sided test at ``alpha``), **equivalent within
+    the margin** when it lies inside +-``margin_points`` (two one-sided tests), else **cannot tell**."""
+    if len(arm) != len(reference) or not arm:
+        raise ValueError(
+            f"{len(arm)} and {len(reference)} answers: the arm and the reference must answer the same "
+            "questions (at least one)"
+        )
+    n = len(arm)
+    d = [100.0 * (int(a) - int(r)) for a, r in zip(arm, reference, strict=True)]
+    mean = statistics.fmean(d)
+    se = statistics.stdev(d) / math.sqrt(n) if n > 1 else math.inf
+    z = float(stats.norm.ppf(1 - alpha)) if n >= 30 else float(stats.t.ppf(1 - alpha, max(1, n - 1)))
+    low, high = (mean, mean) if se == 0 else (mean - z * se, mean + z * se)
+    if high < 0:
+        outcome: AccuracyOutcome = "worse"
+    elif low > 0:
+        outcome = "better"
+    elif -margin_points < low and high < margin_points:
+        outcome = "equivalent"
+    else:
+        outcome = "cannot tell"
+    return AccuracyVerdict(
+        outcome, n, sum(arm) / n, sum(reference) / n, mean, (low, high), margin_points, alpha
+    )
+
+
+def question_fields(item: object) -> tuple[str, str] | None:
+    """One line of an accuracy set, read: ``(question, expected answer)`` from ``{"question", "answer"}``
+    or ``{"prompt", "target"}``; None when it is neither (k3pipe.bench.accuracy, and preflight's check)."""
+    if not isinstance(item, dict):
+        return None
+    q = item.get("question", item.get("prompt"))
+    a = item.get("answer", item.get("target"))
+    return (q, str(a)) if isinstance(q, str) and a is not None else None

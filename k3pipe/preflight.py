@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from k3pipe.answers import question_fields
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import ArmContext, Finding, Rule, Severity
 from k3pipe.errors import SpecError
@@ -700,6 +701,41 @@ def _dataset_paths(spec: ExperimentSpec, home: Path) -> Iterator[Finding]:
             )
 
 
+def _accuracy_set(spec: ExperimentSpec, home: Path) -> Iterator[Finding]:
+    """answers.accuracy's question set must be on this machine, and read as questions, before anything
+    starts: nothing is downloaded."""
+    accuracy = spec.answers.accuracy if spec.answers is not None else None
+    if accuracy is None:
+        return
+    path = _local(accuracy.path, home)
+    problem = None
+    if not path.is_file():
+        problem = "is a folder: give a JSONL file" if path.is_dir() else "does not exist"
+    else:
+        with path.open("rb") as f:
+            first = next((line for line in f if line.strip()), b"")
+        try:
+            fields = question_fields(json.loads(first)) if first else None
+        except ValueError:
+            fields = None
+        if fields is None:
+            problem = (
+                "holds no question on its first line: each line is one JSON object with 'question' and "
+                "'answer' (or 'prompt' and 'target')"
+            )
+    if problem:
+        yield Finding(
+            severity="error",
+            rule="accuracy-set",
+            arm=None,
+            message=(
+                f"answers.accuracy.path {_shown_path(accuracy.path, path)} {problem} ('{{home}}' expands to "
+                f"K3PIPE_HOME, {home}; nothing is downloaded: put the set on this machine, or drop "
+                "answers.accuracy)"
+            ),
+        )
+
+
 class NamedGpu(Protocol):
     """A GPU as nvidia-smi lists it (:class:`k3pipe.node.GpuInfo`)."""
 
@@ -820,7 +856,11 @@ def preflight(
     if weight_bytes is None and model_dir is not None:
         weight_bytes = safetensors_bytes(model_dir)
 
-    findings: list[Finding] = [*_model_paths(spec, home), *_dataset_paths(spec, home)]
+    findings: list[Finding] = [
+        *_model_paths(spec, home),
+        *_dataset_paths(spec, home),
+        *_accuracy_set(spec, home),
+    ]
     skipped = _skipped_kv(spec, config, weight_bytes)
     if skipped is not None:
         findings.append(skipped)

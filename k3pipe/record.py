@@ -21,6 +21,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 
 from k3pipe.bench import WorkloadResult, records_frame
+from k3pipe.bench.accuracy import ACCURACY_FILE, AccuracyRecord
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.probe import ANSWERS_FILE, ProbeRecord
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
@@ -412,6 +413,21 @@ class ArmRecorder:
                 "answers.scored": int(
                     record.scored and all(a.logprobs is not None for a in record.answers.values())
                 ),
+            },
+        )
+
+    def log_accuracy(self, record: AccuracyRecord) -> None:
+        """The accuracy set's verdicts (accuracy.json) and the score as metrics."""
+        data = record.as_json()
+        if record.error:
+            data["error"] = scrub(record.error)
+        self.tracker.log_dict(self.run_id, data, ACCURACY_FILE)
+        self.tracker.log_metrics(
+            self.run_id,
+            {
+                "accuracy.score": record.score,
+                "accuracy.questions": len(record.right),
+                "accuracy.seconds": record.seconds,
             },
         )
 

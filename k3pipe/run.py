@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, SecretStr
 
+from k3pipe.bench.accuracy import AccuracyRecord, load_questions, run_accuracy
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.bench.datasets import load_tokenizer
 from k3pipe.bench.probe import ProbeRecord, dialect_of, draw_prompts, run_probe
@@ -57,7 +58,7 @@ from k3pipe.secrets import register, scrub
 from k3pipe.settings import Settings, read_secret
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
-from k3pipe.specs import AnswersSpec, ExperimentSpec, WorkloadSpec
+from k3pipe.specs import AccuracySpec, AnswersSpec, ExperimentSpec, WorkloadSpec, expand_home
 from k3pipe.speculation import choose_baseline, speculation_setting
 from k3pipe.tracking import Tracker
 
@@ -109,6 +110,7 @@ class ArmSteps:
     benchmark: Callable[..., WorkloadOutcome]
     answers: Callable[..., ProbeRecord] = field(default=lambda *a, **k: answer_probe(*a, **k))
     structured: Callable[..., StructuredRecord] = field(default=lambda *a, **k: structured_probe(*a, **k))
+    accuracy: Callable[..., AccuracyRecord] = field(default=lambda *a, **k: accuracy_run(*a, **k))
 
     @classmethod
     def library(cls, say: Callable[[str], None] | None = None) -> ArmSteps:
@@ -256,6 +258,20 @@ def structured_probe(
     return run_structured(
         plan.client_base_url, plan.client_model, requests, tool_parser=tool_parser,
         reasoning_parser=reasoning_parser, headers=headers,
+    )  # fmt: skip
+
+
+def accuracy_run(
+    plan: ArmPlan, accuracy: AccuracySpec, home: Path, client_key: SecretStr | None
+) -> AccuracyRecord:
+    """The accuracy set asked where the workloads go (k3pipe.bench.accuracy)."""
+    path = Path(expand_home(accuracy.path, home)).expanduser()
+    questions, digest = load_questions(path, accuracy.limit)
+    headers = {"Authorization": f"Bearer {client_key.get_secret_value()}"} if client_key is not None else None
+    return run_accuracy(
+        plan.client_base_url, plan.client_model, questions, digest=digest, path=str(path),
+        match=accuracy.match, max_tokens=accuracy.max_tokens, concurrency=accuracy.concurrency,
+        prompt_suffix=accuracy.prompt_suffix, headers=headers,
     )  # fmt: skip
 
 
@@ -463,6 +479,8 @@ class ArmRun:
         if self.spec.answers is not None:
             self._probe_answers(self.spec.answers, plan, recorder, model_dir)
             self._probe_structured(self.spec.answers, plan, recorder)
+            if self.spec.answers.accuracy is not None and self.tags.get("k3pipe.launch", "1") == "1":
+                self._score(self.spec.answers.accuracy, plan, recorder)
         failed = {r["workload"]: int(r.get("failed") or 0) for r in self.outcome.workloads if r.get("failed")}
         if failed:
             where = ", ".join(f"{n} in {w}" for w, n in failed.items())
@@ -517,6 +535,23 @@ class ArmRun:
             self.warn(f"structured output: {said}; stopped: {scrub(record.error)}")
         else:
             self.say(f"structured output: {said}" + (f": {record.kinds()}" if record.failures else ""))
+
+    def _score(self, accuracy: AccuracySpec, plan: ArmPlan, recorder: ArmRecorder) -> None:
+        """The accuracy set, on the arm's first launch: recorded whatever came of it."""
+        self.say(f"accuracy: the questions of {accuracy.path}, {accuracy.concurrency} at a time")
+        try:
+            record = self.steps.accuracy(plan, accuracy, self.settings.home_dir, self.client_key)
+        except Exception as exc:  # the score never fails the arm: what went wrong is recorded
+            record = AccuracyRecord(accuracy.path, "", accuracy.match, error=f"{type(exc).__name__}: {exc}")
+        recorder.log_accuracy(record)
+        score = record.score
+        said = f"{sum(record.right.values())} of {len(record.right)} right" + (
+            f" ({score:.1%}) in {record.seconds:.1f} s" if score is not None else ""
+        )
+        if record.error:
+            self.warn(f"accuracy: {said}; stopped: {scrub(record.error)}")
+        else:
+            self.say(f"accuracy: {said}")
 
     def _lossless(self) -> tuple[str | None, str | None]:
         """A speculative arm's setting and its plain twin (the same engine and model, no other setting

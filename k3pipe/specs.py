@@ -26,6 +26,7 @@ from k3pipe.launchers.specs import check_http_url as _check_base_url
 from k3pipe.procs import parse_cpu_list
 
 __all__ = [
+    "AccuracySpec",
     "AnswersSpec",
     "ArmOverride",
     "ArmSpec",
@@ -1364,6 +1365,33 @@ DECISION_METRICS = tuple(f.key for f in FIGURES)
 """The figures a decision may rest on (k3pipe.figures.FIGURES)."""
 
 
+class AccuracySpec(_Spec):
+    """A task score per arm (k3pipe.bench.accuracy): a local JSONL set of questions with known answers,
+    asked through the arm's endpoint on its first launch, each arm's score judged against the
+    reference's on the same questions ("worse", or "equivalent within margin_points")."""
+
+    path: str = Field(
+        description=(
+            "The JSONL file: one {'question', 'answer'} (or {'prompt', 'target'}) a line, on this machine "
+            "('{home}' expands to K3PIPE_HOME); nothing is downloaded."
+        )
+    )
+    match: Literal["number", "exact", "contains"] = Field(
+        default="number",
+        description="How an answer is marked right: its last number is the expected one (after '####' in "
+        "GSM8K's answers), the text exactly, or the text contained.",
+    )
+    limit: int | None = Field(default=None, ge=1, strict=True, description="Ask the first N questions only.")
+    max_tokens: int = Field(
+        default=512, ge=1, le=32768, strict=True, description="Tokens an answer may run to."
+    )
+    concurrency: int = Field(default=16, ge=1, le=1024, strict=True, description="Questions asked at once.")
+    prompt_suffix: str = Field(default="", description="Text put after each question (an instruction).")
+    margin_points: float = _finite(
+        default=2.0, gt=0, le=100, description="Equivalence margin, in accuracy points."
+    )
+
+
 class AnswersSpec(_Spec):
     """The output probe (issue 47; docs/measurement.md, "Answers"): after each launch's timed repeats,
     the same fixed prompts sent to every arm one at a time, answered greedily to a fixed length and, where
@@ -1418,6 +1446,9 @@ class AnswersSpec(_Spec):
         ),
     )
     seed: int = Field(default=47, ge=0, strict=True, description="Seed the probe's prompts are drawn from.")
+    accuracy: AccuracySpec | None = Field(
+        default=None, description="A task score per arm on a local question set (None: none)."
+    )
     tool_requests: int = Field(
         default=16,
         ge=0,

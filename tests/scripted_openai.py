@@ -102,7 +102,11 @@ class ScriptedOpenAI:
         port: int = 0,
         slots: int | None = None,
         tools: ToolScript | None = None,
+        answer: Callable[[dict[str, Any]], str] | None = None,
     ) -> None:
+        # a chat request with "stream": false gets one JSON answer whose content is answer(body), as
+        # vLLM's ChatCompletionResponse (chat_completion/protocol.py); None: every answer streams
+        self.answer = answer
         self.tools = tools  # chat requests that offer tools: answered by it (tests/scripted_tools.py)
         self.slots = slots
         self._slots: asyncio.Semaphore | None = None  # made on the server's loop, at its first request
@@ -264,6 +268,15 @@ class ScriptedOpenAI:
                 ),
                 status_code=400,
             )
+        if api == "chat" and body.get("stream") is False and self.answer is not None:
+            text = self.answer(body)
+            message = {"role": "assistant", "content": text, "reasoning": None}
+            return JSONResponse(
+                {"id": wire.completion_id(True), "object": "chat.completion", "created": int(time.time()),
+                 "model": body.get("model"), "choices": [{"index": 0, "message": message, "logprobs": None,
+                 "finish_reason": "stop", "stop_reason": None, "token_ids": None}],
+                 "usage": wire.usage(10, len(text.split()))}
+            )  # fmt: skip
         if api == "chat" and body.get("tools") and self.tools is not None:
             behaviour = self.tools.next()
             if body.get("stream"):

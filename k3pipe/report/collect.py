@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 from pydantic import BaseModel, Field
 
+from k3pipe.bench.accuracy import ACCURACY_FILE
 from k3pipe.bench.probe import ANSWERS_FILE
 from k3pipe.bench.structured import STRUCTURED_FILE
 from k3pipe.compare import find_run, workload_values
@@ -264,6 +265,10 @@ class ArmData(BaseModel):
     gpus: ArmGpusData | None = Field(
         default=None, description="The GPUs the arm held (None: a run recorded before gpus.* params)."
     )
+    accuracy: dict[str, Any] | None = Field(
+        default=None,
+        description="The launch's accuracy set (accuracy.json, k3pipe.bench.accuracy), if asked.",
+    )
     structured: dict[str, Any] | None = Field(
         default=None,
         description="The launch's tool-calling check (structured.json, k3pipe.bench.structured); None: "
@@ -444,6 +449,8 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         node_mismatch=[w for w in tags.get("k3pipe.node_mismatch", "").split(" | ") if w],
         findings=json.loads(findings_text) if findings_text else [],
         ladders={k.removeprefix(LADDER_TAG): v for k, v in tags.items() if k.startswith(LADDER_TAG)},
+        accuracy=_json((tracker.read_artifact(run.info.run_id, ACCURACY_FILE) or b"").decode() or None)
+        or None,
         structured=_json((tracker.read_artifact(run.info.run_id, STRUCTURED_FILE) or b"").decode() or None)
         or None,
         lossless=tags.get("k3pipe.answers_lossless"),

@@ -21,7 +21,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from k3pipe.answers import Agreement, AnswersVerdict, Difference, agreement, judge, lossless_differences
+from k3pipe.answers import (
+    AccuracyVerdict,
+    Agreement,
+    AnswersVerdict,
+    Difference,
+    accuracy_interval,
+    agreement,
+    judge,
+    judge_accuracy,
+    lossless_differences,
+)
+from k3pipe.bench.accuracy import AccuracyRecord, read_accuracy
 from k3pipe.bench.probe import ProbeRecord, read_record
 from k3pipe.bench.structured import StructuredRecord, read_structured
 from k3pipe.report.collect import ArmData, StudyData
@@ -54,6 +65,28 @@ class ArmAnswers:
 
 
 @dataclass
+class ArmScore:
+    """An arm's task score (its first launch that asked the accuracy set) and its verdict against the
+    reference's."""
+
+    arm: str
+    record: AccuracyRecord
+    verdict: AccuracyVerdict | None = None
+    why_not: str | None = None
+
+    @property
+    def right(self) -> int:
+        return sum(self.record.right.values())
+
+    @property
+    def questions(self) -> int:
+        return len(self.record.right)
+
+    def interval(self) -> tuple[float, float]:
+        return accuracy_interval(self.right, self.questions)
+
+
+@dataclass
 class AnswersAnalysis:
     reference: str
     reference_launch: int | None
@@ -71,6 +104,9 @@ class AnswersAnalysis:
     """Launches whose probe stopped short, each with why."""
     structured: dict[str, StructuredRecord] = field(default_factory=dict)
     """Arm -> its launches' tool-calling checks added together (arms with a parser)."""
+    scores: list[ArmScore] = field(default_factory=list)
+    """Each arm's task score (answers.accuracy), the reference's first."""
+    accuracy_margin: float = 2.0
 
     def arm(self, name: str) -> ArmAnswers | None:
         return next((a for a in self.arms if a.arm == name), None)
@@ -81,9 +117,15 @@ class AnswersAnalysis:
         return [a.arm for a in self.arms if a.diverges]
 
     @property
+    def worse(self) -> list[str]:
+        """Arms whose task score is detected worse than the reference's."""
+        return [s.arm for s in self.scores if s.verdict is not None and s.verdict.outcome == "worse"]
+
+    @property
     def gated(self) -> list[str]:
-        """Arms that may not be the recommendation: diverging, and ``accept_divergence`` off."""
-        return [] if self.accept_divergence else self.diverging
+        """Arms that may not be the recommendation: diverging or scoring worse, and ``accept_divergence``
+        off."""
+        return [] if self.accept_divergence else list(dict.fromkeys([*self.diverging, *self.worse]))
 
 
 def _answered(arm: ArmData) -> ProbeRecord | None:
@@ -126,7 +168,7 @@ def floor_of(
 def analyse_answers(data: StudyData) -> AnswersAnalysis | None:
     """The study's answers (see the module); None when no launch recorded a probe."""
     launches = [a for a in data.arms if a.answers]
-    if not launches and not any(a.structured for a in data.arms):
+    if not launches and not any(a.structured or a.accuracy for a in data.arms):
         return None
     decision = data.decision
     margin = float((data.answers or {}).get("margin_nats", AnswersSpec().margin_nats))
@@ -185,7 +227,12 @@ def analyse_answers(data: StudyData) -> AnswersAnalysis | None:
             if one.error:
                 total.error = one.error
                 errors.append(f"{data.label(launch)} (tool-calling requests): {one.error}")
+    accuracy_spec = (data.answers or {}).get("accuracy") or {}
+    accuracy_margin = float(accuracy_spec.get("margin_points", 2.0))
+    scores = _scores(data, reference, accuracy_margin, float(decision.get("alpha") or 0.05), errors)
     return AnswersAnalysis(
+        scores=scores,
+        accuracy_margin=accuracy_margin,
         structured=structured,
         reference=reference,
         reference_launch=ref[0] if ref else None,
@@ -198,3 +245,37 @@ def analyse_answers(data: StudyData) -> AnswersAnalysis | None:
         probe_seconds=seconds + sum(s.seconds for s in structured.values()),
         errors=errors,
     )
+
+
+def _scores(
+    data: StudyData, reference: str, margin: float, alpha: float, errors: list[str]
+) -> list[ArmScore]:
+    """Each arm's task score (its first launch that asked the set), judged against the reference's on
+    the same questions at ``alpha`` over the arms judged; the reference's first."""
+    first: dict[str, ArmScore] = {}
+    for launch in sorted(data.arms, key=lambda a: a.launch):
+        if launch.accuracy and launch.name not in first:
+            record = read_accuracy(launch.accuracy)
+            if record.error:
+                errors.append(f"{data.label(launch)} (the accuracy set): {record.error}")
+            if record.right:
+                first[launch.name] = ArmScore(launch.name, record)
+    ref = first.get(reference)
+    others = [s for name, s in first.items() if name != reference]
+    for score in others:
+        if ref is None:
+            score.why_not = f"the reference {reference} has no score"
+        elif score.record.digest != ref.record.digest:
+            score.why_not = "another question set than the reference's (digest)"
+        else:
+            shared = [q for q in ref.record.right if q in score.record.right]
+            if not shared:
+                score.why_not = "no question answered by both"
+                continue
+            score.verdict = judge_accuracy(
+                [score.record.right[q] for q in shared],
+                [ref.record.right[q] for q in shared],
+                margin_points=margin,
+                alpha=alpha / max(1, len(others)),
+            )
+    return ([ref] if ref else []) + others

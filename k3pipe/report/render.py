@@ -98,7 +98,7 @@ def _ranking(row: Row, baseline: str | None, gated: Sequence[str] = ()) -> str:
         return "-"
     best = row.ranking[0]
     unit = row.metric.unit
-    mark = "best; its answers differ beyond the floor: not recommended" if best in gated else "best"
+    mark = "best; its answers differ: not recommended" if best in gated else "best"
     parts = [f"{best} {num(row.cells[best].mean)} {unit} ({mark})"]
     for arm in row.ranking[1:]:
         pair = row.pair(best, arm)
@@ -223,6 +223,18 @@ def _answers_gate(analysis: Analysis) -> list[Block]:
                 f"**{row.arm} changed greedy tokens**: {row.lossless} must leave them as "
                 f"{row.twin or answers.reference}'s, and {_differences(row)}."
             )
+    for score in answers.scores:
+        if score.verdict is not None and score.verdict.outcome == "worse":
+            leads = _leads(analysis, score.arm)
+            said = f"its task score is {score.verdict.describe()} (against {answers.reference})"
+            if leads and not answers.accept_divergence:
+                lines.append(
+                    f"**{score.arm}: faster, answers differ.** It is detected best on {', '.join(leads)}, "
+                    f"but {said}: it is not the recommendation (`decision.accept_divergence: true` accepts "
+                    "it)."
+                )
+            else:
+                lines.append(f"**{score.arm} scores worse**: {said}.")
     for arm, record in answers.structured.items():
         if record.failures:
             lines.append(f"**{arm}'s structured output failed**: {_structured_text(record)}.")
@@ -313,6 +325,24 @@ def _answers_section(data: StudyData, analysis: Analysis) -> Section | None:
             "(k3pipe.bench.structured). Failures per 1,000 answers with their 95% interval."
         )
         blocks.append(parsed)
+    if answers.scores:
+        scores = Table(["arm", "questions", "right", "accuracy (95% CI)", "against the reference"], [])
+        for s in answers.scores:
+            low, high = s.interval()
+            against = "reference" if s.arm == answers.reference else (
+                s.verdict.describe() if s.verdict is not None else f"cannot tell: {s.why_not}"
+            )  # fmt: skip
+            scores.rows.append(
+                [s.arm, str(s.questions), str(s.right),
+                 f"{s.right / s.questions:.1%} [{low:.1%}, {high:.1%}]", against]
+            )  # fmt: skip
+        path = ((data.answers or {}).get("accuracy") or {}).get("path", "?")
+        blocks.append(
+            f"Task score: the questions of `{path}` on each arm's first launch, greedy; each arm against "
+            "the reference on the same questions (the paired difference in points with its interval): "
+            f"worse, better, equivalent within {answers.accuracy_margin:g} points, or cannot tell."
+        )
+        blocks.append(scores)
     blocks.append(
         f"Each arm is judged at {answers.alpha:.3g} (the decision's alpha over the arms judged), margin "
         f"{answers.margin:g} nats/token: 'diverges beyond the floor' when its per-prompt log-probability "

@@ -6,9 +6,11 @@ What must hold: every launch records its answers (the same prompts, by digest) a
 the floor is the reference launched twice (on a CPU, one request at a time, the same answers: a nil
 floor); bfloat16 is judged to diverge beyond it (its teacher-forced log-probabilities move); the n-gram
 arm's greedy tokens are reported identical to the plain arm's where the floor agreed, or each prompt
-where they differ is named; the report's "Answers" section states the floor, each arm, and the probe's
-share of the study's time. The gate itself (a faster arm whose answers diverge is not recommended) is
-held on studies of set truth in tests/unit/test_report_answers.py: here bfloat16 is slower anyway."""
+where they differ is named; the report's "Answers" section states the floor, each arm, the probe's
+share of the study's time, and each arm's task score on 20 arithmetic questions (the paired verdict
+against the reference; a random model scores about 0). The gate itself (a faster arm whose answers
+diverge is not recommended) is held on studies of set truth in tests/unit/test_report_answers.py:
+here bfloat16 is slower anyway."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.engine
 def _experiment() -> dict:
     text = (REPO / "experiments" / "answers-cpu.yaml").read_text().replace("{home}", str(ASSETS_HOME))
     data = yaml.safe_load(text)
+    data["answers"]["accuracy"]["path"] = str(REPO / data["answers"]["accuracy"]["path"])
     for arm in data["arms"]:
         arm["launcher"] = {**arm["launcher"], "port": free_port()}
     return data
@@ -94,7 +97,17 @@ def test_the_answers_of_three_arms_against_the_floor_on_the_real_engine(tmp_path
     else:
         assert "identical where the floor agreed" in text
 
+    scores = {s.arm: s for s in answers.scores}
+    assert sorted(scores) == ["bf16", "fp32", "ngram"]  # each arm's first launch, the reference first
+    assert answers.scores[0].arm == "fp32"
+    assert all(s.questions == 20 for s in scores.values())
+    for arm in ("bf16", "ngram"):
+        verdict = scores[arm].verdict
+        assert verdict is not None
+        assert verdict.outcome != "better" or scores["fp32"].right < scores[arm].right
+
     section = text.split("## Answers", 1)[1].split("\n## ", 1)[0]
+    assert "Task score: the questions of" in section
     assert "The floor (fp32 launch 2 against its launch 1): 8 of 8 identical" in section
     assert "| bf16 | 1 |" in section
     assert "diverges beyond the floor over 8 prompts" in section

@@ -163,3 +163,87 @@ def test_too_few_shared_prompts_is_a_clear_error() -> None:
     one = Agreement(("a",), (None,), (0.1,))
     with pytest.raises(ValueError, match="share 1 answered prompt"):
         judge(one, one)
+
+
+# --- the task score: paired accuracy, simulated at known rates ---------------------------------------
+
+
+def _scores(
+    rng: np.random.Generator, n: int, p_ref: float, drop: float, flip: float = 0.05
+) -> tuple[list, list]:
+    """Per question, the reference right with probability ``p_ref`` (each question its own difficulty);
+    the arm answers as the reference except on a share ``flip`` of the questions, which it answers
+    afresh, and on a share ``drop`` of those the reference got right, which it gets wrong: its
+    accuracy is lower by about ``drop x p_ref``."""
+    ref = rng.random(n) < p_ref
+    arm = ref.copy()
+    fresh = rng.random(n) < flip
+    arm[fresh] = rng.random(int(fresh.sum())) < p_ref
+    lost = ref & (rng.random(n) < drop)
+    arm[lost] = False
+    return arm.tolist(), ref.tolist()
+
+
+def test_an_arm_that_scores_as_the_reference_is_called_worse_at_most_at_alpha() -> None:
+    from k3pipe.answers import judge_accuracy
+
+    rng = np.random.default_rng(3)
+    worse = sum(
+        judge_accuracy(*_scores(rng, 500, 0.8, 0.0), margin_points=2.0, alpha=0.05).outcome == "worse"
+        for _ in range(TRIALS)
+    )
+    assert worse <= 0.05 * TRIALS * 1.5  # its one-sided level, with room for 400 draws
+
+
+def test_an_arm_ten_points_worse_is_found_worse() -> None:
+    from k3pipe.answers import judge_accuracy
+
+    rng = np.random.default_rng(4)
+    outcomes = [
+        judge_accuracy(*_scores(rng, 500, 0.8, 0.125), margin_points=2.0, alpha=0.05).outcome
+        for _ in range(200)
+    ]
+    assert outcomes.count("worse") >= 0.95 * 200
+
+
+def test_an_arm_that_scores_as_the_reference_is_found_equivalent_with_enough_questions() -> None:
+    from k3pipe.answers import judge_accuracy
+
+    rng = np.random.default_rng(5)
+    outcomes = [
+        judge_accuracy(*_scores(rng, 1319, 0.8, 0.0), margin_points=2.0, alpha=0.05).outcome
+        for _ in range(200)
+    ]
+    assert outcomes.count("equivalent") >= 0.8 * 200  # GSM8K's 1,319 questions, 5% answered afresh
+    assert outcomes.count("worse") + outcomes.count("better") <= 0.1 * 200
+
+
+def test_the_interval_covers_the_true_difference_at_its_rate() -> None:
+    from k3pipe.answers import judge_accuracy
+
+    rng = np.random.default_rng(6)
+    misses = 0
+    for _ in range(TRIALS):
+        n, p, drop = 400, 0.7, 0.05
+        arm, ref = _scores(rng, n, p, drop)
+        truth = -100 * drop * p  # the flips are unbiased; the drops cost drop x p_ref on average
+        low, high = judge_accuracy(arm, ref, alpha=0.05).interval
+        misses += not (low <= truth <= high)
+    assert misses <= 0.10 * TRIALS * 1.5  # a 90% interval (each side at alpha 0.05)
+
+
+def test_a_task_score_says_what_it_found() -> None:
+    from k3pipe.answers import judge_accuracy, question_fields
+
+    same = judge_accuracy([True, False, True, True], [True, False, True, True], margin_points=2.0)
+    assert same.outcome == "equivalent"
+    assert (
+        same.describe()
+        == "equivalent within 2 points: 75.0% against 75.0% on 4 questions: +0.0 points [+0.0, +0.0]"
+    )
+    assert judge_accuracy([False] * 40, [True] * 40).outcome == "worse"
+    with pytest.raises(ValueError, match="the same questions"):
+        judge_accuracy([True], [True, False])
+    assert question_fields({"question": "2+2?", "answer": "#### 4"}) == ("2+2?", "#### 4")
+    assert question_fields({"prompt": "x", "target": 3}) == ("x", "3")
+    assert question_fields({"q": "x"}) is None

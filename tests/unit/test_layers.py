@@ -50,7 +50,7 @@ FLOORS: list[tuple[str, list[str]]] = [
             "k3pipe.bench.records",
             "k3pipe.bench.transport", "k3pipe.bench.warmup", "k3pipe.bench.repeats", "k3pipe.bench.client",
             "k3pipe.bench.shards", "k3pipe.bench.watch", "k3pipe.bench.summary", "k3pipe.bench.session",
-            "k3pipe.bench.probe", "k3pipe.bench.structured",
+            "k3pipe.bench.probe", "k3pipe.bench.structured", "k3pipe.bench.accuracy",
         ],
     ),
     (

@@ -116,7 +116,7 @@ def test_a_faster_arm_whose_answers_diverge_is_not_the_recommendation() -> None:
     assert spec.verdict.outcome == "within the floor"
     assert answers.gated == ["fast"]
     text = _markdown(data)
-    assert "(best; its answers differ beyond the floor: not recommended)" in text
+    assert "(best; its answers differ: not recommended)" in text
     assert "**fast: faster, answers differ.** It is detected best on" in text
     assert "`decision.accept_divergence: true`" in text
     assert "## Answers" in text
@@ -190,3 +190,45 @@ def test_a_study_without_a_probe_has_no_answers_section() -> None:
         arm.answers = None
     assert analyse(data).answers is None
     assert "## Answers" not in _markdown(data)
+
+
+def _with_scores(data: StudyData, fast_wrong: int) -> StudyData:
+    """Each arm's first launch answered 200 questions: the reference 160 right, 'spec' the same ones,
+    'fast' the same except ``fast_wrong`` of the reference's right ones."""
+    ref = {f"q{i:05d}": i < 160 for i in range(200)}
+    own = {
+        "ref": ref,
+        "spec": dict(ref),
+        "fast": {q: ok and int(q[1:]) >= fast_wrong for q, ok in ref.items()},
+    }
+    for arm in data.arms:
+        if arm.launch == 1:
+            arm.accuracy = {"path": "set.jsonl", "digest": "s", "match": "number", "seconds": 9.0,
+                            "error": None, "right": own[arm.name]}  # fmt: skip
+    data.answers = {**(data.answers or {}), "accuracy": {"path": "set.jsonl", "margin_points": 2.0}}
+    return data
+
+
+def test_a_faster_arm_that_scores_worse_is_not_the_recommendation() -> None:
+    data = _with_scores(_study(fast_shift=0.0), fast_wrong=20)  # 10 points worse, answers within the floor
+    answers = analyse(data).answers
+    assert answers is not None
+    assert answers.diverging == []
+    assert answers.worse == ["fast"]
+    assert answers.gated == ["fast"]
+    scores = {s.arm: s for s in answers.scores}
+    assert scores["spec"].verdict is not None
+    assert scores["spec"].verdict.outcome == "equivalent"
+    text = _markdown(data)
+    assert "**fast: faster, answers differ.** It is detected best on" in text
+    assert "its task score is worse: 70.0% against 80.0% on 200 questions: -10.0 points" in text
+    assert "| spec | 200 | 160 | 80.0% [73.8%, 85.3%] | equivalent within 2 points" in text
+    assert "(best; its answers differ: not recommended)" in text
+
+
+def test_an_arm_scoring_as_the_reference_is_not_gated() -> None:
+    data = _with_scores(_study(fast_shift=0.0), fast_wrong=0)
+    answers = analyse(data).answers
+    assert answers is not None
+    assert answers.gated == []
+    assert "scores worse" not in _markdown(data)
