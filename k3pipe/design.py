@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from k3pipe.engines import get_engine
 from k3pipe.figures import DEFAULT_DECISION, figure
 from k3pipe.priors import MIN_PRIOR_DF, NOISE_TAG, NoiseEntry, entries_of, model_identity
 from k3pipe.schedule import launch_order, prime_order, study_arm_names
@@ -142,6 +143,8 @@ def design_lines(
         f"workload(s) = {tests if pairs > 0 else 0} comparison(s) sharing alpha {spec.decision.alpha:g}"
         + (" (and the A/A's own)" if spec.decision.calibration else ""),
     ]
+    if spec.answers is not None:
+        lines.append(_answers_line(spec, names, launches))
     once = [n for n in names if launches[n] < 2]
     if history is None:
         if once and pairs > 0:
@@ -162,6 +165,34 @@ def design_lines(
         )
         lines.extend(_can_see(spec, names, history, decision, design, launches, min(repeats)))
     return lines
+
+
+def _answers_line(spec: ExperimentSpec, names: Sequence[str], launches: dict[str, int]) -> str:
+    """What the output probe will do, and whether the study gives it a floor."""
+    answers = spec.answers
+    assert answers is not None
+    reference = spec.baseline_arm
+    if launches.get(reference, 1) >= 2:
+        floor = f"the floor: {reference} launched again"
+    elif spec.decision.calibration:
+        floor = f"the floor: {spec.calibration_arm_name}"
+    else:
+        floor = f"no floor ({reference} launched once, no A/A copy): no arm's answers will be judged"
+    scored = f", {answers.continuation_tokens} scored" if answers.score else ""
+    parts = [
+        f"answers: after each launch's timed repeats, {answers.prompts} probe prompt(s) greedy to "
+        f"{answers.output_tokens} tokens{scored}; against {reference}, {floor}"
+    ]
+    parsed = [
+        n for n in names
+        if any(get_engine(spec.arm(n).engine.kind).arg(spec.arm(n).engine.args, a) is not None
+               for a in ("tool_call_parser", "reasoning_parser"))
+    ]  # fmt: skip
+    if parsed and answers.tool_requests:
+        parts.append(f"{answers.tool_requests} tool-calling request(s) a launch for {', '.join(parsed)}")
+    if answers.accuracy is not None:
+        parts.append(f"the questions of {answers.accuracy.path} on each arm's first launch")
+    return "; ".join(parts)
 
 
 def _cost(spec: ExperimentSpec, names: Sequence[str], history: History, count: int) -> str:

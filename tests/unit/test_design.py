@@ -73,3 +73,23 @@ def test_with_the_node_history_it_says_the_cost_and_what_it_can_see() -> None:
     assert any(
         line.startswith("can see: unknown: no earlier study on 1 x GPU kept the noise") for line in bare
     )
+
+
+def test_the_design_says_what_the_output_probe_will_do_and_whether_it_has_a_floor() -> None:
+    import yaml
+
+    from tests.conftest import REPO
+
+    data = yaml.safe_load((REPO / "experiments" / "answers-cpu.yaml").read_text())
+    data["arms"][1]["engine"]["args"]["tool_call_parser"] = "hermes"
+    lines = design_lines(parse_experiment(data))
+    (said,) = [line for line in lines if line.startswith("answers:")]
+    assert (
+        "8 probe prompt(s) greedy to 16 tokens, 8 scored; against fp32, the floor: fp32 launched again"
+        in said
+    )
+    assert "16 tool-calling request(s) a launch for bf16" in said
+    assert "the questions of tests/fixtures/datasets/arith.jsonl on each arm's first launch" in said
+    data["arms"][0]["launches"] = 1
+    (said,) = [line for line in design_lines(parse_experiment(data)) if line.startswith("answers:")]
+    assert "no floor (fp32 launched once, no A/A copy): no arm's answers will be judged" in said
