@@ -297,17 +297,22 @@ def test_the_device_the_engine_chose_kernels_for_is_checked_against_nvidia_smi(
 
 
 @pytest.mark.parametrize(
-    ("engine", "log"),
-    [("vllm", "vllm/server-0.22.0-h100-mla.log"), ("sglang", "sglang/real-0.5.16-h100-mla-bounded.log")],
+    ("engine", "log", "first"),
+    [
+        ("vllm", "vllm/server-0.22.0-h100-mla.log", None),
+        ("sglang", "sglang/real-0.5.16-h100-mla-bounded.log", "2026-12-06 09:26:59"),
+        ("sglang", "sglang/real-0.5.16-h100-mla-flashmla.log", "2026-12-06 13:08:03"),
+    ],
 )
 @pytest.mark.parametrize(("gpu", "mismatch"), [("NVIDIA H100 80GB HBM3", 0), ("NVIDIA H200", 1)])
 def test_the_device_check_on_the_engines_real_h100_moe_lines(
-    tracker: Tracker, tmp_path: Path, engine: str, log: str, gpu: str, mismatch: int
+    tracker: Tracker, tmp_path: Path, engine: str, log: str, first: str | None, gpu: str, mismatch: int
 ) -> None:
     """The MoE kernel-config lines vLLM 0.22.0 and SGLang 0.5.16 logged on the H100 of 2026-12-06
-    (the MLA study): the device they name is the GPU nvidia-smi named there, so the check passes; the
-    same lines on an H200 node would be flagged. SGLang's line also counts as an untuned kernel (its
-    Triton-version fallback), vLLM's (a tuned config) does not."""
+    (the MLA study's two sittings: SGLang's bounded retry of the first, its FlashMLA launch of the
+    second): the device they name is the GPU nvidia-smi named there, so the check passes; the same
+    lines on an H200 node are flagged, the warning naming both. SGLang's lines also count as untuned
+    kernels (its Triton-version fallback and the down projection's), vLLM's (a tuned config) does not."""
     rec = recorder(tracker, tmp_path)
     rec.plan = rec.plan.model_copy(update={"engine": engine})
     rec.gpu_names = [gpu]  # as log_node sets them from nvidia-smi
@@ -316,10 +321,20 @@ def test_the_device_check_on_the_engines_real_h100_moe_lines(
     assert run.data.tags["k3pipe.engine_device_names"] == "NVIDIA_H100_80GB_HBM3"
     assert run.data.metrics["engine_log.device_name_mismatch"] == mismatch
     assert run.data.metrics["engine_log.untuned_kernel_lines"] == (2 if engine == "sglang" else 0)
-    warnings = run.data.tags.get("k3pipe.engine_warnings", "")
-    assert ("nvidia-smi names the GPU NVIDIA H200" in warnings) == bool(mismatch)
-    if engine == "sglang":
-        assert "first 2026-12-06 09:26:59, last 2026-12-06 09:26:59): Config file not found at" in warnings
+    warnings = run.data.tags.get("k3pipe.engine_warnings", "").split(" | ")
+    wrong = (
+        "the engine chose kernels for device NVIDIA_H100_80GB_HBM3 but nvidia-smi names the GPU "
+        "NVIDIA H200: kernel configs and backends picked by device name may not be this GPU's"
+    )
+    assert (wrong in warnings) == bool(mismatch)
+    assert not any("nvidia-smi names" in w for w in warnings if w != wrong)
+    untuned = [w for w in warnings if w.startswith("a kernel ran on a config its engine calls")]
+    if first is None:
+        assert untuned == []
+    else:
+        (said,) = untuned
+        assert f"on 2 log lines (first {first}, last {first}): Config file not found at " in said
+        assert "Fallback to triton version 3.1.0" in said
 
 
 @pytest.mark.parametrize(("logged", "mismatch"), [("NVIDIA_B300_SXM6_AC", 0), ("NVIDIA_L20D", 1)])

@@ -426,6 +426,102 @@ def test_sglangs_real_h100_mla_moe_config_lines_and_bounded_pool() -> None:
     assert any("Attention backend not specified. Use fa3 backend by default." in ln for ln in lines)
 
 
+# The second sitting (2026-12-06, docs/gpu.md 'The study in miniature on one H100, second sitting'): the
+# study's SGLang arm on FlashMLA (attention_backend: flashmla), its launch 1 from a cold compile cache,
+# which served both workloads. The same MoE lookups as the bounded retry's, four minutes of graph capture
+# later in a launch that went on to serve: real lines from a launch whose figures are in the study.
+_SGLANG_H100_FLASHMLA = "sglang/real-0.5.16-h100-mla-flashmla.log"
+_SGLANG_CONFIGS_H100 = (
+    "/tmp/sgl-venv/lib/python3.12/site-packages/sglang/srt/layers/moe/moe_runner/triton_utils/configs"
+)
+
+
+def test_sglangs_real_h100_flashmla_launch_that_served_the_study() -> None:
+    """FlashMLA's page size, the pool capped in whole pages, the MoE kernel-config lines of an H100 (the
+    Triton-version fallback mid-line after the progress bar, the down projection's), the fp8 warning."""
+    from k3pipe.observe import same_device
+
+    lines = fixture_lines(_SGLANG_H100_FLASHMLA)
+    facts = get_engine("sglang").parse_log(lines)
+    assert facts.ready
+    assert facts.ready_time == "2026-12-06 13:09:20"
+    assert facts.startup_s == 139.0  # 13:07:01 -> 13:09:20, as the record's cold_start.api_ready_s
+    # --max-total-tokens 2100000 rounded down to whole 64-token pages: 32,812 x 64 = 2,099,968
+    assert (facts.kv_pool_tokens, facts.kv_cache_memory_gib) == (2_099_968, 4.51)
+    assert 2_100_000 // 64 * 64 == 2_099_968
+    assert (facts.max_running_requests, facts.context_length) == (16, 204_800)
+    assert facts.cuda_graph_capture_s == 58.35
+    assert facts.device_names == [_H100]
+    assert same_device(facts.device_names[0], [_H100_SMI])
+    assert not same_device(facts.device_names[0], ["NVIDIA H200"])
+    untuned = facts.untuned_kernels
+    assert untuned is not None
+    assert (untuned.lines, untuned.first_time, untuned.last_time, untuned.ranks) == (
+        2,
+        "2026-12-06 13:08:03",
+        "2026-12-06 13:08:03",
+        [],
+    )
+    assert untuned.first_message == (
+        f"Config file not found at {_SGLANG_CONFIGS_H100}/triton_3_6_0/E=64,N=640,device_name={_H100}.json. "
+        "Fallback to triton version 3.1.0 and use MoE kernel config from "
+        f"{_SGLANG_CONFIGS_H100}/triton_3_1_0/E=64,N=640,device_name={_H100}.json. "
+        "Performance might be sub-optimal!"
+    )
+    assert facts.warnings == [
+        "Using FP8 KV cache but no scaling factors provided. Defaulting to scaling factors of 1.0. "
+        "This may lead to less accurate results!"
+    ]
+    assert facts.oom is None
+    # FlashMLA as asked: its page size set by SGLang, no fa3 default (the logged lines, not the header)
+    logged = [ln for ln in lines if not ln.startswith("#")]
+    page_size = "FlashMLA only supports a page_size of 64, change page_size to 64."
+    assert any(ln.endswith(page_size) for ln in logged)
+    assert not any("Use fa3 backend by default" in ln for ln in logged)
+    assert any("attention_backend='flashmla'" in ln for ln in logged)
+    assert any("api_key='***'" in ln for ln in logged)  # masked by SGLang
+
+
+def _the_h100_moe_line(log: str, *words: str) -> str:
+    """The one logged line holding every word (not the fixture's header, which quotes them)."""
+    (line,) = [ln for ln in fixture_lines(log) if not ln.startswith("#") and all(w in ln for w in words)]
+    return line
+
+
+@pytest.mark.parametrize("log", [_SGLANG_H100, _SGLANG_H100_FLASHMLA])
+def test_sglangs_two_real_moe_config_lines_each_name_the_device_and_count_as_untuned(log: str) -> None:
+    """Each of SGLang 0.5.16's two lines on its own, as the readers mean them: the Triton-version fallback
+    names the device twice (the triton_3_6_0 file it missed, the triton_3_1_0 one it used) and is one
+    untuned line; the down projection's names ``..._down.json``, read as the same device, not a second
+    one, and is untuned too though it ends with a full stop."""
+    fallback = _the_h100_moe_line(log, "Fallback to triton version 3.1.0")
+    down = _the_h100_moe_line(log, "Down MoE config file not found")
+    assert f"device_name={_H100}_down.json; reusing the tuned up-projection config without TMA." in down
+    assert down.endswith("Performance might be sub-optimal.")
+    stamp = "2026-12-06 09:26:59" if log == _SGLANG_H100 else "2026-12-06 13:08:03"
+    for line in (fallback, down):
+        facts = get_engine("sglang").parse_log([line])
+        assert facts.device_names == [_H100]
+        assert facts.untuned_kernels is not None
+        assert (facts.untuned_kernels.lines, facts.untuned_kernels.first_time) == (1, stamp)
+
+
+@pytest.mark.parametrize(
+    ("engine", "log"), [("vllm", _VLLM_H100), ("sglang", _SGLANG_H100), ("sglang", _SGLANG_H100_FLASHMLA)]
+)
+def test_the_real_h100_moe_lines_name_nvidia_smis_h100_and_not_another_gpu(engine: str, log: str) -> None:
+    """The device-name check's comparison on both engines' real lines: the H100 nvidia-smi named on
+    that node matches (however its spaces are written); an H200's or an H100 of another form does not."""
+    from k3pipe.observe import same_device
+
+    (logged,) = get_engine(engine).parse_log(fixture_lines(log)).device_names
+    assert logged == _H100
+    assert same_device(logged, [_H100_SMI])
+    assert same_device(logged, ["NVIDIA  H100 80GB   HBM3"])
+    for other in ("NVIDIA H200", "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA B300 SXM6 AC"):
+        assert not same_device(logged, [other])
+
+
 def test_a_record_that_a_progress_bar_ran_into_is_read_from_where_it_starts() -> None:
     from k3pipe.observe import read_log_lines
 
