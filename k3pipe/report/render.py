@@ -633,7 +633,7 @@ def _beside_reference(data: StudyData, analysis: Analysis) -> Section | None:
         return None
     figures = [f for f in reference.get("figures", []) if isinstance(f, dict)]
     published = list(dict.fromkeys(str(f.get("arm")) for f in figures))
-    arms = [a.name for a in data.arms]
+    arms = data.arm_names  # each arm once, whatever its launches (data.arms holds every launch)
     table = Table(["workload", "input tokens", "metric", *arms, "leader", *published], [])
     for key in dict.fromkeys(str(f.get("metric")) for f in figures):
         rows = sorted((r for r in analysis.rows if r.metric.key == key), key=lambda r: r.input_tokens)

@@ -472,6 +472,8 @@ def test_the_published_table_stands_beside_the_cells() -> None:
         _cell("tp8", "random-200k", 200000, steady_decode_tps=[160.0, 165.0, 162.0]),
         _cell("dcp8", "random-200k", 200000, steady_decode_tps=[300.0, 290.0, 295.0]),
     )
+    # each arm launched twice, as a study records them (one ArmData a launch): one column an arm
+    data.arms += [a.model_copy(update={"launch": 2, "run_id": a.run_id + "-2"}) for a in data.arms]
     data.reference = {
         "source": "field-notes.md (8 x B300, Kimi-K3)",
         "figures": [
