@@ -48,7 +48,8 @@ def notify(retest: str) -> dict[str, Any]:
         f"- {w['arm']} / {w['workload']}: {w['metric']} {w['change']}{_since(w)}" for w in regression["worse"]
     ]
     lines += [  # the output probe: answers that moved are a regression of their own (k3pipe.alerts)
-        f"- {a['arm']}: answers moved since retest {a['against_run_id'][:12]} ({a['against']}): {a['verdict']}"
+        f"- {a['arm']}: answers moved since retest {a['against_run_id'][:12]} ({a['against']}): "
+        f"{a['verdict']}"
         for a in regression.get("answers", [])
     ]
     lines += ["", "Versions (the history's last retest -> this retest):"]
