@@ -103,7 +103,11 @@ class ScriptedOpenAI:
         slots: int | None = None,
         tools: ToolScript | None = None,
         answer: Callable[[dict[str, Any]], str] | None = None,
+        probe: bool = False,
     ) -> None:
+        # probe: a completions request with "stream": false is answered as vLLM's CompletionResponse
+        # with token_ids and prompt_logprobs (k3pipe.bench.probe), from a fixed function of the prompt
+        self.probe = probe
         # a chat request with "stream": false gets one JSON answer whose content is answer(body), as
         # vLLM's ChatCompletionResponse (chat_completion/protocol.py); None: every answer streams
         self.answer = answer
@@ -268,6 +272,8 @@ class ScriptedOpenAI:
                 ),
                 status_code=400,
             )
+        if api == "completions" and body.get("stream") is False and self.probe:
+            return JSONResponse(_probe_answer(body))
         if api == "chat" and body.get("stream") is False and self.answer is not None:
             text = self.answer(body)
             message = {"role": "assistant", "content": text, "reasoning": None}
@@ -416,3 +422,23 @@ def _groups(tokens: list[tuple[str, str]], size: int, first: int | None = None) 
             out.append((kind, text))
             count = 1
     return out
+
+
+def _probe_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's non-streamed CompletionResponse (completion/protocol.py) for a token-id prompt: the
+    continuation's ``token_ids`` (a fixed function of the prompt) and, asked for, ``prompt_logprobs``:
+    one entry a prompt token, the first null, each keyed by the token's id."""
+    prompt = [int(t) for t in body["prompt"]]
+    seed = sum(prompt) % 997
+    tokens = [(seed + 31 * k) % 1000 + 10 for k in range(int(body["max_tokens"]))]
+    choice: dict[str, Any] = {"index": 0, "text": " ".join(f"t{t}" for t in tokens), "logprobs": None,
+                              "finish_reason": "length", "stop_reason": None, "token_ids": tokens,
+                              "prompt_logprobs": None, "prompt_token_ids": None}  # fmt: skip
+    if body.get("prompt_logprobs") is not None:
+        choice["prompt_logprobs"] = [None] + [
+            {str(t): {"logprob": -1.0 - ((t * 7 + i) % 50) / 10, "rank": 1, "decoded_token": f"t{t}"}}
+            for i, t in enumerate(prompt[1:], 1)
+        ]
+    return {"id": wire.completion_id(False), "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model"), "choices": [choice],
+            "usage": wire.usage(len(prompt), len(tokens))}  # fmt: skip
