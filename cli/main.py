@@ -18,6 +18,7 @@ from typer.core import TyperCommand
 from cli.stack import stack_app
 from cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
 from k3pipe.errors import K3pipeError
+from k3pipe.layout import KIND_TAG
 from k3pipe.settings import Settings
 
 
@@ -566,7 +567,7 @@ def report(
         tracker = _tracker(settings, artifact_root)
         run = find_run(tracker, study_run)
         tracker.check_artifact_root(run.info.run_id)
-        if run.data.tags.get("k3pipe.kind") == RETEST_KIND:
+        if run.data.tags.get(KIND_TAG) == RETEST_KIND:
             _retest_report(settings, tracker, study_run, out, attach)
             return
         rep = build_report(tracker, study_run)
@@ -699,7 +700,7 @@ def _run_kind(settings: Settings, run_ref: str) -> str | None:
     from k3pipe.compare import find_run
 
     try:
-        return find_run(_tracker(settings), run_ref).data.tags.get("k3pipe.kind")
+        return find_run(_tracker(settings), run_ref).data.tags.get(KIND_TAG)
     except K3pipeError:
         return None
 

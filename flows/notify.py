@@ -17,13 +17,13 @@ from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.alerts import REGRESSION_FILE
 from k3pipe.errors import K3pipeError
+from k3pipe.layout import RETEST_RESOURCE_PREFIX as RESOURCE_PREFIX
 
 __all__ = ["WEBHOOK_BLOCK", "notify"]
 
 WEBHOOK_BLOCK = "k3pipe-regression"
 """The Webhook block a regression is posted to, when it exists (`prefect block create webhook`, or
 ``Webhook(url=..., method="POST").save("k3pipe-regression")``)."""
-RESOURCE_PREFIX = "k3pipe.retest."
 
 
 @scrubbed_flow("notify")

@@ -26,6 +26,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Crashed
 
 from k3pipe.fleet import PoolState, PoolUnavailable, PoolWatch, Remote, Ticket, Waits, last_heartbeat
+from k3pipe.layout import ARM_TAG, ERROR_TAG, LAUNCH_TAG
 from k3pipe.record import close_abandoned
 from k3pipe.run import ArmOutcome
 from k3pipe.specs import FleetSpec
@@ -209,8 +210,8 @@ def _outcome(
     mine = [
         r
         for r in tracker.children(study_run_id)
-        if r.data.tags.get("k3pipe.arm") == ticket.arm
-        and r.data.tags.get("k3pipe.launch") == str(ticket.launch)
+        if r.data.tags.get(ARM_TAG) == ticket.arm
+        and r.data.tags.get(LAUNCH_TAG) == str(ticket.launch)
         and r.data.tags.get("prefect.flow_run_id") == str(run.id)
     ]
     why = lost or f"flow run {run.name} on pool {pool} ended {state.name}"
@@ -224,7 +225,7 @@ def _outcome(
         why = why if lost else f"its node was lost: {why}"
         close_abandoned(tracker, arm_run.info.run_id, why, upward=False)
         status = "FAILED"
-    error = None if status == "FINISHED" else why if lost else arm_run.data.tags.get("k3pipe.error") or why
+    error = None if status == "FINISHED" else why if lost else arm_run.data.tags.get(ERROR_TAG) or why
     return ArmOutcome(
         arm=ticket.arm, mlflow_run_id=arm_run.info.run_id, status=status, error=error, launch=ticket.launch
     )

@@ -20,6 +20,7 @@ from flows.pools import prefect_fleet
 from k3pipe.alerts import REGRESSION_EVENT
 from k3pipe.jobs.prepare import PrepareSteps
 from k3pipe.jobs.steps import Job, JobSteps
+from k3pipe.layout import FLOW_RUN_TAG, MLFLOW_RUN_LABEL, RETEST_RESOURCE_PREFIX
 from k3pipe.record import close_abandoned
 from k3pipe.run import ArmSteps
 from k3pipe.settings import Settings
@@ -79,10 +80,10 @@ def _closer(tracker: Tracker) -> Callable[[Mapping[str, str]], None]:
     why = "its k3pipe process was killed before its teardown; a later run ended its engine"
 
     def close(labels: Mapping[str, str]) -> None:
-        run_id = labels.get("k3pipe.mlflow_run_id")
+        run_id = labels.get(MLFLOW_RUN_LABEL)
         if run_id:
             close_abandoned(tracker, run_id, why)
-        flow_run = labels.get("k3pipe.flow_run_id", "none")
+        flow_run = labels.get(FLOW_RUN_TAG, "none")
         if flow_run != "none":
             with contextlib.suppress(Exception), get_client(sync_client=True) as client:
                 state = client.read_flow_run(UUID(flow_run)).state
@@ -150,7 +151,7 @@ def _emit_regression(regression: dict[str, object]) -> None:
     emit_event(
         event=REGRESSION_EVENT,
         resource={
-            "prefect.resource.id": f"k3pipe.retest.{regression['retest_run_id']}",
+            "prefect.resource.id": f"{RETEST_RESOURCE_PREFIX}{regression['retest_run_id']}",
             "prefect.resource.name": str(regression.get("experiment", "")),
         },
         payload={"summary": regression.get("summary"), "versions": regression.get("versions")},

@@ -37,6 +37,17 @@ from k3pipe.answers import judge as judge_answers
 from k3pipe.compare import find_run, workload_values
 from k3pipe.errors import TrackingError
 from k3pipe.figures import DEFAULT_DECISION, FIGURES
+from k3pipe.layout import (
+    ACCEPTED_TAG,
+    ARM_TAG,
+    ENGINE_TAG,
+    EXPERIMENT_TAG,
+    KIND_TAG,
+    REGRESSION_EVENT,
+    REGRESSION_TAG,
+    VARIANT_TAG,
+    WORKLOAD_TAG,
+)
 from k3pipe.report.collect import PRIME_TAG, SUPERSEDED_TAG, collect
 from k3pipe.report.gate import first_answers, floor_of
 from k3pipe.report.retest import BASELINE, RETEST_KIND
@@ -58,16 +69,7 @@ __all__ = [
     "record_regression",
 ]
 
-REGRESSION_TAG = "k3pipe.regression"
-"""On a retest's run: 'none' (judged, no alert), 'worse: ...' (the alert) or 'insufficient history:
-...'. A retest whose tag starts with 'worse' is left out of later retests' series until accepted."""
-ACCEPTED_TAG = "k3pipe.accepted"
-"""On a retest's run accepted as the new baseline (:func:`accept`): when, in UTC (ISO 8601). The
-series of every later retest with its experiment and overrides starts at it."""
 REGRESSION_FILE = "regression.json"
-REGRESSION_EVENT = "k3pipe.regression.detected"
-"""The Prefect event a retest that found a regression emits; its resource is
-``k3pipe.retest.<retest run id>``."""
 SERIES_VERSION = 1
 """How regression.json's ``values`` were computed (the geometric mean of the launch means); a later
 retest reads an earlier one's values only when they were computed the same way."""
@@ -285,7 +287,7 @@ def _accepted_ms(run: Any) -> float | None:
 def _series(tracker: Tracker, run: Any, rule: SeriesRule) -> tuple[list[Any], list[bool], SeriesInfo]:
     """The earlier retests of tonight's series, oldest first, whether each is kept (False: it raised
     an alert no acceptance cleared), and what they are."""
-    experiment = run.data.tags.get("k3pipe.experiment", "")
+    experiment = run.data.tags.get(EXPERIMENT_TAG, "")
     overrides = _overrides(run)
     earlier = sorted(
         (
@@ -325,7 +327,7 @@ def _baseline_study(tracker: Tracker, retest_run_id: str) -> Any | None:
     """The retest's baseline study (its study without a variant)."""
     for study in tracker.children(retest_run_id):
         tags = study.data.tags
-        if tags.get("k3pipe.kind") == "study" and tags.get("k3pipe.variant", BASELINE) == BASELINE:
+        if tags.get(KIND_TAG) == "study" and tags.get(VARIANT_TAG, BASELINE) == BASELINE:
             return study
     return None
 
@@ -334,7 +336,7 @@ def _version(run: Any) -> str:
     params = run.data.params
     version = params.get("engine_version") or params.get("engine_version_declared") or "?"
     digest = params.get("image.digest")
-    return f"{run.data.tags.get('k3pipe.engine', 'engine')} {version}" + (
+    return f"{run.data.tags.get(ENGINE_TAG, 'engine')} {version}" + (
         f" @ {digest[:19]}" if digest else ""
     )
 
@@ -359,13 +361,13 @@ def _measured(tracker: Tracker, retest_run_id: str, metrics: list[str]) -> _Valu
         return out
     for arm_run in sorted(tracker.children(study.info.run_id), key=lambda r: r.info.start_time):
         tags = arm_run.data.tags
-        arm = tags.get("k3pipe.arm")
+        arm = tags.get(ARM_TAG)
         # a launch that did not finish, one a resume ran again, a priming launch: not measured
         if not arm or arm_run.info.status != "FINISHED" or tags.get(SUPERSEDED_TAG) or tags.get(PRIME_TAG):
             continue
         out.versions.setdefault(arm, _version(arm_run))
         for wl in tracker.children(arm_run.info.run_id):
-            workload = wl.data.tags.get("k3pipe.workload")
+            workload = wl.data.tags.get(WORKLOAD_TAG)
             if not workload or wl.info.status != "FINISHED":
                 continue
             values = workload_values(tracker, wl)
@@ -417,7 +419,7 @@ def check_regression(
     wanted = list(dict.fromkeys(metrics or DEFAULT_DECISION))
     check = RegressionCheck(
         retest_run_id,
-        run.data.tags.get("k3pipe.experiment", ""),
+        run.data.tags.get(EXPERIMENT_TAG, ""),
         needed=rule.min_history,
         margin_pct=margin_pct,
         rule=asdict(rule),
@@ -597,7 +599,7 @@ def accept(tracker: Tracker, run_ref: str, now: datetime | None = None) -> Accep
     against it once the series has :attr:`~k3pipe.series.SeriesRule.min_history` retests again."""
     run = find_run(tracker, run_ref)
     run_id = run.info.run_id
-    kind = run.data.tags.get("k3pipe.kind")
+    kind = run.data.tags.get(KIND_TAG)
     if kind != RETEST_KIND:
         raise TrackingError(
             f"run {run_id} is not a retest's run (its tag k3pipe.kind is {kind!r}): give the id "
@@ -614,7 +616,7 @@ def accept(tracker: Tracker, run_ref: str, now: datetime | None = None) -> Accep
         )
     at = (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds")
     tracker.set_tags(run_id, {ACCEPTED_TAG: at})
-    experiment = run.data.tags.get("k3pipe.experiment", "")
+    experiment = run.data.tags.get(EXPERIMENT_TAG, "")
     overrides = _overrides(run)
     same = [
         r

@@ -15,6 +15,7 @@ from typing import Any
 
 from k3pipe.bench.repeats import Comparison, compare
 from k3pipe.errors import ArtifactMissingError, TrackingError
+from k3pipe.layout import ARM_TAG, REPEAT_TAG, WORKLOAD_TAG
 from k3pipe.priors import find_priors, run_class
 from k3pipe.stats import Design, RestartPrior
 from k3pipe.tracking import Tracker
@@ -51,15 +52,15 @@ def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = 
     ``workload`` name. Ids may be shortened to a unique prefix (``k3pipe runs`` prints 12 characters).
     """
     run = find_run(tracker, run_ref)
-    if run.data.tags.get("k3pipe.repeat"):  # a single repeat: compare its workload instead
+    if run.data.tags.get(REPEAT_TAG):  # a single repeat: compare its workload instead
         run = tracker.client.get_run(run.data.tags["mlflow.parentRunId"])
-    if run.data.tags.get("k3pipe.workload"):
-        if workload and run.data.tags["k3pipe.workload"] != workload:
+    if run.data.tags.get(WORKLOAD_TAG):
+        if workload and run.data.tags[WORKLOAD_TAG] != workload:
             raise TrackingError(
-                f"run {run_ref} is workload {run.data.tags['k3pipe.workload']!r}, not {workload!r}"
+                f"run {run_ref} is workload {run.data.tags[WORKLOAD_TAG]!r}, not {workload!r}"
             )
         return run
-    children = {c.data.tags.get("k3pipe.workload"): c for c in tracker.children(run.info.run_id)}
+    children = {c.data.tags.get(WORKLOAD_TAG): c for c in tracker.children(run.info.run_id)}
     children.pop(None, None)
     if not workload:
         if len(children) == 1:
@@ -94,7 +95,7 @@ def workload_values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
         except ArtifactMissingError as exc:
             tags = run.data.tags
             raise exc.context(
-                f"workload {tags.get('k3pipe.workload', '?')} of arm {tags.get('k3pipe.arm', '?')} "
+                f"workload {tags.get(WORKLOAD_TAG, '?')} of arm {tags.get(ARM_TAG, '?')} "
                 f"({run.info.status}, "
                 + (f"{repeats} repeats" if repeats > 1 else "repeats not recorded")
                 + ")"
@@ -159,7 +160,7 @@ def workload_priors(
     for run in runs:
         parent_id = run.data.tags.get("mlflow.parentRunId")
         arm = tracker.client.get_run(parent_id) if parent_id else None
-        classes.append(run_class(arm, run) if arm is not None and arm.data.tags.get("k3pipe.arm") else None)
+        classes.append(run_class(arm, run) if arm is not None and arm.data.tags.get(ARM_TAG) else None)
     wanted: dict[str, set[str]] = {}
     for klass in classes:
         if klass is not None:

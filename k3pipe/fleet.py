@@ -31,6 +31,7 @@ from typing import Literal
 
 from k3pipe.bench.corpora import PromptSet
 from k3pipe.errors import K3pipeError
+from k3pipe.layout import HEARTBEAT_PREFIX
 from k3pipe.run import ArmOutcome
 from k3pipe.runrecord import prompts_artifact, prompts_digest
 from k3pipe.secrets import scrub
@@ -384,9 +385,6 @@ def read_study_prompts(
     return out
 
 
-HEARTBEAT_PREFIX = "k3pipe.heartbeat."
-"""On a fleet study's run: ``k3pipe.heartbeat.<arm>.<launch>``, the time (Unix seconds) the node
-running that launch last said it was alive."""
 
 
 def heartbeat_key(arm: str, launch: int) -> str:

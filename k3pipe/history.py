@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from k3pipe.errors import TrackingError
+from k3pipe.layout import ARM_TAG, ENGINE_TAG, EXPERIMENT_TAG, KIND_TAG, REPEAT_TAG, RERUN_TAG, VARIANT_TAG
 from k3pipe.tracking import KEY_METRICS, Tracker
 
 __all__ = ["metric_history", "plot_history", "recent_runs"]
@@ -41,18 +42,18 @@ def metric_history(
     seen_metric = False
     for run in runs:
         tags = run.data.tags
-        if tags.get("k3pipe.repeat"):
+        if tags.get(REPEAT_TAG):
             continue  # a repeat: its workload's run holds the mean and the interval
-        if arm and tags.get("k3pipe.arm") != arm:
+        if arm and tags.get(ARM_TAG) != arm:
             continue
         parent_id = tags.get("mlflow.parentRunId")
         if parent_id and parent_id not in parents:
             parents[parent_id] = tracker.client.get_run(parent_id)
         parent = parents.get(parent_id) if parent_id else None
         ptags = parent.data.tags if parent is not None else {}
-        if engine and ptags.get("k3pipe.engine") != engine:
+        if engine and ptags.get(ENGINE_TAG) != engine:
             continue
-        experiment = ptags.get("k3pipe.experiment", "")
+        experiment = ptags.get(EXPERIMENT_TAG, "")
         of_variant = experiment.partition("@")[2]
         if variant and of_variant != ("" if variant == "baseline" else variant):
             continue
@@ -63,14 +64,14 @@ def metric_history(
         rows.append(
             {
                 "start": pd.Timestamp(run.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M:%S"),
-                "arm": tags.get("k3pipe.arm", ""),
+                "arm": tags.get(ARM_TAG, ""),
                 "variant": of_variant,
-                "engine": ptags.get("k3pipe.engine", ""),
+                "engine": ptags.get(ENGINE_TAG, ""),
                 "value": value,
                 "ci95_low": run.data.metrics.get(f"{metric}.ci95_low"),
                 "ci95_high": run.data.metrics.get(f"{metric}.ci95_high"),
                 "repeats": int(float(run.data.params.get("workload.repeats", "1"))),
-                "rerun_of": (ptags.get("k3pipe.rerun_of") or "")[:12],
+                "rerun_of": (ptags.get(RERUN_TAG) or "")[:12],
                 "commit": ptags.get("mlflow.source.git.commit", "")[:10],
                 "run_id": run.info.run_id,
             }
@@ -152,14 +153,14 @@ def recent_runs(
     )
 
     def wanted(run: Any) -> bool:
-        if engine and run.data.tags.get("k3pipe.engine") != engine:
+        if engine and run.data.tags.get(ENGINE_TAG) != engine:
             return False
         return not (model and model not in (run.data.params.get("model_id"), run.data.params.get("model.id")))
 
     def of_variant(run: Any) -> bool:
         tags = run.data.tags
         return not variant or (
-            tags.get("k3pipe.variant") == variant or tags.get("k3pipe.experiment", "").endswith(f"@{variant}")
+            tags.get(VARIANT_TAG) == variant or tags.get(EXPERIMENT_TAG, "").endswith(f"@{variant}")
         )
 
     def study_rows(run: Any, indent: str = "") -> list[dict[str, Any]]:
@@ -180,7 +181,7 @@ def recent_runs(
         seen += 1
         if seen > limit:
             break
-        kind = run.data.tags.get("k3pipe.kind")
+        kind = run.data.tags.get(KIND_TAG)
         if kind == "retest":
             studies = sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time)
             found = [row for st in studies if of_variant(st) for row in study_rows(st, indent="  ")]

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
+from k3pipe.layout import ENGINE_TAG, NOISE_TAG
+
 if TYPE_CHECKING:
     from k3pipe.stats import RestartPrior
     from k3pipe.tracking import Tracker
@@ -60,8 +62,6 @@ __all__ = [
 
 NOISE_FILE = "noise.json"
 """On a study's run: the restart noise its cells measured (a list of :class:`NoiseEntry`)."""
-NOISE_TAG = "k3pipe.noise"
-"""On a study's run that kept noise: how many entries (the lookup searches for it)."""
 DEFAULT_PRIOR_DAYS = 30.0
 """How old an earlier study's noise may be to stand in for a launch not made."""
 MIN_PRIOR_DF = 5
@@ -140,7 +140,7 @@ def run_class(arm_run: Any, workload_run: Any) -> CellClass | None:
     """The class of a workload run under its arm run (MLflow runs)."""
     params = arm_run.data.params
     return cell_class(
-        arm_run.data.tags.get("k3pipe.engine", "?"),
+        arm_run.data.tags.get(ENGINE_TAG, "?"),
         model_identity(params),
         node_of(params),
         workload_shape(workload_run.data.params),

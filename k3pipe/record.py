@@ -35,6 +35,49 @@ from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.health import EndpointCheck
 from k3pipe.launchers import equivalent_command
+from k3pipe.layout import (
+    ABORTED_TAG,
+    ANSWERS_ERROR_TAG,
+    ARM_TAG,
+    BURSTY_WORKLOADS_TAG,
+    CAPACITY_BINDING_TAG,
+    CAPACITY_CENSORED_TAG,
+    CAPACITY_TAG,
+    CLIENT_TIMING_NOTE_TAG,
+    CLIENT_TIMING_TAG,
+    ENERGY_GPUS_TAG,
+    ENGINE_DEVICE_NAMES_TAG,
+    ENGINE_FINDINGS_ERROR_TAG,
+    ENGINE_TAG,
+    ENGINE_WARNINGS_TAG,
+    ERROR_TAG,
+    EXPERIMENT_TAG,
+    GPUS_TAG,
+    KEPT_TAG,
+    KEPT_WORKLOADS_TAG,
+    LADDER_OVER_TAG,
+    LADDER_POINT_TAG,
+    LADDER_PREFIX,
+    LADDER_TAG,
+    LAUNCH_TAG,
+    LAUNCHER_TAG,
+    LAUNCHES_TAG,
+    LOSSLESS_TAG,
+    NODE_ERROR_TAG,
+    NODE_MISMATCH_TAG,
+    POOL_TAG,
+    PREFIX_CACHE_RESET_NOTE_TAG,
+    PREFIX_CACHE_RESET_TAG,
+    PREFLIGHT_TAG,
+    PROBE_TAG,
+    REPEAT_TAG,
+    REPEATS_ERROR_TAG,
+    SPECULATION_BASELINE_TAG,
+    SPECULATION_ERROR_TAG,
+    SPECULATION_VERDICT_TAG,
+    TWIN_TAG,
+    WORKLOAD_TAG,
+)
 from k3pipe.metrics import series_frame
 from k3pipe.node import NodeInfo, gpu_energy, gpu_memory_frame
 from k3pipe.observe import EngineLogFacts, log_wall_time, phase_table, same_device
@@ -182,12 +225,6 @@ def _ms(times: Mapping[str, float] | None, key: str) -> int | None:
     return None if times is None else round(times[key] * 1000)
 
 
-ANSWERS_ERROR_TAG = "k3pipe.answers_error"
-"""Why a launch's output probe stopped short (the answers it got are still in answers.json)."""
-LOSSLESS_TAG = "k3pipe.answers_lossless"
-"""A speculative arm's setting: under greedy decoding its tokens must be its plain twin's."""
-TWIN_TAG = "k3pipe.answers_twin"
-"""The plain arm (the same engine, model and other settings) a lossless setting is checked against."""
 
 
 class ArmRecorder:
@@ -202,16 +239,16 @@ class ArmRecorder:
     ) -> None:
         self.tracker = tracker
         self.plan = plan
-        launches = int((tags or {}).get("k3pipe.launches", "1"))
-        launch = (tags or {}).get("k3pipe.launch", "1")
+        launches = int((tags or {}).get(LAUNCHES_TAG, "1"))
+        launch = (tags or {}).get(LAUNCH_TAG, "1")
         self.run_id = tracker.start_run(
             f"{plan.experiment}/{plan.arm}"
             + ("#prime" if launch == "0" else f"#{launch}" if launches > 1 else ""),
             tags={
-                "k3pipe.experiment": plan.experiment,
-                "k3pipe.arm": plan.arm,
-                "k3pipe.engine": plan.engine,
-                "k3pipe.launcher": plan.launcher,
+                EXPERIMENT_TAG: plan.experiment,
+                ARM_TAG: plan.arm,
+                ENGINE_TAG: plan.engine,
+                LAUNCHER_TAG: plan.launcher,
                 **(tags or {}),
             },
             parent_id=parent_id,
@@ -336,7 +373,7 @@ class ArmRecorder:
         counts = {s: sum(f.severity == s for f in mine) for s in ("error", "warning", "info")}
         self.tracker.log_metrics(self.run_id, {f"preflight_{s}s": n for s, n in counts.items()})
         rules = sorted({f.rule for f in mine if f.severity != "info"})
-        self.tracker.set_tags(self.run_id, {"k3pipe.preflight": ", ".join(rules) or "clean"})
+        self.tracker.set_tags(self.run_id, {PREFLIGHT_TAG: ", ".join(rules) or "clean"})
 
     def log_prompts(self, workloads: Iterable[WorkloadSpec], prompts: Mapping[str, list[PromptSet]]) -> None:
         """Every prompt the arm will send, one artifact per workload repeat, and their digests in the
@@ -485,7 +522,7 @@ class ArmRecorder:
             f"{self.plan.arm}/{workload.name}#{k + 1}",
             tags={
                 **tags,
-                "k3pipe.repeat": str(k + 1),
+                REPEAT_TAG: str(k + 1),
                 "mlflow.note.content": (
                     f"Repeat {k + 1} of {workload.repeats} of workload **{workload.name}** "
                     f"(seed {outcome.seed})."
@@ -507,9 +544,9 @@ class ArmRecorder:
 
     def _workload_tags(self, workload: WorkloadSpec) -> dict[str, str]:
         return {
-            "k3pipe.experiment": self.plan.experiment,
-            "k3pipe.arm": self.plan.arm,
-            "k3pipe.workload": workload.name,
+            EXPERIMENT_TAG: self.plan.experiment,
+            ARM_TAG: self.plan.arm,
+            WORKLOAD_TAG: workload.name,
         }
 
     def _repeats_parent(
@@ -557,7 +594,7 @@ class ArmRecorder:
         parent = self._repeats_parent(workload, tags, params)
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{workload.name}#{repeat + 1}",
-            tags={**tags, "k3pipe.repeat": str(repeat + 1)},
+            tags={**tags, REPEAT_TAG: str(repeat + 1)},
             parent_id=parent,
         )
         self.tracker.log_params(run_id, {**params, "workload.seed": seed, "repeat": repeat + 1})
@@ -582,7 +619,7 @@ class ArmRecorder:
         label = f"{point:.4g}rps" if over == "rate" else f"c{int(point)}"
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{probe.name}@{label}",
-            tags={**self._workload_tags(probe), "k3pipe.probe": label},
+            tags={**self._workload_tags(probe), PROBE_TAG: label},
             parent_id=search_run,
             start_ms=_ms(workload_times(outcome.result), "first_send_unix_s"),
         )
@@ -621,9 +658,9 @@ class ArmRecorder:
         self.tracker.set_tags(
             search_run,
             {
-                "k3pipe.capacity": result.describe(unit),
-                "k3pipe.capacity_binding": result.binding,
-                "k3pipe.capacity_censored": result.censored,
+                CAPACITY_TAG: result.describe(unit),
+                CAPACITY_BINDING_TAG: result.binding,
+                CAPACITY_CENSORED_TAG: result.censored,
             },
         )
         self._tag_probe_resets(search_run, workload)
@@ -668,7 +705,7 @@ class ArmRecorder:
             if interval is not None:
                 metrics[f"{key}_estimate_low"], metrics[f"{key}_estimate_high"] = interval
         self.tracker.log_metrics(run_id, metrics)
-        self.tracker.set_tags(run_id, {"k3pipe.capacity": summary.describe(unit)})
+        self.tracker.set_tags(run_id, {CAPACITY_TAG: summary.describe(unit)})
 
     def _tag_probe_resets(self, search_run: str, workload: WorkloadSpec) -> None:
         """``k3pipe.prefix_cache_reset`` on the search's run and the workload's (all its searches so
@@ -686,11 +723,11 @@ class ArmRecorder:
                 continue
             tags: dict[str, str | None]
             if not workload.capacity.reset_prefix_cache:
-                tags = {"k3pipe.prefix_cache_reset": "off"}
+                tags = {PREFIX_CACHE_RESET_TAG: "off"}
             else:
                 tags = {
-                    "k3pipe.prefix_cache_reset": "0" if not_ok else "1",
-                    "k3pipe.prefix_cache_reset_note": (
+                    PREFIX_CACHE_RESET_TAG: "0" if not_ok else "1",
+                    PREFIX_CACHE_RESET_NOTE_TAG: (
                         f"the prefix cache could not be emptied before {not_ok} of {ok + not_ok} probes"
                         if not_ok
                         else None
@@ -707,16 +744,16 @@ class ArmRecorder:
         self.tracker.set_tags(
             run_id,
             {
-                "k3pipe.ladder": ladder,
-                "k3pipe.ladder_over": over,
-                "k3pipe.ladder_point": repr(point),
-                "k3pipe.prefix_cache_reset": str(int(reset)),
+                LADDER_TAG: ladder,
+                LADDER_OVER_TAG: over,
+                LADDER_POINT_TAG: repr(point),
+                PREFIX_CACHE_RESET_TAG: str(int(reset)),
             },
         )
 
     def log_ladder(self, name: str, summary: str) -> None:
         """How a ladder went (its points, where it ended and why), on the arm's run."""
-        self.tracker.set_tags(self.run_id, {f"k3pipe.ladder.{name}": summary})
+        self.tracker.set_tags(self.run_id, {f"{LADDER_PREFIX}{name}": summary})
 
     def adopt_workload(self, workload: WorkloadSpec, run_id: str, measured_by: str) -> None:
         """A workload that finished under an earlier run of this launch, kept by a resume: its run
@@ -726,7 +763,7 @@ class ArmRecorder:
             run_id,
             {
                 "mlflow.parentRunId": self.run_id,
-                "k3pipe.kept_by_resume": (
+                KEPT_TAG: (
                     f"measured under arm run {measured_by} (an earlier engine start of this launch), "
                     "which did not finish; kept by a resume, not run again"
                 ),
@@ -737,24 +774,24 @@ class ArmRecorder:
             run = self.tracker.client.get_run(run_id)
             metrics = dict(run.data.metrics)
             self._single[workload.name] = metrics
-            if run.data.tags.get("k3pipe.client_timing") == "bursty":
+            if run.data.tags.get(CLIENT_TIMING_TAG) == "bursty":
                 self._bursty.add(workload.name)
         else:
-            repeats = [r for r in self.tracker.children(run_id) if r.data.tags.get("k3pipe.repeat")]
-            repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
+            repeats = [r for r in self.tracker.children(run_id) if r.data.tags.get(REPEAT_TAG)]
+            repeats.sort(key=lambda r: int(r.data.tags[REPEAT_TAG]))
             self._repeat_metrics[workload.name] = [
-                {**r.data.metrics, "repeat": float(r.data.tags["k3pipe.repeat"])} for r in repeats
+                {**r.data.metrics, "repeat": float(r.data.tags[REPEAT_TAG])} for r in repeats
             ]
-            if any(r.data.tags.get("k3pipe.client_timing") == "bursty" for r in repeats):
+            if any(r.data.tags.get(CLIENT_TIMING_TAG) == "bursty" for r in repeats):
                 self._bursty.add(workload.name)
             stats = aggregate_repeats(self._repeat_metrics[workload.name])
             metrics = {k: v.mean for k, v in stats.items()}
         self.tracker.log_metrics(self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS})
         if self._bursty:
-            self.tracker.set_tags(self.run_id, {"k3pipe.bursty_workloads": ",".join(sorted(self._bursty))})
+            self.tracker.set_tags(self.run_id, {BURSTY_WORKLOADS_TAG: ",".join(sorted(self._bursty))})
         kept = sorted(set(self._kept) | {workload.name})
         self._kept = kept
-        self.tracker.set_tags(self.run_id, {"k3pipe.kept_workloads": ",".join(kept)})
+        self.tracker.set_tags(self.run_id, {KEPT_WORKLOADS_TAG: ",".join(kept)})
 
     def repeat_metrics(self, name: str) -> list[dict[str, float]]:
         """A workload's metrics, one mapping per repeat measured (one for a single-repeat workload)."""
@@ -816,17 +853,17 @@ class ArmRecorder:
             note = timing_note({**metrics, **outcome.engine_metrics})
             self.tracker.set_tags(
                 run_id,
-                {"k3pipe.client_timing": "bursty" if note else "ok", "k3pipe.client_timing_note": note},
+                {CLIENT_TIMING_TAG: "bursty" if note else "ok", CLIENT_TIMING_NOTE_TAG: note},
             )
             if note:
                 self._bursty.add(result.workload)
                 self.tracker.set_tags(
-                    self.run_id, {"k3pipe.bursty_workloads": ",".join(sorted(self._bursty))}
+                    self.run_id, {BURSTY_WORKLOADS_TAG: ",".join(sorted(self._bursty))}
                 )
             aborted = result.aborted or outcome.engine_lost
             if aborted:
                 # ended early (the engine lost, an interrupt): what it measured is here, marked so
-                self.tracker.set_tags(run_id, {"k3pipe.aborted": aborted})
+                self.tracker.set_tags(run_id, {ABORTED_TAG: aborted})
                 self.tracker.end_run(run_id, "KILLED" if outcome.interrupted else "FAILED", end_ms)
             else:
                 failed = bool(metrics.get("failed"))
@@ -928,7 +965,7 @@ class ArmRecorder:
             )
         if said:
             warnings = scrub(" | ".join(s.replace(" | ", " / ") for s in said))[:4000]
-            self.tracker.set_tags(self.run_id, {"k3pipe.engine_warnings": warnings})
+            self.tracker.set_tags(self.run_id, {ENGINE_WARNINGS_TAG: warnings})
         self._log_phases(facts)
         return facts
 
@@ -976,7 +1013,7 @@ class ArmRecorder:
         or None."""
         if not facts.device_names:
             return None
-        self.tracker.set_tags(self.run_id, {"k3pipe.engine_device_names": ", ".join(facts.device_names)})
+        self.tracker.set_tags(self.run_id, {ENGINE_DEVICE_NAMES_TAG: ", ".join(facts.device_names)})
         hardware = self.plan.hardware
         if self.gpu_names:
             wrong = [d for d in facts.device_names if not same_device(d, self.gpu_names)]
@@ -1056,7 +1093,7 @@ class ArmRecorder:
             wrong = hardware_mismatches(self.plan.hardware, node.gpus)
             self.tracker.log_metrics(self.run_id, {"node.hardware_mismatch": int(bool(wrong))})
             if wrong:
-                self.tracker.set_tags(self.run_id, {"k3pipe.node_mismatch": " | ".join(wrong)[:4000]})
+                self.tracker.set_tags(self.run_id, {NODE_MISMATCH_TAG: " | ".join(wrong)[:4000]})
         self.tracker.log_text(self.run_id, node.nvidia_smi, "node/nvidia-smi-before.txt")
         if node.topology is not None:
             self.tracker.log_text(self.run_id, node.topology, "node/nvidia-smi-topo.txt")
@@ -1073,7 +1110,7 @@ class ArmRecorder:
         self.node_gpus = len(listed) if listed is not None else None
         self._gpus_logged = True
         self.tracker.log_params(self.run_id, gpus.params(listed))
-        self.tracker.set_tags(self.run_id, {"k3pipe.gpus": self.gpus_label()})
+        self.tracker.set_tags(self.run_id, {GPUS_TAG: self.gpus_label()})
 
     def gpus_label(self) -> str:
         """What this arm's energy and per-GPU figures count ('GPUs 0,1 of 8', 'node-wide: 8 GPUs')."""
@@ -1087,7 +1124,7 @@ class ArmRecorder:
         try:
             self.tracker.log_text(self.run_id, report, "node/nvidia-smi-after.txt")
         except Exception as exc:  # a bonus: never lose the run over it
-            self.tracker.set_tags(self.run_id, {"k3pipe.node_error": repr(exc)[:500]})
+            self.tracker.set_tags(self.run_id, {NODE_ERROR_TAG: repr(exc)[:500]})
 
     def _log_gpu_memory(
         self, run_id: str, outcome: WorkloadOutcome, metrics: Mapping[str, float]
@@ -1104,7 +1141,7 @@ class ArmRecorder:
         self.tracker.log_metrics(run_id, {"gpu_memory_used_mib_max": peak})
         energy = gpu_energy(outcome.gpu_memory, result.t_start, result.t_end, self.gpus_counted)
         if energy is not None:
-            self.tracker.set_tags(run_id, {"k3pipe.energy_gpus": self.gpus_label()})
+            self.tracker.set_tags(run_id, {ENERGY_GPUS_TAG: self.gpus_label()})
         return energy_metrics(energy, metrics)
 
     def finish(self, status: str, error: BaseException | None = None, log_path: Path | None = None) -> None:
@@ -1115,16 +1152,16 @@ class ArmRecorder:
                 try:
                     self._close_repeats(name, "FAILED" if status == "FINISHED" else status)
                 except Exception as exc:  # never lose the arm's own run over a workload's
-                    self.tracker.set_tags(self.run_id, {"k3pipe.repeats_error": repr(exc)[:500]})
+                    self.tracker.set_tags(self.run_id, {REPEATS_ERROR_TAG: repr(exc)[:500]})
             if log_path is not None:
                 self.tracker.log_file(self.run_id, log_path, "logs")
                 try:
                     self.log_engine_findings(log_path)
                 except Exception as exc:  # findings are a bonus: never lose the run over them
-                    self.tracker.set_tags(self.run_id, {"k3pipe.engine_findings_error": repr(exc)[:500]})
+                    self.tracker.set_tags(self.run_id, {ENGINE_FINDINGS_ERROR_TAG: repr(exc)[:500]})
             if error is not None:
                 self.tracker.set_tags(
-                    self.run_id, {"k3pipe.error": scrub(f"{type(error).__name__}: {error}")[:4000]}
+                    self.run_id, {ERROR_TAG: scrub(f"{type(error).__name__}: {error}")[:4000]}
                 )
                 self.tracker.log_text(
                     self.run_id,
@@ -1214,10 +1251,10 @@ def record_failed_arm(
     run_id = tracker.start_run(
         f"{experiment}/{arm}",
         tags={
-            "k3pipe.experiment": experiment,
-            "k3pipe.arm": arm,
-            "k3pipe.engine": engine,
-            "k3pipe.error": scrub(error)[:4000],
+            EXPERIMENT_TAG: experiment,
+            ARM_TAG: arm,
+            ENGINE_TAG: engine,
+            ERROR_TAG: scrub(error)[:4000],
             **(tags or {}),
         },
         parent_id=parent_id,
@@ -1245,10 +1282,10 @@ def close_abandoned(tracker: Tracker, run_id: str, why: str, upward: bool = True
             continue
         todo += [child.info.run_id for child in tracker.children(current)]
         if run.info.status == "RUNNING":
-            tracker.set_tags(current, {"k3pipe.error": why})
+            tracker.set_tags(current, {ERROR_TAG: why})
             tracker.end_run(current, "KILLED")
             closed.append(current)
-        mine_above = upward and current == run_id and not run.data.tags.get("k3pipe.pool")
+        mine_above = upward and current == run_id and not run.data.tags.get(POOL_TAG)
         parent = run.data.tags.get("mlflow.parentRunId") if mine_above else None
         while parent:  # a study or retest the same process ran
             try:
@@ -1256,7 +1293,7 @@ def close_abandoned(tracker: Tracker, run_id: str, why: str, upward: bool = True
             except MlflowException:
                 break
             if above.info.status == "RUNNING":
-                tracker.set_tags(parent, {"k3pipe.error": why})
+                tracker.set_tags(parent, {ERROR_TAG: why})
                 tracker.end_run(parent, "KILLED")
                 closed.append(parent)
             parent = above.data.tags.get("mlflow.parentRunId")
@@ -1274,7 +1311,7 @@ def record_preflight_stop(
     """A FAILED run for an arm that preflight stopped before launch: its findings and why."""
     run_id = tracker.start_run(
         f"{experiment}/{arm}",
-        tags={"k3pipe.experiment": experiment, "k3pipe.arm": arm, **(tags or {})},
+        tags={EXPERIMENT_TAG: experiment, ARM_TAG: arm, **(tags or {})},
         parent_id=parent_id,
     )
     mine = [f for f in findings if f.arm in (None, arm)]
@@ -1287,7 +1324,7 @@ def record_preflight_stop(
         others = sorted({f.arm for f in findings if f.severity == "error" and f.arm})
         rules = "; ".join(sorted({f.rule for f in findings if f.severity == "error"}))
         why = f"preflight: not launched: preflight found errors in arm(s) {', '.join(others)} ({rules})"
-    tracker.set_tags(run_id, {"k3pipe.error": why})
+    tracker.set_tags(run_id, {ERROR_TAG: why})
     tracker.end_run(run_id, "FAILED")
     return run_id
 
@@ -1320,9 +1357,9 @@ def record_speculation(tracker: Tracker, run_ids: Mapping[str, str], report: Spe
             tracker.set_tags(
                 run_id,
                 {
-                    "k3pipe.speculation_verdict": arm.summary,
-                    "k3pipe.speculation_baseline": arm.baseline.baseline or "none",
+                    SPECULATION_VERDICT_TAG: arm.summary,
+                    SPECULATION_BASELINE_TAG: arm.baseline.baseline or "none",
                 },
             )
         except Exception as exc:  # a judgement after the fact: never lose the flow over it
-            tracker.set_tags(run_id, {"k3pipe.speculation_error": repr(exc)[:500]})
+            tracker.set_tags(run_id, {SPECULATION_ERROR_TAG: repr(exc)[:500]})

@@ -23,6 +23,7 @@ from k3pipe.bench.repeats import Comparison, compare, judged
 from k3pipe.compare import DEFAULT_METRICS, compare_workloads, find_run, request_values, workload_priors
 from k3pipe.errors import K3pipeError, RerunError
 from k3pipe.experiment import parse_experiment
+from k3pipe.layout import RERUN_TAG, WORKLOAD_TAG
 from k3pipe.report.collect import StudyData
 from k3pipe.runrecord import RECORD_FILE, RunRecord, prompts_digest
 from k3pipe.secrets import REDACTED
@@ -33,7 +34,6 @@ from k3pipe.tracking import Tracker
 
 __all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict", "verdict_rows"]
 
-RERUN_TAG = "k3pipe.rerun_of"
 Progress = Callable[[str], None]
 
 
@@ -53,7 +53,7 @@ def arm_run(tracker: Tracker, run_ref: str) -> Any:
     """The arm's MLflow run for ``run_ref``: an arm run, or a workload or repeat run under one."""
     run = find_run(tracker, run_ref)
     for _ in range(2):  # repeat -> workload -> arm
-        if not (run.data.tags.get("k3pipe.workload") and run.data.tags.get("mlflow.parentRunId")):
+        if not (run.data.tags.get(WORKLOAD_TAG) and run.data.tags.get("mlflow.parentRunId")):
             break
         run = tracker.client.get_run(run.data.tags["mlflow.parentRunId"])
     return run
@@ -295,8 +295,8 @@ class WorkloadVerdict:
 
 def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[WorkloadVerdict]:
     """Each workload of the rerun against the original's: ``k3pipe compare``'s test, per metric."""
-    a = {c.data.tags.get("k3pipe.workload"): c for c in tracker.children(original_arm)}
-    b = {c.data.tags.get("k3pipe.workload"): c for c in tracker.children(rerun_arm)}
+    a = {c.data.tags.get(WORKLOAD_TAG): c for c in tracker.children(original_arm)}
+    b = {c.data.tags.get(WORKLOAD_TAG): c for c in tracker.children(rerun_arm)}
     out = []
     for name in sorted(k for k in a if k and k in b):
         rows = compare_workloads(tracker, a[name], b[name], DEFAULT_METRICS)

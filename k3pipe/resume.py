@@ -37,6 +37,18 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.compare import find_run
 from k3pipe.errors import K3pipeError
 from k3pipe.experiment import parse_experiment
+from k3pipe.layout import (
+    ARM_TAG,
+    EXPERIMENT_TAG,
+    KEPT_TAG,
+    KIND_TAG,
+    LADDER_POINT_TAG,
+    LADDER_PREFIX,
+    LADDER_TAG,
+    LAUNCH_TAG,
+    RESUMED_TAG,
+    WORKLOAD_TAG,
+)
 from k3pipe.report.collect import PRIME_TAG, STUDY_KIND, SUPERSEDED_TAG
 from k3pipe.runrecord import RECORD_FILE, KeptWorkloads, RunRecord, prompts_artifact, prompts_digest
 from k3pipe.secrets import REDACTED, redact_data
@@ -58,11 +70,6 @@ __all__ = [
     "study_lock",
 ]
 
-KEPT_TAG = "k3pipe.kept_by_resume"
-"""On a workload run that finished under an unfinished launch and that a resume kept: where it was
-measured (the earlier arm run of the launch, another engine start)."""
-RESUMED_TAG = "k3pipe.resumed"
-"""On the study's run: how many times it was resumed."""
 ARMS_PARAM = "study_arms"
 """The study run's param naming the arms it runs, in order (the arms asked for, or all)."""
 
@@ -117,8 +124,8 @@ class ResumePoint:
 
 def _launch(run: Any) -> tuple[str, int]:
     tags = run.data.tags
-    launch = 0 if tags.get(PRIME_TAG) else int(tags.get("k3pipe.launch", "1"))
-    return tags["k3pipe.arm"], launch
+    launch = 0 if tags.get(PRIME_TAG) else int(tags.get(LAUNCH_TAG, "1"))
+    return tags[ARM_TAG], launch
 
 
 def _record(tracker: Tracker, run_id: str) -> RunRecord | None:
@@ -146,12 +153,12 @@ def read_study(tracker: Tracker, run_ref: str, what: str = "resumed") -> tuple[A
     run = find_run(tracker, run_ref)
     run_id = run.info.run_id
     tags = run.data.tags
-    if tags.get("k3pipe.kind") != STUDY_KIND:
+    if tags.get(KIND_TAG) != STUDY_KIND:
         raise ResumeError(
-            f"run {run_id} is not a study's run (tag k3pipe.kind is {tags.get('k3pipe.kind')!r}): give the "
+            f"run {run_id} is not a study's run (tag k3pipe.kind is {tags.get(KIND_TAG)!r}): give the "
             "study run id `k3pipe study` printed (`k3pipe runs` lists them)"
         )
-    name = tags.get("k3pipe.experiment", run.info.run_name)
+    name = tags.get(EXPERIMENT_TAG, run.info.run_name)
     raw = tracker.read_artifact(run_id, "experiment.json")
     if raw is None:
         raise ResumeError(f"study {name} (run {run_id}) has no experiment.json: it cannot be {what}")
@@ -178,7 +185,7 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
     run, spec = read_study(tracker, run_ref)
     run_id = run.info.run_id
     tags = run.data.tags
-    name = tags.get("k3pipe.experiment", run.info.run_name)
+    name = tags.get(EXPERIMENT_TAG, run.info.run_name)
     params = dict(run.data.params)
     arms = str(params.get(ARMS_PARAM) or params.get("arms") or "").split(",")
     point = ResumePoint(
@@ -194,7 +201,7 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
         resumes=int(tags.get(RESUMED_TAG, "0")),
     )
     for arm_run in sorted(tracker.children(run_id), key=lambda r: r.info.start_time):
-        if not arm_run.data.tags.get("k3pipe.arm") or arm_run.data.tags.get(SUPERSEDED_TAG):
+        if not arm_run.data.tags.get(ARM_TAG) or arm_run.data.tags.get(SUPERSEDED_TAG):
             continue
         key = _launch(arm_run)
         if arm_run.info.status == "FINISHED":
@@ -220,9 +227,9 @@ def _finished_workloads(tracker: Tracker, arm_run: Any, spec: ExperimentSpec) ->
     clean: dict[str, Any] = {}
     rungs: dict[str, list[Any]] = {}
     for run in tracker.children(arm_run.info.run_id):
-        name = run.data.tags.get("k3pipe.workload")
+        name = run.data.tags.get(WORKLOAD_TAG)
         ok = run.info.status == "FINISHED" and not run.data.metrics.get("failed")
-        ladder = run.data.tags.get("k3pipe.ladder")
+        ladder = run.data.tags.get(LADDER_TAG)
         if ladder:
             rungs.setdefault(ladder, []).append(run if ok else None)
         elif name and ok:
@@ -231,11 +238,11 @@ def _finished_workloads(tracker: Tracker, arm_run: Any, spec: ExperimentSpec) ->
     ladders: dict[str, str] = {}
     for workload in spec.workloads:
         if workload.ladder is not None:
-            summary = arm_run.data.tags.get(f"k3pipe.ladder.{workload.name}")
+            summary = arm_run.data.tags.get(f"{LADDER_PREFIX}{workload.name}")
             points = rungs.get(workload.name, [])
             if not summary or not points or any(r is None or not _all_repeats(r, workload) for r in points):
                 break  # a ladder that did not end (its summary is logged last), or a point not clean
-            points.sort(key=lambda r: float(r.data.tags["k3pipe.ladder_point"]))
+            points.sort(key=lambda r: float(r.data.tags[LADDER_POINT_TAG]))
             kept[workload.name] = ",".join(r.info.run_id for r in points)
             ladders[workload.name] = summary
             continue

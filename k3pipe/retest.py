@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3pipe.errors import SpecError
+from k3pipe.layout import EXPERIMENT_TAG, KIND_TAG
 from k3pipe.report.retest import BASELINE, RETEST_KIND, VARIANTS_FILE
 from k3pipe.secrets import redact_data
 from k3pipe.specs import ExperimentSpec
@@ -95,7 +96,7 @@ def start_retest(
     ``params`` besides (the overrides it was started with, ``override.*``)."""
     run_id = tracker.start_run(
         f"retest/{spec.name}",
-        tags={"k3pipe.kind": RETEST_KIND, "k3pipe.experiment": spec.name, **(tags or {})},
+        tags={KIND_TAG: RETEST_KIND, EXPERIMENT_TAG: spec.name, **(tags or {})},
     )
     variants = [t for t in targets if t.label != BASELINE]
     tracker.log_params(

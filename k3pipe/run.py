@@ -49,6 +49,7 @@ from k3pipe.health import (
 )
 from k3pipe.launchers.base import Launcher
 from k3pipe.launchers.factory import launch_engine, pull_image
+from k3pipe.layout import LADDER_POINT_TAG, LAUNCH_TAG, MLFLOW_RUN_LABEL, RERUN_DRIFT_TAG
 from k3pipe.node import NodeInfo, nvidia_smi_report, probe_node
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import ArmRecorder
@@ -380,7 +381,7 @@ class ArmRun:
         if self.rerun is not None:
             tags[RERUN_TAG] = self.rerun.run_id
             if self.rerun.drift:
-                tags["k3pipe.rerun_drift"] = "; ".join(self.rerun.drift)
+                tags[RERUN_DRIFT_TAG] = "; ".join(self.rerun.drift)
         recorder = self.recorder = ArmRecorder(self.tracker, plan, tags=tags, parent_id=self.parent_run_id)
         if self.rerun is not None:
             recorder.rerun_of, recorder.drift = self.rerun.run_id, list(self.rerun.drift)
@@ -409,7 +410,7 @@ class ArmRun:
         if plan.launch.pins_image:
             image = (self.image_source or self.steps.pull_image)(plan)
             recorder.log_image(image, plan)
-        labels = {**self.labels, "k3pipe.mlflow_run_id": recorder.run_id}
+        labels = {**self.labels, MLFLOW_RUN_LABEL: recorder.run_id}
         node = self.steps.probe_node(plan, self.settings)
         recorder.log_node(node)
         # a local engine inherits k3pipe's environment (its CUDA_VISIBLE_DEVICES among it)
@@ -479,7 +480,7 @@ class ArmRun:
         if self.spec.answers is not None:
             self._probe_answers(self.spec.answers, plan, recorder, model_dir)
             self._probe_structured(self.spec.answers, plan, recorder)
-            if self.spec.answers.accuracy is not None and self.tags.get("k3pipe.launch", "1") == "1":
+            if self.spec.answers.accuracy is not None and self.tags.get(LAUNCH_TAG, "1") == "1":
                 self._score(self.spec.answers.accuracy, plan, recorder)
         failed = {r["workload"]: int(r.get("failed") or 0) for r in self.outcome.workloads if r.get("failed")}
         if failed:
@@ -573,7 +574,7 @@ class ArmRun:
         assert self.outcome is not None
         for run_id in run_ids.split(","):
             tags = self.tracker.client.get_run(run_id).data.tags
-            rung = workload.rung(float(tags["k3pipe.ladder_point"]))
+            rung = workload.rung(float(tags[LADDER_POINT_TAG]))
             recorder.adopt_workload(rung, run_id, self.kept.arm_run_id)
             self.outcome.workloads.append(
                 {"arm": self.arm, "workload": rung.name, **recorder.workload_metrics(rung.name)}

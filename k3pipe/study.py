@@ -37,6 +37,17 @@ from k3pipe.bench.corpora import PromptSet
 from k3pipe.engines.base import Finding
 from k3pipe.fleet import Remote, Ticket, dispatch, log_study_prompts
 from k3pipe.launchers.factory import pull_image
+from k3pipe.layout import (
+    DECISION_ALPHA_TAG,
+    DECISION_LOOK_TAG,
+    DECISION_LOOKS_TAG,
+    DECISION_STOPPED_TAG,
+    EXPERIMENT_TAG,
+    FAILED_ARMS_TAG,
+    KIND_TAG,
+    LAUNCH_TAG,
+    LAUNCHES_TAG,
+)
 from k3pipe.plan import ArmPlan, plan_arm
 from k3pipe.record import record_failed_arm
 from k3pipe.report.collect import PRIME_TAG, STUDY_KIND
@@ -133,7 +144,7 @@ def start_study(
     under ``parent_id`` (a retest's run) when given."""
     run_id = tracker.start_run(
         f"study/{spec.name}",
-        tags={"k3pipe.kind": STUDY_KIND, "k3pipe.experiment": spec.name, **(tags or {})},
+        tags={KIND_TAG: STUDY_KIND, EXPERIMENT_TAG: spec.name, **(tags or {})},
         parent_id=parent_id,
     )
     tracker.log_params(
@@ -319,7 +330,7 @@ class Study:
             if reached or look == rounds:
                 stop = why if reached else f"the most launches ({until.max_launches} per arm) ran; {why}"
                 self.say(f"decision: stopping at look {look + 1} of at most {rounds + 1}: {stop}")
-                self.tracker.set_tags(self.run_id, {"k3pipe.decision.stopped": stop})
+                self.tracker.set_tags(self.run_id, {DECISION_STOPPED_TAG: stop})
                 return
             elapsed = time.perf_counter() - start
             if until.budget_s is not None and elapsed + max(round_s) > until.budget_s:
@@ -328,7 +339,7 @@ class Study:
                     f"{until.budget_s:g} s ({elapsed:.0f} s spent); {why}"
                 )
                 self.say(f"decision: stopping at look {look + 1} of at most {rounds + 1}: {stop}")
-                self.tracker.set_tags(self.run_id, {"k3pipe.decision.stopped": stop})
+                self.tracker.set_tags(self.run_id, {DECISION_STOPPED_TAG: stop})
                 return
             self.say(f"decision: not reached at look {look + 1} ({why}): one more launch of every arm")
             counts = {n: planned[n] + look + 1 for n in names}
@@ -361,7 +372,7 @@ class Study:
                 continue
             result = next(ran)
             if not result.mlflow_run_id:
-                tags = {**self.tags, "k3pipe.launch": str(launch), "k3pipe.launches": str(most[name])}
+                tags = {**self.tags, LAUNCH_TAG: str(launch), LAUNCHES_TAG: str(most[name])}
                 result.mlflow_run_id = record_failed_arm(
                     self.tracker, self.spec.name, name, self.spec.arm(name).engine.kind,
                     result.error or "not run", tags, self.run_id,
@@ -379,8 +390,8 @@ class Study:
         """Where the study stands among its looks: the report's verdicts use this look's alpha."""
         self.tracker.set_tags(
             self.run_id,
-            {"k3pipe.decision.look": str(look), "k3pipe.decision.looks": str(looks),
-             "k3pipe.decision.alpha": repr(alpha)},
+            {DECISION_LOOK_TAG: str(look), DECISION_LOOKS_TAG: str(looks),
+             DECISION_ALPHA_TAG: repr(alpha)},
         )  # fmt: skip
 
     def _arm(
@@ -393,7 +404,7 @@ class Study:
         launches: int = 1,
     ) -> ArmOutcome:
         prefix = stage_prefix(arm.name, launch)
-        tags = {**self.tags, "k3pipe.launch": str(launch), "k3pipe.launches": str(launches)}
+        tags = {**self.tags, LAUNCH_TAG: str(launch), LAUNCHES_TAG: str(launches)}
         if launch == 0:
             tags[PRIME_TAG] = "1"
         waited = time.perf_counter()
@@ -477,7 +488,7 @@ class Study:
             self.tracker.log_metrics(self.run_id, metrics)
             if outcome.failed:
                 self.tracker.set_tags(
-                    self.run_id, {"k3pipe.failed_arms": ",".join(o.arm for o in outcome.failed)}
+                    self.run_id, {FAILED_ARMS_TAG: ",".join(o.arm for o in outcome.failed)}
                 )
         finally:
             self.tracker.end_run(self.run_id, status)

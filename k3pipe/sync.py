@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
+from k3pipe.layout import ERROR_TAG
 from k3pipe.push import Pusher, is_remote, is_transient, probe_tracking
 from k3pipe.settings import apply_mlflow_client_defaults
 from k3pipe.spool import IdMap, Journal, list_sessions, try_lock, unlock
@@ -167,8 +168,8 @@ def _end_abandoned(journals: list[Journal], pid: object) -> list[AbandonedRun]:
         refused = journal.progress.mlflow_id is None and not journal.pending  # its creation was refused
         if journal.created_here and not journal.ended and not refused:
             last = journal.last_ms
-            if journal.tag("k3pipe.error") is None:
-                journal.append("tags", {"tags": {"k3pipe.error": ABANDONED.format(pid=pid or "?")}})
+            if journal.tag(ERROR_TAG) is None:
+                journal.append("tags", {"tags": {ERROR_TAG: ABANDONED.format(pid=pid or "?")}})
             journal.append("end", {"status": "KILLED", "end_ms": last})
             first = journal.first() or {}
             run_id = journal.progress.mlflow_id or journal.run_id

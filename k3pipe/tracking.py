@@ -47,6 +47,7 @@ from mlflow.exceptions import MlflowException
 
 from k3pipe import secrets as _secrets
 from k3pipe.errors import ArtifactMissingError, ArtifactStoreError, TrackingError, TrackingUnreachableError
+from k3pipe.layout import LAYOUT_TAG, LAYOUT_VERSION
 from k3pipe.procs import file_lock
 from k3pipe.provenance import git_commit
 from k3pipe.push import (
@@ -301,7 +302,11 @@ class Tracker:
     ) -> str:
         """A new run; ``start_ms``: when what it records began (wall clock, ms; default: now), so that
         a run logged once its work is done still starts when that work did."""
-        all_tags = {**source_tags(), **{k: self.scrub(str(v)) for k, v in (tags or {}).items()}}
+        all_tags = {
+            **source_tags(),
+            LAYOUT_TAG: LAYOUT_VERSION,  # the names this run is written with (k3pipe.layout)
+            **{k: self.scrub(str(v)) for k, v in (tags or {}).items()},
+        }
         if parent_id:
             all_tags["mlflow.parentRunId"] = parent_id
         try:

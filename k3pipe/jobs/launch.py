@@ -13,6 +13,7 @@ from typing import Any
 from k3pipe.fleet import Heartbeat, read_study_prompts
 from k3pipe.jobs.prepare import prepare
 from k3pipe.jobs.steps import Job
+from k3pipe.layout import LAUNCH_TAG, LAUNCHES_TAG, NODE_TAG, POOL_TAG
 from k3pipe.resume import read_study
 from k3pipe.run import ArmOutcome, ArmRun
 from k3pipe.schedule import models_of
@@ -20,10 +21,6 @@ from k3pipe.specs import ExperimentSpec
 
 __all__ = ["NODE_TAG", "POOL_TAG", "LaunchRequest", "run_launch"]
 
-NODE_TAG = "k3pipe.node"
-"""On a fleet launch's arm run: the host that ran it."""
-POOL_TAG = "k3pipe.pool"
-"""On a fleet launch's arm run: the work pool that ran it."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +54,8 @@ def _run_launch(request: LaunchRequest, job: Job, run: Any, spec: ExperimentSpec
     node = socket.gethostname()
     tags = {
         **job.tags,
-        "k3pipe.launch": str(request.launch),
-        "k3pipe.launches": str(request.launches),
+        LAUNCH_TAG: str(request.launch),
+        LAUNCHES_TAG: str(request.launches),
         NODE_TAG: node,
         POOL_TAG: request.pool,
     }

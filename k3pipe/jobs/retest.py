@@ -17,6 +17,7 @@ from k3pipe.errors import PartlyFailedError
 from k3pipe.jobs.prepare import check_spec
 from k3pipe.jobs.steps import Job, report_needs_mlflow
 from k3pipe.jobs.study import ArmsFailed, StudyRequest, StudyResult, run_study
+from k3pipe.layout import FAILED_PREFIX, FAILED_VARIANTS_TAG, KIND_TAG, RERUN_TAG, RETEST_RUN_TAG, VARIANT_TAG
 from k3pipe.params import RunRequest
 from k3pipe.report import retest_dir
 from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
@@ -102,7 +103,7 @@ def retest(request: RunRequest, job: Job) -> RetestResult:
                     StudyRequest(
                         t.spec, request.source, [a.name for a in t.spec.arms], params=params,
                         parent_run_id=run_id, models={"model": model}, prompts=prompts[key],
-                        tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
+                        tags={VARIANT_TAG: t.label, RETEST_RUN_TAG: run_id},
                     ),
                     job,
                 )  # fmt: skip
@@ -113,14 +114,14 @@ def retest(request: RunRequest, job: Job) -> RetestResult:
                 failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")
                 job.warn("retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
             if t.label in failed:
-                tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
+                tracker.set_tags(run_id, {f"{FAILED_PREFIX}{t.label}": failed[t.label][:4000]})
         status = "FINISHED"
     except Exception:
         status = "FAILED"
         raise
     finally:
         if failed:
-            tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
+            tracker.set_tags(run_id, {FAILED_VARIANTS_TAG: ",".join(failed)})
         tracker.end_run(run_id, status)
     report_needs_mlflow(tracker, run_id)
     paths = job.steps.retest_report(tracker, run_id, retest_dir(job.home, spec.name, run_id))
@@ -156,7 +157,7 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
     tracker = job.tracker
     original = find_run(tracker, run_ref)
     orig_id = original.info.run_id
-    if original.data.tags.get("k3pipe.kind") != RETEST_KIND:
+    if original.data.tags.get(KIND_TAG) != RETEST_KIND:
         raise RerunError(f"run {orig_id} is not a retest's run (tag k3pipe.kind): give a retest's run id")
     recorded = tracker.read_artifact(orig_id, "experiment.json")
     if recorded is None:
@@ -167,11 +168,11 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
     targets = retest_targets(spec, names)
     overrides = {k: v for k, v in params.items() if k.startswith("override.")}
     children = {
-        c.data.tags.get("k3pipe.variant"): c.info.run_id
+        c.data.tags.get(VARIANT_TAG): c.info.run_id
         for c in tracker.children(orig_id)
-        if c.data.tags.get("k3pipe.variant")
+        if c.data.tags.get(VARIANT_TAG)
     }
-    tags = {**job.tags, "k3pipe.rerun_of": orig_id}
+    tags = {**job.tags, RERUN_TAG: orig_id}
     run_id = start_retest(tracker, spec, params.get("experiment_file", ""), targets, tags, overrides)
     job.say("rerun of retest %s (MLflow run %s): %s", spec.name, orig_id, run_id)
     studies: dict[str, StudyResult] = {}
@@ -185,7 +186,7 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
                     raise RerunError(f"the original retest has no study of {t.label}")
                 studies[t.label] = rerun_study(
                     study_of, job, allow_drift, parent_run_id=run_id,
-                    tags={"k3pipe.variant": t.label, "k3pipe.retest_run_id": run_id},
+                    tags={VARIANT_TAG: t.label, RETEST_RUN_TAG: run_id},
                 )  # fmt: skip
             except ArmsFailed as exc:
                 studies[t.label] = exc.study
@@ -194,14 +195,14 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
                 failed[t.label] = scrub(f"{type(exc).__name__}: {exc}")
                 job.warn("rerun of retest %s: %s did not run: %s", spec.name, t.label, failed[t.label])
             if t.label in failed:
-                tracker.set_tags(run_id, {f"k3pipe.failed.{t.label}": failed[t.label][:4000]})
+                tracker.set_tags(run_id, {f"{FAILED_PREFIX}{t.label}": failed[t.label][:4000]})
         status = "FINISHED"
     except Exception:
         status = "FAILED"
         raise
     finally:
         if failed:
-            tracker.set_tags(run_id, {"k3pipe.failed_variants": ",".join(failed)})
+            tracker.set_tags(run_id, {FAILED_VARIANTS_TAG: ",".join(failed)})
         tracker.end_run(run_id, status)
     report_needs_mlflow(tracker, run_id)
     paths = job.steps.retest_report(tracker, run_id, retest_dir(job.home, spec.name, run_id))

@@ -18,6 +18,7 @@ from typing import Any
 from k3pipe.errors import TrackingError
 from k3pipe.fleet import Remote
 from k3pipe.jobs.prepare import PrepareSteps
+from k3pipe.layout import FLOW_RUN_TAG
 from k3pipe.params import RunRequest
 from k3pipe.record import record_speculation
 from k3pipe.rerun import RerunInputs
@@ -133,7 +134,7 @@ class Job:
     @property
     def labels(self) -> dict[str, str]:
         """The labels of every engine the job starts (a later run reads whose it was)."""
-        return {"k3pipe.flow_run_id": self.flow_run_id}
+        return {FLOW_RUN_TAG: self.flow_run_id}
 
     def with_steps(self, **changes: Any) -> Job:
         """This job with some steps replaced (a test's broken step, say)."""

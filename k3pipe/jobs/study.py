@@ -14,6 +14,7 @@ from k3pipe.design import design_lines, load_history
 from k3pipe.errors import PartlyFailedError, RerunError, SpecError, first_line
 from k3pipe.jobs.prepare import Prepared, check_spec, prepare
 from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
+from k3pipe.layout import DRIFT_TAG, RERUN_TAG, RERUN_VERDICT_TAG, RESUME_TAG
 from k3pipe.node import node_here
 from k3pipe.params import INLINE_SOURCE, RunRequest
 from k3pipe.report import report_dir
@@ -169,7 +170,7 @@ def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None
         except BaseException:
             tracker.end_run(run_id, "FAILED")
             raise
-        tags = {**job.tags, "k3pipe.resume": str(point.resumes + 1)}
+        tags = {**job.tags, RESUME_TAG: str(point.resumes + 1)}
         study = _study(
             spec,
             run_id,
@@ -233,7 +234,7 @@ def rerun(
     arms = [restored[a.name].spec.arm(a.name) if a.name in restored else a for a in point.spec.arms]
     spec = point.spec.model_copy(update={"arms": arms})
     drift = sorted({d for inputs in restored.values() for d in inputs.drift})
-    marks = {"k3pipe.rerun_of": original} | ({"k3pipe.drift": " | ".join(drift)[:4000]} if drift else {})
+    marks = {RERUN_TAG: original} | ({DRIFT_TAG: " | ".join(drift)[:4000]} if drift else {})
     request = StudyRequest(
         spec,
         point.experiment_file or INLINE_SOURCE,
@@ -275,7 +276,7 @@ def _rerun_verdicts(job: Job, original: str, result: StudyResult) -> list[dict[s
         job.say("rerun of study: %s / %s (launches %s): %s", v.arm, v.workload, v.launches, v.summary)
     job.tracker.log_dict(result.study_run_id, out, RERUN_VERDICTS)
     summary = "; ".join(f"{v['arm']}/{v['workload']}: {v['verdict']}" for v in out)
-    job.tracker.set_tags(result.study_run_id, {"k3pipe.rerun_verdict": scrub(summary)[:4000] or "none"})
+    job.tracker.set_tags(result.study_run_id, {RERUN_VERDICT_TAG: scrub(summary)[:4000] or "none"})
     return out
 
 

@@ -24,6 +24,8 @@ from docker.types import DeviceRequest, Mount
 from k3pipe.errors import LaunchError, SpecError
 from k3pipe.launchers.base import Launcher, tail_file
 from k3pipe.launchers.specs import DockerLauncherSpec
+from k3pipe.layout import ARM_TAG, ENGINE_TAG, EXPERIMENT_TAG, MANAGED_LABEL, OWNER_LABEL
+from k3pipe.layout import FLOW_RUN_TAG as FLOW_RUN_LABEL
 from k3pipe.procs import alive, proc_stat
 from k3pipe.secrets import scrub
 
@@ -39,10 +41,6 @@ __all__ = [
     "reap_orphans",
 ]
 
-MANAGED_LABEL = "k3pipe.managed"
-FLOW_RUN_LABEL = "k3pipe.flow_run_id"
-OWNER_LABEL = "k3pipe.owner"
-"""The k3pipe process that started the container: 'BOOT_ID:PID:START_TICKS' of this host."""
 
 
 def owner_label() -> str:
@@ -282,8 +280,8 @@ def reap_orphans(
             continue  # nothing proves that its run has ended
         if progress:
             progress(
-                f"removing orphan container {container.short_id} ({container.labels.get('k3pipe.arm', '?')} "
-                f"of {container.labels.get('k3pipe.experiment', '?')}, flow run {run_id or 'unknown'})"
+                f"removing orphan container {container.short_id} ({container.labels.get(ARM_TAG, '?')} "
+                f"of {container.labels.get(EXPERIMENT_TAG, '?')}, flow run {run_id or 'unknown'})"
             )
         with contextlib.suppress(docker.errors.NotFound):
             container.remove(force=True)
@@ -347,9 +345,9 @@ def build(
         env,
         log_path,
         labels={
-            "k3pipe.experiment": plan.experiment,
-            "k3pipe.arm": plan.arm,
-            "k3pipe.engine": plan.engine,
+            EXPERIMENT_TAG: plan.experiment,
+            ARM_TAG: plan.arm,
+            ENGINE_TAG: plan.engine,
             **labels,
         },
         mounts=plan.mounts,

@@ -17,6 +17,34 @@ from k3pipe.bench.structured import STRUCTURED_FILE
 from k3pipe.compare import find_run, workload_values
 from k3pipe.cost import counted_label
 from k3pipe.errors import ArtifactMissingError, TrackingError
+from k3pipe.layout import (
+    ABORTED_TAG,
+    ARM_TAG,
+    CLIENT_TIMING_TAG,
+    DECISION_ALPHA_TAG,
+    DECISION_LOOK_TAG,
+    DECISION_LOOKS_TAG,
+    DECISION_STOPPED_TAG,
+    ENGINE_TAG,
+    ENGINE_WARNINGS_TAG,
+    ERROR_TAG,
+    EXPERIMENT_TAG,
+    KEPT_WORKLOADS_TAG,
+    KIND_TAG,
+    LADDER_POINT_TAG,
+    LADDER_PREFIX,
+    LADDER_TAG,
+    LAUNCH_TAG,
+    LOSSLESS_TAG,
+    NODE_MISMATCH_TAG,
+    PREFIX_CACHE_RESET_TAG,
+    PRIME_TAG,
+    REPEAT_TAG,
+    RESUMED_TAG,
+    SUPERSEDED_TAG,
+    TWIN_TAG,
+    WORKLOAD_TAG,
+)
 from k3pipe.node import hardware_label
 from k3pipe.priors import (
     DEFAULT_PRIOR_DAYS,
@@ -47,16 +75,6 @@ __all__ = [
 
 STUDY_KIND = "study"
 """The ``k3pipe.kind`` tag of a study's parent run."""
-PRIME_TAG = "k3pipe.prime"
-"""Tags the arm run of a priming launch (``decision.prime``): launch 0, kept out of the verdicts."""
-LADDER_TAG = "k3pipe.ladder."
-"""An arm run's tag per ladder workload (its name after the prefix): how the ladder ran."""
-ABORTED_TAG = "k3pipe.aborted"
-"""Tags a workload run (or a repeat's run) that ended before its planned requests (an interrupt, the
-engine lost): its value says why. Such a repeat is out of every figure (:class:`LaunchPart`)."""
-SUPERSEDED_TAG = "k3pipe.superseded"
-"""Tags the arm run of a launch that did not finish and that a resumed study ran again (its value
-says how): kept in MLflow with what it measured, left out of the report (k3pipe.resume)."""
 
 
 class LaunchPart(BaseModel):
@@ -424,18 +442,18 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
     tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
     hardware = hardware_label(params)
     findings_text = tracker.read_artifact(run.info.run_id, "preflight.json")
-    warnings = [w.strip() for w in tags.get("k3pipe.engine_warnings", "").split(" | ") if w.strip()]
+    warnings = [w.strip() for w in tags.get(ENGINE_WARNINGS_TAG, "").split(" | ") if w.strip()]
     return ArmData(
         hardware=hardware,
         model=model_identity(params),
         node=node_of(params),
         gpus=_gpus(run.data.params),
-        name=tags.get("k3pipe.arm", run.info.run_name),
-        engine=tags.get("k3pipe.engine", "?"),
+        name=tags.get(ARM_TAG, run.info.run_name),
+        engine=tags.get(ENGINE_TAG, "?"),
         run_id=run.info.run_id,
         status=run.info.status,
-        launch=int(tags.get("k3pipe.launch", "1")),
-        error=tags.get("k3pipe.error"),
+        launch=int(tags.get(LAUNCH_TAG, "1")),
+        error=tags.get(ERROR_TAG),
         cold_start_s=metrics.get("cold_start_s"),
         phases={
             k.removeprefix("cold_start.").removesuffix("_s"): v
@@ -446,15 +464,15 @@ def _arm(tracker: Tracker, run: Any) -> ArmData:
         log_decode_max_tps=metrics.get("engine_log.decode_throughput_max_tps"),
         log_spec_accept_length=metrics.get("engine_log.spec_accept_length_mean"),
         warnings=warnings,
-        node_mismatch=[w for w in tags.get("k3pipe.node_mismatch", "").split(" | ") if w],
+        node_mismatch=[w for w in tags.get(NODE_MISMATCH_TAG, "").split(" | ") if w],
         findings=json.loads(findings_text) if findings_text else [],
-        ladders={k.removeprefix(LADDER_TAG): v for k, v in tags.items() if k.startswith(LADDER_TAG)},
+        ladders={k.removeprefix(LADDER_PREFIX): v for k, v in tags.items() if k.startswith(LADDER_PREFIX)},
         accuracy=_json((tracker.read_artifact(run.info.run_id, ACCURACY_FILE) or b"").decode() or None)
         or None,
         structured=_json((tracker.read_artifact(run.info.run_id, STRUCTURED_FILE) or b"").decode() or None)
         or None,
-        lossless=tags.get("k3pipe.answers_lossless"),
-        twin=tags.get("k3pipe.answers_twin"),
+        lossless=tags.get(LOSSLESS_TAG),
+        twin=tags.get(TWIN_TAG),
         answers=_json((tracker.read_artifact(run.info.run_id, ANSWERS_FILE) or b"").decode() or None) or None,
     )
 
@@ -463,11 +481,11 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
     """The cells of one arm run: each workload nested under it, its repeats' values."""
     cells = []
     for wl in tracker.children(arm_run.info.run_id):
-        name = wl.data.tags.get("k3pipe.workload")
+        name = wl.data.tags.get(WORKLOAD_TAG)
         if not name:
             continue
-        repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get("k3pipe.repeat")]
-        repeats.sort(key=lambda r: int(r.data.tags["k3pipe.repeat"]))
+        repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get(REPEAT_TAG)]
+        repeats.sort(key=lambda r: int(r.data.tags[REPEAT_TAG]))
         params = wl.data.params
         capacity = _capacity_label(params)
         spec = _json(params.get("workload.capacity")) if capacity is not None else {}
@@ -494,9 +512,9 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 searches=_searches(tracker, kept or [wl]) if capacity is not None else [],
                 slo={k: float(v) for k, v in _json(params.get("workload.slo")).items() if v is not None},
                 attainment_pct=spec.get("attainment_pct"),
-                ladder=wl.data.tags.get("k3pipe.ladder"),
-                ladder_point=_float(wl.data.tags, "k3pipe.ladder_point"),
-                prefix_cache_reset=wl.data.tags.get("k3pipe.prefix_cache_reset"),
+                ladder=wl.data.tags.get(LADDER_TAG),
+                ladder_point=_float(wl.data.tags, LADDER_POINT_TAG),
+                prefix_cache_reset=wl.data.tags.get(PREFIX_CACHE_RESET_TAG),
             )
         )
     return cells
@@ -518,7 +536,7 @@ def _part(
         return part, ({} if aborted else values), []
     kept = [r for r in repeats if not r.data.tags.get(ABORTED_TAG)]
     cut = [
-        f"repeat {r.data.tags['k3pipe.repeat']} ended early ({r.data.tags[ABORTED_TAG]}){_sent(r)}"
+        f"repeat {r.data.tags[REPEAT_TAG]} ended early ({r.data.tags[ABORTED_TAG]}){_sent(r)}"
         for r in repeats
         if r.data.tags.get(ABORTED_TAG)
     ]
@@ -543,7 +561,7 @@ def _repeat_values(tracker: Tracker, wl: Any, kept: list[Any]) -> dict[str, list
     """Per metric, its value in each kept repeat (repeat order): from the workload's
     repeats.parquet (one row per repeat, its number in ``repeat``) where it exists, else from the
     kept repeats' own runs."""
-    numbers = [int(r.data.tags["k3pipe.repeat"]) for r in kept]
+    numbers = [int(r.data.tags[REPEAT_TAG]) for r in kept]
     raw = tracker.find_artifact(wl.info.run_id, "repeats.parquet")
     if raw is not None:
         frame = pd.read_parquet(io.BytesIO(raw))
@@ -597,10 +615,10 @@ def _capacity_label(params: dict[str, str]) -> str | None:
 def collect(tracker: Tracker, study_ref: str) -> StudyData:
     """The study ``study_ref`` (its run id, or a unique prefix) as recorded in MLflow."""
     run = find_run(tracker, study_ref)
-    if run.data.tags.get("k3pipe.kind") != STUDY_KIND:
+    if run.data.tags.get(KIND_TAG) != STUDY_KIND:
         raise TrackingError(
             f"run {run.info.run_id} is not a study's run (tag k3pipe.kind is "
-            f"{run.data.tags.get('k3pipe.kind')!r}); give the id `k3pipe study` printed, or find it with "
+            f"{run.data.tags.get(KIND_TAG)!r}); give the id `k3pipe study` printed, or find it with "
             "`k3pipe runs`"
         )
     arms: list[ArmData] = []
@@ -609,13 +627,13 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
     primed_cells: list[CellData] = []
     superseded = kept = 0
     for arm_run in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
-        if not arm_run.data.tags.get("k3pipe.arm"):
+        if not arm_run.data.tags.get(ARM_TAG):
             continue
         if arm_run.data.tags.get(SUPERSEDED_TAG):
             superseded += 1
             continue
         arm = _arm(tracker, arm_run)
-        kept += len([w for w in arm_run.data.tags.get("k3pipe.kept_workloads", "").split(",") if w])
+        kept += len([w for w in arm_run.data.tags.get(KEPT_WORKLOADS_TAG, "").split(",") if w])
         if arm_run.data.tags.get(PRIME_TAG):
             primed.append(arm)
             primed_cells.extend(_cells(tracker, arm_run, arm))
@@ -641,7 +659,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
     _attach_priors(tracker, arms, cells, run.info.start_time, decision.get("prior_days"))
     return StudyData(
         run_id=run.info.run_id,
-        name=run.data.tags.get("k3pipe.experiment", run.info.run_name),
+        name=run.data.tags.get(EXPERIMENT_TAG, run.info.run_name),
         status=run.info.status,
         arms=arms,
         cells=cells,
@@ -651,7 +669,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         reference=_reference(experiment),
         decision=decision,
         look=_look(run.data.tags),
-        resumed=int(run.data.tags.get("k3pipe.resumed", "0")),
+        resumed=int(run.data.tags.get(RESUMED_TAG, "0")),
         superseded=superseded,
         kept_workloads=kept,
         answers=experiment.get("answers") or None,
@@ -686,13 +704,13 @@ def _attach_priors(
 
 
 def _look(tags: dict[str, str]) -> dict[str, Any]:
-    if "k3pipe.decision.alpha" not in tags:
+    if DECISION_ALPHA_TAG not in tags:
         return {}
     return {
-        "look": int(tags.get("k3pipe.decision.look", "1")),
-        "looks": int(tags.get("k3pipe.decision.looks", "1")),
-        "alpha": float(tags["k3pipe.decision.alpha"]),
-        "stopped": tags.get("k3pipe.decision.stopped", ""),
+        "look": int(tags.get(DECISION_LOOK_TAG, "1")),
+        "looks": int(tags.get(DECISION_LOOKS_TAG, "1")),
+        "alpha": float(tags[DECISION_ALPHA_TAG]),
+        "stopped": tags.get(DECISION_STOPPED_TAG, ""),
     }
 
 
@@ -723,7 +741,7 @@ def requests_frame(tracker: Tracker, cell: CellData) -> pd.DataFrame | None:
     for run_id in cell.request_runs:
         try:
             data = tracker.find_artifact(run_id, "requests.parquet")
-            if data is None and "k3pipe.client_timing" in tracker.client.get_run(run_id).data.tags:
+            if data is None and CLIENT_TIMING_TAG in tracker.client.get_run(run_id).data.tags:
                 data = tracker.read_artifact(run_id, "requests.parquet", required=True)  # raises
         except ArtifactMissingError as exc:
             raise exc.context(f"the requests of workload {cell.workload} of arm {cell.arm}") from exc

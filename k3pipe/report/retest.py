@@ -29,6 +29,7 @@ from k3pipe import stats
 from k3pipe.compare import find_run
 from k3pipe.errors import ArtifactMissingError, TrackingError
 from k3pipe.figures import DEFAULT_DECISION, figure
+from k3pipe.layout import EXPERIMENT_TAG, FAILED_PREFIX, KIND_TAG, VARIANT_TAG
 from k3pipe.report.analysis import TABLE_METRICS, CellStat, Metric, design_of, is_bursty
 from k3pipe.report.collect import STUDY_KIND, StudyData, collect
 from k3pipe.report.render import Document, Section, Table, build_document, cell_text, to_html, to_markdown
@@ -303,15 +304,15 @@ def collect_retest(tracker: Tracker, ref: str) -> RetestData:
     """The retest ``ref`` (its run id, or a unique prefix) as recorded in MLflow."""
     run = find_run(tracker, ref)
     tags = run.data.tags
-    if tags.get("k3pipe.kind") != RETEST_KIND:
+    if tags.get(KIND_TAG) != RETEST_KIND:
         raise TrackingError(
-            f"run {run.info.run_id} is not a retest's run (tag k3pipe.kind is {tags.get('k3pipe.kind')!r}); "
+            f"run {run.info.run_id} is not a retest's run (tag k3pipe.kind is {tags.get(KIND_TAG)!r}); "
             "give the id `k3pipe retest` printed, or find it with `k3pipe runs`"
         )
     studies: dict[str, StudyData] = {}
     for child in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
-        label = child.data.tags.get("k3pipe.variant")
-        if child.data.tags.get("k3pipe.kind") == STUDY_KIND and label:
+        label = child.data.tags.get(VARIANT_TAG)
+        if child.data.tags.get(KIND_TAG) == STUDY_KIND and label:
             studies[label] = collect(tracker, child.info.run_id)
     # after the studies, whose errors name the workload; an artifact store that cannot be read raises
     # (ArtifactStoreError) rather than lose what each variant changes
@@ -321,13 +322,13 @@ def collect_retest(tracker: Tracker, ref: str) -> RetestData:
         raise exc.context(f"retest {run.info.run_id}'s variants") from exc
     meta: dict[str, Any] = json.loads(recorded) if recorded else {}
     failed = {
-        label: (tags.get(f"k3pipe.failed.{label}") or f"its study ended {s.status} with no cell recorded")
+        label: (tags.get(f"{FAILED_PREFIX}{label}") or f"its study ended {s.status} with no cell recorded")
         for label, s in studies.items()
         if not s.cells
     }
     for label in meta:
         if label not in studies:
-            failed[label] = tags.get(f"k3pipe.failed.{label}") or "its study was never started"
+            failed[label] = tags.get(f"{FAILED_PREFIX}{label}") or "its study was never started"
     if BASELINE not in studies:
         raise TrackingError(
             f"retest {run.info.run_id} has no baseline study under it (it ended {run.info.status} "
@@ -338,7 +339,7 @@ def collect_retest(tracker: Tracker, ref: str) -> RetestData:
     ]
     return RetestData(
         run_id=run.info.run_id,
-        name=tags.get("k3pipe.experiment", run.info.run_name),
+        name=tags.get(EXPERIMENT_TAG, run.info.run_name),
         status=run.info.status,
         baseline=studies[BASELINE],
         variants={label: studies[label] for label in order},

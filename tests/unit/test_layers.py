@@ -22,7 +22,7 @@ FLOORS: list[tuple[str, list[str]]] = [
         [
             "k3pipe.errors", "k3pipe.secrets", "k3pipe.settings", "k3pipe.procs", "k3pipe.figures",
             "k3pipe.stats", "k3pipe.series", "k3pipe.capacity", "k3pipe.provenance", "k3pipe.observe",
-            "k3pipe.kvpool", "k3pipe.owners", "k3pipe.answers",
+            "k3pipe.kvpool", "k3pipe.owners", "k3pipe.answers", "k3pipe.layout",
         ],
     ),
     (
