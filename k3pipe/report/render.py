@@ -15,6 +15,7 @@ from k3pipe.bench.structured import StructuredRecord, read_structured
 from k3pipe.capacity import SEARCHES_FOR_INTERVAL
 from k3pipe.report.analysis import Analysis, NoiseRow, Row
 from k3pipe.report.collect import CellData, StudyData
+from k3pipe.report.gate import ArmAnswers
 from k3pipe.specs import AnswersSpec
 
 __all__ = ["Document", "Section", "Table", "build_document", "cell_text", "num", "to_html", "to_markdown"]
@@ -253,8 +254,9 @@ def _structured_text(record: StructuredRecord) -> str:
     )
 
 
-def _differences(row: object) -> str:
-    diffs = getattr(row, "differences", None) or []
+def _differences(row: ArmAnswers) -> str:
+    """'2 prompt(s) differ where the floor pair agreed: p002 at token 3, p005 at token 3'."""
+    diffs = row.differences or []
     shown = ", ".join(f"{d.prompt_id} at token {d.position}" for d in diffs[:8])
     more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
     return f"{len(diffs)} prompt(s) differ where the floor pair agreed: {shown}{more}"
