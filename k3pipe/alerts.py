@@ -45,6 +45,7 @@ from k3pipe.layout import (
     KIND_TAG,
     REGRESSION_EVENT,
     REGRESSION_TAG,
+    STUDY_KIND,
     VARIANT_TAG,
     WORKLOAD_TAG,
 )
@@ -327,7 +328,7 @@ def _baseline_study(tracker: Tracker, retest_run_id: str) -> Any | None:
     """The retest's baseline study (its study without a variant)."""
     for study in tracker.children(retest_run_id):
         tags = study.data.tags
-        if tags.get(KIND_TAG) == "study" and tags.get(VARIANT_TAG, BASELINE) == BASELINE:
+        if tags.get(KIND_TAG) == STUDY_KIND and tags.get(VARIANT_TAG, BASELINE) == BASELINE:
             return study
     return None
 

@@ -13,7 +13,17 @@ from typing import Any
 import pandas as pd
 
 from k3pipe.errors import TrackingError
-from k3pipe.layout import ARM_TAG, ENGINE_TAG, EXPERIMENT_TAG, KIND_TAG, REPEAT_TAG, RERUN_TAG, VARIANT_TAG
+from k3pipe.layout import (
+    ARM_TAG,
+    ENGINE_TAG,
+    EXPERIMENT_TAG,
+    KIND_TAG,
+    REPEAT_TAG,
+    RERUN_TAG,
+    RETEST_KIND,
+    STUDY_KIND,
+    VARIANT_TAG,
+)
 from k3pipe.tracking import KEY_METRICS, Tracker
 
 __all__ = ["metric_history", "plot_history", "recent_runs"]
@@ -182,7 +192,7 @@ def recent_runs(
         if seen > limit:
             break
         kind = run.data.tags.get(KIND_TAG)
-        if kind == "retest":
+        if kind == RETEST_KIND:
             studies = sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time)
             found = [row for st in studies if of_variant(st) for row in study_rows(st, indent="  ")]
             if not found and (engine or model or workload or variant):
@@ -191,8 +201,8 @@ def recent_runs(
             rows.append({**_run_base(run), "workload": "(retest)"})
             rows.extend(found)
             continue
-        found = (study_rows(run) if kind == "study" else _run_rows(run)) if of_variant(run) else []
-        if kind != "study":
+        found = (study_rows(run) if kind == STUDY_KIND else _run_rows(run)) if of_variant(run) else []
+        if kind != STUDY_KIND:
             found = [r for r in found if wanted(run) and (not workload or r["workload"] == workload)]
         if not found:
             seen -= 1

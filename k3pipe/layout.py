@@ -78,11 +78,13 @@ __all__ = [
     "RERUN_VERDICT_TAG",
     "RESUMED_TAG",
     "RESUME_TAG",
+    "RETEST_KIND",
     "RETEST_RESOURCE_PREFIX",
     "RETEST_RUN_TAG",
     "SPECULATION_BASELINE_TAG",
     "SPECULATION_ERROR_TAG",
     "SPECULATION_VERDICT_TAG",
+    "STUDY_KIND",
     "SUPERSEDED_TAG",
     "TWIN_TAG",
     "VARIANT_TAG",
@@ -94,6 +96,11 @@ LAYOUT_VERSION = "1"
 LAYOUT_TAG = "k3pipe.layout"
 
 # --- what a run is, and where it belongs ---------------------------------------------------------
+STUDY_KIND = "study"
+"""The :data:`KIND_TAG` of a study's parent run."""
+RETEST_KIND = "retest"
+"""The :data:`KIND_TAG` of a retest's parent run (its studies, the baseline's and each variant's, under
+it)."""
 KIND_TAG = "k3pipe.kind"
 """The run's kind: 'study', 'retest', a search, a ladder point ... (a run without it is an arm's or a
 workload's, told by :data:`ARM_TAG` / :data:`WORKLOAD_TAG`)."""

@@ -41,6 +41,7 @@ from k3pipe.layout import (
     PRIME_TAG,
     REPEAT_TAG,
     RESUMED_TAG,
+    STUDY_KIND,
     SUPERSEDED_TAG,
     TWIN_TAG,
     WORKLOAD_TAG,
@@ -73,8 +74,6 @@ __all__ = [
     "requests_frame",
 ]
 
-STUDY_KIND = "study"
-"""The ``k3pipe.kind`` tag of a study's parent run."""
 
 
 class LaunchPart(BaseModel):

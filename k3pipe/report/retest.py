@@ -29,9 +29,9 @@ from k3pipe import stats
 from k3pipe.compare import find_run
 from k3pipe.errors import ArtifactMissingError, TrackingError
 from k3pipe.figures import DEFAULT_DECISION, figure
-from k3pipe.layout import EXPERIMENT_TAG, FAILED_PREFIX, KIND_TAG, VARIANT_TAG
+from k3pipe.layout import EXPERIMENT_TAG, FAILED_PREFIX, KIND_TAG, RETEST_KIND, STUDY_KIND, VARIANT_TAG
 from k3pipe.report.analysis import TABLE_METRICS, CellStat, Metric, design_of, is_bursty
-from k3pipe.report.collect import STUDY_KIND, StudyData, collect
+from k3pipe.report.collect import StudyData, collect
 from k3pipe.report.render import Document, Section, Table, build_document, cell_text, to_html, to_markdown
 from k3pipe.tracking import Tracker
 
@@ -49,8 +49,6 @@ __all__ = [
     "publish_retest",
 ]
 
-RETEST_KIND = "retest"
-"""The ``k3pipe.kind`` tag of a retest's parent run."""
 BASELINE = "baseline"
 """The ``k3pipe.variant`` tag of the baseline's study in a retest."""
 VARIANTS_FILE = "variants.json"
