@@ -584,7 +584,8 @@ def _calibration_section(data: StudyData, analysis: Analysis) -> Section | None:
     if not rows:
         return Section("Calibration: A/A", [f"{base} and its copy {copy} share no measured cell."])
     table = Table(["workload", "metric", base, copy, "verdict"], [])
-    reach = 0.0
+    reach: float | None = None
+    untested: list[float] = []
     alarms = []
     for r in rows:
         v = r.calibration
@@ -593,7 +594,9 @@ def _calibration_section(data: StudyData, analysis: Analysis) -> Section | None:
             [r.workload, r.metric.label, cell_text(r.cells.get(base)), cell_text(r.cells.get(copy)), v.text()]
         )
         if v.ci is not None:
-            reach = max(reach, v.ci[1] - 1, 1 - 1 / v.ci[0] if v.ci[0] > 0 else 0.0)
+            reach = max(reach or 0.0, v.ci[1] - 1, 1 - 1 / v.ci[0] if v.ci[0] > 0 else 0.0)
+        elif not v.tested:
+            untested.append(v.ratio - 1)
         if v.different:
             alarms.append(f"{r.metric.label} in {r.workload}")
             table.flagged.add(len(table.rows) - 1)
@@ -613,8 +616,7 @@ def _calibration_section(data: StudyData, analysis: Analysis) -> Section | None:
         f"The baseline {base} run as two arms, {base} and {copy} (identical configurations, each "
         f"launched like every arm{launched}), compared as any pair is, at alpha "
         f"{design.alpha if design else 0:g} over {design.tests if design else 0} comparison(s) of their "
-        f"own. Their intervals reach +-{reach:.1%}: a difference between arms smaller than that is "
-        "within what launching the same configuration again does.",
+        f"own. {_aa_reach_text(reach, untested)}",
         table,
     ]
     if alarms:
@@ -624,6 +626,22 @@ def _calibration_section(data: StudyData, analysis: Analysis) -> Section | None:
             "persists over a launch). Treat the study's verdicts of that size as unproven."
         )
     return Section("Calibration: A/A", blocks)
+
+
+def _aa_reach_text(reach: float | None, untested: list[float]) -> str:
+    """What the A/A says of the noise between launches: its intervals' reach where it was tested; where
+    every cell holds single values, no interval at all, only the one difference it happened to show."""
+    if reach is not None:
+        return (
+            f"Their intervals reach +-{reach:.1%}: a difference between arms smaller than that is within "
+            "what launching the same configuration again does."
+        )
+    seen = f" (here {max(untested):.1%})" if untested else ""
+    return (
+        "No A/A cell was tested (each arm launched once: a single value, or restart noise unknown): the "
+        f"copy shows one draw of what launching the same configuration again does{seen}, not its bounds. "
+        "Launch each arm more than once (`launches: 2`) for an interval."
+    )
 
 
 def _beside_reference(data: StudyData, analysis: Analysis) -> Section | None:

@@ -307,6 +307,22 @@ def test_the_a_a_calibration_is_judged_apart_and_states_the_floor() -> None:
     assert "each launched like every arm: 2 launches each, interleaved" in text
 
 
+def test_an_a_a_launched_once_claims_no_reach() -> None:
+    """One launch per arm (the H100 answers sitting): no A/A cell is tested, so the section states the one
+    difference it saw and asks for launches, never an interval's reach of +-0.0%."""
+    data = _study(
+        _cell("a", "w", 64, output_throughput_tps=[583.3]),
+        _cell("a-aa", "w", 64, output_throughput_tps=[693.5]),
+        decision={"metrics": ["output_throughput_tps"], "calibration": True},
+    )
+    text = _markdown(data)
+    section = text.split("## Calibration: A/A")[1].split("\n## ")[0]
+    assert "intervals reach" not in section
+    assert "No A/A cell was tested" in section
+    assert "(here 18.9%)" in section
+    assert "`launches: 2`" in section
+
+
 def test_degradation_compares_only_workloads_that_differ_in_input_length() -> None:
     cells = [
         _cell("a", "short-c4", 1000, concurrency=4, duration_s=[10.0, 10.1]),

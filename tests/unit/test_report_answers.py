@@ -7,7 +7,11 @@ k3pipe.answers are held against simulated answers at their rates in tests/unit/t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from k3pipe.report.analysis import analyse
 from k3pipe.report.collect import ArmData, CellData, StudyData
@@ -232,3 +236,54 @@ def test_an_arm_scoring_as_the_reference_is_not_gated() -> None:
     assert answers is not None
     assert answers.gated == []
     assert "scores worse" not in _markdown(data)
+
+
+REAL = Path(__file__).parents[1] / "fixtures" / "answers" / "h100-mla-2026-12-06"
+
+
+def test_the_h100_sittings_real_answers_gate_as_the_report_said() -> None:
+    """The five answers.json of the H100 sitting (docs/gpu.md, 'Answers on an H100'; vLLM 0.22 and
+    SGLang 0.5.16 on the random MLA + MoE model, one launch an arm, decode throughput as measured): the
+    floor is zero, bf16 and SGLang diverge by about 0.11 nats a token, n-gram speculation is lossless,
+    and the fastest arm (bf16) is not recommended."""
+    speeds = {"fp8": 583.28, "fp8-aa": 693.55, "bf16": 758.63, "sglang": 569.04, "fp8-ngram": 479.47}
+    spec = {"lossless": 'speculative_config={"method":"ngram"}', "twin": "fp8"}
+    arms = [
+        ArmData(
+            name=name,
+            engine="sglang" if name == "sglang" else "vllm",
+            run_id=name,
+            status="FINISHED",
+            launch=1,
+            answers=json.loads((REAL / f"{name}.json").read_text()),
+            **(spec if name == "fp8-ngram" else {}),
+        )
+        for name in speeds
+    ]
+    data = StudyData(
+        run_id="s", name="answers-mla-h100", status="FINISHED", arms=arms,
+        cells=[_cell(name, [[tps]]) for name, tps in speeds.items()],
+        decision={"baseline": "fp8", "metrics": ["output_throughput_tps"], "calibration": True},
+        metrics={"study.wall_s": 504.8}, answers={"prompts": 16},
+    )  # fmt: skip
+    answers = analyse(data).answers
+    assert answers is not None
+    assert "fp8-aa" in answers.floor_label
+    assert sorted(answers.diverging) == ["bf16", "sglang"]
+    for name, nats in (("bf16", 0.117), ("sglang", 0.113)):
+        arm = answers.arm(name)
+        assert arm is not None
+        assert arm.verdict is not None
+        assert arm.agreement is not None
+        assert arm.agreement.identical == 0
+        assert arm.verdict.estimate == pytest.approx(nats, abs=0.0005)
+    ngram = answers.arm("fp8-ngram")
+    assert ngram is not None
+    assert ngram.verdict is not None
+    assert ngram.agreement is not None
+    assert ngram.verdict.outcome == "within the floor"
+    assert ngram.agreement.identical == 16
+    assert ngram.differences == []
+    text = _markdown(data)
+    assert "bf16 758.6 tok/s (best; its answers differ: not recommended)" in text
+    assert "identical where the floor agreed" in text
