@@ -465,7 +465,7 @@ def run_k3pipe(
 def _k3pipe_workload(spec_path: str, out_path: str) -> int:
     """Child: the workload through ``run_workload``, as ``bench.session.benchmark_workload`` runs it."""
     from k3pipe.bench import load_tokenizer, random_prompts, run_workload, summarize
-    from k3pipe.specs import WorkloadSpec
+    from k3pipe.schema.specs import WorkloadSpec
 
     spec = json.loads(Path(spec_path).read_text())
     streams, warmup, requests = spec["streams"], spec["warmup"], spec["requests"]

@@ -206,7 +206,7 @@ def _suppress() -> contextlib.suppress:
 
 
 def groups(home: Path) -> list[dict[str, Any]]:
-    """The process groups a run recorded in its home (k3pipe.procs.GroupRegistry)."""
+    """The process groups a run recorded in its home (k3pipe.core.procs.GroupRegistry)."""
     folder = home / "run" / "groups"
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
 

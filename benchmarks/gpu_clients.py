@@ -319,7 +319,7 @@ def scrape_totals(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | 
     """``GET /metrics``: each wanted sample summed over its label sets; None when it cannot be read."""
     import urllib.request
 
-    from k3pipe.metrics import parse_exposition
+    from k3pipe.machine.metrics import parse_exposition
 
     names = [f"{n}{suffix}" for n in SERVER_HISTOGRAMS.values() for suffix in ("_sum", "_count")]
     names += list(SERVER_COUNTERS.values())
@@ -400,7 +400,7 @@ class EngineRate:
     def _loop(self) -> None:
         import httpx
 
-        from k3pipe.metrics import parse_exposition
+        from k3pipe.machine.metrics import parse_exposition
 
         keep = [RATE_COUNTER, *RATE_GAUGES]
         with httpx.Client(timeout=10.0, trust_env=False) as http:
@@ -561,7 +561,7 @@ def _k3pipe_child(spec_path: str, out_path: str) -> int:
     from pydantic import SecretStr
 
     from k3pipe.bench import load_tokenizer, random_prompts, run_workload, summarize
-    from k3pipe.specs import WorkloadSpec
+    from k3pipe.schema.specs import WorkloadSpec
 
     spec = json.loads(Path(spec_path).read_text())
     key = os.environ.get(spec["api_key_env"]) if spec["api_key_env"] else None

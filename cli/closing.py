@@ -5,9 +5,11 @@ shell) leaves its engines running, its MLflow runs RUNNING and its Prefect flow 
 good: nobody else will end them. Every command that opens the store (run, study, retest, rerun,
 runs, report, sync) first calls :func:`close_gone`, which ends, for each process that is gone:
 
-- the process groups it started (engines, a temporary Prefect server): :class:`k3pipe.procs.GroupRegistry`;
-- its MLflow runs, KILLED at their last record's time, from the spool session it leaves (:mod:`k3pipe.sync`);
-- its Prefect flow runs, Crashed, from its owner record (:mod:`k3pipe.owners`), through the API each
+- the process groups it started (engines, a temporary Prefect server):
+  :class:`~k3pipe.core.procs.GroupRegistry`;
+- its MLflow runs, KILLED at their last record's time, from the spool session it leaves
+  (:mod:`k3pipe.records.sync`);
+- its Prefect flow runs, Crashed, from its owner record (:mod:`k3pipe.core.owners`), through the API each
   was created on; one created on the process's temporary server is closed through a server started
   on the same database (this command's own, or one started for the purpose and stopped after).
 
@@ -24,9 +26,9 @@ from pathlib import Path
 
 import typer
 
-from k3pipe.owners import FlowRunNote, OwnerRecord, Owners, local_prefect
-from k3pipe.procs import GroupRegistry
-from k3pipe.settings import Settings
+from k3pipe.core.owners import FlowRunNote, OwnerRecord, Owners, local_prefect
+from k3pipe.core.procs import GroupRegistry
+from k3pipe.core.settings import Settings
 
 __all__ = ["close_gone"]
 
@@ -51,14 +53,14 @@ def close_gone(settings: Settings, *, sync: bool = True, say: Say = _say) -> Non
 
 
 def _sync(settings: Settings, say: Say) -> None:
-    from k3pipe.push import probe_tracking
-    from k3pipe.spool import list_sessions
+    from k3pipe.records.push import probe_tracking
+    from k3pipe.records.spool import list_sessions
 
     if not list_sessions(settings.spool_dir()):
         return
     if probe_tracking(settings.tracking_uri(), settings.mlflow_probe_timeout_s) is not None:
         return  # the command says so itself (or records into the spool); its sessions stay
-    from k3pipe.sync import sync_spool
+    from k3pipe.records.sync import sync_spool
 
     report = sync_spool(settings.spool_dir(), probe_timeout_s=settings.mlflow_probe_timeout_s)
     if report.records or report.abandoned or not report.done:

@@ -7,7 +7,7 @@ left it running. And several first runs on one new ``K3PIPE_HOME`` raced to crea
 
 So k3pipe starts the same server (the same uvicorn command Prefect runs) itself:
 - in a session of its own, so that a terminal's signals do not reach it;
-- recorded in ``K3PIPE_HOME`` (:class:`k3pipe.procs.GroupRegistry`), so that the next command ends
+- recorded in ``K3PIPE_HOME`` (:class:`k3pipe.core.procs.GroupRegistry`), so that the next command ends
   one whose command was killed;
 - one start at a time per home (a file lock held until it answers), so that the first start
   creates the database and the others find it made;
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from k3pipe.errors import K3pipeError
+from k3pipe.core.errors import K3pipeError
+from k3pipe.core.procs import GroupRegistry, file_lock, stop_group
 from k3pipe.launchers.base import tail_file
-from k3pipe.procs import GroupRegistry, file_lock, stop_group
 
 __all__ = ["LocalPrefect", "PrefectServerError"]
 

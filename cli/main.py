@@ -17,9 +17,9 @@ from typer.core import TyperCommand
 
 from cli.stack import stack_app
 from cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
-from k3pipe.errors import K3pipeError
-from k3pipe.layout import KIND_TAG
-from k3pipe.settings import Settings
+from k3pipe.core.errors import K3pipeError
+from k3pipe.core.layout import KIND_TAG
+from k3pipe.core.settings import Settings
 
 
 def prepare_prefect_env(settings: Settings, *modules: str) -> None:
@@ -32,8 +32,8 @@ def prepare_prefect_env(settings: Settings, *modules: str) -> None:
 
     from cli.closing import close_gone
     from cli.local_prefect import LocalPrefect
-    from k3pipe.owners import set_local_prefect
-    from k3pipe.procs import GroupRegistry
+    from k3pipe.core.owners import set_local_prefect
+    from k3pipe.core.procs import GroupRegistry
 
     home = settings.home_dir
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
@@ -82,7 +82,7 @@ def _options(
 
 def _fail(exc: BaseException) -> None:
     log_error(exc)
-    from k3pipe.secrets import scrub
+    from k3pipe.core.secrets import scrub
 
     message = scrub(str(exc)) or type(exc).__name__
     hint = ""
@@ -101,12 +101,12 @@ def render(
 ) -> None:
     """Print the study (arms in order, workloads), then per arm the engine's environment and exact
     command line."""
-    from k3pipe.design import design_lines
-    from k3pipe.experiment import load_experiment
+    from k3pipe.experiment.load import load_experiment
+    from k3pipe.experiment.variants import changes, resolve
     from k3pipe.launchers import equivalent_command
-    from k3pipe.plan import plan_arm
-    from k3pipe.schedule import describe_study
-    from k3pipe.variants import changes, resolve
+    from k3pipe.planning.plan import plan_arm
+    from k3pipe.records.design import design_lines
+    from k3pipe.schema.schedule import describe_study
 
     try:
         spec = load_experiment(experiment)
@@ -176,7 +176,7 @@ def _groups(argv: list[str]) -> list[str]:
     return [shlex.join(group) for group in lines if group]
 
 
-# The overrides of `run` and `study`: laid over every workload of the experiment (k3pipe.params).
+# The overrides of `run` and `study`: laid over every workload of the experiment (k3pipe.experiment.params).
 RepeatsOpt = Annotated[
     int | None, typer.Option(min=1, help="Repeats of every workload (default: as in the file).")
 ]
@@ -201,7 +201,8 @@ SpoolOpt = Annotated[
 
 
 # The options `run`, `study` and `retest` take after the experiment and its arms (or variants),
-# spelled once: each override (its option's name, and the field of k3pipe.params.Overrides it sets),
+# spelled once: each override (its option's name, and the field of
+# k3pipe.experiment.params.Overrides it sets),
 # then --spool. @run_options adds them to a command.
 _OVERRIDE_OPTIONS: list[tuple[str, str, Any]] = [
     ("repeats", "repeats", RepeatsOpt),
@@ -214,7 +215,8 @@ _OVERRIDE_OPTIONS: list[tuple[str, str, Any]] = [
 
 def run_options(command: Callable[..., None]) -> Callable[..., None]:
     """``command(..., *, overrides, spool)`` as a typer command that takes the override options and
-    --spool after its own: ``overrides`` arrives as the fields of k3pipe.params.Overrides (None: not
+    --spool after its own: ``overrides`` arrives as the fields of
+    k3pipe.experiment.params.Overrides (None: not
     given), ``spool`` as the flag."""
     import functools
     import inspect
@@ -244,7 +246,7 @@ def _request(experiment: Path, arms: list[str] | None, overrides: dict[str, int 
     checked here, so that a bad file, override or arm name fails before Prefect starts."""
     from pydantic import ValidationError
 
-    from k3pipe.params import Overrides, RunRequest
+    from k3pipe.experiment.params import Overrides, RunRequest
 
     try:
         request = RunRequest(experiment=str(experiment), arms=arms or None, overrides=Overrides(**overrides))
@@ -357,8 +359,8 @@ def _resume_check(
     """The study run id to resume, once its record says it can be (before Prefect starts): a file
     given must be its experiment (with the overrides given, as it was started); arms and the spool
     cannot be chosen anew."""
-    from k3pipe.resume import check_experiment, resume_point
-    from k3pipe.tracking import Tracker
+    from k3pipe.jobs.resume import check_experiment, resume_point
+    from k3pipe.records.tracking import Tracker
 
     if arm:
         _fail(K3pipeError("--arm cannot be given with --resume: the study runs its own arms"))
@@ -400,7 +402,7 @@ def accept(
     """Accept a retest as the new baseline (a version bump or a node change that is the new normal):
     every later retest of its experiment, with its overrides, is judged against the series that
     starts at this retest, and the alerts raised since it are cleared."""
-    from k3pipe.alerts import accept as accept_retest
+    from k3pipe.jobs.alerts import accept as accept_retest
 
     settings = Settings()
     try:
@@ -454,8 +456,8 @@ def retest(
     `k3pipe retest accept RETEST_RUN_ID` accepts a retest as the new baseline of the alerts."""
     from pydantic import ValidationError
 
-    from k3pipe.params import Overrides, RunRequest
-    from k3pipe.retest import retest_targets
+    from k3pipe.experiment.params import Overrides, RunRequest
+    from k3pipe.jobs.retest_run import retest_targets
 
     settings = Settings()
     try:
@@ -492,7 +494,7 @@ def retest(
 def _tracker(settings: Settings, artifact_root: Path | None = None) -> Any:
     """The tracker of K3PIPE_HOME's (or MLFLOW_TRACKING_URI's) store; ``artifact_root``: read the
     runs' artifacts from there (a store moved from another machine, ``--artifact-root``)."""
-    from k3pipe.tracking import Tracker
+    from k3pipe.records.tracking import Tracker
 
     return Tracker(
         settings.tracking_uri(),
@@ -547,9 +549,9 @@ def report(
     """Regenerate a study's (or a retest's) report from MLflow alone: print its table, write
     Markdown and HTML. A study whose artifacts (each workload's repeats, each run's requests) cannot
     be read is an error, never a report of single repeats."""
-    from k3pipe.compare import find_run
+    from k3pipe.records.compare import find_run
     from k3pipe.report import build_report, publish, report_dir
-    from k3pipe.report.retest import RETEST_KIND
+    from k3pipe.report.retest_verdicts import RETEST_KIND
 
     if attach and artifact_root is not None:
         # MLflow writes a run's artifacts where its record says: the other machine's path, not DIR
@@ -587,7 +589,7 @@ def report(
 
 def _retest_report(settings: Settings, tracker: Any, ref: str, out: Path | None, attach: bool) -> None:
     from k3pipe.report import retest_dir
-    from k3pipe.report.retest import build_retest_report, publish_retest
+    from k3pipe.report.retest_verdicts import build_retest_report, publish_retest
 
     rep = build_retest_report(tracker, ref)
     target = out or retest_dir(settings.home_dir, rep.data.name, rep.data.run_id)
@@ -600,7 +602,7 @@ def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) 
     """A flow's outcomes. Ctrl-C exits 130 and SIGTERM 143, once the flow has stopped the engine and
     recorded what was measured (its flow runs are marked Cancelled); an error exits 2, said in one
     message (the traceback in the log)."""
-    from k3pipe.procs import GroupRegistry, stop_group
+    from k3pipe.core.procs import GroupRegistry, stop_group
 
     home = Settings().home_dir
 
@@ -639,7 +641,7 @@ def _mark_cancelled(home: Path, why: str) -> None:
     from prefect import get_client
     from prefect.states import Cancelled
 
-    from k3pipe.owners import Owners
+    from k3pipe.core.owners import Owners
 
     mine = Owners(home).mine()
     try:
@@ -697,7 +699,7 @@ def rerun(
 def _run_kind(settings: Settings, run_ref: str) -> str | None:
     """The ``k3pipe.kind`` tag of the run ``run_ref`` names (None: an arm's, or a run not found here:
     the arm rerun then says so)."""
-    from k3pipe.compare import find_run
+    from k3pipe.records.compare import find_run
 
     try:
         return find_run(_tracker(settings), run_ref).data.tags.get(KIND_TAG)
@@ -758,7 +760,7 @@ def _rerun_retest(settings: Settings, run_id: str, allow_drift: bool) -> None:
 def _print_outcomes(outcomes: list[dict]) -> None:
     import pandas as pd
 
-    from k3pipe.record import summary_table
+    from k3pipe.records.recorder import summary_table
 
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if rows:
@@ -785,10 +787,10 @@ def preflight(
     """Check an experiment before launching it; exit 1 if any finding is an error."""
     import textwrap
 
-    from k3pipe.experiment import load_experiment
-    from k3pipe.plan import default_model_dirs
-    from k3pipe.preflight import preflight as run_preflight
-    from k3pipe.preflight import read_model_config, safetensors_bytes
+    from k3pipe.experiment.load import load_experiment
+    from k3pipe.experiment.preflight import preflight as run_preflight
+    from k3pipe.experiment.preflight import read_model_config, safetensors_bytes
+    from k3pipe.planning.plan import default_model_dirs
 
     try:
         spec = load_experiment(experiment)
@@ -804,11 +806,11 @@ def preflight(
         configs = {"model": config} if config is not None else None
         # this machine too (ports, GPUs): a run checks it after reaping its orphans, this command as
         # things stand now
-        from k3pipe.node import gpus_here
+        from k3pipe.machine.node import gpus_here
 
         gpus = gpus_here()
         findings = run_preflight(spec, configs, weight_bytes=weight_bytes, this_machine=True, gpus=gpus)
-        from k3pipe.variants import resolve
+        from k3pipe.experiment.variants import resolve
 
         for v in spec.variants:
             variant = resolve(spec, v.name)
@@ -871,7 +873,7 @@ def runs(
     its studies)."""
     import pandas as pd
 
-    from k3pipe.history import recent_runs
+    from k3pipe.records.history import recent_runs
 
     settings = Settings()
     _close_gone(settings)
@@ -945,7 +947,7 @@ def history(
     """A metric's trend across the runs, reruns and studies that measured a workload, oldest first."""
     import pandas as pd
 
-    from k3pipe.history import metric_history, plot_history
+    from k3pipe.records.history import metric_history, plot_history
 
     settings = Settings()
     try:
@@ -976,7 +978,7 @@ def compare_cmd(
     """Is workload B different from workload A, equivalent, or can the data not tell? Per metric, over
     their repeats (docs/measurement.md, 'Verdicts'). A workload of repeats whose repeats.json cannot be
     read is an error, never one repeat."""
-    from k3pipe.compare import DEFAULT_METRICS, compare_workloads, resolve_workload_run
+    from k3pipe.records.compare import DEFAULT_METRICS, compare_workloads, resolve_workload_run
 
     settings = Settings()
     try:
@@ -1089,8 +1091,8 @@ def _tracking_ready(settings: Settings, spool: bool) -> None:
     """Before a run starts anything: MLflow answers (else the one-sentence error, in seconds), unless
     the spool is allowed (--spool, K3PIPE_ALLOW_SPOOL). What the spool still holds from earlier runs
     is pushed once the command's Prefect is up (cli.closing.close_gone, from prepare_prefect_env)."""
-    from k3pipe.errors import TrackingUnreachableError
-    from k3pipe.push import probe_tracking, unreachable_message
+    from k3pipe.core.errors import TrackingUnreachableError
+    from k3pipe.records.push import probe_tracking, unreachable_message
 
     if spool:
         os.environ["K3PIPE_ALLOW_SPOOL"] = "1"  # the flow's own Settings() reads it
@@ -1106,7 +1108,7 @@ def _tracking_ready(settings: Settings, spool: bool) -> None:
 def sync() -> None:
     """Push what the spool holds (runs recorded while MLflow was down, K3PIPE_HOME/spool) to the
     MLflow each was recorded for. Exit 0 when all of it is in MLflow, 1 while some is still pending."""
-    from k3pipe.sync import sync_spool
+    from k3pipe.records.sync import sync_spool
 
     settings = Settings()
     _close_gone(settings, sync=False)  # the engines and flow runs of killed commands; the spool below
@@ -1118,8 +1120,8 @@ def sync() -> None:
 
 
 def main() -> None:
-    from k3pipe.secrets import ScrubbedStream, install_log_filter
-    from k3pipe.settings import load_settings
+    from k3pipe.core.secrets import ScrubbedStream, install_log_filter
+    from k3pipe.core.settings import load_settings
 
     # MLflow's per-download progress bars would interleave with the tables (rerun reads artifacts)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from k3pipe.errors import K3pipeError
-from k3pipe.settings import SettingsError, load_settings
+from k3pipe.core.errors import K3pipeError
+from k3pipe.core.settings import SettingsError, load_settings
 
 if TYPE_CHECKING:
     from ops.stack import StackConfig

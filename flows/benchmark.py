@@ -12,9 +12,9 @@ from typing import Any
 
 from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
+from k3pipe.experiment.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.jobs.benchmark import BenchmarkRequest
 from k3pipe.jobs.benchmark import benchmark as benchmark_job
-from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 
 
 @scrubbed_flow("benchmark")

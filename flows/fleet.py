@@ -11,7 +11,7 @@ from typing import Any
 from flows.pools import LAUNCH_FLOW
 from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
-from k3pipe.errors import RunFailedError
+from k3pipe.core.errors import RunFailedError
 from k3pipe.jobs.launch import LaunchRequest, run_launch
 
 __all__ = ["launch"]

@@ -1,4 +1,4 @@
-"""The notify flow: what a retest's regression becomes (k3pipe.alerts). prefect.yaml's ``notify``
+"""The notify flow: what a retest's regression becomes (k3pipe.jobs.alerts). prefect.yaml's ``notify``
 deployment is triggered by the ``k3pipe.regression.detected`` event a retest flow emits; the flow
 reads the regression from the retest's MLflow run, publishes it as a Prefect artifact and, where a
 Webhook block named ``k3pipe-regression`` exists, posts it there (Slack, a pager, a local receiver).
@@ -15,9 +15,9 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
-from k3pipe.alerts import REGRESSION_FILE
-from k3pipe.errors import K3pipeError
-from k3pipe.layout import RETEST_RESOURCE_PREFIX as RESOURCE_PREFIX
+from k3pipe.core.errors import K3pipeError
+from k3pipe.core.layout import RETEST_RESOURCE_PREFIX as RESOURCE_PREFIX
+from k3pipe.jobs.alerts import REGRESSION_FILE
 
 __all__ = ["WEBHOOK_BLOCK", "notify"]
 
@@ -32,7 +32,7 @@ def notify(retest: str) -> dict[str, Any]:
     'k3pipe-regression' where it exists.
 
     Args:
-        retest: The retest's MLflow run id (or the event's resource id, k3pipe.retest.<run id>).
+        retest: The retest's MLflow run id (or the event's resource id, k3pipe.jobs.retest_run.<run id>).
     """
     guard()
     job = flow_job()
@@ -47,7 +47,7 @@ def notify(retest: str) -> dict[str, Any]:
     lines += [
         f"- {w['arm']} / {w['workload']}: {w['metric']} {w['change']}{_since(w)}" for w in regression["worse"]
     ]
-    lines += [  # the output probe: answers that moved are a regression of their own (k3pipe.alerts)
+    lines += [  # the output probe: answers that moved are a regression of their own (k3pipe.jobs.alerts)
         f"- {a['arm']}: answers moved since retest {a['against_run_id'][:12]} ({a['against']}): "
         f"{a['verdict']}"
         for a in regression.get("answers", [])

@@ -2,7 +2,7 @@
 pool's ``launch`` deployment (flows/fleet.py), created as a subflow of the study's flow run, waited
 for while its node's heartbeat is watched, its outcome read back from MLflow; and what a pool is
 doing (:func:`pool_state`), from its Prefect server: free, busy with another flow run, or lost (no
-worker alive), so that the scheduler (k3pipe.fleet.dispatch) passes a busy pool over, and waits for
+worker alive), so that the scheduler (k3pipe.jobs.fleet.dispatch) passes a busy pool over, and waits for
 it, instead of taking it for lost.
 """
 
@@ -25,12 +25,12 @@ from prefect.client.schemas.objects import FlowRun, StateType, WorkerStatus
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Crashed
 
-from k3pipe.fleet import PoolState, PoolUnavailable, PoolWatch, Remote, Ticket, Waits, last_heartbeat
-from k3pipe.layout import ARM_TAG, ERROR_TAG, LAUNCH_TAG
-from k3pipe.record import close_abandoned
-from k3pipe.run import ArmOutcome
-from k3pipe.specs import FleetSpec
-from k3pipe.tracking import Tracker
+from k3pipe.core.layout import ARM_TAG, ERROR_TAG, LAUNCH_TAG
+from k3pipe.jobs.arm_run import ArmOutcome
+from k3pipe.jobs.fleet import PoolState, PoolUnavailable, PoolWatch, Remote, Ticket, Waits, last_heartbeat
+from k3pipe.records.recorder import close_abandoned
+from k3pipe.records.tracking import Tracker
+from k3pipe.schema.specs import FleetSpec
 
 __all__ = ["LAUNCH_FLOW", "pool_state", "prefect_fleet"]
 

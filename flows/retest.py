@@ -13,9 +13,9 @@ from typing import Any
 
 from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
+from k3pipe.experiment.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.jobs import retest as job
 from k3pipe.jobs.retest import VariantsFailed
-from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 
 __all__ = ["VariantsFailed", "retest"]  # the flow raises the job's VariantsFailed
 

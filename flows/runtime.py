@@ -1,5 +1,5 @@
 """What the flows share on Prefect's side: the flow run's job (:func:`flow_job`: the steps as Prefect
-tasks, the flow's logger, artifacts; the sequences are the library's, k3pipe.jobs and k3pipe.run),
+tasks, the flow's logger, artifacts; the sequences are the library's, k3pipe.jobs and k3pipe.jobs.arm_run),
 the flow runs this process started (so the command that ran them can mark them Cancelled), and the
 closer that ends the records of a run whose process was killed."""
 
@@ -17,14 +17,14 @@ from prefect.events import emit_event
 from prefect.states import Crashed
 
 from flows.pools import prefect_fleet
-from k3pipe.alerts import REGRESSION_EVENT
+from k3pipe.core.layout import FLOW_RUN_TAG, MLFLOW_RUN_LABEL, RETEST_RESOURCE_PREFIX
+from k3pipe.core.settings import Settings
+from k3pipe.jobs.alerts import REGRESSION_EVENT
+from k3pipe.jobs.arm_run import ArmSteps
 from k3pipe.jobs.prepare import PrepareSteps
 from k3pipe.jobs.steps import Job, JobSteps
-from k3pipe.layout import FLOW_RUN_TAG, MLFLOW_RUN_LABEL, RETEST_RESOURCE_PREFIX
-from k3pipe.record import close_abandoned
-from k3pipe.run import ArmSteps
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.records.recorder import close_abandoned
+from k3pipe.records.tracking import Tracker
 from tasks.steps import (
     benchmark_task,
     cold_start_task,

@@ -5,12 +5,12 @@ written in it) when it creates the run, before the flow's body runs; it stores l
 (an exception's text) and artifacts as they come. So:
 
 - :meth:`ScrubbedFlow.serialize_parameters`, which makes the parameters Prefect stores, first
-  registers the secrets of an ``experiment_yaml`` with k3pipe's scrubber (:mod:`k3pipe.secrets`),
+  registers the secrets of an ``experiment_yaml`` with k3pipe's scrubber (:mod:`k3pipe.core.secrets`),
   then scrubs every parameter: the stored experiment holds ``'***'`` where a key was (such an
   experiment is written again as YAML, without its comments);
 - a run created elsewhere (a deployment run from the UI or the API) stored its parameters as given:
   :func:`guard`, the first line of every flow, registers them and writes them back scrubbed;
-- :func:`guard` and the parameter hook put :class:`k3pipe.secrets.SecretFilter` on every logging
+- :func:`guard` and the parameter hook put :class:`k3pipe.core.secrets.SecretFilter` on every logging
   handler (Prefect's API handler, which writes the database's logs, and its console handler, the
   terminal's), so that no log line carries a registered secret;
 - k3pipe's errors scrub their own messages when they are made, and the flows scrub the messages of
@@ -31,9 +31,9 @@ import yaml
 from prefect import Flow, get_client
 from prefect.context import get_run_context
 
-from k3pipe.experiment import register_experiment_secrets
-from k3pipe.owners import FlowRunNote, Owners, local_prefect
-from k3pipe.secrets import install_log_filter, redact_data, scrub_data
+from k3pipe.core.owners import FlowRunNote, Owners, local_prefect
+from k3pipe.core.secrets import install_log_filter, redact_data, scrub_data
+from k3pipe.experiment.load import register_experiment_secrets
 
 __all__ = ["ScrubbedFlow", "guard", "scrubbed_flow"]
 
@@ -95,11 +95,11 @@ def scrubbed_flow(name: str) -> Callable[[Callable[P, R]], ScrubbedFlow[P, R]]:
 
 
 def _note(flow_run_id: str, name: str) -> None:
-    """The flow run in this process's owner record (k3pipe.owners), for the command that comes after
+    """The flow run in this process's owner record (k3pipe.core.owners), for the command that comes after
     a kill: it sets the run Crashed when this process is gone and the run is not finished."""
     from prefect.settings import PREFECT_API_URL
 
-    from k3pipe.settings import Settings
+    from k3pipe.core.settings import Settings
 
     api_url = str(PREFECT_API_URL.value() or "")
     local = local_prefect()
@@ -110,7 +110,7 @@ def _note(flow_run_id: str, name: str) -> None:
 
 def guard() -> None:
     """The first step of every flow: the log filter on every handler, the flow run noted in this
-    process's owner record (k3pipe.owners), and the run's stored parameters scrubbed (a deployment
+    process's owner record (k3pipe.core.owners), and the run's stored parameters scrubbed (a deployment
     run's were stored as the UI or the API sent them)."""
     install_log_filter()
     try:

@@ -12,9 +12,9 @@ from typing import Any
 
 from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
+from k3pipe.experiment.params import NO_OVERRIDES, Overrides, RunRequest
 from k3pipe.jobs import study as job
 from k3pipe.jobs.study import ArmsFailed
-from k3pipe.params import NO_OVERRIDES, Overrides, RunRequest
 
 __all__ = ["ArmsFailed", "study"]  # the flow raises the job's ArmsFailed
 

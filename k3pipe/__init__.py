@@ -4,7 +4,7 @@ The library never imports Prefect; ``tasks/`` and ``flows/`` wrap it. The public
 load and render experiments, the steps, and the error tree.
 
 The names below are loaded when first used (PEP 562): importing one module of the library
-(``k3pipe.errors``, ``k3pipe.stats``) does not load the specs, the launchers and their SDKs.
+(``k3pipe.core.errors``, ``k3pipe.verdicts.stats``) does not load the specs, the launchers and their SDKs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from k3pipe.errors import (
+    from k3pipe.core.errors import (
         BenchmarkError,
         EndpointAuthError,
         HealthError,
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
         SpecError,
         TrackingError,
     )
-    from k3pipe.experiment import load_experiment, parse_experiment
-    from k3pipe.plan import ArmPlan, plan_arm
-    from k3pipe.settings import Settings
-    from k3pipe.specs import ExperimentSpec, WorkloadSpec
+    from k3pipe.core.settings import Settings
+    from k3pipe.experiment.load import load_experiment, parse_experiment
+    from k3pipe.planning.plan import ArmPlan, plan_arm
+    from k3pipe.schema.specs import ExperimentSpec, WorkloadSpec
 
 __version__ = "0.1.0"
 
@@ -47,15 +47,15 @@ _HOMES = {
             "SpecError",
             "TrackingError",
         ),
-        "k3pipe.errors",
+        "k3pipe.core.errors",
     ),
-    "load_experiment": "k3pipe.experiment",
-    "parse_experiment": "k3pipe.experiment",
-    "ArmPlan": "k3pipe.plan",
-    "plan_arm": "k3pipe.plan",
-    "Settings": "k3pipe.settings",
-    "ExperimentSpec": "k3pipe.specs",
-    "WorkloadSpec": "k3pipe.specs",
+    "load_experiment": "k3pipe.experiment.load",
+    "parse_experiment": "k3pipe.experiment.load",
+    "ArmPlan": "k3pipe.planning.plan",
+    "plan_arm": "k3pipe.planning.plan",
+    "Settings": "k3pipe.core.settings",
+    "ExperimentSpec": "k3pipe.schema.specs",
+    "WorkloadSpec": "k3pipe.schema.specs",
 }
 
 __all__ = [

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from k3pipe.errors import K3pipeError
+from k3pipe.core.errors import K3pipeError
 
 __all__ = [
     "BundleError",
@@ -894,4 +894,3 @@ def iter_manifest_wheels(manifest: dict[str, Any], group: str) -> Iterator[dict[
 INSTALL_SH = (Path(__file__).with_name("install.sh")).read_text()
 """The installer shipped in every bundle (``ops/install.sh``, a script file of its own: ``bash -n`` and
 its Python part are checked by the tests); ``@MANIFEST_SHA256@`` is the manifest's digest."""
-

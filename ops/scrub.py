@@ -3,13 +3,13 @@
 The GPU kit's ``collect`` packs the node's logs into a record that travels (``scripts/gpu-node.sh``).
 An engine writes its own log, not through k3pipe's logging: a vLLM prints its non-default arguments
 (an ``hf_token`` resolved from ``{env.HF_TOKEN}`` among them), a process may echo its environment.
-So each log is copied through :func:`scrub_file`, which blanks, as :mod:`k3pipe.secrets` does for
+So each log is copied through :func:`scrub_file`, which blanks, as :mod:`k3pipe.core.secrets` does for
 every record k3pipe writes itself:
 
 - the values listed in a keys file (the node's made-up API keys, one a line);
 - the secrets of the experiment that ran (``--experiment``): values under secret names, key-shaped
   strings, URL credentials, and the values of its ``{env.NAME}`` references where this process has
-  them (:func:`k3pipe.experiment.register_experiment_secrets`);
+  them (:func:`k3pipe.experiment.load.register_experiment_secrets`);
 - the values of this process's environment variables named like secrets (``*_API_KEY``,
   ``HF_TOKEN``, ``*_PASSWORD`` ...);
 - whatever is shaped like a credential, registered or not (``sk-...``, ``hf_...``, an
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from k3pipe import secrets
+from k3pipe.core import secrets
 
 __all__ = ["main", "register_known", "scrub_file"]
 
@@ -41,7 +41,7 @@ def register_known(keys_file: Path | None = None, experiment: Path | None = None
     if keys_file is not None and keys_file.is_file():
         secrets.register_all(line for line in keys_file.read_text().splitlines() if line.strip())
     if experiment is not None and experiment.is_file():
-        from k3pipe.experiment import register_experiment_secrets
+        from k3pipe.experiment.load import register_experiment_secrets
 
         try:
             data = yaml.safe_load(experiment.read_text(errors="replace"))

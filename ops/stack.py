@@ -40,10 +40,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from k3pipe import secrets as k3secrets
-from k3pipe.errors import StackError
-from k3pipe.procs import alive, file_lock, proc_stat, reap, stop_group
-from k3pipe.settings import Settings
+from k3pipe.core import secrets as k3secrets
+from k3pipe.core.errors import StackError
+from k3pipe.core.procs import alive, file_lock, proc_stat, reap, stop_group
+from k3pipe.core.settings import Settings
 from ops.tls import TlsFiles, describe, ensure_certificates
 
 __all__ = [
@@ -1180,7 +1180,7 @@ def add_node(config: StackConfig, name: str, progress: Progress = lambda _line: 
     ``launch/<name>`` deployment of ``flows/fleet.py``'s launch flow on it, on the running stack's
     Prefect; returns the lines that start the node's worker (run them on the node, from its k3pipe
     checkout, with its own K3PIPE_HOME)."""
-    from k3pipe.specs import safe_name
+    from k3pipe.schema.specs import safe_name
 
     try:
         safe_name(name, "node (work pool)")

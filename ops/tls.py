@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from k3pipe.errors import StackError
+from k3pipe.core.errors import StackError
 
 __all__ = ["TlsFiles", "describe", "ensure_certificates", "san_names"]
 

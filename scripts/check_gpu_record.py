@@ -252,7 +252,7 @@ class Store:
 def study_arms(spec: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
     """Every arm a study of ``spec`` runs (with ``decision.calibration``, the baseline's A/A copy
     ``<arm>-aa`` too) and the launches it plans (unset: k3pipe's default, 2 where arms are compared)."""
-    from k3pipe.specs import CALIBRATION_SUFFIX, DEFAULT_LAUNCHES
+    from k3pipe.schema.specs import CALIBRATION_SUFFIX, DEFAULT_LAUNCHES
 
     arms = list(spec["arms"])
     decision = spec.get("decision") or {}

@@ -47,11 +47,11 @@ def main() -> None:
 
     import yaml
 
+    from k3pipe.core.settings import Settings
+    from k3pipe.experiment.params import RunRequest
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
-    from k3pipe.params import RunRequest
     from k3pipe.report import build_report
-    from k3pipe.settings import Settings
     from tests.scripted_openai import Script, ScriptedOpenAI
 
     model = REPO / ".k3pipe" / "models" / "tiny-llama"

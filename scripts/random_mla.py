@@ -191,7 +191,7 @@ def parameter_count(shape: Mapping[str, int], vocab: int) -> int:
 
 def kv_bytes_per_token(shape: Mapping[str, int], dtype_bytes: int) -> int:
     """Bytes of KV cache one token takes over all layers: one latent of kv_lora_rank + qk_rope_head_dim
-    per layer (what k3pipe.kvpool's MLA layout says, and what vLLM's MLA page holds per token)."""
+    per layer (what k3pipe.engines.kvpool's MLA layout says, and what vLLM's MLA page holds per token)."""
     return shape["num_hidden_layers"] * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) * dtype_bytes
 
 

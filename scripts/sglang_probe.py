@@ -87,7 +87,7 @@ import asyncio, json, os, sys
 from pydantic import SecretStr
 from k3pipe.bench import Prompt, summarize
 from k3pipe.bench.shards import run_sharded
-from k3pipe.specs import WorkloadSpec
+from k3pipe.schema.specs import WorkloadSpec
 KEYS = ("completed", "failed", "output_throughput_tps", "ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50",
         "itl_per_token", "client_cpu_max_pct", "client_loop_lag_ms_p99")
 key = SecretStr(os.environ["K3PIPE_PROBE_KEY"])

@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 
 PARAMS = ("command", "api_key_env", "engine_version", "client.processes", "engine_version_declared")
 METRICS = ("engine_", "completed", "failed", "output_throughput", "ttft_ms_p50", "tpot_ms_p50")

@@ -11,33 +11,33 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import SecretStr
 
-from k3pipe import run
-from k3pipe.bench.corpora import PromptSet
-from k3pipe.bench.prompts import prepare_prompts
+from k3pipe.bench.health import EndpointCheck, engine_version, wait_ready
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import client_note, summary_line, timing_note, warmup_note
-from k3pipe.coldstart import ColdStart, read_cold_start
+from k3pipe.core.errors import ModelSourceError
+from k3pipe.core.procs import GroupRegistry
+from k3pipe.core.settings import Settings
 from k3pipe.engines.base import Finding
-from k3pipe.errors import ModelSourceError
-from k3pipe.experiment import load_experiment
-from k3pipe.health import EndpointCheck, engine_version, wait_ready
+from k3pipe.experiment.load import load_experiment
+from k3pipe.experiment.params import RunRequest
+from k3pipe.experiment.preflight import preflight
+from k3pipe.experiment.speculation import SpeculationReport, judge_speculation
+from k3pipe.jobs import arm_run as run
+from k3pipe.jobs.rerun import RerunInputs, restore, verdict_rows
 from k3pipe.launchers.base import Launcher
 from k3pipe.launchers.docker import connect, reap_orphans
 from k3pipe.launchers.factory import pull_image
-from k3pipe.node import NodeInfo, gpus_here
-from k3pipe.params import RunRequest
-from k3pipe.plan import ArmPlan
-from k3pipe.preflight import preflight
-from k3pipe.procs import GroupRegistry
+from k3pipe.machine.node import NodeInfo, gpus_here
+from k3pipe.planning.coldstart import ColdStart, read_cold_start
+from k3pipe.planning.plan import ArmPlan
+from k3pipe.prompts.corpora import PromptSet
+from k3pipe.prompts.draw import prepare_prompts
+from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report, publish
-from k3pipe.report.retest import build_retest_report, publish_retest
-from k3pipe.rerun import RerunInputs, restore, verdict_rows
-from k3pipe.settings import Settings
+from k3pipe.report.retest_verdicts import build_retest_report, publish_retest
+from k3pipe.schema.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
-from k3pipe.specs import ExperimentSpec, LocalModel, ModelScopeModel, WorkloadSpec
-from k3pipe.speculation import SpeculationReport, judge_speculation
-from k3pipe.tracking import Tracker
 
 
 @task(name="load-experiment", cache_policy=NO_CACHE)
@@ -271,7 +271,8 @@ def benchmark_task(
 def judge_speculation_task(
     spec: ExperimentSpec, rows: list[dict[str, Any]], log_accept_length: Mapping[str, float] | None = None
 ) -> SpeculationReport:
-    """Each speculative arm against its plain baseline, workload by workload (k3pipe.speculation)."""
+    """Each speculative arm against its plain baseline, workload by workload
+    (k3pipe.experiment.speculation)."""
     logger = get_run_logger()
     report = judge_speculation(spec, rows, log_accept_length=log_accept_length)
     for arm in report.arms:

@@ -132,10 +132,10 @@ class SharedEngine:
         if self.running is not None:
             return self.running
         require_engine()
-        from k3pipe.experiment import parse_experiment
-        from k3pipe.health import wait_until_healthy
+        from k3pipe.bench.health import wait_until_healthy
+        from k3pipe.experiment.load import parse_experiment
         from k3pipe.launchers.process import ProcessLauncher
-        from k3pipe.plan import plan_arm
+        from k3pipe.planning.plan import plan_arm
 
         port = free_port()
         spec = parse_experiment(demo_experiment(port))

@@ -191,10 +191,10 @@ def drive(url: str, model_dir: str, wait_s: float) -> dict[str, Any]:
     answer, the deployment's deletion; what happened, as a dict. The key never leaves this process."""
     import httpx
 
-    from k3pipe.experiment import parse_experiment
+    from k3pipe.experiment.load import parse_experiment
     from k3pipe.launchers.gpustack import Deployment, GpustackLauncher
-    from k3pipe.launchers.specs import GpustackLauncherSpec
-    from k3pipe.plan import plan_arm
+    from k3pipe.planning.plan import plan_arm
+    from k3pipe.schema.launcher_specs import GpustackLauncherSpec
 
     out: dict[str, Any] = {}
     with httpx.Client(base_url=url, timeout=30, trust_env=False) as admin:

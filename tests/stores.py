@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from k3pipe.procs import file_lock
+from k3pipe.core.procs import file_lock
 
 REPO = Path(__file__).resolve().parents[1]
 # read at import, before a test points K3PIPE_HOME at its own home (as tests/conftest.py's ASSETS_HOME)

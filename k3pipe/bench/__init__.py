@@ -16,9 +16,7 @@ The measurement rules each module follows are in its docstring; docs/measurement
 """
 
 from k3pipe.bench.client import WorkloadResult, run_workload
-from k3pipe.bench.corpora import PromptSet, build_prompts
-from k3pipe.bench.datasets import Prompt, load_tokenizer, random_prompts, shared_prefix_prompts
-from k3pipe.bench.records import RequestRecord
+from k3pipe.bench.request_records import RequestRecord
 from k3pipe.bench.summary import (
     LatencyStats,
     ThroughputCheck,
@@ -27,6 +25,8 @@ from k3pipe.bench.summary import (
     records_frame,
     summarize,
 )
+from k3pipe.prompts.corpora import PromptSet, build_prompts
+from k3pipe.prompts.datasets import Prompt, load_tokenizer, random_prompts, shared_prefix_prompts
 
 __all__ = [
     "LatencyStats",

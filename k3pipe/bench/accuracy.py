@@ -12,7 +12,7 @@ greedy, at most ``max_tokens``, ``concurrency`` at a time; an answer is right wh
 - ``contains``: the expected text appears in the answer (case ignored).
 
 The statistics (paired against the reference arm's answers to the same questions) are
-:func:`k3pipe.answers.judge_accuracy`.
+:func:`k3pipe.verdicts.answers.judge_accuracy`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, Literal
 
 import httpx
 
-from k3pipe.answers import question_fields
-from k3pipe.errors import BenchmarkError
+from k3pipe.core.errors import BenchmarkError
+from k3pipe.verdicts.answers import question_fields
 
 __all__ = [
     "ACCURACY_FILE",

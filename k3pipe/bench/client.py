@@ -42,13 +42,13 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from k3pipe.bench.datasets import Prompt
-from k3pipe.bench.records import RequestRecord
+from k3pipe.bench.request_records import RequestRecord
 from k3pipe.bench.transport import HttpxSSE, SSEPool, SSESender, TransportError
 from k3pipe.bench.warmup import WarmupReport, agree, warmup_report
 from k3pipe.bench.warmup import waves as warmup_waves
-from k3pipe.errors import BenchmarkError
-from k3pipe.specs import WorkloadSpec
+from k3pipe.core.errors import BenchmarkError
+from k3pipe.prompts.datasets import Prompt
+from k3pipe.schema.specs import WorkloadSpec
 
 __all__ = [
     "Abort",

@@ -1,5 +1,5 @@
 """The output probe's requests: what an engine answers to a fixed prompt, greedily, and how it scores
-a fixed continuation teacher-forced (issue 47; the statistics are :mod:`k3pipe.answers`).
+a fixed continuation teacher-forced (issue 47; the statistics are :mod:`k3pipe.verdicts.answers`).
 
 Each probe prompt is token ids (so every arm is sent exactly the same tokens, whatever its
 tokenizer's round trip does to text) with a fixed continuation of token ids. Two requests per prompt,
@@ -50,8 +50,8 @@ from urllib.parse import urlsplit
 import httpx
 from tokenizers import Tokenizer
 
-from k3pipe.answers import ProbeAnswer
-from k3pipe.errors import BenchmarkError
+from k3pipe.core.errors import BenchmarkError
+from k3pipe.verdicts.answers import ProbeAnswer
 
 __all__ = [
     "ANSWERS_FILE",

@@ -7,7 +7,7 @@ confidence interval of the mean from Student's t distribution with N - 1 degrees
 ``mean +/- t(0.975, N-1) * std / sqrt(N)``. With one repeat std and the interval are undefined (None).
 
 :func:`compare` says how two sets of repeats stand on a metric, with the statistics of the study
-report (:mod:`k3pipe.stats`, docs/measurement.md "Verdicts"): on the log of the ratio of their
+report (:mod:`k3pipe.verdicts.stats`, docs/measurement.md "Verdicts"): on the log of the ratio of their
 geometric means, an interval at the level of the family of comparisons made together, and one of
 three outcomes read off it: different, equivalent within the margin, or inconclusive (with the
 smallest difference the data could have shown). Overlapping 95% intervals of the two means are not
@@ -23,8 +23,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy import stats
 
-from k3pipe.stats import Design, Estimate, RestartPrior, decide, detectable, estimate, with_prior
-from k3pipe.stats import compare as stats_compare
+from k3pipe.verdicts.stats import Design, Estimate, RestartPrior, decide, detectable, estimate, with_prior
+from k3pipe.verdicts.stats import compare as stats_compare
 
 __all__ = ["Comparison", "RepeatStats", "aggregate_repeats", "compare", "judged"]
 
@@ -80,7 +80,8 @@ class Comparison(BaseModel):
     restart: str = Field(
         default="unknown",
         description="Where the restart noise in the interval comes from: 'measured' (two launches or more "
-        "a side), 'prior' (earlier studies of the class on the node, k3pipe.priors) or 'unknown' (then "
+        "a side), 'prior' (earlier studies of the class on the node, k3pipe.records.priors) or "
+        "'unknown' (then "
         "no verdict).",
     )
     prior: str | None = Field(default=None, description="The restart prior's source, when one was used.")
@@ -127,8 +128,8 @@ def compare(
     """How B's values of ``metric`` stand against A's (each one launch's repeats), under ``design``
     (default: one comparison at alpha 0.05, margin 5%). Values that are not positive are left out.
     Each side is one launch: its restart noise is known only from a prior (``prior_a``, ``prior_b``:
-    what earlier studies of its class measured on the node, k3pipe.priors); without one the
-    outcome is ``unknown`` (k3pipe.stats)."""
+    what earlier studies of its class measured on the node, k3pipe.records.priors); without one the
+    outcome is ``unknown`` (k3pipe.verdicts.stats)."""
     if not a or not b:
         raise ValueError(f"{metric}: both sides need at least one value (got {len(a)} and {len(b)})")
     ea, eb = estimate([list(a)]), estimate([list(b)])

@@ -18,14 +18,11 @@ import httpx
 from pydantic import SecretStr
 
 from k3pipe.bench.client import Abort, WorkloadResult
-from k3pipe.bench.corpora import PromptSet
-from k3pipe.bench.datasets import load_tokenizer
-from k3pipe.bench.prompts import workload_prompts
 from k3pipe.bench.shards import client_layout, run_sharded
 from k3pipe.bench.summary import WorkloadSummary, retokenize, summarize
 from k3pipe.bench.watch import EngineWatch, Liveness
 from k3pipe.engines import get_engine
-from k3pipe.metrics import (
+from k3pipe.machine.metrics import (
     Discrepancy,
     MetricsScraper,
     Scrape,
@@ -33,9 +30,12 @@ from k3pipe.metrics import (
     engine_side_summary,
     reconcile,
 )
-from k3pipe.node import GpuMemorySample, GpuMemorySampler
-from k3pipe.plan import ArmPlan
-from k3pipe.specs import WorkloadSpec
+from k3pipe.machine.node import GpuMemorySample, GpuMemorySampler
+from k3pipe.planning.plan import ArmPlan
+from k3pipe.prompts.corpora import PromptSet
+from k3pipe.prompts.datasets import load_tokenizer
+from k3pipe.prompts.draw import workload_prompts
+from k3pipe.schema.specs import WorkloadSpec
 
 __all__ = ["WorkloadOutcome", "benchmark_workload", "deliver", "watch_target"]
 

@@ -42,11 +42,11 @@ from typing import Any
 from pydantic import SecretStr
 
 from k3pipe.bench.client import Abort, Share, WorkloadResult, report_end, run_workload
-from k3pipe.bench.datasets import Prompt
-from k3pipe.bench.records import RequestRecord
-from k3pipe.errors import BenchmarkError
-from k3pipe.procs import parse_cpu_list
-from k3pipe.specs import ClientSpec, WorkloadSpec
+from k3pipe.bench.request_records import RequestRecord
+from k3pipe.core.errors import BenchmarkError
+from k3pipe.core.procs import parse_cpu_list
+from k3pipe.prompts.datasets import Prompt
+from k3pipe.schema.specs import ClientSpec, WorkloadSpec
 
 __all__ = ["STREAMS_PER_PROCESS", "client_layout", "run_sharded", "slot_shares"]
 

@@ -73,9 +73,9 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3pipe.bench.client import WorkloadResult
-from k3pipe.bench.records import RequestRecord
+from k3pipe.bench.request_records import RequestRecord
 from k3pipe.bench.warmup import WarmupReport
-from k3pipe.specs import SLOSpec
+from k3pipe.schema.specs import SLOSpec
 
 __all__ = [
     "BURSTY_REQUEST_SHARE",

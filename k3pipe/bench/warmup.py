@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from k3pipe.bench.records import RequestRecord
+    from k3pipe.bench.request_records import RequestRecord
 
 __all__ = ["WarmupReport", "WarmupWave", "agree", "change_pct", "warmup_report", "waves"]
 

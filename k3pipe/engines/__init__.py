@@ -7,8 +7,8 @@ import importlib
 import pkgutil
 from functools import cache
 
+from k3pipe.core.errors import SpecError
 from k3pipe.engines.base import Engine, RenderedCommand, render_args
-from k3pipe.errors import SpecError
 
 __all__ = ["Engine", "RenderedCommand", "engine_kinds", "get_engine", "render_args"]
 

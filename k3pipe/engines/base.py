@@ -2,7 +2,7 @@
 
 An engine module defines a subclass of :class:`Engine` with everything engine-specific as class
 attributes and methods: managed flags, endpoints (health, version, server info), the Prometheus
-metric names k3pipe reads, its log format (:class:`k3pipe.observe.LogPatterns`), the flags of the
+metric names k3pipe reads, its log format (:class:`k3pipe.engines.observe.LogPatterns`), the flags of the
 stock version it was written against, how it reads its own arguments (parallel sizes, context
 length, KV dtype, memory fraction), and its preflight rules.
 """
@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from k3pipe.errors import SpecError
-from k3pipe.observe import EngineLogFacts, LogLine, LogPatterns, parse_engine_log
-from k3pipe.secrets import (
+from k3pipe.core.errors import SpecError
+from k3pipe.core.secrets import (
     REDACTED,
     env_references,
     is_env_reference,
@@ -32,9 +31,10 @@ from k3pipe.secrets import (
     resolve_env_references,
     scrub,
 )
+from k3pipe.engines.observe import EngineLogFacts, LogLine, LogPatterns, parse_engine_log
 
 if TYPE_CHECKING:
-    from k3pipe.specs import ArmSpec, ExperimentSpec
+    from k3pipe.schema.specs import ArmSpec, ExperimentSpec
 
 __all__ = [
     "ArmContext",
@@ -161,7 +161,7 @@ class RenderedCommand(BaseModel):
 
     def resolved(self, lookup: Callable[[str], str | None]) -> RenderedCommand:
         """The command the engine is started with: every ``{env.NAME}`` replaced by ``lookup(NAME)``
-        (:class:`k3pipe.secrets.UnsetVariable` when one is unset). Never record this copy."""
+        (:class:`k3pipe.core.secrets.UnsetVariable` when one is unset). Never record this copy."""
         return RenderedCommand(
             argv=[resolve_env_references(t, lookup) for t in self.argv],
             env={k: resolve_env_references(v, lookup) for k, v in self.env.items()},
@@ -264,7 +264,7 @@ def parallel_product(sizes: Mapping[str, int]) -> tuple[int, str]:
 
 class MetricWindow(Protocol):
     """The engine's ``/metrics`` over one workload window, as :meth:`Engine.speculation_figures`
-    reads it (built by :func:`k3pipe.metrics.engine_side_summary`)."""
+    reads it (built by :func:`k3pipe.machine.metrics.engine_side_summary`)."""
 
     def delta(self, key: str) -> float | None:
         """Counter ``metric_names[key]``: last minus first scrape (None: absent, or it reset)."""
@@ -565,7 +565,7 @@ class Engine:
     # -- logs and preflight -----------------------------------------------------------------------
 
     def parse_log(self, lines: Iterable[str]) -> EngineLogFacts:
-        """The facts of a start-up + serving log (see :class:`k3pipe.observe.EngineLogFacts`)."""
+        """The facts of a start-up + serving log (see :class:`k3pipe.engines.observe.EngineLogFacts`)."""
         return parse_engine_log(lines, self.kind, self.log_patterns, self.derive_log_warnings)
 
     def derive_log_warnings(self, lines: Sequence[LogLine]) -> list[str]:
@@ -573,5 +573,5 @@ class Engine:
         return []
 
     def preflight_rules(self) -> tuple[Rule, ...]:
-        """The engine-specific preflight rules (the generic ones live in k3pipe.preflight)."""
+        """The engine-specific preflight rules (the generic ones live in k3pipe.experiment.preflight)."""
         return ()

@@ -30,8 +30,15 @@ from k3pipe.engines.base import (
     parallel_product,
     plain_int,
 )
-from k3pipe.kvpool import kv_layout
-from k3pipe.observe import KERNEL_CONFIG_DEVICE, UNTUNED_KERNEL, LogFormat, LogLine, LogPatterns, PhasePattern
+from k3pipe.engines.kvpool import kv_layout
+from k3pipe.engines.observe import (
+    KERNEL_CONFIG_DEVICE,
+    UNTUNED_KERNEL,
+    LogFormat,
+    LogLine,
+    LogPatterns,
+    PhasePattern,
+)
 
 __all__ = ["ENGINE", "VLLMEngine", "human_readable_int"]
 

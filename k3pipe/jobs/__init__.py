@@ -1,4 +1,4 @@
-"""Jobs: an experiment's lifetime in the library, as :mod:`k3pipe.run` is an arm's. Each job takes a
+"""Jobs: an experiment's lifetime in the library, as :mod:`k3pipe.jobs.arm_run` is an arm's. Each job takes a
 typed request and a :class:`~k3pipe.jobs.steps.Job` (settings, tracker, steps, how it logs and
 publishes) and returns a typed result; a flow is its Prefect shell (``flows/``), passing its tasks as
 the steps.

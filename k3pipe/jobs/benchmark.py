@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from k3pipe.errors import RunFailedError, SpecError, first_line
+from k3pipe.core.errors import RunFailedError, SpecError, first_line
+from k3pipe.core.secrets import scrub
+from k3pipe.experiment.params import RunRequest
+from k3pipe.experiment.speculation import speculation_setting
+from k3pipe.jobs.arm_run import ArmOutcome, ArmRun
 from k3pipe.jobs.prepare import prepare
+from k3pipe.jobs.rerun import RerunInputs
 from k3pipe.jobs.steps import Job, judge_speculation
-from k3pipe.params import RunRequest
-from k3pipe.record import summary_table
-from k3pipe.rerun import RerunInputs
-from k3pipe.run import ArmOutcome, ArmRun
-from k3pipe.secrets import scrub
-from k3pipe.speculation import speculation_setting
+from k3pipe.records.recorder import summary_table
 
 __all__ = ["BenchmarkRequest", "BenchmarkResult", "benchmark"]
 

@@ -10,17 +10,16 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from k3pipe.fleet import Heartbeat, read_study_prompts
+from k3pipe.core.layout import LAUNCH_TAG, LAUNCHES_TAG, NODE_TAG, POOL_TAG
+from k3pipe.jobs.arm_run import ArmOutcome, ArmRun
+from k3pipe.jobs.fleet import Heartbeat, read_study_prompts
 from k3pipe.jobs.prepare import prepare
+from k3pipe.jobs.resume import read_study
 from k3pipe.jobs.steps import Job
-from k3pipe.layout import LAUNCH_TAG, LAUNCHES_TAG, NODE_TAG, POOL_TAG
-from k3pipe.resume import read_study
-from k3pipe.run import ArmOutcome, ArmRun
-from k3pipe.schedule import models_of
-from k3pipe.specs import ExperimentSpec
+from k3pipe.schema.schedule import models_of
+from k3pipe.schema.specs import ExperimentSpec
 
 __all__ = ["NODE_TAG", "POOL_TAG", "LaunchRequest", "run_launch"]
-
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ tokenizer. Errors stop the job here, before any engine starts, and each arm's ML
 (:func:`stop_on_errors`).
 
 The steps are a :class:`PrepareSteps`: :meth:`PrepareSteps.library` calls the library, a flow passes
-its Prefect tasks (same signatures), as :class:`k3pipe.run.ArmSteps` does for an arm's lifetime.
+its Prefect tasks (same signatures), as :class:`k3pipe.jobs.arm_run.ArmSteps` does for an arm's lifetime.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3pipe.bench.corpora import PromptSet
+from k3pipe.core.errors import BenchmarkError, PreflightError
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError, PreflightError
-from k3pipe.record import record_preflight_stop
+from k3pipe.prompts.corpora import PromptSet
+from k3pipe.records.recorder import record_preflight_stop
+from k3pipe.records.tracking import Tracker
+from k3pipe.schema.specs import ExperimentSpec
 from k3pipe.sources import ModelRecord
-from k3pipe.specs import ExperimentSpec
-from k3pipe.tracking import Tracker
 
 __all__ = ["PrepareSteps", "Prepared", "check_spec", "prepare", "stop_on_errors"]
 
@@ -40,10 +40,10 @@ class PrepareSteps:
     @classmethod
     def library(cls, home: Path) -> PrepareSteps:
         """The library's own steps (no Prefect): orphans of this home reaped without closing records."""
-        from k3pipe.bench.prompts import prepare_prompts
-        from k3pipe.node import gpus_here
-        from k3pipe.preflight import preflight
-        from k3pipe.procs import GroupRegistry
+        from k3pipe.core.procs import GroupRegistry
+        from k3pipe.experiment.preflight import preflight
+        from k3pipe.machine.node import gpus_here
+        from k3pipe.prompts.draw import prepare_prompts
         from k3pipe.sources import fetch_model
 
         return cls(
@@ -80,7 +80,7 @@ def stop_on_errors(
 ) -> None:
     """Preflight errors (of the experiment, or of one of ``arms``) end the job before any launch:
     each arm's run records the findings and why (tagged ``tags``, nested under ``parent_id``), then
-    :class:`~k3pipe.errors.PreflightError` names every error."""
+    :class:`~k3pipe.core.errors.PreflightError` names every error."""
     errors = [f for f in findings if f.severity == "error" and f.arm in (None, *arms)]
     if not errors:
         return

@@ -11,17 +11,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3pipe.alerts import check_regression, record_regression
-from k3pipe.bench.corpora import PromptSet
-from k3pipe.errors import PartlyFailedError
+from k3pipe.core.errors import PartlyFailedError
+from k3pipe.core.layout import (
+    FAILED_PREFIX,
+    FAILED_VARIANTS_TAG,
+    KIND_TAG,
+    RERUN_TAG,
+    RETEST_RUN_TAG,
+    VARIANT_TAG,
+)
+from k3pipe.core.secrets import scrub
+from k3pipe.experiment.params import RunRequest
+from k3pipe.jobs.alerts import check_regression, record_regression
 from k3pipe.jobs.prepare import check_spec
+from k3pipe.jobs.retest_run import describe_retest, retest_targets, start_retest, workloads_key
 from k3pipe.jobs.steps import Job, report_needs_mlflow
 from k3pipe.jobs.study import ArmsFailed, StudyRequest, StudyResult, run_study
-from k3pipe.layout import FAILED_PREFIX, FAILED_VARIANTS_TAG, KIND_TAG, RERUN_TAG, RETEST_RUN_TAG, VARIANT_TAG
-from k3pipe.params import RunRequest
+from k3pipe.prompts.corpora import PromptSet
 from k3pipe.report import retest_dir
-from k3pipe.retest import describe_retest, retest_targets, start_retest, workloads_key
-from k3pipe.secrets import scrub
 
 __all__ = ["RetestResult", "VariantsFailed", "rerun_retest", "retest"]
 
@@ -56,7 +63,7 @@ class RetestResult:
 
 
 def _check_regression(job: Job, run_id: str, metrics: tuple[str, ...], margin_pct: float) -> None:
-    """The retest's baseline against the series of earlier retests (k3pipe.alerts): recorded on its
+    """The retest's baseline against the series of earlier retests (k3pipe.jobs.alerts): recorded on its
     run; a regression said, and raised as an alert. An analysis after the fact: when it cannot be
     made, say why and go on."""
     try:
@@ -148,11 +155,11 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
     original study's over all its launches), then the retest's report, which judges the variants
     against the baseline again. A study that cannot be rerun is recorded and the others still are; then
     :class:`VariantsFailed` after the report."""
-    from k3pipe.compare import find_run
-    from k3pipe.errors import RerunError
-    from k3pipe.experiment import parse_experiment
+    from k3pipe.core.errors import RerunError
+    from k3pipe.experiment.load import parse_experiment
     from k3pipe.jobs.study import rerun as rerun_study
-    from k3pipe.report.retest import RETEST_KIND
+    from k3pipe.records.compare import find_run
+    from k3pipe.report.retest_verdicts import RETEST_KIND
 
     tracker = job.tracker
     original = find_run(tracker, run_ref)

@@ -15,18 +15,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from k3pipe.errors import TrackingError
-from k3pipe.fleet import Remote
+from k3pipe.core.errors import TrackingError
+from k3pipe.core.layout import FLOW_RUN_TAG
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.params import RunRequest
+from k3pipe.experiment.speculation import SpeculationReport
+from k3pipe.jobs.arm_run import ArmOutcome, ArmSteps
+from k3pipe.jobs.fleet import Remote
 from k3pipe.jobs.prepare import PrepareSteps
-from k3pipe.layout import FLOW_RUN_TAG
-from k3pipe.params import RunRequest
-from k3pipe.record import record_speculation
-from k3pipe.rerun import RerunInputs
-from k3pipe.run import ArmOutcome, ArmSteps
-from k3pipe.settings import Settings
-from k3pipe.specs import ExperimentSpec, FleetSpec
-from k3pipe.speculation import SpeculationReport
-from k3pipe.tracking import Tracker
+from k3pipe.jobs.rerun import RerunInputs
+from k3pipe.records.recorder import record_speculation
+from k3pipe.records.tracking import Tracker
+from k3pipe.schema.specs import ExperimentSpec, FleetSpec
 
 __all__ = ["Job", "JobSteps", "judge_speculation", "report_needs_mlflow"]
 
@@ -58,10 +58,10 @@ class JobSteps:
     @classmethod
     def library(cls, home: Path, say: Callable[[str], None] | None = None) -> JobSteps:
         """The library's functions themselves (no Prefect), their progress to ``say``."""
+        from k3pipe.experiment.speculation import judge_speculation as judge
+        from k3pipe.jobs.rerun import restore, verdict_rows
         from k3pipe.report import build_report, publish
-        from k3pipe.report.retest import build_retest_report, publish_retest
-        from k3pipe.rerun import restore, verdict_rows
-        from k3pipe.speculation import judge_speculation as judge
+        from k3pipe.report.retest_verdicts import build_retest_report, publish_retest
 
         out: Callable[[str], None] = say or log.info
 
@@ -106,7 +106,7 @@ class Job:
     table: Callable[[list[dict[str, Any]], str, str], object] = field(default=_no_artifact)
     """``(rows, key, description)``: a results table."""
     alert: Callable[[dict[str, Any]], object] = field(default=_no_artifact)
-    """``(regression)``: a scheduled retest found a regression (k3pipe.alerts); a flow emits it as a
+    """``(regression)``: a scheduled retest found a regression (k3pipe.jobs.alerts); a flow emits it as a
     Prefect event, which prefect.yaml's ``notify`` deployment turns into a notification."""
     fleet: Callable[[FleetSpec, str], Remote] | None = None
     """``(fleet, study_run_id)``: what runs a study's launch on a pool and says what a pool is doing

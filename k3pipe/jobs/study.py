@@ -9,25 +9,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3pipe.bench.corpora import PromptSet
-from k3pipe.design import design_lines, load_history
-from k3pipe.errors import PartlyFailedError, RerunError, SpecError, first_line
+from k3pipe.core.errors import PartlyFailedError, RerunError, SpecError, first_line
+from k3pipe.core.layout import DRIFT_TAG, RERUN_TAG, RERUN_VERDICT_TAG, RESUME_TAG
+from k3pipe.core.secrets import scrub
+from k3pipe.experiment.params import INLINE_SOURCE, RunRequest
+from k3pipe.experiment.speculation import speculation_setting
+from k3pipe.jobs.arm_run import ArmOutcome
 from k3pipe.jobs.prepare import Prepared, check_spec, prepare
+from k3pipe.jobs.rerun import RerunInputs, study_verdicts
+from k3pipe.jobs.resume import ResumeError, check_experiment, check_prompts, reopen, resume_point, study_lock
 from k3pipe.jobs.steps import Job, judge_speculation, report_needs_mlflow
-from k3pipe.layout import DRIFT_TAG, RERUN_TAG, RERUN_VERDICT_TAG, RESUME_TAG
-from k3pipe.node import node_here
-from k3pipe.params import INLINE_SOURCE, RunRequest
+from k3pipe.jobs.study_run import Study, StudySteps, start_study
+from k3pipe.machine.node import node_here
+from k3pipe.prompts.corpora import PromptSet
+from k3pipe.records.design import design_lines, load_history
+from k3pipe.records.runrecord import prompts_digest
 from k3pipe.report import report_dir
 from k3pipe.report.collect import collect
-from k3pipe.rerun import RerunInputs, study_verdicts
-from k3pipe.resume import ResumeError, check_experiment, check_prompts, reopen, resume_point, study_lock
-from k3pipe.run import ArmOutcome
-from k3pipe.runrecord import prompts_digest
-from k3pipe.secrets import scrub
+from k3pipe.schema.specs import ExperimentSpec
 from k3pipe.sources import ModelRecord
-from k3pipe.specs import ExperimentSpec
-from k3pipe.speculation import speculation_setting
-from k3pipe.study import Study, StudySteps, start_study
 
 __all__ = ["ArmsFailed", "StudyRequest", "StudyResult", "rerun", "resume", "run_study", "study"]
 
@@ -128,7 +128,7 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
 
 
 def _say_design(spec: ExperimentSpec, arms: list[str], job: Job) -> None:
-    """The design's cost and what it can see, from this node's records (k3pipe.design); a fleet's
+    """The design's cost and what it can see, from this node's records (k3pipe.records.design); a fleet's
     launches run on other nodes, whose records this one cannot speak for."""
     try:
         history = None if spec.fleet is not None else load_history(job.tracker, spec, node_here(), job.home)
@@ -143,7 +143,7 @@ def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None
     finished kept, the others run (one that did not finish, on a new engine start from its first
     workload that did not finish cleanly), under its own run, with its own experiment and overrides
     and the prompts it drew (checked against their digests); the report of the whole study at the end
-    (k3pipe.resume says why a workload is the smallest unit kept). ``experiment``: a
+    (k3pipe.jobs.resume says why a workload is the smallest unit kept). ``experiment``: a
     spec (and where it came from) that must be the study's own. Raises :class:`ResumeError` when it
     cannot be resumed, :class:`ArmsFailed` after the report when an arm failed again."""
     tracker = job.tracker
@@ -259,7 +259,7 @@ def rerun(
 
 def _rerun_verdicts(job: Job, original: str, result: StudyResult) -> list[dict[str, Any]]:
     """Each arm of the rerun against the same arm of ``original``, workload by workload, over all
-    their launches with whole repeats (k3pipe.rerun.study_verdicts), recorded."""
+    their launches with whole repeats (k3pipe.jobs.rerun.study_verdicts), recorded."""
     before, after = collect(job.tracker, original), collect(job.tracker, result.study_run_id)
     out = []
     for v in study_verdicts(before, after):

@@ -1,6 +1,6 @@
 """Launchers: where an engine runs (start, logs, alive, stop).
 
-The kinds' specs (data) are :mod:`k3pipe.launchers.specs`; each kind's implementation is the module
+The kinds' specs (data) are :mod:`k3pipe.schema.launcher_specs`; each kind's implementation is the module
 named after it (``process``, ``docker``, ``external``, ``gpustack``), loaded when an arm of that kind
 needs it, so that rendering a process arm never imports the Docker SDK. This registry answers what
 a kind does with an arm's plan: build its launcher, the command line a human could paste, the
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from k3pipe.launchers.base import Launcher
-    from k3pipe.plan import ArmPlan
+    from k3pipe.planning.plan import ArmPlan
 
 __all__ = ["build_launcher", "equivalent_command", "implementation", "writable_mounts"]
 

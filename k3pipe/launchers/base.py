@@ -1,6 +1,6 @@
 """The launcher interface: start, logs, alive, stop. Stop always works and may be called twice.
 
-Each launcher kind has two halves: its spec, data in :mod:`k3pipe.launchers.specs` (the experiment's
+Each launcher kind has two halves: its spec, data in :mod:`k3pipe.schema.launcher_specs` (the experiment's
 ``launcher:`` block), and its implementation, the module of this package named after the kind (the
 launcher, and how the kind builds it from an arm's plan). Code outside ``launchers/`` asks the spec
 what it needs (does it start an engine, pin an image, where does the engine see its models), asks
@@ -32,7 +32,7 @@ class Launcher(Protocol):
     def ready(self, progress: Callable[[str], None] | None = None) -> bool:
         """Whether the engine is ready as far as the launcher can tell (a cluster manager's instance
         state), each change of its start reported to ``progress``; True where only the engine's
-        health URL can tell. Raises :class:`k3pipe.errors.LaunchError` when the start failed."""
+        health URL can tell. Raises :class:`k3pipe.core.errors.LaunchError` when the start failed."""
 
     def exit_code(self) -> int | None:
         """The engine's exit code once it has ended, else None."""

@@ -21,16 +21,16 @@ import docker
 import docker.errors
 from docker.types import DeviceRequest, Mount
 
-from k3pipe.errors import LaunchError, SpecError
+from k3pipe.core.errors import LaunchError, SpecError
+from k3pipe.core.layout import ARM_TAG, ENGINE_TAG, EXPERIMENT_TAG, MANAGED_LABEL, OWNER_LABEL
+from k3pipe.core.layout import FLOW_RUN_TAG as FLOW_RUN_LABEL
+from k3pipe.core.procs import alive, proc_stat
+from k3pipe.core.secrets import scrub
 from k3pipe.launchers.base import Launcher, tail_file
-from k3pipe.launchers.specs import DockerLauncherSpec
-from k3pipe.layout import ARM_TAG, ENGINE_TAG, EXPERIMENT_TAG, MANAGED_LABEL, OWNER_LABEL
-from k3pipe.layout import FLOW_RUN_TAG as FLOW_RUN_LABEL
-from k3pipe.procs import alive, proc_stat
-from k3pipe.secrets import scrub
+from k3pipe.schema.launcher_specs import DockerLauncherSpec
 
 if TYPE_CHECKING:
-    from k3pipe.plan import ArmPlan
+    from k3pipe.planning.plan import ArmPlan
 
 __all__ = [
     "FLOW_RUN_LABEL",
@@ -40,7 +40,6 @@ __all__ = [
     "connect",
     "reap_orphans",
 ]
-
 
 
 def owner_label() -> str:

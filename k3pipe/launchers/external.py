@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from k3pipe.launchers.base import Launcher
-from k3pipe.launchers.specs import ExternalLauncherSpec
+from k3pipe.schema.launcher_specs import ExternalLauncherSpec
 
 if TYPE_CHECKING:
-    from k3pipe.plan import ArmPlan
+    from k3pipe.planning.plan import ArmPlan
 
 __all__ = ["ExternalLauncher", "build"]
 

@@ -9,17 +9,17 @@ from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
-from k3pipe.coldstart import ensure_compile_cache
+from k3pipe.core.errors import LaunchError, SpecError
+from k3pipe.core.procs import listening
+from k3pipe.core.secrets import UnsetVariable, register
+from k3pipe.core.settings import Settings, env_value
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import RenderedCommand
-from k3pipe.errors import LaunchError, SpecError
 from k3pipe.launchers import build_launcher
 from k3pipe.launchers.base import Launcher
-from k3pipe.launchers.specs import DockerLauncherSpec
-from k3pipe.plan import ArmPlan
-from k3pipe.procs import listening
-from k3pipe.secrets import UnsetVariable, register
-from k3pipe.settings import Settings, env_value
+from k3pipe.planning.coldstart import ensure_compile_cache
+from k3pipe.planning.plan import ArmPlan
+from k3pipe.schema.launcher_specs import DockerLauncherSpec
 from k3pipe.sources.images import ImageRecord, resolve_image
 
 __all__ = ["launch_engine", "pull_image", "unset_references"]

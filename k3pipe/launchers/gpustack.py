@@ -60,16 +60,16 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from k3pipe import secrets
+from k3pipe.core import secrets
+from k3pipe.core.errors import LaunchError
+from k3pipe.core.secrets import scrub
+from k3pipe.core.settings import env_value
 from k3pipe.engines import get_engine
-from k3pipe.errors import LaunchError
 from k3pipe.launchers.base import Launcher, tail_file
-from k3pipe.launchers.specs import MODEL_PATH, GpustackLauncherSpec
-from k3pipe.secrets import scrub
-from k3pipe.settings import env_value
+from k3pipe.schema.launcher_specs import MODEL_PATH, GpustackLauncherSpec
 
 if TYPE_CHECKING:
-    from k3pipe.plan import ArmPlan
+    from k3pipe.planning.plan import ArmPlan
 
 __all__ = ["GpustackLauncher", "build"]
 

@@ -1,7 +1,7 @@
 """Run the engine as a local process in its own process group, its output streamed to a log file.
 
 The output goes through a pipe and a thread that writes it to the log file line by line, scrubbed of
-secrets (:func:`k3pipe.secrets.scrub`): an engine that prints its own arguments (vLLM's "non-default
+secrets (:func:`k3pipe.core.secrets.scrub`): an engine that prints its own arguments (vLLM's "non-default
 args", with ``api_key``) or environment never puts a key on disk.
 """
 
@@ -20,14 +20,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from k3pipe.errors import LaunchError
+from k3pipe.core.errors import LaunchError
+from k3pipe.core.procs import GroupRegistry
+from k3pipe.core.secrets import scrub
 from k3pipe.launchers.base import Launcher, tail_file
-from k3pipe.launchers.specs import ProcessLauncherSpec
-from k3pipe.procs import GroupRegistry
-from k3pipe.secrets import scrub
+from k3pipe.schema.launcher_specs import ProcessLauncherSpec
 
 if TYPE_CHECKING:
-    from k3pipe.plan import ArmPlan
+    from k3pipe.planning.plan import ArmPlan
 
 __all__ = ["ProcessLauncher", "build", "equivalent_command"]
 
@@ -68,7 +68,7 @@ class ProcessLauncher:
         self._pump: threading.Thread | None = None
         self.started_at: float | None = None
         # where the group is recorded while it runs, so that the next start ends it if this process
-        # is killed before its teardown (k3pipe.procs)
+        # is killed before its teardown (k3pipe.core.procs)
         self.registry = registry
         self.name = name
         self.port = port

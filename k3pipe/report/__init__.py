@@ -17,12 +17,12 @@ from typing import Any
 
 import pandas as pd
 
-from k3pipe.priors import NoiseEntry, launch_spread, record_noise, repeat_spread
+from k3pipe.records.priors import NoiseEntry, launch_spread, record_noise, repeat_spread
+from k3pipe.records.tracking import Tracker
 from k3pipe.report.analysis import Analysis, analyse
 from k3pipe.report.collect import STUDY_KIND, CellData, StudyData, cell_class_of, collect, requests_frame
 from k3pipe.report.render import Document, Table, build_document, to_html, to_markdown
 from k3pipe.report.steady import steady_decode_tps
-from k3pipe.tracking import Tracker
 
 __all__ = ["CLAIMS_FILE", "STUDY_KIND", "Report", "build_report", "publish", "report_dir", "retest_dir"]
 
@@ -181,7 +181,7 @@ def retest_dir(home: Path, experiment: str, run_id: str) -> Path:
 
 
 def noise_entries(data: StudyData) -> list[NoiseEntry]:
-    """The restart noise this study measured (k3pipe.priors): per cell whose arm has two launches or
+    """The restart noise this study measured (k3pipe.records.priors): per cell whose arm has two launches or
     more with whole repeats, per figure, the spread of its launch means, under the cell's class."""
     out = []
     for cell in data.cells:
@@ -209,7 +209,7 @@ def noise_entries(data: StudyData) -> list[NoiseEntry]:
 
 def publish(tracker: Tracker, report: Report, out_dir: Path) -> dict[str, Path]:
     """Write the report under ``out_dir`` and attach it to the study's run (report/); keep the
-    restart noise it measured for later studies (k3pipe.priors)."""
+    restart noise it measured for later studies (k3pipe.records.priors)."""
     paths = report.write(out_dir)
     for path in [*paths.values(), *sorted((out_dir / "plots").glob("*.png"))]:
         sub = "report/plots" if path.parent.name == "plots" else "report"

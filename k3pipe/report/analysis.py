@@ -4,7 +4,7 @@ metric, the restart and repeat noise, each arm's degradation along the input len
 leader flips, every throughput against its physical ceiling, and the study's own published figures
 checked against what its inputs give.
 
-The statistics are :mod:`k3pipe.stats`' (docs/measurement.md, "Verdicts"):
+The statistics are :mod:`k3pipe.verdicts.stats`' (docs/measurement.md, "Verdicts"):
 
 - A cell (an arm on a workload) is its launches' repeats; it is summarised on the log scale (the
   geometric mean of its launch means), and its 95% interval comes from the spread of its launch means
@@ -32,12 +32,12 @@ from typing import Any
 
 from scipy import stats as scipy_stats
 
-from k3pipe import stats
-from k3pipe.capacity import pareto_front
-from k3pipe.figures import CAPACITY_FIGURES, DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure, tails_of
-from k3pipe.figures import figure as figure_of
+from k3pipe.core.figures import CAPACITY_FIGURES, DEFAULT_DECISION, FIGURES, TABLE_FIGURES, Figure, tails_of
+from k3pipe.core.figures import figure as figure_of
 from k3pipe.report.collect import CellData, StudyData
 from k3pipe.report.gate import AnswersAnalysis, analyse_answers
+from k3pipe.verdicts import stats
+from k3pipe.verdicts.capacity import pareto_front
 
 __all__ = [
     "TABLE_METRICS",
@@ -435,7 +435,7 @@ class Analysis:
 
 
 def design_of(decision: dict[str, Any], tests: int, look: dict[str, Any] | None = None) -> stats.Design:
-    """The :class:`~k3pipe.stats.Design` of an experiment's ``decision`` (defaults where it says
+    """The :class:`~k3pipe.verdicts.stats.Design` of an experiment's ``decision`` (defaults where it says
     nothing) shared by ``tests`` comparisons; at a ``look`` of a study that added launches, that
     look's share of alpha."""
     alpha = (look or {}).get("alpha") or decision.get("alpha", stats.DEFAULT_ALPHA)

@@ -14,10 +14,8 @@ from pydantic import BaseModel, Field
 from k3pipe.bench.accuracy import ACCURACY_FILE
 from k3pipe.bench.probe import ANSWERS_FILE
 from k3pipe.bench.structured import STRUCTURED_FILE
-from k3pipe.compare import find_run, workload_values
-from k3pipe.cost import counted_label
-from k3pipe.errors import ArtifactMissingError, TrackingError
-from k3pipe.layout import (
+from k3pipe.core.errors import ArtifactMissingError, TrackingError
+from k3pipe.core.layout import (
     ABORTED_TAG,
     ARM_TAG,
     CLIENT_TIMING_TAG,
@@ -46,8 +44,10 @@ from k3pipe.layout import (
     TWIN_TAG,
     WORKLOAD_TAG,
 )
-from k3pipe.node import hardware_label
-from k3pipe.priors import (
+from k3pipe.machine.cost import counted_label
+from k3pipe.machine.node import hardware_label
+from k3pipe.records.compare import find_run, workload_values
+from k3pipe.records.priors import (
     DEFAULT_PRIOR_DAYS,
     CellClass,
     cell_class,
@@ -56,9 +56,9 @@ from k3pipe.priors import (
     node_of,
     workload_shape,
 )
-from k3pipe.specs import CALIBRATION_SUFFIX
-from k3pipe.stats import RestartPrior
-from k3pipe.tracking import Tracker
+from k3pipe.records.tracking import Tracker
+from k3pipe.schema.specs import CALIBRATION_SUFFIX
+from k3pipe.verdicts.stats import RestartPrior
 
 __all__ = [
     "ABORTED_TAG",
@@ -73,7 +73,6 @@ __all__ = [
     "collect",
     "requests_frame",
 ]
-
 
 
 class LaunchPart(BaseModel):
@@ -126,12 +125,13 @@ class CellData(BaseModel):
         description="Every launch of the arm that recorded this workload, counted or not (LaunchPart).",
     )
     shape_key: str = Field(
-        default="", description="The workload's shape as restart-noise classes hold it (k3pipe.priors)."
+        default="",
+        description="The workload's shape as restart-noise classes hold it (k3pipe.records.priors).",
     )
     priors: dict[str, RestartPrior] = Field(
         default_factory=dict,
         description="Metric -> the restart noise earlier studies measured for this cell's configuration "
-        "class on its node (k3pipe.priors); looked up for an arm launched once.",
+        "class on its node (k3pipe.records.priors); looked up for an arm launched once.",
     )
     load: str = "concurrency"
     rate_rps: float | None = None
@@ -277,7 +277,9 @@ class ArmData(BaseModel):
     )
     node: str | None = Field(
         default=None,
-        description="The node as restart noise is kept for it (k3pipe.priors): its GPUs, else its host name.",
+        description=(
+            "The node as restart noise is kept for it (k3pipe.records.priors): its GPUs, else its host name."
+        ),
     )
     gpus: ArmGpusData | None = Field(
         default=None, description="The GPUs the arm held (None: a run recorded before gpus.* params)."
@@ -588,7 +590,7 @@ def _json(text: str | None) -> dict[str, Any]:
 
 
 def _searches(tracker: Tracker, runs: list[Any]) -> list[dict[str, Any]]:
-    """Each capacity search's capacity.json (k3pipe.record.log_capacity), in repeat order; a search
+    """Each capacity search's capacity.json (k3pipe.records.recorder.log_capacity), in repeat order; a search
     that ended before writing it is left out."""
     out = []
     for run in runs:
@@ -677,7 +679,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
 
 
 def cell_class_of(arms: list[ArmData], cell: CellData) -> CellClass | None:
-    """The configuration class of ``cell`` (k3pipe.priors): its arm's engine, model and node, its
+    """The configuration class of ``cell`` (k3pipe.records.priors): its arm's engine, model and node, its
     workload's shape."""
     arm = next((a for a in arms if a.name == cell.arm), None)
     if arm is None:
@@ -714,7 +716,7 @@ def _look(tags: dict[str, str]) -> dict[str, Any]:
 
 
 def _experiment(tracker: Tracker, run_id: str) -> dict[str, Any]:
-    """The experiment.json the study run holds (k3pipe.study logs it); {} when there is none."""
+    """The experiment.json the study run holds (k3pipe.jobs.study_run logs it); {} when there is none."""
     raw = tracker.read_artifact(run_id, "experiment.json")
     try:
         data = json.loads(raw) if raw else {}
@@ -732,7 +734,7 @@ def _reference(experiment: dict[str, Any]) -> dict[str, Any] | None:
 def requests_frame(tracker: Tracker, cell: CellData) -> pd.DataFrame | None:
     """The cell's measured, successful requests over all its repeats (None: none recorded).
 
-    k3pipe.record tags a run ``k3pipe.client_timing`` right after it logged its requests.parquet
+    k3pipe.records.recorder tags a run ``k3pipe.client_timing`` right after it logged its requests.parquet
     (FINISHED or not), so a run with that tag lacking the file raises ``ArtifactMissingError``; one
     without it ended before its requests were logged (FAILED or KILLED) and has none. An artifact
     store that cannot be read raises ``ArtifactStoreError``."""

@@ -8,7 +8,7 @@ What is compared (all from the launches' answers.json, :mod:`k3pipe.bench.probe`
   (``decision.calibration``); without either there is no floor and no arm is judged ("cannot tell:
   no floor");
 - **each other arm**: its first launch whose probe answered, against the reference's, judged with
-  :func:`k3pipe.answers.judge` at the decision's alpha shared by the arms judged (Bonferroni), with
+  :func:`k3pipe.verdicts.answers.judge` at the decision's alpha shared by the arms judged (Bonferroni), with
   the experiment's ``answers.margin_nats``;
 - **lossless settings** (speculative decoding: greedy tokens must be the plain arm's): each prompt
   where the arm's tokens differ from its plain twin's while the floor pair agreed is a finding.
@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from k3pipe.answers import (
+from k3pipe.bench.accuracy import AccuracyRecord, read_accuracy
+from k3pipe.bench.probe import ProbeRecord, read_record
+from k3pipe.bench.structured import StructuredRecord, read_structured
+from k3pipe.report.collect import ArmData, StudyData
+from k3pipe.schema.specs import AnswersSpec
+from k3pipe.verdicts.answers import (
     AccuracyVerdict,
     Agreement,
     AnswersVerdict,
@@ -32,11 +37,6 @@ from k3pipe.answers import (
     judge_accuracy,
     lossless_differences,
 )
-from k3pipe.bench.accuracy import AccuracyRecord, read_accuracy
-from k3pipe.bench.probe import ProbeRecord, read_record
-from k3pipe.bench.structured import StructuredRecord, read_structured
-from k3pipe.report.collect import ArmData, StudyData
-from k3pipe.specs import AnswersSpec
 
 __all__ = ["AnswersAnalysis", "ArmAnswers", "analyse_answers", "first_answers", "floor_of"]
 

@@ -10,13 +10,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from k3pipe import stats
 from k3pipe.bench.structured import StructuredRecord, read_structured
-from k3pipe.capacity import SEARCHES_FOR_INTERVAL
 from k3pipe.report.analysis import Analysis, NoiseRow, Row
 from k3pipe.report.collect import CellData, StudyData
 from k3pipe.report.gate import ArmAnswers
-from k3pipe.specs import AnswersSpec
+from k3pipe.schema.specs import AnswersSpec
+from k3pipe.verdicts import stats
+from k3pipe.verdicts.capacity import SEARCHES_FOR_INTERVAL
 
 __all__ = ["Document", "Section", "Table", "build_document", "cell_text", "num", "to_html", "to_markdown"]
 

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from k3pipe.errors import ModelSourceError
-from k3pipe.specs import LocalModel, ModelScopeModel, expand_home
+from k3pipe.core.errors import ModelSourceError
+from k3pipe.schema.specs import LocalModel, ModelScopeModel, expand_home
 
 __all__ = [
     "ModelRecord",

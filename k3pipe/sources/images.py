@@ -16,7 +16,7 @@ from docker.auth import resolve_repository_name
 from docker.utils import parse_repository_tag
 from pydantic import BaseModel, ConfigDict, Field
 
-from k3pipe.errors import ImageError
+from k3pipe.core.errors import ImageError
 
 __all__ = ["ImageRecord", "resolve_image", "split_reference"]
 

@@ -15,9 +15,9 @@ import docker
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
 from k3pipe.launchers.docker import MANAGED_LABEL, OWNER_LABEL
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.records.tracking import Tracker
 from tests.conftest import TINY_MODEL, CliRun, free_port
 from tests.docker.test_images import registry_digest
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import docker
 import pytest
 
-from k3pipe.errors import LaunchError
-from k3pipe.health import check_endpoint, wait_until_healthy
+from k3pipe.bench.health import check_endpoint, wait_until_healthy
+from k3pipe.core.errors import LaunchError
 from k3pipe.launchers.docker import MANAGED_LABEL, OWNER_LABEL, DockerLauncher, owner_label, reap_orphans
 from k3pipe.sources.images import resolve_image
 from tests.conftest import TINY_MODEL, free_port
@@ -121,9 +121,7 @@ def test_orphans_are_reaped_and_live_runs_kept(
     }
     ids = {}
     for name, (run_id, owner) in cases.items():
-        launcher = _launcher(
-            docker_client, pinned, tmp_path / name, free_port(), "--startup-delay-s", "600"
-        )
+        launcher = _launcher(docker_client, pinned, tmp_path / name, free_port(), "--startup-delay-s", "600")
         launcher.labels["k3pipe.flow_run_id"] = run_id
         if owner is None:
             launcher.labels.pop(OWNER_LABEL)

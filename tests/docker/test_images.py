@@ -9,7 +9,7 @@ import docker
 import httpx
 import pytest
 
-from k3pipe.errors import ImageError
+from k3pipe.core.errors import ImageError
 from k3pipe.sources.images import resolve_image, split_reference
 from tests.conftest import free_port
 

@@ -13,9 +13,9 @@ import docker
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
 from k3pipe.launchers.docker import MANAGED_LABEL
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.records.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, VLLM_PYTHON, free_port, require_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]

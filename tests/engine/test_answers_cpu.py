@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
 from k3pipe.report import build_report
-from k3pipe.settings import Settings
 from tests.conftest import ASSETS_HOME, REPO, free_port, require_engine
 
 pytestmark = pytest.mark.engine
@@ -37,9 +37,9 @@ def _experiment() -> dict:
 
 def test_the_answers_of_three_arms_against_the_floor_on_the_real_engine(tmp_path: Path) -> None:
     require_engine()
+    from k3pipe.experiment.params import RunRequest
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
-    from k3pipe.params import RunRequest
 
     exp = tmp_path / "answers-cpu.yaml"
     exp.write_text(yaml.safe_dump(_experiment()))

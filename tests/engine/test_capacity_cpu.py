@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
 from tests.conftest import ASSETS_HOME, REPO, free_port, require_engine
 
 # the arms' order is the engine's timing: alone in `make test`'s first phase (beside three workers the

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 from tests.conftest import RunningEngine, external_experiment
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]

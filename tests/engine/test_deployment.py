@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3pipe.history import recent_runs
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.history import recent_runs
+from k3pipe.records.tracking import Tracker
 from tests.conftest import PREFECT, REPO, RunningEngine, external_experiment, stop_group
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from k3pipe.answers import ProbeAnswer, agreement
+from k3pipe.bench.health import check_endpoint, server_root
 from k3pipe.bench.probe import ProbePrompt, ask, greedy_body, parse_greedy, parse_scored, scored_body
-from k3pipe.errors import EndpointAuthError, HealthError, ModelNotServedError
-from k3pipe.health import check_endpoint, server_root
+from k3pipe.core.errors import EndpointAuthError, HealthError, ModelNotServedError
+from k3pipe.verdicts.answers import ProbeAnswer, agreement
 from tests.conftest import RunningEngine
 
 pytestmark = pytest.mark.engine

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from mlflow.entities import Run
 
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 from tests.conftest import TINY_MODEL, CliRun, demo_experiment, free_port, require_engine
 from tests.fakehub import client_pointed_at_fake_hub
 
@@ -84,7 +84,7 @@ def _stopped_before_launch(
     """Run the demo experiment with ``workloads``: it must raise a PreflightError matching
     ``match`` within a minute, start nothing on ``port`` and leave one FAILED MLflow run."""
     from flows.benchmark import benchmark
-    from k3pipe.errors import PreflightError
+    from k3pipe.core.errors import PreflightError
 
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(demo_experiment(port, workloads)))

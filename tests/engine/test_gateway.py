@@ -34,7 +34,7 @@ import httpx
 import pytest
 import yaml
 
-from k3pipe.errors import EndpointAuthError, HealthError, ModelNotServedError
+from k3pipe.core.errors import EndpointAuthError, HealthError, ModelNotServedError
 from tests.conftest import ASSETS_HOME, REPO, demo_experiment, free_port, require_engine, stop_group
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
@@ -188,8 +188,8 @@ def test_the_flow_benchmarks_through_the_gateway(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from flows.benchmark import benchmark
-    from k3pipe.settings import Settings
-    from k3pipe.tracking import Tracker
+    from k3pipe.core.settings import Settings
+    from k3pipe.records.tracking import Tracker
 
     for var, value in gateway.keys.items():
         monkeypatch.setenv(var, value)
@@ -239,12 +239,12 @@ def test_the_flow_benchmarks_through_the_gateway(
 def test_the_gate_says_what_is_wrong_with_the_gateway_and_the_engine_is_stopped(
     gateway: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k3pipe.bench.prompts import prepare_prompts
-    from k3pipe.experiment import parse_experiment
-    from k3pipe.run import ArmRun, ArmSteps, client_key
-    from k3pipe.settings import Settings
+    from k3pipe.core.settings import Settings
+    from k3pipe.experiment.load import parse_experiment
+    from k3pipe.jobs.arm_run import ArmRun, ArmSteps, client_key
+    from k3pipe.prompts.draw import prepare_prompts
+    from k3pipe.records.tracking import Tracker
     from k3pipe.sources import fetch_model
-    from k3pipe.tracking import Tracker
 
     for var, value in gateway.keys.items():
         monkeypatch.setenv(var, value)

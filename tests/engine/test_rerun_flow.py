@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3pipe.errors import RerunError
-from k3pipe.rerun import RERUN_TAG, read_record
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.errors import RerunError
+from k3pipe.core.settings import Settings
+from k3pipe.jobs.rerun import RERUN_TAG, read_record
+from k3pipe.records.tracking import Tracker
 from tests.conftest import TINY_MODEL, RunningEngine, external_experiment
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]

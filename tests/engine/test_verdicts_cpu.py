@@ -35,10 +35,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
 from k3pipe.report import Report, build_report
 from k3pipe.report.analysis import analyse
 from k3pipe.report.collect import SUPERSEDED_TAG, collect
-from k3pipe.settings import Settings
 from tests.conftest import ASSETS_HOME, REPO, free_port, require_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.serial]
@@ -74,9 +74,9 @@ def _seen(report: Report) -> str:
 
 def test_an_a_a_and_an_a_b_on_the_real_engine_and_a_launch_cut_by_a_deadline(tmp_path: Path) -> None:
     require_engine()
+    from k3pipe.experiment.params import RunRequest
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
-    from k3pipe.params import RunRequest
 
     exp = tmp_path / "verdicts-cpu.yaml"
     exp.write_text(yaml.safe_dump(_experiment()))

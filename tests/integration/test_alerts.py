@@ -1,4 +1,4 @@
-"""Regression alerts (k3pipe.alerts): a retest judged against the series of earlier retests of the
+"""Regression alerts (k3pipe.jobs.alerts): a retest judged against the series of earlier retests of the
 same experiment. In the library: a first retest has too little history ('insufficient history'); a
 planted regression (the same arm against a slower engine, its declared version moved) is found and
 named with both versions and the history it was judged against; `k3pipe retest accept` makes it the
@@ -33,11 +33,11 @@ import yaml
 from typer.testing import CliRunner
 
 import cli.main as cli
-from k3pipe.alerts import ACCEPTED_TAG, REGRESSION_FILE, REGRESSION_TAG
+from k3pipe.experiment.params import RunRequest
+from k3pipe.jobs.alerts import ACCEPTED_TAG, REGRESSION_FILE, REGRESSION_TAG
 from k3pipe.jobs.retest import retest
 from k3pipe.jobs.steps import Job
-from k3pipe.params import RunRequest
-from k3pipe.tracking import Tracker
+from k3pipe.records.tracking import Tracker
 from tests.conftest import PREFECT, REPO, TINY_MODEL, stop_group
 from tests.scripted_openai import Script, ScriptedOpenAI
 

@@ -1,4 +1,4 @@
-"""Which retests make a retest's series, and what a retest's value is (k3pipe.alerts), on records
+"""Which retests make a retest's series, and what a retest's value is (k3pipe.jobs.alerts), on records
 written with the tracker into a real SQLite MLflow store, in the shape a retest records them (its
 run, its baseline study, each launch of the arm, each workload with its figures), each a day apart:
 no engine runs. The series starts at the newest accepted retest, leaves out the retests that raised
@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from k3pipe.alerts import ACCEPTED_TAG, REGRESSION_TAG, accept, check_regression, record_regression
-from k3pipe.errors import TrackingError
+from k3pipe.core.errors import TrackingError
+from k3pipe.jobs.alerts import ACCEPTED_TAG, REGRESSION_TAG, accept, check_regression, record_regression
+from k3pipe.jobs.rerun import RERUN_TAG
 from k3pipe.jobs.steps import Job
+from k3pipe.records.tracking import Tracker
 from k3pipe.report.collect import PRIME_TAG, SUPERSEDED_TAG
-from k3pipe.rerun import RERUN_TAG
-from k3pipe.tracking import Tracker
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 DAY_MS = 86_400_000

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from k3pipe.errors import SpecError
-from k3pipe.experiment import load_experiment
-from k3pipe.specs import MAX_WORKLOADS
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import load_experiment
+from k3pipe.schema.specs import MAX_WORKLOADS
 from tests.unit.test_bad_inputs import CORPUS, REPO, _clear, _experiment
 
 
@@ -70,7 +70,7 @@ def test_the_fetch_task_retries_a_download_not_a_missing_directory() -> None:
     """It retried a missing local directory twice, 10 s apart, before the same error."""
     from prefect.states import Failed
 
-    from k3pipe.errors import ModelSourceError
+    from k3pipe.core.errors import ModelSourceError
     from tasks.steps import _worth_retrying, fetch_model_task
 
     assert fetch_model_task.retries == 2

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
 from k3pipe.report import build_report
-from k3pipe.settings import Settings
 from tests.conftest import TINY_MODEL
 from tests.scripted_openai import Script, ScriptedOpenAI
 
@@ -42,9 +42,9 @@ def _workload(capacity_rps: float, service_s: float, requests: int) -> dict[str,
 def test_a_capacity_search_finds_the_scripted_engines_capacity_within_10_percent(
     slots: int, service_s: float, requests: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from k3pipe.experiment.params import RunRequest
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
-    from k3pipe.params import RunRequest
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
@@ -117,9 +117,9 @@ def test_a_ladder_stops_past_saturation_and_the_report_draws_its_pareto_front(
     Pareto section and figure place them (the scripted engine decodes every stream at one pace, so
     which points tie on the per-user axis is timing; the front's logic is tested in
     tests/unit/test_capacity.py)."""
+    from k3pipe.experiment.params import RunRequest
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
-    from k3pipe.params import RunRequest
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")

@@ -33,13 +33,13 @@ from typing import Any
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.params import RunRequest
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import study
-from k3pipe.params import RunRequest
 from k3pipe.report import build_report
 from k3pipe.report.analysis import analyse
 from k3pipe.report.collect import SUPERSEDED_TAG, collect
-from k3pipe.settings import Settings
 from tests.conftest import REPO, TINY_MODEL
 from tests.scripted_openai import Script, ScriptedOpenAI
 

@@ -1,4 +1,4 @@
-"""A study spread over two nodes, in the library (k3pipe.fleet, k3pipe.jobs.launch): each node a job
+"""A study spread over two nodes, in the library (k3pipe.jobs.fleet, k3pipe.jobs.launch): each node a job
 of its own (its own K3PIPE_HOME, its own tracker) running the launches the scheduler hands its pool,
 reading the experiment and the prompts from the study's run (verified by digest), its arm runs nested
 under the study's; the study joined into one report. The arms are `external` endpoints served by the
@@ -19,8 +19,11 @@ import pytest
 import yaml
 
 from benchmarks.faults import MlflowServer
-from k3pipe.errors import SpecError
-from k3pipe.fleet import (
+from k3pipe.core.errors import SpecError
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.params import RunRequest
+from k3pipe.jobs.arm_run import ArmOutcome
+from k3pipe.jobs.fleet import (
     PROMPTS_INDEX,
     PoolUnavailable,
     PromptsMismatch,
@@ -30,15 +33,12 @@ from k3pipe.fleet import (
     read_study_prompts,
 )
 from k3pipe.jobs.launch import NODE_TAG, POOL_TAG, LaunchRequest, run_launch
+from k3pipe.jobs.rerun import read_record
+from k3pipe.jobs.resume import SUPERSEDED_TAG
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import StudyResult, resume, study
-from k3pipe.params import RunRequest
+from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
-from k3pipe.rerun import read_record
-from k3pipe.resume import SUPERSEDED_TAG
-from k3pipe.run import ArmOutcome
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL
 from tests.scripted_openai import Script, ScriptedOpenAI
 from tests.stores import seed_mlflow_db
@@ -210,7 +210,7 @@ def test_a_node_refuses_prompts_that_are_not_the_studys(servers, tmp_path: Path)
     job, result = _run(tmp_path, _experiment(fast.base_url, slow.base_url, {"pools": ["node-a"]}), nodes)
     assert isinstance(result, StudyResult), result
     tracker, run_id = job.tracker, result.study_run_id
-    from k3pipe.experiment import parse_experiment
+    from k3pipe.experiment.load import parse_experiment
 
     spec = parse_experiment(_experiment(fast.base_url, slow.base_url, {"pools": ["node-a"]}))
     assert len(read_study_prompts(tracker, run_id, spec)["in32"]) == 2

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from k3pipe.fleet import heartbeat_key
+from k3pipe.jobs.fleet import heartbeat_key
 from k3pipe.jobs.launch import POOL_TAG
 from ops.stack import StackConfig, client_env
 from tests.conftest import ASSETS_HOME, REPO, TINY_MODEL, free_port, require_engine

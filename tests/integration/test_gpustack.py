@@ -22,14 +22,14 @@ from typing import Any
 import pytest
 import yaml
 
-from k3pipe.experiment import load_experiment
-from k3pipe.health import wait_ready
+from k3pipe.bench.health import wait_ready
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.load import load_experiment
+from k3pipe.jobs.arm_run import INTERRUPT_GRACE_S
 from k3pipe.launchers.factory import launch_engine
 from k3pipe.launchers.gpustack import GpustackLauncher
-from k3pipe.plan import plan_arm
-from k3pipe.run import INTERRUPT_GRACE_S
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.planning.plan import plan_arm
+from k3pipe.records.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, require_engine
 from tests.gpustack_standin import GpustackStandin
 

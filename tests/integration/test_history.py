@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from k3pipe.errors import TrackingError
-from k3pipe.history import metric_history, plot_history, recent_runs
-from k3pipe.tracking import Tracker
+from k3pipe.core.errors import TrackingError
+from k3pipe.records.history import metric_history, plot_history, recent_runs
+from k3pipe.records.tracking import Tracker
 
 
 def _arm(tracker: Tracker, arm: str, engine: str, ttft: float, parent: str | None = None, **tags: str) -> str:

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import yaml
 
-from k3pipe.errors import SpecError
+from k3pipe.core.errors import SpecError
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.params import Overrides, RunRequest
 from k3pipe.jobs.benchmark import BenchmarkRequest, benchmark
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import ArmsFailed, study
-from k3pipe.params import Overrides, RunRequest
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.records.tracking import Tracker
 from tests.conftest import TINY_MODEL, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
 
@@ -137,8 +137,8 @@ def test_a_study_rerun_from_its_records_is_compared_arm_by_arm(tmp_path: Path) -
     2-ms token pacing once), so for a only its verdict is asserted to exist and its throughput to
     stay within a factor 2 (tokens paced at 20 ms, which load moves far less)."""
     from k3pipe.bench.repeats import Comparison
+    from k3pipe.jobs.rerun import read_record
     from k3pipe.jobs.study import RERUN_VERDICTS, rerun
-    from k3pipe.rerun import read_record
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from k3pipe.errors import LaunchError
-from k3pipe.health import wait_until_healthy
+from k3pipe.bench.health import wait_until_healthy
+from k3pipe.core.errors import LaunchError
 from k3pipe.launchers.external import ExternalLauncher
 from k3pipe.launchers.process import ProcessLauncher
 
@@ -139,7 +139,7 @@ def test_stop_before_start_and_external() -> None:
 
 def test_launcher_cpus_pin_the_engine_and_every_process_it_starts(tmp_path: Path) -> None:
     """launcher.cpus: the engine runs under taskset on those CPUs, and so does the child it starts."""
-    from k3pipe.launchers.specs import ProcessLauncherSpec
+    from k3pipe.schema.launcher_specs import ProcessLauncherSpec
 
     cpu = sorted(os.sched_getaffinity(0))[-1]
     spec = ProcessLauncherSpec(cpus=str(cpu))

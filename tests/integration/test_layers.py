@@ -11,7 +11,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # a fresh interpreter per module
-@pytest.mark.parametrize("module", ["k3pipe.specs", "k3pipe.experiment", "k3pipe.schedule"])
+@pytest.mark.parametrize(
+    "module", ["k3pipe.schema.specs", "k3pipe.experiment.load", "k3pipe.schema.schedule"]
+)
 def test_the_specs_load_without_the_machines(module: str) -> None:
     """Loading and describing an experiment imports no launcher implementation, SDK or client."""
     import subprocess

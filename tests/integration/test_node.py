@@ -12,9 +12,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from k3pipe.coldstart import read_cold_start
-from k3pipe.experiment import parse_experiment
-from k3pipe.node import (
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.experiment.preflight import hardware_mismatches
+from k3pipe.jobs.arm_run import node_facts
+from k3pipe.machine.node import (
     GpuMemorySampler,
     NodeInfo,
     comm_env,
@@ -26,13 +28,11 @@ from k3pipe.node import (
     parse_gpu_query,
     probe_node,
 )
-from k3pipe.plan import plan_arm
-from k3pipe.preflight import hardware_mismatches
-from k3pipe.record import ArmRecorder
-from k3pipe.run import node_facts
-from k3pipe.settings import Settings
-from k3pipe.specs import HardwareSpec, WorkloadSpec
-from k3pipe.tracking import Tracker
+from k3pipe.planning.coldstart import read_cold_start
+from k3pipe.planning.plan import plan_arm
+from k3pipe.records.recorder import ArmRecorder
+from k3pipe.records.tracking import Tracker
+from k3pipe.schema.specs import HardwareSpec, WorkloadSpec
 from tests.conftest import demo_experiment
 from tests.integration.test_record import outcome
 from tests.unit.engines.helpers import FIXTURES
@@ -389,8 +389,8 @@ def test_the_experiments_hardware_is_checked_against_the_node() -> None:
 def test_a_node_unlike_the_experiments_hardware_is_a_finding_of_the_report(
     smi: Path, tracker: Tracker, tmp_path: Path
 ) -> None:
+    from k3pipe.jobs.study_run import start_study
     from k3pipe.report import build_report
-    from k3pipe.study import start_study
 
     spec = parse_experiment(demo_experiment(8999))
     hardware = HardwareSpec(gpu_name="NVIDIA B300", gpu_count=8, gpu_memory_gib=267.69)
@@ -506,9 +506,9 @@ def test_two_arms_get_the_energy_and_per_gpu_figures_of_their_own_gpus(
     the scripted engine as a local process and runs a two-point ladder; each point's energy is its
     own GPUs' draw (600 W, 700 W, not the node's 1800 W) over its window, its dollars its own count
     of GPUs, and the report's tokens per GPU divide by that count and say which GPUs they are."""
+    from k3pipe.experiment.params import RunRequest
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
-    from k3pipe.params import RunRequest
     from k3pipe.report import build_report
     from tests.conftest import TINY_MODEL, free_port
     from tests.integration.test_secrets import ENGINE_SCRIPT

@@ -54,7 +54,8 @@ def test_error_tree() -> None:
 
 def test_library_does_not_import_prefect() -> None:
     code = (
-        "import sys, k3pipe, k3pipe.run, k3pipe.record, k3pipe.rerun, k3pipe.tracking; "
+        "import sys, k3pipe, k3pipe.jobs.arm_run, k3pipe.records.recorder, k3pipe.jobs.rerun, "
+        "k3pipe.records.tracking; "
         "print('prefect' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

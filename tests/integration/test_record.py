@@ -10,11 +10,11 @@ import pytest
 
 from k3pipe.bench import RequestRecord, WorkloadResult, summarize
 from k3pipe.bench.session import WorkloadOutcome
-from k3pipe.experiment import parse_experiment
-from k3pipe.plan import plan_arm
-from k3pipe.record import SUMMARY_COLUMNS, ArmRecorder, summary_table
-from k3pipe.specs import WorkloadSpec
-from k3pipe.tracking import Tracker
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.planning.plan import plan_arm
+from k3pipe.records.recorder import SUMMARY_COLUMNS, ArmRecorder, summary_table
+from k3pipe.records.tracking import Tracker
+from k3pipe.schema.specs import WorkloadSpec
 from tests.conftest import demo_experiment
 
 T0 = 100.0
@@ -159,9 +159,9 @@ def test_compare_two_recorded_workloads(
     from typer.testing import CliRunner
 
     from cli.main import app
-    from k3pipe.compare import compare_workloads, resolve_workload_run
-    from k3pipe.errors import TrackingError
-    from k3pipe.priors import NoiseEntry, record_noise, run_class
+    from k3pipe.core.errors import TrackingError
+    from k3pipe.records.compare import compare_workloads, resolve_workload_run
+    from k3pipe.records.priors import NoiseEntry, record_noise, run_class
 
     w = workload(3)
     arms = []
@@ -267,8 +267,8 @@ def test_oom_lines_are_counted_in_mlflow_and_lead_the_reports_findings(
 ) -> None:
     """The engine log of an arm whose 8 workers ran out of memory 4 times each: the record counts 32
     lines on 8 ranks (metrics), and the findings the report shows start with that count."""
+    from k3pipe.jobs.study_run import start_study
     from k3pipe.report import build_report
-    from k3pipe.study import start_study
     from tests.unit.engines.test_engine_logs import _oom_burst
 
     spec = parse_experiment(demo_experiment(8999))
@@ -338,7 +338,7 @@ def test_a_capacity_search_records_each_probes_interval_and_the_capacitys(
     the workload's run gets the capacity across its searches by the verdicts' rule
     (summarize_searches: bracket middles, the bracket counted), in numbers and in words. The
     probes' request records are stand-ins (two requests); their attainment is the search's."""
-    from k3pipe.capacity import CapacitySearch, summarize_searches
+    from k3pipe.verdicts.capacity import CapacitySearch, summarize_searches
 
     rec = recorder(tracker, tmp_path)
     w = WorkloadSpec(

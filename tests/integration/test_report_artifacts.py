@@ -2,7 +2,7 @@
 
 A study's MLflow store made on one machine (a GPU node) and reported on another records the node's
 artifact paths. The store here is made as a node makes it (a real SQLite store, the arms recorded by
-k3pipe.record's ArmRecorder: repeats.json, requests.parquet per repeat), its reports built in place,
+k3pipe.records.recorder's ArmRecorder: repeats.json, requests.parquet per repeat), its reports built in place,
 then its artifact directory is moved away as a tarball's copy would be: without --artifact-root the
 report fails naming the run, the workload, the artifact and the root it looked in; with it, the
 report is the one made before the move. A one-repeat study still reports its untested cells, and a
@@ -26,17 +26,17 @@ from typer.testing import CliRunner
 from cli.main import app
 from k3pipe.bench import RequestRecord, WorkloadResult, summarize
 from k3pipe.bench.session import WorkloadOutcome
-from k3pipe.errors import ArtifactMissingError, ArtifactStoreError, TrackingError
-from k3pipe.experiment import parse_experiment
-from k3pipe.plan import plan_arm
-from k3pipe.record import ArmRecorder, close_abandoned
+from k3pipe.core.errors import ArtifactMissingError, ArtifactStoreError, TrackingError
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.jobs.retest_run import retest_targets, start_retest
+from k3pipe.jobs.study_run import start_study
+from k3pipe.planning.plan import plan_arm
+from k3pipe.records.recorder import ArmRecorder, close_abandoned
+from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
 from k3pipe.report.collect import collect, requests_frame
-from k3pipe.report.retest import build_retest_report
-from k3pipe.retest import retest_targets, start_retest
-from k3pipe.specs import ExperimentSpec, WorkloadSpec
-from k3pipe.study import start_study
-from k3pipe.tracking import Tracker
+from k3pipe.report.retest_verdicts import build_retest_report
+from k3pipe.schema.specs import ExperimentSpec, WorkloadSpec
 
 EXPERIMENT = "moved-store"
 RUN_ID = "[0-9a-f]{32}"

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 
 from k3pipe.bench import load_tokenizer
-from k3pipe.bench.prompts import prepare_prompts
-from k3pipe.errors import RerunError, SpecError
-from k3pipe.experiment import parse_experiment
-from k3pipe.plan import plan_arm
-from k3pipe.record import ArmRecorder
-from k3pipe.rerun import arm_run, read_record, restore
-from k3pipe.runrecord import RECORD_FILE, prompts_digest
+from k3pipe.core.errors import RerunError, SpecError
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.jobs.rerun import arm_run, read_record, restore
+from k3pipe.planning.plan import plan_arm
+from k3pipe.prompts.draw import prepare_prompts
+from k3pipe.records.recorder import ArmRecorder
+from k3pipe.records.runrecord import RECORD_FILE, prompts_digest
+from k3pipe.records.tracking import Tracker
 from k3pipe.sources import fetch_model
-from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL
 
 
@@ -173,12 +173,12 @@ def test_a_secret_written_in_the_experiment_refuses_a_rerun_and_a_reference_does
     """A literal key in an experiment is refused when it is parsed now; a record made before that
     rule holds '***' in its place, and a rerun of it (which would start the engine with '***') is
     refused naming the field and the '{env.NAME}' way. A reference is restored as written."""
-    import k3pipe.specs
+    import k3pipe.schema.specs
 
     with pytest.raises(SpecError, match=r"args\.api_key: a literal secret"):
         parse_experiment(_experiment(tmp_path, {"api_key": "literal-key-0123456789"}))
     with monkeypatch.context() as older:  # a record of a k3pipe without the refusal
-        older.setattr(k3pipe.specs, "_refuse_literal_secret", lambda *_args: None)
+        older.setattr(k3pipe.schema.specs, "_refuse_literal_secret", lambda *_args: None)
         tracker, run_id, home, _ = _record(tmp_path / "literal", args={"api_key": "literal-key-0123456789"})
     with pytest.raises(RerunError, match=r"engine\.args\.api_key.*\{env\.NAME\}"):
         restore(tracker, run_id, home)

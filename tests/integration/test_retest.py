@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3pipe.history import recent_runs
-from k3pipe.report.retest import build_retest_report
-from k3pipe.rerun import read_record
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.jobs.rerun import read_record
+from k3pipe.records.history import recent_runs
+from k3pipe.records.tracking import Tracker
+from k3pipe.report.retest_verdicts import build_retest_report
 from tests.conftest import TINY_MODEL
 from tests.scripted_openai import Script, ScriptedOpenAI
 
@@ -36,16 +36,31 @@ def _experiment(base_url: str, docs: str = "/nonexistent/k3pipe-docs") -> dict:
             }
         ],
         "workloads": [
-            {"name": "in32", "input_tokens": 32, "output_tokens": 8, "concurrency": 2, "num_requests": 4,
-             "warmup_requests": 0, "repeats": 3, "seed": 1},
+            {
+                "name": "in32",
+                "input_tokens": 32,
+                "output_tokens": 8,
+                "concurrency": 2,
+                "num_requests": 4,
+                "warmup_requests": 0,
+                "repeats": 3,
+                "seed": 1,
+            },
         ],
         # the variants change the output length: end-to-end time is what this retest decides on
         "decision": {"metrics": ["duration_s", "output_throughput_tps"]},
         "variants": [
-            {"name": "longer", "description": "four times the output",
-             "arms": {"fast": {}}, "workloads": {"output_tokens": 32}},
-            {"name": "no-docs", "arms": {"fast": {}},
-             "workloads": {"dataset": {"kind": "documents", "path": docs}}},
+            {
+                "name": "longer",
+                "description": "four times the output",
+                "arms": {"fast": {}},
+                "workloads": {"output_tokens": 32},
+            },
+            {
+                "name": "no-docs",
+                "arms": {"fast": {}},
+                "workloads": {"dataset": {"kind": "documents", "path": docs}},
+            },
             {"name": "seqs8", "arms": {"fast": {"args": {"max_num_seqs": 8}}}},
         ],
     }
@@ -127,7 +142,7 @@ def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: igno
         "retest-test@longer/fast#2",
     ]  # fmt: skip
     assert recent_runs(tracker, 5, variant="nothing-like-it").empty
-    from k3pipe.history import metric_history
+    from k3pipe.records.history import metric_history
 
     trend = metric_history(tracker, "duration_s", "in32", variant="longer")
     assert list(trend["variant"]) == ["longer", "longer"]  # its two launches

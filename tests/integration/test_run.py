@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from k3pipe.bench.prompts import prepare_prompts
-from k3pipe.experiment import parse_experiment
-from k3pipe.run import INTERRUPT_GRACE_S, ArmRun, ArmSteps
-from k3pipe.runrecord import RECORD_FILE
-from k3pipe.settings import Settings
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.jobs.arm_run import INTERRUPT_GRACE_S, ArmRun, ArmSteps
+from k3pipe.prompts.draw import prepare_prompts
+from k3pipe.records.runrecord import RECORD_FILE
+from k3pipe.records.tracking import Tracker
 from k3pipe.sources import fetch_model
-from k3pipe.tracking import Tracker
 from tests.conftest import TINY_MODEL
 from tests.scripted_openai import Script, ScriptedOpenAI
 
@@ -108,16 +108,16 @@ def test_the_key_is_read_once_and_handed_to_every_step(  # type: ignore[no-untyp
     arm_parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make, _server = arm_parts
-    import k3pipe.run
+    import k3pipe.jobs.arm_run
 
     reads: list[str | None] = []
-    real = k3pipe.run.read_secret
+    real = k3pipe.jobs.arm_run.read_secret
 
     def counted(name: str | None) -> Any:
         reads.append(name)
         return real(name)
 
-    monkeypatch.setattr(k3pipe.run, "read_secret", counted)
+    monkeypatch.setattr(k3pipe.jobs.arm_run, "read_secret", counted)
     seen: list[Any] = []
     library = ArmSteps.library()
 

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import yaml
 
-from k3pipe.params import Overrides, RunRequest
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.params import Overrides, RunRequest
+from k3pipe.records.tracking import Tracker
 from tests.conftest import PREFECT, REPO, TINY_MODEL, running_prefect_server, stop_group
 from tests.scripted_openai import Script, ScriptedOpenAI
 

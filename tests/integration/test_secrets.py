@@ -38,8 +38,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
 
@@ -209,7 +209,7 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
         code = (
             "import sys\n"
             "from cli.main import prepare_prefect_env\n"
-            "from k3pipe.settings import Settings\n"
+            "from k3pipe.core.settings import Settings\n"
             "prepare_prefect_env(Settings())\n"
             "from flows.benchmark import benchmark\n"
             "benchmark(experiment_yaml=sys.stdin.read())\n"

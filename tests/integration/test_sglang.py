@@ -22,8 +22,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, free_port, require_engine
 
 pytestmark = pytest.mark.flow
@@ -132,7 +132,7 @@ def test_sglang_arm_with_its_key_variable_unset_is_stopped_by_preflight(
     prefect_harness: None, tmp_path: Path
 ) -> None:
     from flows.benchmark import benchmark
-    from k3pipe.errors import PreflightError
+    from k3pipe.core.errors import PreflightError
 
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(_experiment("sglang-nokey", free_port())))

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, free_port, require_engine
 
 pytestmark = [pytest.mark.flow, pytest.mark.serial]

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from k3pipe.experiment import parse_experiment
-from k3pipe.record import ArmRecorder, record_speculation
-from k3pipe.specs import ExperimentSpec
-from k3pipe.speculation import choose_baseline, judge_speculation, speculation_setting
-from k3pipe.tracking import Tracker
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.experiment.speculation import choose_baseline, judge_speculation, speculation_setting
+from k3pipe.records.recorder import ArmRecorder, record_speculation
+from k3pipe.records.tracking import Tracker
+from k3pipe.schema.specs import ExperimentSpec
 
 pytestmark = pytest.mark.serial
 
@@ -344,7 +344,7 @@ def test_the_judgement_is_recorded_on_the_speculative_arm_run(tracker: Tracker, 
 def test_the_recorder_keeps_the_engine_logs_acceptance_for_the_judgement(
     tracker: Tracker, tmp_path: Path
 ) -> None:
-    from k3pipe.plan import plan_arm
+    from k3pipe.planning.plan import plan_arm
 
     spec = experiment(arm("vllm-ngram", NGRAM))
     rec = ArmRecorder(tracker, plan_arm(spec, spec.arms[0], tmp_path))

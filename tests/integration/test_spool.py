@@ -1,4 +1,5 @@
-"""Nothing measured is lost when tracking fails: the spool (k3pipe.spool), its push (k3pipe.tracking's
+"""Nothing measured is lost when tracking fails: the spool (k3pipe.records.spool), its push
+(k3pipe.records.tracking's
 Pusher) and `k3pipe sync`, against a real SQLite MLflow store and a real `mlflow server` (its own
 process group, killed by pgid, restarted on the same store and port); the arm runs against the
 scripted OpenAI server (an `external` arm: real HTTP, no engine)."""
@@ -25,15 +26,15 @@ import yaml
 from mlflow import MlflowClient
 
 from benchmarks.faults import MlflowServer
-from k3pipe.bench.prompts import prepare_prompts
-from k3pipe.errors import ArtifactMissingError, ArtifactStoreError, TrackingUnreachableError
-from k3pipe.experiment import parse_experiment
-from k3pipe.run import ArmRun, ArmSteps
-from k3pipe.settings import Settings
+from k3pipe.core.errors import ArtifactMissingError, ArtifactStoreError, TrackingUnreachableError
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.jobs.arm_run import ArmRun, ArmSteps
+from k3pipe.prompts.draw import prepare_prompts
+from k3pipe.records.spool import IdMap, Journal, SessionDir, list_sessions, new_run_id, try_lock, unlock
+from k3pipe.records.sync import sync_spool
+from k3pipe.records.tracking import Tracker
 from k3pipe.sources import fetch_model
-from k3pipe.spool import IdMap, Journal, SessionDir, list_sessions, new_run_id, try_lock, unlock
-from k3pipe.sync import sync_spool
-from k3pipe.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, demo_experiment, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
 from tests.stores import seed_mlflow_db
@@ -129,7 +130,7 @@ def spool_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "k3pipe.tracking" and "not answering" in r.getMessage()
+        if r.name == "k3pipe.records.tracking" and "not answering" in r.getMessage()
     ]
 
 
@@ -154,7 +155,7 @@ def metric_histories(client: MlflowClient, run_ids: list[str]) -> dict[tuple[str
 def test_mlflow_killed_mid_run_loses_nothing(
     mlflow_server: MlflowServer, endpoint: ScriptedOpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="k3pipe.tracking")
+    caplog.set_level(logging.WARNING, logger="k3pipe.records.tracking")
     mlflow_server.start()
     settings = Settings()
     tracker = Tracker(mlflow_server.uri, "spool-test", settings.artifact_root())
@@ -295,7 +296,7 @@ def test_k3pipe_run_fails_in_seconds_and_starts_no_engine(tmp_path: Path) -> Non
 def test_with_the_spool_allowed_the_run_goes_on_and_sync_completes_it(
     mlflow_server: MlflowServer, endpoint: ScriptedOpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="k3pipe.tracking")
+    caplog.set_level(logging.WARNING, logger="k3pipe.records.tracking")
     settings = Settings()
     tracker = Tracker(mlflow_server.uri, "spool-test", settings.artifact_root(), allow_spool=True)
     assert not tracker.online
@@ -355,7 +356,7 @@ def test_with_the_spool_allowed_the_run_goes_on_and_sync_completes_it(
     # reads of the local id resolve to the MLflow run once synced
     reader = Tracker(mlflow_server.uri, "spool-test")
     assert reader.mlflow_id(local_id) == real
-    from k3pipe.compare import find_run
+    from k3pipe.records.compare import find_run
 
     assert find_run(reader, local_id).info.run_id == real
 
@@ -398,7 +399,7 @@ def test_a_run_resumes_pushing_when_mlflow_comes_back(
 ) -> None:
     """Down at the start (spool allowed), up later: the next write after the retry interval pushes
     the backlog in order, runs made with local ids get their MLflow ids, and writing goes on live."""
-    caplog.set_level(logging.WARNING, logger="k3pipe.tracking")
+    caplog.set_level(logging.WARNING, logger="k3pipe.records.tracking")
     monkeypatch.setenv("K3PIPE_SPOOL_RETRY_S", "0.5")
     tracker = Tracker(mlflow_server.uri, "spool-test", allow_spool=True)
     parent = tracker.start_run("study")
@@ -425,7 +426,7 @@ def test_a_run_resumes_pushing_when_mlflow_comes_back(
         float(i) for i in range(50)
     ]
     assert run.info.status == "FINISHED"
-    messages = [r.getMessage() for r in caplog.records if r.name == "k3pipe.tracking"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "k3pipe.records.tracking"]
     assert len(spool_warnings(caplog)) == 1
     assert any("answers again" in m for m in messages)
     tracker.close()
@@ -438,7 +439,7 @@ def test_a_hung_server_costs_one_timeout_then_writes_go_to_the_spool(
     """The server stops (SIGSTOP: it accepts connections and never answers): one write waits out
     k3pipe's short budget (10 s, one retry), the next ones do not wait; the server wakes, the
     tracker pushes the rest, and the record it may have taken late is not logged twice."""
-    caplog.set_level(logging.WARNING, logger="k3pipe.tracking")
+    caplog.set_level(logging.WARNING, logger="k3pipe.records.tracking")
     mlflow_server.start()
     tracker = Tracker(mlflow_server.uri, "spool-test")
     run = tracker.start_run("arm")
@@ -516,7 +517,7 @@ def test_an_exception_mid_run_leaves_no_run_running(tmp_path: Path, endpoint: Sc
 DYING = textwrap.dedent(
     """
     import os, signal, sys, time
-    from k3pipe.tracking import Tracker
+    from k3pipe.records.tracking import Tracker
 
     def term(signum, frame):  # as the CLI does: SIGTERM raises, so that exits run
         raise SystemExit(143)

@@ -24,8 +24,8 @@ import httpx
 import psycopg2
 import pytest
 
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker
+from k3pipe.core.settings import Settings
+from k3pipe.records.tracking import Tracker
 from ops.stack import StackConfig, load_state
 from tests.conftest import REPO, free_port
 
@@ -485,7 +485,7 @@ def test_a_stack_with_auth_and_tls_refuses_plain_http_and_clients_without_its_pa
         # run, and k3pipe's own check of the tracking server trusts the same CA
         script = (
             f'eval "$({sys.executable} -m cli.main stack env)"; '
-            f'{sys.executable} -c "import mlflow; from k3pipe.push import probe_tracking; '
+            f'{sys.executable} -c "import mlflow; from k3pipe.records.push import probe_tracking; '
             f"assert probe_tracking('{mlflow_url}') is None; mlflow.set_tracking_uri('{mlflow_url}'); "
             "mlflow.set_experiment('auth-check'); r = mlflow.start_run(); mlflow.log_metric('m', 1.0); "
             'mlflow.end_run(); print(r.info.run_id)"'

@@ -13,8 +13,8 @@ import json
 import tarfile
 from pathlib import Path
 
+from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
-from k3pipe.tracking import Tracker
 from tests.conftest import REPO
 
 FIXTURE = REPO / "tests" / "fixtures" / "stores" / "study-v1"

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from k3pipe.core.settings import Settings
 from k3pipe.report import build_report
-from k3pipe.settings import Settings
 from tests.conftest import REPO, TINY_MODEL, free_port
 from tests.scripted_tools import BEHAVIOURS, FAILING
 
@@ -42,9 +42,9 @@ def _arm(name: str, args: dict[str, Any], tools: str) -> dict[str, Any]:
 def test_tool_calls_and_reasoning_checked_through_a_study(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from k3pipe.experiment.params import RunRequest
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
-    from k3pipe.params import RunRequest
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")

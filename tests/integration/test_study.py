@@ -20,16 +20,16 @@ import pytest
 import yaml
 
 from cli.detached import detached_jobs
-from k3pipe import stats
-from k3pipe.bench.prompts import prepare_prompts
-from k3pipe.experiment import parse_experiment
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.jobs.rerun import read_record
+from k3pipe.jobs.study_run import Study, StudySteps, start_study
+from k3pipe.prompts.draw import prepare_prompts
+from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
-from k3pipe.rerun import read_record
-from k3pipe.schedule import models_of
-from k3pipe.settings import Settings
+from k3pipe.schema.schedule import models_of
 from k3pipe.sources import fetch_model
-from k3pipe.study import Study, StudySteps, start_study
-from k3pipe.tracking import Tracker
+from k3pipe.verdicts import stats
 from tests.conftest import REPO, TINY_MODEL, free_port
 from tests.scripted_openai import Script, ScriptedOpenAI
 from tests.stores import seed_prefect_home
@@ -410,10 +410,10 @@ def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_
     from dataclasses import replace
 
     from flows.study import study as study_flow
+    from k3pipe.experiment.params import Overrides, RunRequest
+    from k3pipe.jobs.resume import ResumeError, check_experiment, resume_point, study_lock
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import resume, study
-    from k3pipe.params import Overrides, RunRequest
-    from k3pipe.resume import ResumeError, check_experiment, resume_point, study_lock
 
     fast, slow = servers
     exp = tmp_path / "study.yaml"
@@ -473,8 +473,9 @@ def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_
     assert len(runs) == 5  # fast#1 and slow#1 ran once: only slow#2 (again) and fast#2 were added
     (superseded,) = [r for r in runs if r.data.tags.get("k3pipe.superseded")]
     assert (superseded.data.tags["k3pipe.arm"], superseded.info.status) == ("slow", "KILLED")
-    assert "the workloads it had finished (in32) moved under the new run" in (
-        superseded.data.tags["k3pipe.superseded"]
+    assert (
+        "the workloads it had finished (in32) moved under the new run"
+        in (superseded.data.tags["k3pipe.superseded"])
     )
     # what it finished moved under the launch's new run, where the rest was measured
     assert job.tracker.children(superseded.info.run_id) == []
@@ -517,10 +518,10 @@ def test_a_resume_keeps_single_run_workloads_and_reruns_one_cut_short(  # type: 
     (finished cleanly), measures the second and third again, and the arm's key metrics name all three."""
     from dataclasses import replace
 
+    from k3pipe.experiment.params import RunRequest
+    from k3pipe.jobs.resume import resume_point
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import resume, study
-    from k3pipe.params import RunRequest
-    from k3pipe.resume import resume_point
 
     fast, _ = servers
     workloads = [{**w, "repeats": 1, "name": n} for w, n in zip(WORKLOADS * 2, ["a", "b", "c"], strict=False)]
@@ -574,14 +575,18 @@ def test_a_resume_keeps_a_ladder_that_ended_and_goes_on_after_it(  # type: ignor
     fails in the ladder's second point: nothing is kept, the ladder runs again from its first point."""
     from dataclasses import replace
 
+    from k3pipe.experiment.params import RunRequest
+    from k3pipe.jobs.resume import resume_point
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import resume, study
-    from k3pipe.params import RunRequest
-    from k3pipe.resume import resume_point
 
     fast, _ = servers
-    ladder = {**WORKLOADS[0], "name": "lad", "repeats": 1,
-              "ladder": {"over": "concurrency", "points": [1, 2, 4], "stop_when_saturated": False}}
+    ladder = {
+        **WORKLOADS[0],
+        "name": "lad",
+        "repeats": 1,
+        "ladder": {"over": "concurrency", "points": [1, 2, 4], "stop_when_saturated": False},
+    }
     after = {**WORKLOADS[1], "name": "after", "repeats": 1}
     exp = tmp_path / "study.yaml"
     experiment = {**_experiment([_arm("fast", fast.base_url)]), "workloads": [ladder, after]}

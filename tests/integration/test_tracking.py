@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 
 from k3pipe.bench import Prompt, PromptSet
-from k3pipe.errors import TrackingError
-from k3pipe.history import recent_runs
-from k3pipe.settings import Settings
-from k3pipe.tracking import Tracker, metric_name
+from k3pipe.core.errors import TrackingError
+from k3pipe.core.settings import Settings
+from k3pipe.records.history import recent_runs
+from k3pipe.records.tracking import Tracker, metric_name
 
 
 @pytest.fixture

@@ -8,4 +8,4 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _ports_free(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("k3pipe.preflight.port_taken", lambda host, port: False)
+    monkeypatch.setattr("k3pipe.experiment.preflight.port_taken", lambda host, port: False)

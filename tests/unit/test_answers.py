@@ -1,4 +1,4 @@
-"""The answers' statistics (k3pipe.answers): agreement with the reference, the floor, the verdict,
+"""The answers' statistics (k3pipe.verdicts.answers): agreement with the reference, the floor, the verdict,
 held against simulated answers whose truth is known, at the rates the module states."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3pipe.answers import (
+from k3pipe.verdicts.answers import (
     Agreement,
     ProbeAnswer,
     agreement,
@@ -185,7 +185,7 @@ def _scores(
 
 
 def test_an_arm_that_scores_as_the_reference_is_called_worse_at_most_at_alpha() -> None:
-    from k3pipe.answers import judge_accuracy
+    from k3pipe.verdicts.answers import judge_accuracy
 
     rng = np.random.default_rng(3)
     worse = sum(
@@ -196,7 +196,7 @@ def test_an_arm_that_scores_as_the_reference_is_called_worse_at_most_at_alpha() 
 
 
 def test_an_arm_ten_points_worse_is_found_worse() -> None:
-    from k3pipe.answers import judge_accuracy
+    from k3pipe.verdicts.answers import judge_accuracy
 
     rng = np.random.default_rng(4)
     outcomes = [
@@ -207,7 +207,7 @@ def test_an_arm_ten_points_worse_is_found_worse() -> None:
 
 
 def test_an_arm_that_scores_as_the_reference_is_found_equivalent_with_enough_questions() -> None:
-    from k3pipe.answers import judge_accuracy
+    from k3pipe.verdicts.answers import judge_accuracy
 
     rng = np.random.default_rng(5)
     outcomes = [
@@ -219,7 +219,7 @@ def test_an_arm_that_scores_as_the_reference_is_found_equivalent_with_enough_que
 
 
 def test_the_interval_covers_the_true_difference_at_its_rate() -> None:
-    from k3pipe.answers import judge_accuracy
+    from k3pipe.verdicts.answers import judge_accuracy
 
     rng = np.random.default_rng(6)
     misses = 0
@@ -233,7 +233,7 @@ def test_the_interval_covers_the_true_difference_at_its_rate() -> None:
 
 
 def test_a_task_score_says_what_it_found() -> None:
-    from k3pipe.answers import judge_accuracy, question_fields
+    from k3pipe.verdicts.answers import judge_accuracy, question_fields
 
     same = judge_accuracy([True, False, True, True], [True, False, True, True], margin_points=2.0)
     assert same.outcome == "equivalent"

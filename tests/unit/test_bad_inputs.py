@@ -1,6 +1,6 @@
 """Every bad input gets one clear error (issue 14): the corpus of bad experiment files in
 tests/fixtures/bad_experiments, each valid.yaml broken in one place, and what each must be told
-(expected.yaml). A file is loaded with k3pipe.experiment.load_experiment; one that loads is
+(expected.yaml). A file is loaded with k3pipe.experiment.load.load_experiment; one that loads is
 preflighted (path checks are preflight errors). Either way the user gets one error, in the file's
 terms: the field path, the value, what is allowed and what to do, never a traceback or pydantic's
 internals. The huge inputs (60,000 workloads, 10,000 nested lists, a file over the size limit) are
@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from k3pipe.errors import SpecError
-from k3pipe.experiment import MAX_FILE_BYTES, load_experiment, load_experiment_text, parse_experiment
-from k3pipe.preflight import preflight
-from k3pipe.specs import MAX_WORKLOADS
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import MAX_FILE_BYTES, load_experiment, load_experiment_text, parse_experiment
+from k3pipe.experiment.preflight import preflight
+from k3pipe.schema.specs import MAX_WORKLOADS
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "tests" / "fixtures" / "bad_experiments"
@@ -217,8 +217,8 @@ def test_safe_names_are_their_own_mlflow_keys() -> None:
     """'w:1' and 'w_1' once collided on one metric key (MLflow's mapping turned ':' into '_'). A safe
     name maps to itself, and the key metrics have no '.', so WORKLOAD.METRIC keys of two workloads
     cannot collide."""
-    from k3pipe.specs import safe_name
-    from k3pipe.tracking import KEY_METRICS, metric_name
+    from k3pipe.records.tracking import KEY_METRICS, metric_name
+    from k3pipe.schema.specs import safe_name
 
     for name in ("in256-out64", "a.b_c-D9", "x" * 100):
         assert metric_name(safe_name(name, "workload")) == name
@@ -231,9 +231,9 @@ def test_safe_names_are_their_own_mlflow_keys() -> None:
 def test_a_missing_local_model_is_not_worth_retrying(tmp_path: Path) -> None:
     import pickle
 
-    from k3pipe.errors import ModelSourceError
+    from k3pipe.core.errors import ModelSourceError
+    from k3pipe.schema.specs import LocalModel
     from k3pipe.sources import fetch_model
-    from k3pipe.specs import LocalModel
 
     with pytest.raises(ModelSourceError, match="does not exist") as info:
         fetch_model(LocalModel(source="local", path=str(tmp_path / "gone")), tmp_path)
@@ -261,6 +261,6 @@ def test_a_missing_local_model_is_not_worth_retrying(tmp_path: Path) -> None:
 def test_field_paths_drop_every_kind_of_union_member_tag(loc: tuple[Any, ...], path: str) -> None:
     """pydantic puts a union member's tag in an error's location: a discriminator value ('local'), a
     type ('int', 'list[str]') or a validator ('function-after[...]'); none is a field of the file."""
-    from k3pipe.experiment import _loc
+    from k3pipe.experiment.load import _loc
 
     assert _loc(loc) == path

@@ -1,4 +1,4 @@
-"""The capacity search against simulated engines whose capacity is known (k3pipe.capacity).
+"""The capacity search against simulated engines whose capacity is known (k3pipe.verdicts.capacity).
 
 The engine here is a queue simulated event by event, not a server: ``servers`` requests in service
 at once, each for ``service_s`` (decode of a fixed length), arrivals constant or Poisson. Its
@@ -24,8 +24,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from k3pipe import stats
-from k3pipe.capacity import CapacityResult, CapacitySearch, capacity_estimate, summarize_searches
+from k3pipe.verdicts import stats
+from k3pipe.verdicts.capacity import CapacityResult, CapacitySearch, capacity_estimate, summarize_searches
 
 pytestmark = pytest.mark.unit
 
@@ -342,9 +342,9 @@ POWER_TRIALS = 500
 def test_two_arms_20_percent_apart_are_told_apart_and_equal_ones_are_not(
     ratio: float, launches: int, repeats: int
 ) -> None:
-    # one launch a side is judged only with a restart prior (k3pipe.priors): here the simulation's own
+    # one launch a side is judged only with a restart prior (k3pipe.records.priors): here the simulation's own
     # truth (no restart noise), as a history of 20 launches would give it; without one, no verdict
-    """Two arms' capacities compared as any pair is (:func:`k3pipe.stats.compare` and ``decide`` at
+    """Two arms' capacities compared as any pair is (:func:`k3pipe.verdicts.stats.compare` and ``decide`` at
     alpha 0.05, one comparison), each searched 5 times in one launch (6% search-to-search noise, 400
     requests a probe) or over 3 launches of 2 (5% restart noise, 3% repeat): 20% apart, called
     different in at least the design's power (80%) of 500 seeded trials (measured 94.2% with 5
@@ -415,7 +415,7 @@ def test_a_probes_attainment_interval_is_clopper_pearson_and_never_covers_less_t
     probe is not called decided on Wilson's."""
     from scipy.stats import binomtest
 
-    from k3pipe.capacity import attainment_interval
+    from k3pipe.verdicts.capacity import attainment_interval
 
     # the ends by hand: 0 of n has upper end 1 - (alpha/2)^(1/n), n of n lower end (alpha/2)^(1/n)
     assert attainment_interval(0, 20) == pytest.approx((0.0, 100 * (1 - 0.025 ** (1 / 20))))
@@ -461,7 +461,7 @@ def test_a_probe_whose_interval_holds_the_target_is_undecided() -> None:
 
 
 def test_a_ladder_is_its_points_lowest_first_or_a_geometric_range() -> None:
-    from k3pipe.specs import LadderSpec
+    from k3pipe.schema.specs import LadderSpec
 
     assert LadderSpec(start=1, stop=32).values() == [1, 2, 4, 8, 16, 32]
     assert LadderSpec(start=3, stop=40, factor=3).values() == [3, 9, 27]
@@ -478,7 +478,7 @@ def test_a_ladder_is_its_points_lowest_first_or_a_geometric_range() -> None:
 
 
 def test_saturation_is_latency_rising_without_throughput() -> None:
-    from k3pipe.capacity import check_saturation
+    from k3pipe.verdicts.capacity import check_saturation
 
     def one(tps: float, e2e: float) -> list[dict[str, float]]:
         return [{"output_throughput_tps": tps, "e2e_ms_mean": e2e}]
@@ -499,7 +499,7 @@ def test_saturation_is_latency_rising_without_throughput() -> None:
 def test_with_repeats_a_point_is_saturated_only_when_the_gains_bound_is_below_the_margin() -> None:
     """The same means (+2% throughput, +50% E2E), judged against the repeats' spread: tight repeats
     put the gain's upper bound below 5% (saturated, confidently); loose ones cannot tell."""
-    from k3pipe.capacity import check_saturation
+    from k3pipe.verdicts.capacity import check_saturation
 
     def reps(tps: list[float], e2e: float) -> list[dict[str, float]]:
         return [{"output_throughput_tps": x, "e2e_ms_mean": e2e} for x in tps]
@@ -533,7 +533,7 @@ def test_a_point_that_gained_the_margin_is_called_saturated_in_at_most_alpha_of_
     GPU's 6% and a loaded CPU's 15%. Flagged in alpha (5%) of 4,000 trials within the simulation's own
     noise, at 2, 3 and 5 repeats (4.5%, 4.9%, 5.8%: the repeats' variances pooled, Student's t, exact
     under equal noise): not more, and not so much less that it would rarely flag."""
-    from k3pipe.capacity import SATURATION_ALPHA, check_saturation
+    from k3pipe.verdicts.capacity import SATURATION_ALPHA, check_saturation
 
     rng = np.random.default_rng(20261205 + repeats)
     trials = 4000
@@ -552,7 +552,7 @@ def test_a_point_that_gained_the_margin_is_called_saturated_in_at_most_alpha_of_
 def _simulated_ladder(rng, curve, sigma: float, repeats: int, min_gain_pct: float = 5.0):
     """A ladder 1..64 over a throughput curve, each point's repeats noisy: (where LadderStop ended
     it or None, where one comparison of single measurements would have ended it or None)."""
-    from k3pipe.capacity import LadderStop, check_saturation
+    from k3pipe.verdicts.capacity import LadderStop, check_saturation
 
     stop = LadderStop(min_gain_pct)
     ended = single = None
@@ -601,7 +601,7 @@ def test_a_ladder_past_a_hard_knee_still_ends_and_never_before_the_knee() -> Non
 
 
 def test_the_pareto_front_keeps_what_nothing_beats_on_both() -> None:
-    from k3pipe.capacity import pareto_front
+    from k3pipe.verdicts.capacity import pareto_front
 
     pts = [(100.0, 30.0), (60.0, 90.0), (50.0, 80.0), (60.0, 90.0), (20.0, 95.0)]
     assert pareto_front(pts) == [True, True, False, True, True]

@@ -1,4 +1,5 @@
-"""What a cell costs (k3pipe.cost) and the energy beneath it (k3pipe.node.gpu_energy): nvidia-smi's
+"""What a cell costs (k3pipe.machine.cost) and the energy beneath it (k3pipe.machine.node.gpu_energy):
+nvidia-smi's
 power lines parsed as the H200 printed them, the integral checked against power curves whose energy
 is known, and the dollars against hand arithmetic."""
 
@@ -9,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from k3pipe.cost import cell_cost, counted_label, energy_metrics
-from k3pipe.node import GpuMemorySample, gpu_energy, parse_memory_query
-from k3pipe.specs import HardwareSpec
+from k3pipe.machine.cost import cell_cost, counted_label, energy_metrics
+from k3pipe.machine.node import GpuMemorySample, gpu_energy, parse_memory_query
+from k3pipe.schema.specs import HardwareSpec
 
 pytestmark = pytest.mark.unit
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from k3pipe.engines import get_engine
-from k3pipe.experiment import load_experiment
-from k3pipe.preflight import preflight
-from k3pipe.specs import ExperimentSpec
+from k3pipe.experiment.load import load_experiment
+from k3pipe.experiment.preflight import preflight
+from k3pipe.schema.specs import ExperimentSpec
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -122,9 +122,7 @@ def test_preflight_catches_the_usual_dcp_mistakes(spec: ExperimentSpec, tmp_path
 
 def test_the_study_table_rides_along_as_reference(spec: ExperimentSpec) -> None:
     assert spec.reference is not None
-    steady = {
-        (f.workload, f.arm): f.value for f in spec.reference.figures if f.metric == "steady_decode_tps"
-    }
+    steady = {(f.workload, f.arm): f.value for f in spec.reference.figures if f.metric == "steady_decode_tps"}
     assert steady == {
         ("random-64k", "study vLLM (TP 8)"): 501,
         ("random-64k", "study SGLang (DCP 8)"): 335,
@@ -151,9 +149,9 @@ def test_a_reference_figure_must_match_a_cell(
 
 def test_the_report_reads_the_reference_from_the_study_run(spec: ExperimentSpec, tmp_path: Path) -> None:
     """start_study logs experiment.json; collect() gives its 'reference' to the report."""
+    from k3pipe.jobs.study_run import start_study
+    from k3pipe.records.tracking import Tracker
     from k3pipe.report.collect import collect
-    from k3pipe.study import start_study
-    from k3pipe.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "test", tmp_path / "artifacts")
     run_id = start_study(tracker, spec, str(EXPERIMENT))

@@ -1,14 +1,15 @@
-"""What a study's design costs and can see, said before it runs (k3pipe.design), from an experiment and
+"""What a study's design costs and can see, said before it runs (k3pipe.records.design), from an
+experiment and
 a node's history whose figures are known."""
 
 from __future__ import annotations
 
 import math
 
-from k3pipe import stats
-from k3pipe.design import History, design_lines
-from k3pipe.experiment import parse_experiment
-from k3pipe.priors import NoiseEntry
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.records.design import History, design_lines
+from k3pipe.records.priors import NoiseEntry
+from k3pipe.verdicts import stats
 
 
 def _spec(launches: int | None = None, arms: int = 2) -> object:
@@ -44,7 +45,7 @@ def test_the_design_alone_says_launches_cold_starts_and_comparisons() -> None:
 def test_with_the_node_history_it_says_the_cost_and_what_it_can_see() -> None:
     """Cold starts of 60, 64 and 70 s and launches of 120-140 s recorded here; restart noise 4% and
     repeat noise 6% kept by two studies: the lines give the medians and the smallest difference a
-    2 x 3 pair finds at 80% power, as k3pipe.stats computes it."""
+    2 x 3 pair finds at 80% power, as k3pipe.verdicts.stats computes it."""
     between, within = math.log1p(0.04**2), math.log1p(0.06**2)
     entries = [
         NoiseEntry(

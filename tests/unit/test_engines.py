@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from k3pipe.core.errors import SpecError
 from k3pipe.engines import RenderedCommand, engine_kinds, get_engine, render_args
-from k3pipe.errors import SpecError
-from k3pipe.experiment import parse_experiment
-from k3pipe.plan import plan_arm
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.planning.plan import plan_arm
 
 
 def test_render_args_forms() -> None:

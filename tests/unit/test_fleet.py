@@ -1,4 +1,4 @@
-"""The fleet's scheduler (k3pipe.fleet.dispatch) with pools that are threads here: placement, every
+"""The fleet's scheduler (k3pipe.jobs.fleet.dispatch) with pools that are threads here: placement, every
 pool kept busy in the study's order, one launch at a time per pool, failures kept to their launch, and
 a pool whose worker never comes named and routed around; a busy pool (its worker alive, running
 another flow run) passed over and waited for, a lost one (no live worker) given up, each by its own
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from k3pipe.errors import SpecError
-from k3pipe.experiment import parse_experiment
-from k3pipe.fleet import PoolState, PoolUnavailable, Ticket, Waits, dispatch
-from k3pipe.run import ArmOutcome
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.jobs.arm_run import ArmOutcome
+from k3pipe.jobs.fleet import PoolState, PoolUnavailable, Ticket, Waits, dispatch
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from k3pipe.experiment import load_experiment
-from k3pipe.plan import plan_arm
+from k3pipe.experiment.load import load_experiment
+from k3pipe.planning.plan import plan_arm
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "field-notes-launches.md"
@@ -46,7 +46,7 @@ def _argv_flags(argv: list[str]) -> dict[str, object]:
             out[flag] = True
         else:
             assert flag is not None, f"value {token!r} before any flag"
-            out[flag] = json.loads(token) if token.startswith("{\"") else token
+            out[flag] = json.loads(token) if token.startswith('{"') else token
     return out
 
 

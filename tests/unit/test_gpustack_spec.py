@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import yaml
 
-from k3pipe import secrets
-from k3pipe.errors import SpecError
-from k3pipe.experiment import load_experiment, parse_experiment
+from k3pipe.core import secrets
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import load_experiment, parse_experiment
 from k3pipe.launchers.gpustack import Deployment
-from k3pipe.launchers.specs import GpustackLauncherSpec
-from k3pipe.plan import plan_arm
+from k3pipe.planning.plan import plan_arm
+from k3pipe.schema.launcher_specs import GpustackLauncherSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
-from k3pipe.errors import EndpointAuthError, HealthError, ModelNotServedError
-from k3pipe.health import GateTarget, check_endpoint
+from k3pipe.bench.health import GateTarget, check_endpoint
+from k3pipe.core.errors import EndpointAuthError, HealthError, ModelNotServedError
 from tests.scripted_openai import Script, ScriptedOpenAI
 
 

@@ -1,10 +1,12 @@
-"""The house's floors hold: every module of the library and its shell sits on a floor, no module
-imports one on a floor above its own, and no set of modules imports itself in a circle.
+"""The house's floors hold: the library's folders are its floors. ``k3pipe/`` holds packages only
+(and its facade, ``__init__.py``), each package sits on one floor, no module imports one on a floor
+above its own, and no set of modules imports itself in a circle.
 
 Every import counts, wherever it is written: at the top of a module, inside a function (a lazy
 import is still a dependency) and under ``if TYPE_CHECKING:`` (a type is still a dependency of the
 design). ``from package import name`` is an import of the module ``package.name`` when there is one.
-A new module gets a floor here, deliberately; docs/architecture.md describes the floors."""
+A new module goes into the package of its floor; a new package gets a floor here, deliberately;
+docs/architecture.md draws the floors and says where a new feature goes."""
 
 from __future__ import annotations
 
@@ -15,64 +17,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("k3pipe", "ops", "flows", "tasks", "cli")
 
-# (floor, the modules on it: a name covers the module and, with ".*", every module below it)
+# (floor, its packages: a package covers every module below it), lowest first
 FLOORS: list[tuple[str, list[str]]] = [
-    (
-        "ground: errors, secrets, settings, processes, the statistics (nothing of k3pipe's above)",
-        [
-            "k3pipe.errors", "k3pipe.secrets", "k3pipe.settings", "k3pipe.procs", "k3pipe.figures",
-            "k3pipe.stats", "k3pipe.series", "k3pipe.capacity", "k3pipe.provenance", "k3pipe.observe",
-            "k3pipe.kvpool", "k3pipe.owners", "k3pipe.answers", "k3pipe.layout",
-        ],
-    ),
-    (
-        "specs: the experiment as data, the engines' knowledge, what a study runs",
-        [
-            "k3pipe.launchers.specs", "k3pipe.specs", "k3pipe.schedule", "k3pipe.engines", "k3pipe.engines.*",
-            "k3pipe.experiment", "k3pipe.variants", "k3pipe.params", "k3pipe.preflight", "k3pipe.speculation",
-        ],
-    ),
-    (
-        "plan and inputs: an arm's plan, its models, images and prompts",
-        [
-            "k3pipe.plan", "k3pipe.sources", "k3pipe.sources.*", "k3pipe.coldstart", "k3pipe.bench.datasets",
-            "k3pipe.bench.corpus_tools", "k3pipe.bench.documents", "k3pipe.bench.sharegpt",
-            "k3pipe.bench.corpora", "k3pipe.bench.prompts",
-        ],
-    ),
-    (
-        "machines: launchers, the node, the engine's health and metrics, the load generator",
-        [
-            "k3pipe.launchers", "k3pipe.launchers.base", "k3pipe.launchers.process",
-            "k3pipe.launchers.docker", "k3pipe.launchers.external", "k3pipe.launchers.gpustack",
-            "k3pipe.launchers.factory",
-            "k3pipe.node", "k3pipe.cost", "k3pipe.metrics", "k3pipe.health", "k3pipe.bench",
-            "k3pipe.bench.records",
-            "k3pipe.bench.transport", "k3pipe.bench.warmup", "k3pipe.bench.repeats", "k3pipe.bench.client",
-            "k3pipe.bench.shards", "k3pipe.bench.watch", "k3pipe.bench.summary", "k3pipe.bench.session",
-            "k3pipe.bench.probe", "k3pipe.bench.structured", "k3pipe.bench.accuracy",
-        ],
-    ),
-    (
-        "records: MLflow and the spool, what a run records, the reports",
-        [
-            "k3pipe.spool", "k3pipe.push", "k3pipe.tracking", "k3pipe.runrecord", "k3pipe.record",
-            "k3pipe.compare", "k3pipe.history", "k3pipe.sync", "k3pipe.report", "k3pipe.report.*",
-            "k3pipe.priors", "k3pipe.design",
-        ],
-    ),
-    (
-        "lifetimes: an arm's run, a study (and its resume), a rerun, a retest",
-        ["k3pipe.run", "k3pipe.fleet", "k3pipe.rerun", "k3pipe.alerts", "k3pipe.study", "k3pipe.resume",
-         "k3pipe.retest", "k3pipe.jobs", "k3pipe.jobs.*"],
-    ),
+    ("core: errors, secrets, settings, processes, figures, the record's layout", ["k3pipe.core"]),
+    ("verdicts: the statistics", ["k3pipe.verdicts"]),
+    ("schema: the experiment as data", ["k3pipe.schema"]),
+    ("engines: each engine's flags, logs and KV pool", ["k3pipe.engines"]),
+    ("experiment: loading and checking an experiment", ["k3pipe.experiment"]),
+    ("inputs: models, images, prompts", ["k3pipe.sources", "k3pipe.prompts"]),
+    ("planning: an arm's plan and cold start", ["k3pipe.planning"]),
+    ("machines: launchers, the node", ["k3pipe.launchers", "k3pipe.machine"]),
+    ("bench: the load generator, the health gate, the probes", ["k3pipe.bench"]),
+    ("records: MLflow, the spool, the recorder", ["k3pipe.records"]),
+    ("report: a study's and a retest's", ["k3pipe.report"]),
+    ("jobs: every lifetime (arm, study, resume, rerun, retest, fleet, alerts)", ["k3pipe.jobs"]),
     ("the facade: `import k3pipe`", ["k3pipe"]),
-    ("operations, a wing beside the library: the team stack, the offline bundle", ["ops", "ops.*"]),
-    (
-        "shell: Prefect tasks and flows, the command line",
-        ["tasks", "tasks.*", "flows", "flows.*", "cli", "cli.*"],
-    ),
-]  # fmt: skip
+    ("operations, a wing beside the library: the team stack, the offline bundle", ["ops"]),
+    ("shell: Prefect tasks and flows, the command line", ["tasks", "flows", "cli"]),
+]
 
 
 def modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
@@ -117,11 +79,13 @@ def imports(found: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def floor_of(module: str) -> int | None:
+    """The floor of ``module``: that of the longest package of FLOORS holding it."""
+    best: tuple[int, int] | None = None
     for level, (_, names) in enumerate(FLOORS):
         for name in names:
-            if module == name or (name.endswith(".*") and module.startswith(name[:-1])):
-                return level
-    return None
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > best[1]):
+                best = (level, len(name))
+    return None if best is None else best[0]
 
 
 def upward(edges: dict[str, set[str]]) -> list[str]:
@@ -142,6 +106,27 @@ def circle(edges: dict[str, set[str]]) -> list[str] | None:
     except graphlib.CycleError as exc:
         return list(exc.args[1])
     return None
+
+
+def test_the_library_holds_packages_only() -> None:
+    """``ls k3pipe/`` lists packages: every module but the facade lives in the package of its floor."""
+    loose = sorted(p.name for p in (REPO / "k3pipe").glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"move these into the package of their floor: {loose}"
+    packages = sorted(p.name for p in (REPO / "k3pipe").iterdir() if (p / "__init__.py").is_file())
+    placed = {name.split(".")[1] for _, names in FLOORS for name in names if name.startswith("k3pipe.")}
+    assert sorted(placed) == packages
+
+
+def test_no_twin_names() -> None:
+    """No two modules of the library share a name (``study.py`` and ``jobs/study.py`` were twins), and
+    no module is named after a package; ``base`` (each family's interface) is the one shared name."""
+    names: dict[str, list[str]] = {}
+    for path in (REPO / "k3pipe").rglob("*.py"):
+        if path.name != "__init__.py" and path.stem != "base":
+            names.setdefault(path.stem, []).append(str(path.relative_to(REPO)))
+    packages = {p.name for p in (REPO / "k3pipe").rglob("*") if (p / "__init__.py").is_file()}
+    twins = {n: sorted(ps) for n, ps in names.items() if len(ps) > 1 or n in packages}
+    assert twins == {}
 
 
 def test_every_module_has_a_floor() -> None:
@@ -182,15 +167,15 @@ def test_the_private_import_scan_finds_one(tmp_path: Path) -> None:
 
 
 def test_the_scan_sees_lazy_and_type_checking_imports_and_circles(tmp_path: Path) -> None:
-    pkg = tmp_path / "k3pipe"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "errors.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from k3pipe.specs import Spec\n"
+    for package in ("k3pipe", "k3pipe/core", "k3pipe/schema"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "k3pipe" / "core" / "errors.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from k3pipe.schema.specs import Spec\n"
     )
-    (pkg / "specs.py").write_text("def f():\n    from . import errors\n")
+    (tmp_path / "k3pipe" / "schema" / "specs.py").write_text("def f():\n    from ..core import errors\n")
     edges = imports(modules(tmp_path, ("k3pipe",)))
-    assert edges["k3pipe.errors"] == {"k3pipe.specs"}
-    assert edges["k3pipe.specs"] == {"k3pipe.errors"}
-    assert upward(edges) == ["k3pipe.errors (ground) -> k3pipe.specs (specs)"]
-    assert set(circle(edges) or []) == {"k3pipe.errors", "k3pipe.specs"}
+    assert edges["k3pipe.core.errors"] == {"k3pipe.schema.specs"}
+    assert edges["k3pipe.schema.specs"] == {"k3pipe.core.errors"}
+    assert upward(edges) == ["k3pipe.core.errors (core) -> k3pipe.schema.specs (schema)"]
+    assert set(circle(edges) or []) == {"k3pipe.core.errors", "k3pipe.schema.specs"}

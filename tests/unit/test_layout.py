@@ -1,4 +1,4 @@
-"""The MLflow record's names live in k3pipe.layout alone (issue 48): no module of the library or its
+"""The MLflow record's names live in k3pipe.core.layout alone (issue 48): no module of the library or its
 shell spells a tag, a tag family's prefix or a container label itself, so a rename is one line and
 shows in tests/integration/test_store_layout.py; each name is one constant; every run is stamped with
 the layout's version."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import k3pipe.layout as layout
+import k3pipe.core.layout as layout
 from tests.conftest import REPO
 
 PACKAGES = ("k3pipe", "cli", "flows", "tasks", "ops")
@@ -33,11 +33,11 @@ def test_no_module_spells_a_name_of_the_record_itself() -> None:
         hit
         for package in PACKAGES
         for path in sorted((REPO / package).rglob("*.py"))
-        # k3pipe/__init__.py names modules ('k3pipe.experiment': the public surface's lazy imports)
-        if path not in (REPO / "k3pipe" / "layout.py", REPO / "k3pipe" / "__init__.py")
+        # k3pipe/__init__.py names modules ('k3pipe.experiment.load': the public surface's lazy imports)
+        if path not in (REPO / "k3pipe" / "core" / "layout.py", REPO / "k3pipe" / "__init__.py")
         for hit in _spelled(path)
     ]
-    assert spelled == [], "use the constants of k3pipe.layout:\n" + "\n".join(spelled)
+    assert spelled == [], "use the constants of k3pipe.core.layout:\n" + "\n".join(spelled)
 
 
 def test_each_name_is_one_constant() -> None:
@@ -48,7 +48,7 @@ def test_each_name_is_one_constant() -> None:
 
 
 def test_every_run_carries_the_layout_version(tmp_path: Path) -> None:
-    from k3pipe.tracking import Tracker
+    from k3pipe.records.tracking import Tracker
 
     tracker = Tracker(
         f"sqlite:///{tmp_path / 'mlflow.db'}", "k3pipe", tmp_path / "artifacts", allow_spool=False

@@ -19,7 +19,7 @@ import pytest
 
 from k3pipe.engines.sglang import ENGINE as SGLANG
 from k3pipe.engines.vllm import ENGINE as VLLM
-from k3pipe.metrics import (
+from k3pipe.machine.metrics import (
     MetricsScraper,
     Scrape,
     bracketing_scrapes,

@@ -17,10 +17,10 @@ import pytest
 
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
-from k3pipe.experiment import load_experiment
-from k3pipe.kvpool import GiB, estimate_kv_pool, kv_layout
-from k3pipe.preflight import preflight
-from k3pipe.specs import ExperimentSpec
+from k3pipe.engines.kvpool import GiB, estimate_kv_pool, kv_layout
+from k3pipe.experiment.load import load_experiment
+from k3pipe.experiment.preflight import preflight
+from k3pipe.schema.specs import ExperimentSpec
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))

@@ -1,4 +1,4 @@
-"""The run request a flow takes (k3pipe.params): overrides laid over every workload and validated
+"""The run request a flow takes (k3pipe.experiment.params): overrides laid over every workload and validated
 again as an experiment, an experiment given inline, arms and variants checked by name; the CLI's
 override options; and prefect.yaml's deployments and schedule checked against the same models."""
 
@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from cli.main import app
-from k3pipe.errors import SpecError
-from k3pipe.experiment import load_experiment
-from k3pipe.params import INLINE_SOURCE, NO_OVERRIDES, Overrides, RunRequest, apply_overrides
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import load_experiment
+from k3pipe.experiment.params import INLINE_SOURCE, NO_OVERRIDES, Overrides, RunRequest, apply_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "experiments" / "demo-study.yaml"

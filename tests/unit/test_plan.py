@@ -1,4 +1,4 @@
-"""The GPUs an arm's engine holds (k3pipe.plan: ArmGpus, GpuRequest): read from its launch the way
+"""The GPUs an arm's engine holds (k3pipe.planning.plan: ArmGpus, GpuRequest): read from its launch the way
 CUDA and the engines read it. CUDA_VISIBLE_DEVICES in its forms, the docker launcher's devices,
 vLLM's device_ids and SGLang's base_gpu_id choosing among what is visible, and where no device is
 named the engine's parallel sizes as a count; node-wide for an endpoint k3pipe does not start."""
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from k3pipe.experiment import parse_experiment
-from k3pipe.plan import ArmGpus, gpu_indexes, parse_visible_devices, plan_arm
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.planning.plan import ArmGpus, gpu_indexes, parse_visible_devices, plan_arm
 
 pytestmark = pytest.mark.unit
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
+from k3pipe.core.errors import BenchmarkError, PreflightError
 from k3pipe.engines.base import Finding
-from k3pipe.errors import BenchmarkError, PreflightError
-from k3pipe.experiment import parse_experiment
+from k3pipe.experiment.load import parse_experiment
 from k3pipe.jobs.prepare import PrepareSteps, prepare
+from k3pipe.schema.specs import ExperimentSpec
 from k3pipe.sources import ModelRecord
-from k3pipe.specs import ExperimentSpec
 
 
 class Runs:

@@ -14,11 +14,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from k3pipe import stats
-from k3pipe.capacity import CapacityResult, CapacitySearch, capacity_estimate
 from k3pipe.report.analysis import analyse
 from k3pipe.report.collect import ArmData, ArmGpusData, CellData, StudyData
 from k3pipe.report.steady import steady_decode_tps
+from k3pipe.verdicts import stats
+from k3pipe.verdicts.capacity import CapacityResult, CapacitySearch, capacity_estimate
 
 
 def _cell(
@@ -42,7 +42,7 @@ def _cell(
 
 def _study(*cells: CellData, decision: dict | None = None, prior: float | None = None) -> StudyData:
     """The cells as a study; ``prior``: the restart noise (a CV) an earlier study is taken to have
-    measured for every cell's class (k3pipe.priors), so that cells launched once can be judged."""
+    measured for every cell's class (k3pipe.records.priors), so that cells launched once can be judged."""
     arms = list(dict.fromkeys(c.arm for c in cells))
     if prior is not None:
         for c in cells:
@@ -768,6 +768,8 @@ def test_each_arms_own_noise_is_recovered() -> None:
         assert sums[arm][1] == pytest.approx(math.log1p(w**2), rel=0.05)
         # the launch level floored at 0 leans a little high where it is small beside the repeats
         assert sums[arm][0] == pytest.approx(math.log1p(b**2), rel=0.25, abs=1e-4)
+
+
 def _searched(boundary: float, requests: int = 200) -> CapacityResult:
     """A search over 1-400 req/s of an engine that meets the SLO for every request well below
     ``boundary``, for 91% of them just below it (a pass whose interval holds the 90% target) and for

@@ -3,7 +3,7 @@ from the reference launched twice (else the A/A copy, else none), each arm judge
 detected faster whose answers diverge is "faster, answers differ" and not recommended unless
 decision.accept_divergence says so, a speculative arm whose greedy tokens changed is a finding, the
 probe's cost against the study's wall time, and a probe that stopped short said. The statistics of
-k3pipe.answers are held against simulated answers at their rates in tests/unit/test_answers.py."""
+k3pipe.verdicts.answers are held against simulated answers at their rates in tests/unit/test_answers.py."""
 
 from __future__ import annotations
 

@@ -11,11 +11,12 @@ import re
 import numpy as np
 import pytest
 
-from k3pipe.errors import SpecError
-from k3pipe.experiment import parse_experiment
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.jobs.retest_run import describe_retest, retest_targets, workloads_key
 from k3pipe.report.collect import ArmData, CellData, StudyData
 from k3pipe.report.render import to_markdown
-from k3pipe.report.retest import (
+from k3pipe.report.retest_verdicts import (
     BETTER,
     CANNOT_TELL,
     DESCRIPTIVE,
@@ -28,8 +29,7 @@ from k3pipe.report.retest import (
     judge_variants,
     summary,
 )
-from k3pipe.retest import describe_retest, retest_targets, workloads_key
-from k3pipe.stats import RestartPrior
+from k3pipe.verdicts.stats import RestartPrior
 
 
 def _cell(arm: str, workload: str, **values: list[float]) -> CellData:
@@ -44,7 +44,7 @@ DECISION = {"metrics": ["duration_s", "output_throughput_tps", "ttft_ms_p50"]}
 
 def _study(run_id: str, *cells: CellData, prior: bool = True) -> StudyData:
     """``prior``: each cell (launched once) judged with 1% restart noise an earlier study is taken to
-    have measured (k3pipe.priors); without, nothing launched once is judged."""
+    have measured (k3pipe.records.priors); without, nothing launched once is judged."""
     arms = list(dict.fromkeys(c.arm for c in cells))
     noise = RestartPrior(math.log1p(0.01**2), 40.0, "a test's history")
     for c in cells:
@@ -130,10 +130,18 @@ def _experiment(**extra: object) -> dict:
         "name": "exp",
         "model": {"source": "local", "path": "/nonexistent"},
         "arms": [
-            {"name": "a", "engine": {"kind": "vllm", "args": {"max_num_seqs": 4}},
-             "launcher": {"kind": "external"}, "endpoint": {"base_url": "http://127.0.0.1:9/v1"}},
-            {"name": "b", "engine": {"kind": "sglang"}, "launcher": {"kind": "external"},
-             "endpoint": {"base_url": "http://127.0.0.1:9/v1"}},
+            {
+                "name": "a",
+                "engine": {"kind": "vllm", "args": {"max_num_seqs": 4}},
+                "launcher": {"kind": "external"},
+                "endpoint": {"base_url": "http://127.0.0.1:9/v1"},
+            },
+            {
+                "name": "b",
+                "engine": {"kind": "sglang"},
+                "launcher": {"kind": "external"},
+                "endpoint": {"base_url": "http://127.0.0.1:9/v1"},
+            },
         ],
         "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 8}],
         **extra,

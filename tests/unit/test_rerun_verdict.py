@@ -1,4 +1,4 @@
-"""A rerun's verdict against its original (k3pipe.rerun.verdict) on single runs, whose requests are the
+"""A rerun's verdict against its original (k3pipe.jobs.rerun.verdict) on single runs, whose requests are the
 samples: a figure one side cannot be tested on is left out and said, never an error that fails the
 rerun (a CI run of the rerun deployment failed so: a loaded vLLM sent each request's tokens in one
 burst, every per-request TPOT was 0, and the test on logarithms raised)."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from k3pipe.rerun import comparable_request_metrics, verdict
+from k3pipe.jobs.rerun import comparable_request_metrics, verdict
 
 
 def _workload_run(run_id: str, requests: dict[str, list[float]]) -> Any:
@@ -89,6 +89,6 @@ def test_metrics_with_two_positive_values_a_side_are_tested() -> None:
 
 
 def test_parquet_round_trip_of_the_stand_in() -> None:
-    """The stand-in's artifact reads back as k3pipe.compare.request_values reads a real one."""
+    """The stand-in's artifact reads back as k3pipe.records.compare.request_values reads a real one."""
     run = _workload_run("x", {"ttft_ms": [1.0, 2.0]})
     assert list(pd.read_parquet(io.BytesIO(run.parquet))["ttft_ms"]) == [1.0, 2.0]

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from k3pipe.experiment import parse_experiment
-from k3pipe.schedule import describe_study, interleaved_order, launch_order, prime_order, study_arm_names
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.schema.schedule import (
+    describe_study,
+    interleaved_order,
+    launch_order,
+    prime_order,
+    study_arm_names,
+)
 
 
 def test_interleaved_order_balances_drift() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from k3pipe import secrets
+from k3pipe.core import secrets
 from ops.scrub import main, register_known, scrub_file
 
 

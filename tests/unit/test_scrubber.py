@@ -1,4 +1,4 @@
-"""The scrubber and ``{env.NAME}`` references (k3pipe/secrets.py), and where they are wired in that
+"""The scrubber and ``{env.NAME}`` references (k3pipe/core/secrets.py), and where they are wired in that
 needs no server: specs, the rendered command, the launch's resolution, preflight, errors, logging,
 the terminal's streams. tests/integration/test_secrets.py runs the real flow with planted secrets."""
 
@@ -14,12 +14,12 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from k3pipe import secrets as sec
-from k3pipe.errors import HealthError, LaunchError, SpecError
-from k3pipe.experiment import parse_experiment
-from k3pipe.health import check_endpoint
-from k3pipe.plan import plan_arm
-from k3pipe.preflight import preflight
+from k3pipe.bench.health import check_endpoint
+from k3pipe.core import secrets as sec
+from k3pipe.core.errors import HealthError, LaunchError, SpecError
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.experiment.preflight import preflight
+from k3pipe.planning.plan import plan_arm
 
 
 def _planted(tag: str = "s") -> str:
@@ -292,8 +292,8 @@ def test_docker_run_takes_a_reference_from_the_callers_environment(monkeypatch: 
 
 
 def test_an_unset_variable_stops_the_launch_naming_arm_field_and_variable(tmp_path: Path) -> None:
+    from k3pipe.core.settings import Settings
     from k3pipe.launchers.factory import launch_engine
-    from k3pipe.settings import Settings
 
     spec = parse_experiment(
         _experiment(env={"HF_TOKEN": "{env.K3PIPE_T_UNSET}"}, args={"api_key": "{env.K3PIPE_T_UNSET2}"})

@@ -1,10 +1,10 @@
-"""The series rule of the regression alerts (k3pipe.series) held against simulated series of nightly
+"""The series rule of the regression alerts (k3pipe.verdicts.series) held against simulated series of nightly
 retests whose truth is known.
 
 A simulated retest's figure is ``log value ~ N(mu, s^2)`` with ``s`` the log-scale deviation of a
 coefficient of variation (10%: the restart noise between retests, as measured on the H200), ``H``
 earlier retests before the nights judged, then a step (or none) on the first night judged. Every
-night is judged as the alerts do it (:func:`k3pipe.series.scan` over all the retest's figures), and
+night is judged as the alerts do it (:func:`k3pipe.verdicts.series.scan` over all the retest's figures), and
 a figure that alerted is left out of that figure's series afterwards. Seeded, so deterministic; the
 rates are checked against what the rule states with a Monte Carlo tolerance of three standard
 errors (of a binomial proportion, or of the mean per-series rate where a series' nights are not
@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 
-from k3pipe.series import SeriesRule, judge, scan
+from k3pipe.verdicts.series import SeriesRule, judge, scan
 
 RULE = SeriesRule()
 MARGIN_PCT = 5.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3pipe import secrets
-from k3pipe.settings import SettingsError, load_settings
+from k3pipe.core import secrets
+from k3pipe.core.settings import SettingsError, load_settings
 
 
 def test_a_bad_number_names_the_variable_and_the_value(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3pipe.errors import SpecError
-from k3pipe.experiment import load_experiment, parse_experiment
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import load_experiment, parse_experiment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,7 +155,7 @@ def test_specs_are_frozen() -> None:
 def test_every_field_has_a_description() -> None:
     from pydantic import BaseModel
 
-    import k3pipe.specs as specs
+    import k3pipe.schema.specs as specs
 
     models = [getattr(specs, n) for n in specs.__all__]
     for model in models:
@@ -181,10 +181,10 @@ def test_an_unknown_engine_kind_names_the_arm_and_the_choices(tmp_path: Path) ->
 
 
 def test_the_spec_models_import_no_engine() -> None:
-    """specs -> engines -> specs was a circle: the engine check lives in k3pipe.experiment."""
+    """specs -> engines -> specs was a circle: the engine check lives in k3pipe.experiment.load."""
     import ast
 
-    tree = ast.parse((REPO / "k3pipe" / "specs.py").read_text())
+    tree = ast.parse((REPO / "k3pipe" / "schema" / "specs.py").read_text())
     imported = [
         node.module if isinstance(node, ast.ImportFrom) else alias.name
         for node in ast.walk(tree)
@@ -207,8 +207,8 @@ def _with_gateway(**arm: object) -> dict:
 
 
 def test_a_gateway_is_the_client_target_and_the_engine_stays_the_engines(tmp_path: Path) -> None:
-    from k3pipe.plan import plan_arm
-    from k3pipe.record import _gateway_params
+    from k3pipe.planning.plan import plan_arm
+    from k3pipe.records.recorder import _gateway_params
 
     spec = parse_experiment(_with_gateway())
     plan = plan_arm(spec, spec.arms[0], tmp_path)

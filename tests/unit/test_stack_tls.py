@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from k3pipe.errors import StackError
-from k3pipe.settings import Settings
+from k3pipe.core.errors import StackError
+from k3pipe.core.settings import Settings
 from ops.stack import StackConfig, _check_exposure, client_env, env_lines, security_lines
 from ops.tls import ensure_certificates, san_names
 

@@ -1,4 +1,4 @@
-"""The verdict statistics (k3pipe.stats) held against simulated studies whose truth is known.
+"""The verdict statistics (k3pipe.verdicts.stats) held against simulated studies whose truth is known.
 
 Each simulated study has two arms measured in L launches of R repeats; a repeat's value is
 ``true * exp(a_l + e_lr)`` with launch effects ``a_l ~ N(0, s_b^2)`` and repeat effects
@@ -15,8 +15,8 @@ import warnings
 import numpy as np
 import pytest
 
-from k3pipe import stats
-from k3pipe.stats import Design, compare, decide, estimate
+from k3pipe.verdicts import stats
+from k3pipe.verdicts.stats import Design, compare, decide, estimate
 
 STUDIES = 3000
 
@@ -111,8 +111,8 @@ def test_repeat_noise_alone_would_call_an_a_a_different_far_above_alpha() -> Non
 
 
 def _history_prior(rng: np.random.Generator, sb: float, sw: float, studies: int, launches: int, repeats: int):
-    """The restart prior k3pipe.priors pools from ``studies`` earlier studies of one cell each."""
-    from k3pipe.priors import NoiseEntry, launch_spread, pool
+    """The restart prior k3pipe.records.priors pools from ``studies`` earlier studies of one cell each."""
+    from k3pipe.records.priors import NoiseEntry, launch_spread, pool
 
     entries = []
     for i in range(studies):
@@ -136,7 +136,7 @@ def test_one_launch_with_a_prior_from_the_history_keeps_the_rate(
     between_cv: float, within_cv: float, history: tuple[int, int, int]
 ) -> None:
     """An A/A launched once per arm, judged with the restart noise earlier studies of its class
-    measured (k3pipe.priors: each simulated history is drawn afresh from the same noise): called
+    measured (k3pipe.records.priors: each simulated history is drawn afresh from the same noise): called
     different at most at the nominal rate, from the thinnest history a prior is made of (5 degrees of
     freedom: one study of 6 launches) on."""
     rng = np.random.default_rng(21)
@@ -172,10 +172,10 @@ def test_a_prior_finds_a_real_difference() -> None:
 
 
 def test_the_default_design_keeps_the_rate() -> None:
-    """What a user gets who sets nothing: two launches per arm (k3pipe.specs.DEFAULT_LAUNCHES) of one
+    """What a user gets who sets nothing: two launches per arm (k3pipe.schema.specs.DEFAULT_LAUNCHES) of one
     repeat (a workload's default), the three default decision figures: an A/A at the H200's 1B noise
     (restart 7.3%, repeat 7.2%) is called different at most at alpha / 3 per figure."""
-    from k3pipe.specs import DEFAULT_LAUNCHES, WorkloadSpec
+    from k3pipe.schema.specs import DEFAULT_LAUNCHES, WorkloadSpec
 
     repeats = WorkloadSpec.model_fields["repeats"].default
     design = Design(tests=3)

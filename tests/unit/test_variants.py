@@ -11,10 +11,10 @@ import yaml
 from typer.testing import CliRunner
 
 from cli.main import app
-from k3pipe.errors import SpecError
-from k3pipe.experiment import load_experiment, parse_experiment
-from k3pipe.plan import plan_arm
-from k3pipe.variants import changes, resolve
+from k3pipe.core.errors import SpecError
+from k3pipe.experiment.load import load_experiment, parse_experiment
+from k3pipe.experiment.variants import changes, resolve
+from k3pipe.planning.plan import plan_arm
 
 REPO = Path(__file__).resolve().parents[2]
 RETEST = REPO / "experiments" / "kimi-k3-retest.yaml"

@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr
 
 from k3pipe.bench import WorkloadResult, load_tokenizer, random_prompts, run_workload, summarize
-from k3pipe.specs import WorkloadSpec
+from k3pipe.schema.specs import WorkloadSpec
 from tests.conftest import TINY_MODEL, RunningEngine
 
 pytestmark = pytest.mark.engine  # exact counts, no timing: beside the other worker is fine

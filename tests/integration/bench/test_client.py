@@ -21,8 +21,8 @@ from pydantic import SecretStr, ValidationError
 
 from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, records_frame, run_workload, summarize
 from k3pipe.bench.client import schedule_offsets
-from k3pipe.errors import BenchmarkError
-from k3pipe.specs import WorkloadSpec
+from k3pipe.core.errors import BenchmarkError
+from k3pipe.schema.specs import WorkloadSpec
 from tests.scripted_openai import Received, Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial

@@ -25,7 +25,7 @@ import pytest
 
 from k3pipe.bench import Prompt, WorkloadResult, run_workload, summarize
 from k3pipe.bench.client import schedule_offsets
-from k3pipe.specs import WorkloadSpec
+from k3pipe.schema.specs import WorkloadSpec
 from tests.scripted_openai import Script, ScriptedOpenAI
 
 LAG_P50_S = 0.02

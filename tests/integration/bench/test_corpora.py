@@ -18,13 +18,13 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
-import k3pipe.bench.corpus_tools as corpus_tools
-import k3pipe.bench.datasets as datasets
-import k3pipe.bench.documents as documents
-import k3pipe.bench.sharegpt as sharegpt
+import k3pipe.prompts.corpus_tools as corpus_tools
+import k3pipe.prompts.datasets as datasets
+import k3pipe.prompts.documents as documents
+import k3pipe.prompts.sharegpt as sharegpt
 from k3pipe.bench import PromptSet, build_prompts, random_prompts, shared_prefix_prompts
-from k3pipe.errors import BenchmarkError
-from k3pipe.specs import DocumentsDataset, RandomDataset, SharedPrefixDataset, ShareGPTDataset
+from k3pipe.core.errors import BenchmarkError
+from k3pipe.schema.specs import DocumentsDataset, RandomDataset, SharedPrefixDataset, ShareGPTDataset
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "datasets"
 SHAREGPT = FIXTURES / "sharegpt_small.json"

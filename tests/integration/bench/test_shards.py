@@ -15,8 +15,8 @@ import pytest
 from k3pipe.bench import Prompt, WorkloadResult
 from k3pipe.bench.client import Abort, schedule_offsets
 from k3pipe.bench.shards import run_sharded, slot_shares
-from k3pipe.errors import BenchmarkError
-from k3pipe.specs import WorkloadSpec
+from k3pipe.core.errors import BenchmarkError
+from k3pipe.schema.specs import WorkloadSpec
 from tests.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial

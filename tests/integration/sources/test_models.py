@@ -13,9 +13,9 @@ import pytest
 from modelscope_hub import set_default_config
 
 import k3pipe.sources
-from k3pipe.errors import ModelSourceError
+from k3pipe.core.errors import ModelSourceError
+from k3pipe.schema.specs import LocalModel, ModelScopeModel
 from k3pipe.sources import ModelRecord, content_dir_name, fetch_model, model_dir
-from k3pipe.specs import LocalModel, ModelScopeModel
 from tests.fakehub import FakeHub, client_pointed_at_fake_hub
 
 MODEL_ID = "acme/tiny-llm"

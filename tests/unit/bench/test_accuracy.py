@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k3pipe.bench.accuracy import is_right, load_questions, read_accuracy, run_accuracy
-from k3pipe.errors import BenchmarkError
+from k3pipe.core.errors import BenchmarkError
 from tests.conftest import REPO
 from tests.scripted_openai import ScriptedOpenAI
 
@@ -74,8 +74,8 @@ def test_the_score_through_an_endpoint_that_gets_every_third_question_wrong() ->
 def test_a_missing_or_malformed_set_is_a_preflight_error(tmp_path: Path) -> None:
     import yaml
 
-    from k3pipe.experiment import load_experiment_text
-    from k3pipe.preflight import preflight
+    from k3pipe.experiment.load import load_experiment_text
+    from k3pipe.experiment.preflight import preflight
 
     data = yaml.safe_load((REPO / "experiments" / "answers-cpu.yaml").read_text())
     data["answers"]["accuracy"] = {"path": "{home}/sets/gsm8k.jsonl"}

@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-import k3pipe.bench.datasets as datasets
+import k3pipe.prompts.datasets as datasets
 from k3pipe.bench import Prompt, load_tokenizer, random_prompts, shared_prefix_prompts
-from k3pipe.errors import BenchmarkError
+from k3pipe.core.errors import BenchmarkError
 
 
 def _count(tok: Tokenizer, text: str) -> int:

@@ -24,7 +24,7 @@ import pytest
 from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, run_workload, summarize
 from k3pipe.bench.shards import run_sharded
 from k3pipe.bench.summary import WorkloadSummary, records_frame, retokenize, timing_note
-from k3pipe.specs import SLOSpec, WorkloadSpec
+from k3pipe.schema.specs import SLOSpec, WorkloadSpec
 from tests.scripted_openai import Received, Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial

@@ -1,5 +1,5 @@
 """How many client processes send a workload, on which CPUs (k3pipe.bench.shards.client_layout), and
-the CPU lists and client settings an experiment may give (k3pipe.specs.ClientSpec)."""
+the CPU lists and client settings an experiment may give (k3pipe.schema.specs.ClientSpec)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from k3pipe.bench.shards import STREAMS_PER_PROCESS, client_layout
-from k3pipe.launchers.specs import ProcessLauncherSpec
-from k3pipe.procs import parse_cpu_list
-from k3pipe.specs import ClientSpec
+from k3pipe.core.procs import parse_cpu_list
+from k3pipe.schema.launcher_specs import ProcessLauncherSpec
+from k3pipe.schema.specs import ClientSpec
 
 MINE = sorted(os.sched_getaffinity(0))
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from k3pipe.bench.probe import ProbePrompt, ask, greedy_body, parse_greedy, parse_scored, scored_body
-from k3pipe.errors import BenchmarkError
+from k3pipe.core.errors import BenchmarkError
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats, compare
-from k3pipe.stats import Design, RestartPrior
+from k3pipe.verdicts.stats import Design, RestartPrior
 
-# restart noise of 0.5% an earlier study is taken to have measured (k3pipe.priors): each side below is
+# restart noise of 0.5% an earlier study is taken to have measured (k3pipe.records.priors): each side below is
 # one launch, which without it is never judged
 QUIET = RestartPrior(math.log1p(0.005**2), 40.0, "a test's history")
 

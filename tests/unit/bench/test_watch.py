@@ -19,8 +19,8 @@ from k3pipe.bench.client import Abort
 from k3pipe.bench.session import watch_target
 from k3pipe.bench.watch import EngineWatch
 from k3pipe.engines import get_engine
-from k3pipe.experiment import load_experiment
-from k3pipe.plan import plan_arm
+from k3pipe.experiment.load import load_experiment
+from k3pipe.planning.plan import plan_arm
 from tests.conftest import REPO
 
 KEY = SecretStr("a-watch-test-key")

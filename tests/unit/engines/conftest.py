@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3pipe.experiment import load_experiment
-from k3pipe.specs import ExperimentSpec
+from k3pipe.experiment.load import load_experiment
+from k3pipe.schema.specs import ExperimentSpec
 from tests.unit.engines.helpers import STUDY
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from k3pipe.experiment import parse_experiment
-from k3pipe.specs import ExperimentSpec
+from k3pipe.experiment.load import parse_experiment
+from k3pipe.schema.specs import ExperimentSpec
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures" / "engines"

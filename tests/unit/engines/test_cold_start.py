@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from k3pipe.engines import get_engine
-from k3pipe.observe import EngineLogFacts, phase_table
+from k3pipe.engines.observe import EngineLogFacts, phase_table
 from tests.unit.engines.helpers import fixture_lines
 
 PREFIX = "(EngineCore pid=7) INFO 12-01 19:40:24 "

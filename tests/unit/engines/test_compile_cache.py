@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from k3pipe.coldstart import ensure_compile_cache, marker_path, read_cold_start
-from k3pipe.experiment import parse_experiment
+from k3pipe.experiment.load import parse_experiment
 from k3pipe.launchers import equivalent_command, writable_mounts
-from k3pipe.plan import ArmPlan, plan_arm
+from k3pipe.planning.coldstart import ensure_compile_cache, marker_path, read_cold_start
+from k3pipe.planning.plan import ArmPlan, plan_arm
 from tests.unit.engines.helpers import FIXTURES
 
 HOME = Path("/h")
@@ -280,8 +280,8 @@ def test_launch_gives_the_engine_the_variable(tmp_path: Path) -> None:
     """launch_engine creates the directory and sets the variable (a shell stands in for vLLM)."""
     import time
 
+    from k3pipe.core.settings import Settings
     from k3pipe.launchers.factory import launch_engine
-    from k3pipe.settings import Settings
 
     data = experiment()
     data["arms"][0]["engine"]["executable"] = ["/bin/sh", "-c", 'echo "cache=$VLLM_CACHE_ROOT"', "sh"]

@@ -12,8 +12,8 @@ from k3pipe.engines import get_engine
 from k3pipe.engines.base import load_flag_table
 from k3pipe.engines.sglang import human_readable_int as sglang_int
 from k3pipe.engines.vllm import human_readable_int as vllm_int
-from k3pipe.plan import plan_arm
-from k3pipe.specs import ExperimentSpec
+from k3pipe.planning.plan import plan_arm
+from k3pipe.schema.specs import ExperimentSpec
 from tests.unit.engines.helpers import FIXTURES, REPO, fixture_lines
 
 

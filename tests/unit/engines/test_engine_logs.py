@@ -270,7 +270,7 @@ def test_the_device_engines_chose_kernels_for_is_read_from_their_config_file_nam
     """The name inside a tuned-kernel config's file name is the device the engine chose kernels by
     (``torch.cuda.get_device_name()``, spaces as underscores); each distinct one kept, and every
     "Performance might be sub-optimal!" line (a kernel on its default config) counted."""
-    from k3pipe.observe import same_device
+    from k3pipe.engines.observe import same_device
 
     vllm = get_engine("vllm").parse_log([*fixture_lines("vllm/server.log"), *_vllm_moe_lines("NVIDIA_H200")])
     assert vllm.device_names == ["NVIDIA_H200"]
@@ -327,7 +327,7 @@ _SGLANG_H100 = "sglang/real-0.5.16-h100-mla-bounded.log"
 
 def test_vllms_real_h100_mla_log() -> None:
     """The study's first vLLM launch: the tuned MoE config of an H100, the fp8 pool, the JIT warnings."""
-    from k3pipe.observe import same_device
+    from k3pipe.engines.observe import same_device
 
     lines = fixture_lines(_VLLM_H100)
     facts = get_engine("vllm").parse_log(lines)
@@ -390,7 +390,7 @@ def test_sglangs_real_h100_mla_launch_that_ran_out_of_memory_in_graph_capture() 
 def test_sglangs_real_h100_mla_moe_config_lines_and_bounded_pool() -> None:
     """The SGLang retry with its pool bounded: both pool lines, the Triton-version fallback read from
     the middle of a progress-bar line, the down projection's line counted too."""
-    from k3pipe.observe import same_device
+    from k3pipe.engines.observe import same_device
 
     lines = fixture_lines(_SGLANG_H100)
     facts = get_engine("sglang").parse_log(lines)
@@ -439,7 +439,7 @@ _SGLANG_CONFIGS_H100 = (
 def test_sglangs_real_h100_flashmla_launch_that_served_the_study() -> None:
     """FlashMLA's page size, the pool capped in whole pages, the MoE kernel-config lines of an H100 (the
     Triton-version fallback mid-line after the progress bar, the down projection's), the fp8 warning."""
-    from k3pipe.observe import same_device
+    from k3pipe.engines.observe import same_device
 
     lines = fixture_lines(_SGLANG_H100_FLASHMLA)
     facts = get_engine("sglang").parse_log(lines)
@@ -512,7 +512,7 @@ def test_sglangs_two_real_moe_config_lines_each_name_the_device_and_count_as_unt
 def test_the_real_h100_moe_lines_name_nvidia_smis_h100_and_not_another_gpu(engine: str, log: str) -> None:
     """The device-name check's comparison on both engines' real lines: the H100 nvidia-smi named on
     that node matches (however its spaces are written); an H200's or an H100 of another form does not."""
-    from k3pipe.observe import same_device
+    from k3pipe.engines.observe import same_device
 
     (logged,) = get_engine(engine).parse_log(fixture_lines(log)).device_names
     assert logged == _H100
@@ -523,7 +523,7 @@ def test_the_real_h100_moe_lines_name_nvidia_smis_h100_and_not_another_gpu(engin
 
 
 def test_a_record_that_a_progress_bar_ran_into_is_read_from_where_it_starts() -> None:
-    from k3pipe.observe import read_log_lines
+    from k3pipe.engines.observe import read_log_lines
 
     fmt = get_engine("sglang").log_patterns.format
     bar = "Capturing batches (bs=16 avail_mem=72.35 GB):   0%|          | 0/6 [00:00<?, ?it/s]"

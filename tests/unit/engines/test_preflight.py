@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from k3pipe.preflight import (
+from k3pipe.experiment.preflight import (
     Finding,
     estimate_kv_pool,
     kv_layout,
     preflight,
     safetensors_bytes,
 )
-from k3pipe.preflight import port_taken as REAL_PORT_TAKEN
-from k3pipe.specs import ExperimentSpec
+from k3pipe.experiment.preflight import port_taken as REAL_PORT_TAKEN
+from k3pipe.schema.specs import ExperimentSpec
 from tests.unit.engines.helpers import one_arm
 
 GiB = 2**30
@@ -642,7 +642,7 @@ def test_a_taken_port_is_found_by_preflight(monkeypatch: pytest.MonkeyPatch) -> 
     the downloads. A real socket listens on a free port; an arm that binds it gets an error naming
     the port when ports are asked for (not before a run has reaped its orphans); another port, an
     endpoint's arm, or a fleet's (its nodes bind) gets none."""
-    monkeypatch.setattr("k3pipe.preflight.port_taken", REAL_PORT_TAKEN)
+    monkeypatch.setattr("k3pipe.experiment.preflight.port_taken", REAL_PORT_TAKEN)
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
@@ -708,7 +708,7 @@ def test_speculation_on_random_prompts_is_warned_before_launch(kind: str, args: 
 
 def test_the_studys_speculative_arms_on_random_prompts_are_warned() -> None:
     """experiments/kimi-k3-8xb300.yaml: both arms speculate (DSpark) over random 64K/200K prompts."""
-    from k3pipe.experiment import load_experiment
+    from k3pipe.experiment.load import load_experiment
     from tests.conftest import REPO
 
     findings = preflight(load_experiment(REPO / "experiments" / "kimi-k3-8xb300.yaml"))
@@ -759,7 +759,7 @@ def test_the_gpus_here_are_checked_against_the_experiments_hardware() -> None:
     """Asked to check this machine, preflight compares its GPUs as nvidia-smi lists them (here the
     H200 node's answer) with the experiment's hardware: a B300 preset on the H200 is a warning naming
     each difference; the right hardware, no GPUs listed, an endpoint's arm or a fleet, none."""
-    from k3pipe.node import GpuInfo
+    from k3pipe.machine.node import GpuInfo
 
     h200 = [GpuInfo(index=0, name="NVIDIA H200", memory_total_mib=143771, driver_version="580.159.04")]
     b300 = {"gpu_name": "NVIDIA B300", "gpu_count": 8, "gpu_memory_gib": 267.69}
