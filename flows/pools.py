@@ -25,7 +25,7 @@ from prefect.client.schemas.objects import FlowRun, StateType, WorkerStatus
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Crashed
 
-from k3pipe.core.layout import ARM_TAG, ERROR_TAG, LAUNCH_TAG
+from k3pipe.core.layout import LAUNCH_TAG, RunTags
 from k3pipe.jobs.arm_run import ArmOutcome
 from k3pipe.jobs.fleet import PoolState, PoolUnavailable, PoolWatch, Remote, Ticket, Waits, last_heartbeat
 from k3pipe.records.recorder import close_abandoned
@@ -210,7 +210,7 @@ def _outcome(
     mine = [
         r
         for r in tracker.children(study_run_id)
-        if r.data.tags.get(ARM_TAG) == ticket.arm
+        if RunTags.of(r).arm == ticket.arm
         and r.data.tags.get(LAUNCH_TAG) == str(ticket.launch)
         and r.data.tags.get("prefect.flow_run_id") == str(run.id)
     ]
@@ -225,7 +225,7 @@ def _outcome(
         why = why if lost else f"its node was lost: {why}"
         close_abandoned(tracker, arm_run.info.run_id, why, upward=False)
         status = "FAILED"
-    error = None if status == "FINISHED" else why if lost else arm_run.data.tags.get(ERROR_TAG) or why
+    error = None if status == "FINISHED" else why if lost else RunTags.of(arm_run).error or why
     return ArmOutcome(
         arm=ticket.arm, mlflow_run_id=arm_run.info.run_id, status=status, error=error, launch=ticket.launch
     )

@@ -17,13 +17,11 @@ from prefect.events import emit_event
 from prefect.states import Crashed
 
 from flows.pools import prefect_fleet
-from k3pipe.core.layout import FLOW_RUN_TAG, MLFLOW_RUN_LABEL, RETEST_RESOURCE_PREFIX
+from k3pipe.core.layout import FLOW_RUN_TAG, REGRESSION_EVENT, RETEST_RESOURCE_PREFIX
 from k3pipe.core.settings import Settings
-from k3pipe.jobs.alerts import REGRESSION_EVENT
 from k3pipe.jobs.arm_run import ArmSteps
-from k3pipe.jobs.prepare import PrepareSteps
+from k3pipe.jobs.prepare import ABANDONED, PrepareSteps, closer
 from k3pipe.jobs.steps import Job, JobSteps
-from k3pipe.records.recorder import close_abandoned
 from k3pipe.records.tracking import Tracker
 from tasks.steps import (
     benchmark_task,
@@ -77,18 +75,16 @@ def _flow_run_is_running(run_id: str) -> bool:
 
 def _closer(tracker: Tracker) -> Callable[[Mapping[str, str]], None]:
     """What ends the records of a run whose process was killed (its engine's labels name them)."""
-    why = "its k3pipe process was killed before its teardown; a later run ended its engine"
+    close_records = closer(tracker)
 
     def close(labels: Mapping[str, str]) -> None:
-        run_id = labels.get(MLFLOW_RUN_LABEL)
-        if run_id:
-            close_abandoned(tracker, run_id, why)
+        close_records(labels)
         flow_run = labels.get(FLOW_RUN_TAG, "none")
         if flow_run != "none":
             with contextlib.suppress(Exception), get_client(sync_client=True) as client:
                 state = client.read_flow_run(UUID(flow_run)).state
                 if state is None or not state.is_final():
-                    client.set_flow_run_state(UUID(flow_run), Crashed(message=why), force=True)
+                    client.set_flow_run_state(UUID(flow_run), Crashed(message=ABANDONED), force=True)
 
     return close
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build tests/docker/Dockerfile (the fake engine: fake_engine.py and the openai_wire.py it imports, both
-# from the build context tests/docker) with the legacy builder as
+# from the build context k3pipe/testing) with the legacy builder as
 # $K3PIPE_REGISTRY/k3pipe/fake-engine:test, push it to the local registry and print its pinned
 # reference (NAME@sha256:...) as the last line of stdout. Idempotent: the build is cached, and the
 # push is skipped when the registry already serves this very image under the tag.
@@ -38,7 +38,7 @@ if ! "$DOCKER" image inspect k3pipe/base:bookworm >/dev/null 2>&1; then
 fi
 
 t0=$(date +%s%N)
-DOCKER_BUILDKIT=0 "$DOCKER" build -q -t "$IMAGE" -f "$REPO_DIR/tests/docker/Dockerfile" "$REPO_DIR/tests/docker" >/dev/null
+DOCKER_BUILDKIT=0 "$DOCKER" build -q -t "$IMAGE" -f "$REPO_DIR/tests/docker/Dockerfile" "$REPO_DIR/k3pipe/testing" >/dev/null
 image_id=$("$DOCKER" image inspect --format '{{.Id}}' "$IMAGE")
 log "built $IMAGE ($image_id) in $(ms_since "$t0") ms"
 

@@ -2,7 +2,7 @@
 report as a fixture (issue 48: the MLflow record is the contract every past study depends on; a
 change to how k3pipe writes or reads it must still give the same report of a store written before).
 
-The study: two arms against the scripted OpenAI server (tests/scripted_openai.py, vLLM's wire format)
+The study: two arms against the scripted OpenAI server (k3pipe/testing/scripted_openai.py, vLLM's wire format)
 through the external launcher, one answering each token 2 ms later than the other, each launched
 twice, two workloads of two repeats, the baseline's A/A copy, and the output probe (the scripted
 server answers it as vLLM's completions do). No engine starts; about 30 s.
@@ -52,7 +52,7 @@ def main() -> None:
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
     from k3pipe.report import build_report
-    from tests.scripted_openai import Script, ScriptedOpenAI
+    from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 
     model = REPO / ".k3pipe" / "models" / "tiny-llama"
     if not (model / "config.json").is_file():

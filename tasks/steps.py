@@ -15,7 +15,6 @@ from k3pipe.bench.health import EndpointCheck, engine_version, wait_ready
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.summary import client_note, summary_line, timing_note, warmup_note
 from k3pipe.core.errors import ModelSourceError
-from k3pipe.core.procs import GroupRegistry
 from k3pipe.core.settings import Settings
 from k3pipe.engines.base import Finding
 from k3pipe.experiment.load import load_experiment
@@ -23,9 +22,9 @@ from k3pipe.experiment.params import RunRequest
 from k3pipe.experiment.preflight import preflight
 from k3pipe.experiment.speculation import SpeculationReport, judge_speculation
 from k3pipe.jobs import arm_run as run
+from k3pipe.jobs.prepare import reap_leftovers
 from k3pipe.jobs.rerun import RerunInputs, restore, verdict_rows
 from k3pipe.launchers.base import Launcher
-from k3pipe.launchers.docker import connect, reap_orphans
 from k3pipe.launchers.factory import pull_image
 from k3pipe.machine.node import NodeInfo, gpus_here
 from k3pipe.planning.coldstart import ColdStart, read_cold_start
@@ -141,18 +140,9 @@ def reap_orphans_task(
     """End what earlier runs killed before their teardown left behind: the engine process groups
     recorded in ``home`` whose k3pipe process is gone (``close`` then gets each one's labels, to end
     its MLflow run and flow run), and (``containers``) k3pipe's containers whose run provably ended."""
-    logger = get_run_logger()
-    reaped = GroupRegistry(home).reap_orphans(progress=logger.warning)
-    for record in reaped:
-        if close is not None and record.labels:
-            close(record.labels)
-    ended = [f"process group {r.pgid}" for r in reaped]
-    if containers:
-        removed = reap_orphans(connect(), is_running, progress=logger.warning)
-        if removed:
-            logger.warning("removed %d orphan container(s) of earlier runs", len(removed))
-        ended += [f"container {c[:12]}" for c in removed]
-    return ended
+    return reap_leftovers(
+        home, containers, is_running=is_running, close=close, progress=get_run_logger().warning
+    )
 
 
 @task(name="pull-image", cache_policy=NO_CACHE)

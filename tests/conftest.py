@@ -23,7 +23,7 @@ import pytest
 import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from tests.scripted_openai import ScriptedOpenAI
+from k3pipe.testing.scripted_openai import ScriptedOpenAI
 from tests.stores import seed_home, seed_prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
@@ -434,7 +434,7 @@ def server() -> Iterator[ScriptedOpenAI]:
 # - tests/unit/: the fast tier, `pytest -m unit` (under a minute): no engine, Docker, Prefect or MLflow
 #   server, subprocess or browser;
 # - tests/integration/: real servers (MLflow, Prefect, PostgreSQL), command lines run as subprocesses,
-#   scripted engines (tests/scripted_openai.py, tests/docker/fake_engine.py as a process);
+#   scripted engines (k3pipe/testing/scripted_openai.py, k3pipe/testing/fake_engine.py as a process);
 # - tests/engine/: the real vLLM CPU engine (the session's `vllm_engine`, or its venv);
 # - tests/docker/: the isolated dockerd and the local registry;
 # - tests/browser/: a real browser.

@@ -33,7 +33,6 @@ from k3pipe.core.errors import BenchmarkError
 from k3pipe.verdicts.answers import question_fields
 
 __all__ = [
-    "ACCURACY_FILE",
     "AccuracyRecord",
     "Question",
     "is_right",
@@ -42,8 +41,6 @@ __all__ = [
     "run_accuracy",
 ]
 
-ACCURACY_FILE = "accuracy.json"
-"""The arm run's artifact: the set's digest and each question's verdict (:class:`AccuracyRecord`)."""
 
 Match = Literal["number", "exact", "contains"]
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -54,7 +54,6 @@ from k3pipe.core.errors import BenchmarkError
 from k3pipe.verdicts.answers import ProbeAnswer
 
 __all__ = [
-    "ANSWERS_FILE",
     "DIALECTS",
     "ProbePrompt",
     "ProbeRecord",
@@ -72,10 +71,6 @@ __all__ = [
 
 Dialect = Literal["vllm", "sglang"]
 DIALECTS: tuple[Dialect, ...] = ("vllm", "sglang")
-
-
-ANSWERS_FILE = "answers.json"
-"""The arm run's artifact holding what the probe sent and got back (:class:`ProbeRecord`)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ whose argument strings concatenate by index), which SGLang's OpenAI server share
 counted per 1,000 requests with their Clopper-Pearson interval. With random weights a model rarely
 calls a tool at all: there the check finds markup leaks and malformed calls only when they occur; on
 a user's node with real weights it finds parser faults. Tested against a stand-in emitting good and
-broken calls in that wire format (tests/scripted_tools.py).
+broken calls in that wire format (k3pipe/testing/scripted_tools.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import jsonschema
 from scipy import stats
 
 __all__ = [
-    "STRUCTURED_FILE",
     "TOOLS",
     "StructuredCall",
     "StructuredRecord",
@@ -50,8 +49,6 @@ __all__ = [
     "structured_request",
 ]
 
-STRUCTURED_FILE = "structured.json"
-"""The arm run's artifact holding each tool-calling request's check (:class:`StructuredRecord`)."""
 
 TOOLS: tuple[dict[str, Any], ...] = (
     {

@@ -14,34 +14,52 @@ written before the layout was versioned (version 1, the same names).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = [
     "ABORTED_TAG",
     "ACCEPTED_TAG",
+    "ACCURACY_FILE",
     "ANSWERS_ERROR_TAG",
+    "ANSWERS_FILE",
     "ARM_TAG",
     "BURSTY_WORKLOADS_TAG",
     "CAPACITY_BINDING_TAG",
     "CAPACITY_CENSORED_TAG",
+    "CAPACITY_FILE",
     "CAPACITY_TAG",
+    "CLAIMS_FILE",
+    "CLIENT_LOAD_FILE",
     "CLIENT_TIMING_NOTE_TAG",
     "CLIENT_TIMING_TAG",
+    "COLD_START_PHASES_FILE",
+    "COLD_START_TABLE_FILE",
+    "COMMAND_FILE",
+    "COMPILE_CACHE_FILE",
     "DECISION_ALPHA_TAG",
     "DECISION_LOOKS_TAG",
     "DECISION_LOOK_TAG",
     "DECISION_STOPPED_TAG",
+    "DISCREPANCIES_FILE",
     "DRIFT_TAG",
+    "ENDPOINT_CHECK_FILE",
     "ENERGY_GPUS_TAG",
     "ENGINE_DEVICE_NAMES_TAG",
     "ENGINE_FINDINGS_ERROR_TAG",
+    "ENGINE_FINDINGS_FILE",
+    "ENGINE_METRICS_FILE",
     "ENGINE_TAG",
     "ENGINE_WARNINGS_TAG",
     "ERROR_TAG",
+    "EXPERIMENT_FILE",
     "EXPERIMENT_TAG",
     "FAILED_ARMS_TAG",
     "FAILED_PREFIX",
     "FAILED_VARIANTS_TAG",
     "FLOW_RUN_TAG",
     "GPUS_TAG",
+    "GPU_MEMORY_FILE",
     "HEARTBEAT_PREFIX",
     "KEPT_TAG",
     "KEPT_WORKLOADS_TAG",
@@ -55,26 +73,38 @@ __all__ = [
     "LAUNCH_TAG",
     "LAYOUT_TAG",
     "LAYOUT_VERSION",
+    "LOGS_DIR",
     "LOSSLESS_TAG",
     "MANAGED_LABEL",
     "MLFLOW_RUN_LABEL",
+    "NODE_DIR",
     "NODE_ERROR_TAG",
     "NODE_MISMATCH_TAG",
     "NODE_TAG",
+    "NOISE_FILE",
     "NOISE_TAG",
     "OWNER_LABEL",
     "POOL_TAG",
     "PREFIX_CACHE_RESET_NOTE_TAG",
     "PREFIX_CACHE_RESET_TAG",
+    "PREFLIGHT_FILE",
     "PREFLIGHT_TAG",
     "PRIME_TAG",
     "PROBE_TAG",
+    "PROMPTS_INDEX_FILE",
+    "RECORD_FILE",
     "REGRESSION_EVENT",
+    "REGRESSION_FILE",
     "REGRESSION_TAG",
     "REPEATS_ERROR_TAG",
+    "REPEATS_FILE",
+    "REPEATS_FRAME_FILE",
     "REPEAT_TAG",
+    "REPORT_DIR",
+    "REQUESTS_FILE",
     "RERUN_DRIFT_TAG",
     "RERUN_TAG",
+    "RERUN_VERDICTS_FILE",
     "RERUN_VERDICT_TAG",
     "RESUMED_TAG",
     "RESUME_TAG",
@@ -83,12 +113,19 @@ __all__ = [
     "RETEST_RUN_TAG",
     "SPECULATION_BASELINE_TAG",
     "SPECULATION_ERROR_TAG",
+    "SPECULATION_FILE",
     "SPECULATION_VERDICT_TAG",
+    "STRUCTURED_FILE",
     "STUDY_KIND",
+    "SUMMARY_FILE",
     "SUPERSEDED_TAG",
     "TWIN_TAG",
+    "VARIANTS_FILE",
     "VARIANT_TAG",
     "WORKLOAD_TAG",
+    "RunTags",
+    "prompts_path",
+    "provenance_path",
 ]
 
 LAYOUT_VERSION = "1"
@@ -209,3 +246,190 @@ HEARTBEAT_PREFIX = "k3pipe.heartbeat."
 MANAGED_LABEL = "k3pipe.managed"
 OWNER_LABEL = "k3pipe.owner"
 MLFLOW_RUN_LABEL = "k3pipe.mlflow_run_id"
+
+
+# --- artifacts: the files on a run, and where readers find them ------------------------------------------
+EXPERIMENT_FILE = "experiment.json"
+"""The experiment as parsed (secrets redacted): on a study's, a retest's and each arm's run."""
+RECORD_FILE = "run_record.json"
+"""The run as a value (k3pipe.records.runrecord): what a rerun restores from."""
+COMMAND_FILE = "command.txt"
+"""The engine's command line and environment as rendered (secrets redacted)."""
+PREFLIGHT_FILE = "preflight.json"
+"""The preflight's findings for the run."""
+ENDPOINT_CHECK_FILE = "endpoint_check.json"
+"""The health gate's proof of the endpoint (base URL, key, model id)."""
+ENGINE_FINDINGS_FILE = "engine_findings.json"
+"""What the engine's log said (KV pool, warnings, OOM lines, kernels)."""
+COLD_START_PHASES_FILE = "cold_start_phases.json"
+"""The cold start's phases, read from the engine's log."""
+COLD_START_TABLE_FILE = "cold_start_phases.txt"
+"""The same phases as a table for people."""
+COMPILE_CACHE_FILE = "compile_cache.json"
+"""The compile cache the launch used (key, directory, evidence, factors)."""
+GPU_MEMORY_FILE = "gpu_memory.parquet"
+"""A workload's GPU memory series (nvidia-smi samples)."""
+REQUESTS_FILE = "requests.parquet"
+"""A workload's (or a repeat's) requests, one row each, as the client recorded them."""
+ENGINE_METRICS_FILE = "engine_metrics.parquet"
+"""The engine's /metrics scraped during a workload."""
+DISCREPANCIES_FILE = "discrepancies.json"
+"""Where the client and the engine's /metrics disagreed."""
+SUMMARY_FILE = "summary.json"
+"""A workload's summary (the figures of docs/measurement.md)."""
+CLIENT_LOAD_FILE = "client_load.json"
+"""The load client's own CPU while it sent a workload."""
+REPEATS_FILE = "repeats.json"
+"""A workload's figures over its repeats (mean, interval)."""
+REPEATS_FRAME_FILE = "repeats.parquet"
+"""A workload's per-repeat values, one row a repeat."""
+CAPACITY_FILE = "capacity.json"
+"""A capacity search's answer, on its search run."""
+SPECULATION_FILE = "speculation.json"
+"""A speculative arm judged against its plain baseline."""
+ANSWERS_FILE = "answers.json"
+"""The launch's output probe: each prompt's greedy tokens and scored continuation."""
+STRUCTURED_FILE = "structured.json"
+"""The launch's tool-call and reasoning checks."""
+ACCURACY_FILE = "accuracy.json"
+"""The launch's score on the experiment's accuracy set."""
+CLAIMS_FILE = "claims.json"
+"""A study's published figures, beside its own."""
+NOISE_FILE = "noise.json"
+"""The restart noise a study kept for later ones (k3pipe.records.priors)."""
+RERUN_VERDICTS_FILE = "rerun_verdicts.json"
+"""A rerun's verdicts against the original, per workload."""
+VARIANTS_FILE = "variants.json"
+"""A retest's variants and what each changes."""
+REGRESSION_FILE = "regression.json"
+"""A retest's regression check."""
+PROMPTS_INDEX_FILE = "prompts/index.json"
+"""A fleet study's prompt sets, drawn once for every node."""
+LOGS_DIR = "logs"
+"""The engine's log (and the launcher's), as files."""
+NODE_DIR = "node"
+"""The node's facts: nvidia-smi before and after, its topology, the communication environment."""
+REPORT_DIR = "report"
+"""A study's report (report.md, report.html, report.json, report.txt and plots/) on the study's run."""
+
+
+def prompts_path(workload: str, repeat: int) -> str:
+    """The prompts a workload's repeat sent, on the arm's run (``repeat`` counts from 0)."""
+    return f"prompts/{workload}/r{repeat}.json"
+
+
+def provenance_path(name: str) -> str:
+    """One input's provenance (a model's files and sha256, the image's digest), on the arm's run."""
+    return f"provenance/{name}.json"
+
+
+# --- typed views: what readers ask of a run, instead of its tags by name ----------------------------
+class RunTags:
+    """A run's tags read through the layout (``RunTags.of(run)``, or of a tag mapping): each property
+    is the tag's value as written, None where the run has none, so a reader never spells a tag and a
+    renamed tag is one line above."""
+
+    __slots__ = ("tags",)
+
+    def __init__(self, tags: Mapping[str, str]) -> None:
+        self.tags = tags
+
+    @classmethod
+    def of(cls, run: Any) -> RunTags:
+        """The view of an MLflow ``Run`` (anything with ``.data.tags``)."""
+        return cls(run.data.tags)
+
+    def _get(self, tag: str) -> str | None:
+        return self.tags.get(tag)
+
+    @property
+    def kind(self) -> str | None:
+        """'study', 'retest', a search, ... (:data:`KIND_TAG`)."""
+        return self._get(KIND_TAG)
+
+    @property
+    def experiment(self) -> str | None:
+        """:data:`EXPERIMENT_TAG`."""
+        return self._get(EXPERIMENT_TAG)
+
+    @property
+    def variant(self) -> str | None:
+        """:data:`VARIANT_TAG`."""
+        return self._get(VARIANT_TAG)
+
+    @property
+    def arm(self) -> str | None:
+        """:data:`ARM_TAG`."""
+        return self._get(ARM_TAG)
+
+    @property
+    def engine(self) -> str | None:
+        """:data:`ENGINE_TAG`."""
+        return self._get(ENGINE_TAG)
+
+    @property
+    def workload(self) -> str | None:
+        """:data:`WORKLOAD_TAG`."""
+        return self._get(WORKLOAD_TAG)
+
+    @property
+    def aborted(self) -> str | None:
+        """Why a run ended early (:data:`ABORTED_TAG`)."""
+        return self._get(ABORTED_TAG)
+
+    @property
+    def superseded(self) -> str | None:
+        """:data:`SUPERSEDED_TAG`."""
+        return self._get(SUPERSEDED_TAG)
+
+    @property
+    def prime(self) -> str | None:
+        """A priming launch's arm run (:data:`PRIME_TAG`)."""
+        return self._get(PRIME_TAG)
+
+    @property
+    def rerun_of(self) -> str | None:
+        """The run a rerun measured again (:data:`RERUN_TAG`)."""
+        return self._get(RERUN_TAG)
+
+    @property
+    def accepted(self) -> str | None:
+        """When a retest was accepted (:data:`ACCEPTED_TAG`)."""
+        return self._get(ACCEPTED_TAG)
+
+    @property
+    def regression(self) -> str | None:
+        """:data:`REGRESSION_TAG`."""
+        return self._get(REGRESSION_TAG)
+
+    @property
+    def ladder(self) -> str | None:
+        """A ladder point's ladder (:data:`LADDER_TAG`)."""
+        return self._get(LADDER_TAG)
+
+    @property
+    def pool(self) -> str | None:
+        """A fleet launch's pool (:data:`POOL_TAG`)."""
+        return self._get(POOL_TAG)
+
+    @property
+    def error(self) -> str | None:
+        """Why the run failed (:data:`ERROR_TAG`)."""
+        return self._get(ERROR_TAG)
+
+    @property
+    def repeat(self) -> int | None:
+        """Which repeat a repeat's run is (from 0), None on any other run."""
+        value = self._get(REPEAT_TAG)
+        return None if value is None else int(value)
+
+    @property
+    def launch(self) -> int | None:
+        """Which launch of its arm an arm run is (from 1; 0: a priming launch)."""
+        value = self._get(LAUNCH_TAG)
+        return None if value is None else int(value)
+
+    @property
+    def parent(self) -> str | None:
+        """The run it is nested under (MLflow's own tag)."""
+        return self._get("mlflow.parentRunId")

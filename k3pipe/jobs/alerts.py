@@ -39,29 +39,27 @@ from k3pipe.core.layout import (
     ACCEPTED_TAG,
     ARM_TAG,
     ENGINE_TAG,
-    EXPERIMENT_TAG,
     KIND_TAG,
-    REGRESSION_EVENT,
+    PRIME_TAG,
+    REGRESSION_FILE,
     REGRESSION_TAG,
+    RERUN_TAG,
+    RETEST_KIND,
     STUDY_KIND,
+    SUPERSEDED_TAG,
     VARIANT_TAG,
-    WORKLOAD_TAG,
+    RunTags,
 )
-from k3pipe.jobs.rerun import RERUN_TAG
 from k3pipe.records.compare import find_run, workload_values
 from k3pipe.records.tracking import Tracker
-from k3pipe.report.collect import PRIME_TAG, SUPERSEDED_TAG, collect
+from k3pipe.report.collect import collect
 from k3pipe.report.gate import first_answers, floor_of
-from k3pipe.report.retest_verdicts import BASELINE, RETEST_KIND
+from k3pipe.report.retest_verdicts import BASELINE
 from k3pipe.verdicts.answers import agreement
 from k3pipe.verdicts.answers import judge as judge_answers
 from k3pipe.verdicts.series import SeriesRule, judge
 
 __all__ = [
-    "ACCEPTED_TAG",
-    "REGRESSION_EVENT",
-    "REGRESSION_FILE",
-    "REGRESSION_TAG",
     "Accepted",
     "RegressionCheck",
     "SeriesInfo",
@@ -71,7 +69,6 @@ __all__ = [
     "record_regression",
 ]
 
-REGRESSION_FILE = "regression.json"
 SERIES_VERSION = 1
 """How regression.json's ``values`` were computed (the geometric mean of the launch means); a later
 retest reads an earlier one's values only when they were computed the same way."""
@@ -277,7 +274,7 @@ def _when(ms: int | float | None) -> str:
 
 
 def _accepted_ms(run: Any) -> float | None:
-    value = run.data.tags.get(ACCEPTED_TAG)
+    value = RunTags.of(run).accepted
     if not value:
         return None
     try:
@@ -289,7 +286,7 @@ def _accepted_ms(run: Any) -> float | None:
 def _series(tracker: Tracker, run: Any, rule: SeriesRule) -> tuple[list[Any], list[bool], SeriesInfo]:
     """The earlier retests of tonight's series, oldest first, whether each is kept (False: it raised
     an alert no acceptance cleared), and what they are."""
-    experiment = run.data.tags.get(EXPERIMENT_TAG, "")
+    experiment = RunTags.of(run).experiment or ""
     overrides = _overrides(run)
     earlier = sorted(
         (
@@ -297,12 +294,12 @@ def _series(tracker: Tracker, run: Any, rule: SeriesRule) -> tuple[list[Any], li
             for r in _retest_runs(tracker, experiment)
             if r.info.start_time < run.info.start_time
             and r.info.run_id != run.info.run_id
-            and not r.data.tags.get(RERUN_TAG)  # a rerun measures an old record again, not tonight
+            and not RunTags.of(r).rerun_of  # a rerun measures an old record again, not tonight
             and _overrides(r) == overrides  # like with like: the same repeats, requests, lengths
         ),
         key=lambda r: r.info.start_time,
     )
-    start = next((r for r in reversed(earlier) if r.data.tags.get(ACCEPTED_TAG)), None)
+    start = next((r for r in reversed(earlier) if RunTags.of(r).accepted), None)
     info = SeriesInfo()
     cleared_until = -math.inf
     if start is not None:
@@ -313,7 +310,7 @@ def _series(tracker: Tracker, run: Any, rule: SeriesRule) -> tuple[list[Any], li
     earlier = earlier[-(rule.max_series - 1) :]
     kept = [
         r is start
-        or not r.data.tags.get(REGRESSION_TAG, "").startswith("worse")
+        or not (RunTags.of(r).regression or "").startswith("worse")
         or r.info.start_time < cleared_until  # an acceptance clears the alerts it was made after
         for r in earlier
     ]
@@ -367,7 +364,7 @@ def _measured(tracker: Tracker, retest_run_id: str, metrics: list[str]) -> _Valu
             continue
         out.versions.setdefault(arm, _version(arm_run))
         for wl in tracker.children(arm_run.info.run_id):
-            workload = wl.data.tags.get(WORKLOAD_TAG)
+            workload = RunTags.of(wl).workload
             if not workload or wl.info.status != "FINISHED":
                 continue
             values = workload_values(tracker, wl)
@@ -419,7 +416,7 @@ def check_regression(
     wanted = list(dict.fromkeys(metrics or DEFAULT_DECISION))
     check = RegressionCheck(
         retest_run_id,
-        run.data.tags.get(EXPERIMENT_TAG, ""),
+        (RunTags.of(run).experiment or ""),
         needed=rule.min_history,
         margin_pct=margin_pct,
         rule=asdict(rule),
@@ -600,13 +597,13 @@ def accept(tracker: Tracker, run_ref: str, now: datetime | None = None) -> Accep
     against it once the series has :attr:`~k3pipe.verdicts.series.SeriesRule.min_history` retests again."""
     run = find_run(tracker, run_ref)
     run_id = run.info.run_id
-    kind = run.data.tags.get(KIND_TAG)
+    kind = RunTags.of(run).kind
     if kind != RETEST_KIND:
         raise TrackingError(
             f"run {run_id} is not a retest's run (its tag k3pipe.kind is {kind!r}): give the id "
             "`k3pipe retest` printed ('retest: MLflow run id ...'), or find it with `k3pipe runs`"
         )
-    if run.data.tags.get(RERUN_TAG):
+    if RunTags.of(run).rerun_of:
         raise TrackingError(
             f"run {run_id} is a rerun of retest {run.data.tags[RERUN_TAG]}: a rerun measures an old "
             "record again and is in no series; accept a scheduled retest's run"
@@ -617,15 +614,15 @@ def accept(tracker: Tracker, run_ref: str, now: datetime | None = None) -> Accep
         )
     at = (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds")
     tracker.set_tags(run_id, {ACCEPTED_TAG: at})
-    experiment = run.data.tags.get(EXPERIMENT_TAG, "")
+    experiment = RunTags.of(run).experiment or ""
     overrides = _overrides(run)
     same = [
         r
         for r in _retest_runs(tracker, experiment)
-        if _overrides(r) == overrides and not r.data.tags.get(RERUN_TAG) and r.info.run_id != run_id
+        if _overrides(r) == overrides and not RunTags.of(r).rerun_of and r.info.run_id != run_id
     ]
     later = [r for r in same if r.info.start_time > run.info.start_time]
-    newer = [r for r in later if r.data.tags.get(ACCEPTED_TAG)]
+    newer = [r for r in later if RunTags.of(r).accepted]
     return Accepted(
         run_id=run_id,
         experiment=experiment,

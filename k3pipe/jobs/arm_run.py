@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field, SecretStr
 
@@ -39,15 +39,15 @@ from k3pipe.bench.health import (
 from k3pipe.bench.probe import ProbeRecord, dialect_of, draw_prompts, run_probe
 from k3pipe.bench.session import WorkloadOutcome, benchmark_workload, deliver
 from k3pipe.bench.structured import StructuredRecord, run_structured
-from k3pipe.bench.summary import slo_attainment_from_arrival
 from k3pipe.core.errors import EngineLostError, SpecError
-from k3pipe.core.layout import LADDER_POINT_TAG, LAUNCH_TAG, MLFLOW_RUN_LABEL, RERUN_DRIFT_TAG
+from k3pipe.core.layout import LADDER_POINT_TAG, LAUNCH_TAG, MLFLOW_RUN_LABEL, RERUN_DRIFT_TAG, RERUN_TAG
 from k3pipe.core.secrets import register, scrub
 from k3pipe.core.settings import Settings, read_secret
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
 from k3pipe.experiment.speculation import choose_baseline, speculation_setting
-from k3pipe.jobs.rerun import RERUN_TAG, RerunInputs
+from k3pipe.jobs.profiles import Profile, ProfileContext, profile_for
+from k3pipe.jobs.rerun import RerunInputs
 from k3pipe.launchers.base import Launcher
 from k3pipe.launchers.factory import launch_engine, pull_image
 from k3pipe.machine.node import NodeInfo, nvidia_smi_report, probe_node
@@ -61,7 +61,6 @@ from k3pipe.records.tracking import Tracker
 from k3pipe.schema.specs import AccuracySpec, AnswersSpec, ExperimentSpec, WorkloadSpec, expand_home
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
-from k3pipe.verdicts.capacity import CapacityResult, CapacitySearch, LadderStop, summarize_searches
 
 __all__ = [
     "ArmOutcome",
@@ -96,22 +95,77 @@ def _log_file(home: Path, name: str) -> Path:
     return path
 
 
+class PlanStep(Protocol):
+    """``plan(spec, arm, home, model_dirs, model_digests)``: the arm's plan (:func:`plan_for`)."""
+
+    def __call__(
+        self,
+        spec: ExperimentSpec,
+        arm: str,
+        home: Path,
+        model_dirs: dict[str, str],
+        model_digests: dict[str, str] | None = ...,
+        /,
+    ) -> ArmPlan: ...
+
+
+class StartStep(Protocol):
+    """``start_engine(plan, log_path, settings, api_key, image, labels)`` (:func:`start_engine`)."""
+
+    def __call__(
+        self,
+        plan: ArmPlan,
+        log_path: Path,
+        settings: Settings,
+        api_key: SecretStr | None,
+        image: ImageRecord | None = ...,
+        labels: dict[str, str] | None = ...,
+        /,
+    ) -> Launcher: ...
+
+
+class BenchmarkStep(Protocol):
+    """One measurement on the running engine (:func:`benchmark`; the measuring loop's only call)."""
+
+    def __call__(
+        self,
+        plan: ArmPlan,
+        workload: WorkloadSpec,
+        model_dir: Path,
+        api_key: SecretStr | None,
+        repeat: int = ...,
+        home: Path | None = ...,
+        prompts: PromptSet | None = ...,
+        /,
+        *,
+        launcher: Launcher | None = ...,
+    ) -> WorkloadOutcome: ...
+
+
 @dataclass
 class ArmSteps:
-    """The steps of an arm's lifetime; each takes and returns what the library function does."""
+    """The steps of an arm's lifetime, typed: each takes and returns what the library function does,
+    so the library's form (:meth:`library`) and a flow's (its Prefect tasks, flows/runtime.py) differ
+    only in how they log and retry."""
 
-    plan: Callable[..., ArmPlan]
+    plan: PlanStep
     pull_image: Callable[[ArmPlan], ImageRecord]
     probe_node: Callable[[ArmPlan, Settings], NodeInfo | None]
-    start_engine: Callable[..., Launcher]
+    start_engine: StartStep
     wait_ready: Callable[[ArmPlan, Launcher], float]
     health_gate: Callable[[ArmPlan, SecretStr | None], EndpointCheck]
     engine_version: Callable[[ArmPlan], str | None]
     cold_start: Callable[[ArmPlan, Path | None, float | None, str], ColdStart]
-    benchmark: Callable[..., WorkloadOutcome]
-    answers: Callable[..., ProbeRecord] = field(default=lambda *a, **k: answer_probe(*a, **k))
-    structured: Callable[..., StructuredRecord] = field(default=lambda *a, **k: structured_probe(*a, **k))
-    accuracy: Callable[..., AccuracyRecord] = field(default=lambda *a, **k: accuracy_run(*a, **k))
+    benchmark: BenchmarkStep
+    answers: Callable[[ArmPlan, AnswersSpec, Path, SecretStr | None, SecretStr | None], ProbeRecord] = field(
+        default=lambda *a: answer_probe(*a)
+    )
+    structured: Callable[[ArmPlan, int, bool, bool, SecretStr | None], StructuredRecord] = field(
+        default=lambda *a: structured_probe(*a)
+    )
+    accuracy: Callable[[ArmPlan, AccuracySpec, Path, SecretStr | None], AccuracyRecord] = field(
+        default=lambda *a: accuracy_run(*a)
+    )
 
     @classmethod
     def library(cls, say: Callable[[str], None] | None = None) -> ArmSteps:
@@ -434,6 +488,7 @@ class ArmRun:
         assert self.outcome is not None
         model_dir = Path(self.models["model"].path)
         kept = self.kept.workloads if self.kept is not None else {}
+        ctx = ProfileContext(recorder, self.say, self._finished)
         for workload in self.spec.workloads:
             if workload.name in kept:
                 assert self.kept is not None
@@ -443,41 +498,9 @@ class ArmRun:
                     self._adopt_ladder(workload, kept[workload.name], recorder)
                     continue
                 recorder.adopt_workload(workload, kept[workload.name], earlier)
-                self.outcome.workloads.append(
-                    {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
-                )
+                self._finished(workload.name)
                 continue
-            if workload.ladder is not None:
-                self._ladder(workload, plan, recorder, model_dir)
-                continue
-            if workload.capacity is not None:
-                self._search(workload, plan, recorder, model_dir)
-                self.outcome.workloads.append(
-                    {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
-                )
-                continue
-            for repeat in range(workload.repeats):
-                measured = self.steps.benchmark(
-                    plan,
-                    workload,
-                    model_dir,
-                    self.client_key,
-                    repeat,
-                    self.settings.home_dir,
-                    self.prompts[workload.name][repeat],
-                    # the engine k3pipe started is watched (an external endpoint: its /models)
-                    **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
-                )
-                try:
-                    recorder.log_workload(workload, measured)
-                finally:
-                    if measured.interrupted is not None:
-                        deliver(measured.interrupted)  # recorded: now the interrupt goes on
-                if measured.engine_lost:
-                    raise EngineLostError(self._lost(workload.name, measured.engine_lost))
-            self.outcome.workloads.append(
-                {"arm": self.arm, "workload": workload.name, **recorder.workload_metrics(workload.name)}
-            )
+            self._measure(profile_for(workload, self.prompts[workload.name], ctx), plan, model_dir)
         if self.spec.answers is not None:
             self._probe_answers(self.spec.answers, plan, recorder, model_dir)
             self._probe_structured(self.spec.answers, plan, recorder)
@@ -572,115 +595,39 @@ class ArmRun:
         """A ladder the earlier run of this launch ended, kept by a resume: each point's run moved
         under this one (as :meth:`ArmRecorder.adopt_workload`), and how it went said again here."""
         assert self.kept is not None
-        assert self.outcome is not None
         for run_id in run_ids.split(","):
             tags = self.tracker.client.get_run(run_id).data.tags
             rung = workload.rung(float(tags[LADDER_POINT_TAG]))
             recorder.adopt_workload(rung, run_id, self.kept.arm_run_id)
-            self.outcome.workloads.append(
-                {"arm": self.arm, "workload": rung.name, **recorder.workload_metrics(rung.name)}
-            )
+            self._finished(rung.name)
         recorder.log_ladder(workload.name, self.kept.ladders[workload.name])
 
-    def _ladder(self, workload: WorkloadSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path) -> None:
-        """The workload at each point of its ladder, lowest first, on the running engine: each point a
-        workload run of its own (NAME@c8) with the workload's repeats and prompts, the prefix cache
-        emptied before it where the engine offers a way; ended past saturation when the ladder says so
-        (k3pipe.verdicts.capacity.LadderStop): at the first point whose repeats show it, or, measured once a
-        point, at the second point in a row that looks it (one noisy measurement ends nothing)."""
-        ladder = workload.ladder
-        assert ladder is not None
-        assert self.outcome is not None
-        points = ladder.values()
-        stop = LadderStop(ladder.min_gain_pct)
-        ran: list[str] = []
-        why = ""
-        for point in points:
-            rung = workload.rung(point)
-            reset = reset_prefix_cache(plan, self.api_key)
-            for repeat in range(workload.repeats):
-                measured = self.steps.benchmark(
-                    plan, rung, model_dir, self.client_key, repeat, self.settings.home_dir,
-                    self.prompts[workload.name][repeat],
-                    **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
-                )  # fmt: skip
-                try:
-                    recorder.log_workload(rung, measured)
-                finally:
-                    if measured.interrupted is not None:
-                        deliver(measured.interrupted)
-                if measured.engine_lost:
-                    raise EngineLostError(self._lost(rung.name, measured.engine_lost))
-            recorder.tag_rung(rung.name, workload.name, ladder.over, point, reset)
-            now = recorder.workload_metrics(rung.name)
-            self.outcome.workloads.append({"arm": self.arm, "workload": rung.name, **now})
-            label = ladder.label(point)
-            ran.append(label)
-            ended = stop.add(label, recorder.repeat_metrics(rung.name))
-            if ended and ladder.stop_when_saturated:
-                why = f"; ended at {label}, {ended}"
-                break
-        left = len(points) - len(ran)
-        if stop.suspect and not why and ladder.stop_when_saturated:
-            why = f"; {stop.suspect}, not confirmed (one measurement a point, and no point after it)"
-        summary = f"points {', '.join(ran)}{why}" + (f" ({left} higher point(s) not run)" if left else "")
-        recorder.log_ladder(workload.name, summary)
-        self.say(f"ladder {workload.name}: {summary}")
-
-    def _search(self, workload: WorkloadSpec, plan: ArmPlan, recorder: ArmRecorder, model_dir: Path) -> None:
-        """The workload's capacity search, once per repeat, on the running engine (k3pipe.verdicts.capacity):
-        each probe the workload at one load point, its prompts the repeat's, the prefix cache emptied
-        before it where the engine offers a way (recorded either way)."""
-        spec = workload.capacity
-        assert spec is not None
-        assert workload.slo is not None
-        unit = "req/s" if spec.over == "rate" else "streams"
-        results: list[CapacityResult] = []
-        for repeat in range(workload.repeats):
-            prompts = self.prompts[workload.name][repeat]
-            search_run = recorder.start_search(workload, repeat, workload.seed + repeat)
-            search = CapacitySearch(
-                spec.over, spec.low, spec.high, start=spec.start, factor=spec.factor,
-                tolerance_pct=spec.tolerance_pct, attainment_pct=spec.attainment_pct,
-                max_probes=spec.max_probes,
+    def _measure(self, profile: Profile, plan: ArmPlan, model_dir: Path) -> None:
+        """The measuring loop, one for every load profile (k3pipe.jobs.profiles): each point the profile
+        asks for is sent through the ``benchmark`` step on the running engine (the engine k3pipe
+        started is watched; an external endpoint: its /models), recorded by the profile, then any
+        interrupt it caught delivered; an engine lost during it ends the arm."""
+        while (point := profile.next_point()) is not None:
+            reset = reset_prefix_cache(plan, self.api_key) if point.reset_cache else False
+            measured = self.steps.benchmark(
+                plan, point.workload, model_dir, self.client_key, point.repeat, self.settings.home_dir,
+                point.prompts, **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
             )  # fmt: skip
-            while (point := search.next_point()) is not None:
-                probe = workload.probe(point)
-                reset = spec.reset_prefix_cache and reset_prefix_cache(plan, self.api_key)
-                measured = self.steps.benchmark(
-                    plan, probe, model_dir, self.client_key, repeat, self.settings.home_dir, prompts,
-                    **({"launcher": self.launcher} if plan.launch.starts_engine else {}),
-                )  # fmt: skip
-                attained = slo_attainment_from_arrival(measured.result.records, workload.slo)
-                # the attainment's denominator: its binomial interval says whether the probe decides
-                counted = sum(not r.warmup for r in measured.result.records) or None
-                judged = search.judge(point, attained[0], attained[1], counted)
-                try:
-                    run_id = recorder.log_probe(
-                        search_run, probe, point, spec.over, measured, attained, reset, judged
-                    )
-                finally:
-                    if measured.interrupted is not None:
-                        deliver(measured.interrupted)
-                if measured.engine_lost:
-                    raise EngineLostError(self._lost(workload.name, measured.engine_lost))
-                made = search.add(point, attained[0], attained[1], run_id, counted)
-                interval = (
-                    f" [{made.ci_low_pct:.1f}, {made.ci_high_pct:.1f}]"
-                    if made.ci_low_pct is not None and made.ci_high_pct is not None
-                    else ""
-                )
-                verdict = ("pass" if made.passed else "fail") + (", undecided" if made.undecided else "")
-                self.say(
-                    f"capacity {workload.name}#{repeat + 1}: {point:.4g} {unit} -> "
-                    f"{attained[0]:.1f}%{interval} within the SLO ({verdict})"
-                )
-            result = search.result()
-            recorder.log_capacity(search_run, workload, result)
-            self.say(f"capacity {workload.name}#{repeat + 1}: {result.describe(unit)}")
-            results.append(result)
-        # across this launch's searches, by the verdicts' rule (the report adds the other launches)
-        self.say(f"capacity {workload.name}: {summarize_searches(results).describe(unit)}")
+            try:
+                profile.completed(point, measured, reset)
+            finally:
+                if measured.interrupted is not None:
+                    deliver(measured.interrupted)  # recorded: now the interrupt goes on
+            if measured.engine_lost:
+                raise EngineLostError(self._lost(point.label or point.workload.name, measured.engine_lost))
+
+    def _finished(self, name: str) -> None:
+        """A workload run's figures are final: the arm's outcome lists them."""
+        assert self.outcome is not None
+        assert self.recorder is not None
+        self.outcome.workloads.append(
+            {"arm": self.arm, "workload": name, **self.recorder.workload_metrics(name)}
+        )
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

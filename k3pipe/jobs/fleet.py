@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from k3pipe.core.errors import K3pipeError
-from k3pipe.core.layout import HEARTBEAT_PREFIX
+from k3pipe.core.layout import HEARTBEAT_PREFIX, PROMPTS_INDEX_FILE
 from k3pipe.core.secrets import scrub
 from k3pipe.jobs.arm_run import ArmOutcome
 from k3pipe.prompts.corpora import PromptSet
@@ -39,8 +39,6 @@ from k3pipe.records.tracking import Tracker
 from k3pipe.schema.specs import ExperimentSpec
 
 __all__ = [
-    "HEARTBEAT_PREFIX",
-    "PROMPTS_INDEX",
     "Heartbeat",
     "PoolState",
     "PoolUnavailable",
@@ -58,8 +56,6 @@ __all__ = [
     "read_study_prompts",
 ]
 
-PROMPTS_INDEX = "prompts/index.json"
-"""On a fleet study's run: every workload repeat's prompts artifact and its sha256."""
 
 log = logging.getLogger("k3pipe.jobs.fleet")
 
@@ -334,7 +330,7 @@ class PromptsMismatch(K3pipeError):
 
 def log_study_prompts(tracker: Tracker, study_run_id: str, prompts: Mapping[str, list[PromptSet]]) -> None:
     """Every workload repeat's prompts on the study's run, once, with their digests
-    (:data:`PROMPTS_INDEX`): each node's launch sends these, verified (:func:`read_study_prompts`)."""
+    (:data:`PROMPTS_INDEX_FILE`): each node's launch sends these, verified (:func:`read_study_prompts`)."""
     index = []
     for workload, sets in prompts.items():
         for repeat, prompt_set in enumerate(sets):
@@ -348,7 +344,7 @@ def log_study_prompts(tracker: Tracker, study_run_id: str, prompts: Mapping[str,
                     "sha256": prompts_digest(prompt_set),
                 }
             )
-    tracker.log_dict(study_run_id, index, PROMPTS_INDEX)
+    tracker.log_dict(study_run_id, index, PROMPTS_INDEX_FILE)
 
 
 def read_study_prompts(
@@ -356,10 +352,10 @@ def read_study_prompts(
 ) -> dict[str, list[PromptSet]]:
     """The prompts the study drew (:func:`log_study_prompts`), each verified against its recorded
     sha256; :class:`PromptsMismatch` names a repeat that is missing or differs."""
-    raw = tracker.read_artifact(study_run_id, PROMPTS_INDEX)
+    raw = tracker.read_artifact(study_run_id, PROMPTS_INDEX_FILE)
     if raw is None:
         raise PromptsMismatch(
-            f"study run {study_run_id} has no {PROMPTS_INDEX}: its prompts were not recorded for the "
+            f"study run {study_run_id} has no {PROMPTS_INDEX_FILE}: its prompts were not recorded for the "
             "nodes (a study started without fleet, or by an older k3pipe); start the study again"
         )
     recorded = {(e["workload"], int(e["repeat"])): e for e in json.loads(raw)}

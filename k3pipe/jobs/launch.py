@@ -19,7 +19,7 @@ from k3pipe.jobs.steps import Job
 from k3pipe.schema.schedule import models_of
 from k3pipe.schema.specs import ExperimentSpec
 
-__all__ = ["NODE_TAG", "POOL_TAG", "LaunchRequest", "run_launch"]
+__all__ = ["LaunchRequest", "run_launch"]
 
 
 @dataclass(frozen=True)

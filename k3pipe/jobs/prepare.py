@@ -13,17 +13,69 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from k3pipe.core.errors import BenchmarkError, PreflightError
+from k3pipe.core.layout import MLFLOW_RUN_LABEL
 from k3pipe.engines.base import Finding
 from k3pipe.prompts.corpora import PromptSet
-from k3pipe.records.recorder import record_preflight_stop
+from k3pipe.records.recorder import close_abandoned, record_preflight_stop
 from k3pipe.records.tracking import Tracker
-from k3pipe.schema.specs import ExperimentSpec
+from k3pipe.schema.specs import ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.sources import ModelRecord
 
-__all__ = ["PrepareSteps", "Prepared", "check_spec", "prepare", "stop_on_errors"]
+__all__ = ["PrepareSteps", "Prepared", "check_spec", "closer", "prepare", "reap_leftovers", "stop_on_errors"]
+
+ABANDONED = "its k3pipe process was killed before its teardown; a later run ended its engine"
+
+
+def closer(tracker: Tracker) -> Callable[[Mapping[str, str]], None]:
+    """What ends the MLflow records of a run whose process was killed (its engine's labels name them)."""
+
+    def close(labels: Mapping[str, str]) -> None:
+        run_id = labels.get(MLFLOW_RUN_LABEL)
+        if run_id:
+            close_abandoned(tracker, run_id, ABANDONED)
+
+    return close
+
+
+def reap_leftovers(
+    home: Path,
+    containers: bool,
+    *,
+    is_running: Callable[[str], bool] = lambda flow_run: True,
+    close: Callable[[Mapping[str, str]], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[str]:
+    """End what earlier runs killed before their teardown left behind, the same on every path (the
+    library's and a flow's): the engine process groups recorded in ``home`` whose k3pipe process is
+    gone (``close`` then gets each one's labels, to end its records), and (``containers``) k3pipe's
+    containers whose run provably ended: their k3pipe process gone, or, with no such label,
+    ``is_running`` saying their flow run is over (without Prefect nothing says so: such a container is
+    left alone). Returns what it ended, in words."""
+    from k3pipe.core.procs import GroupRegistry
+
+    reaped = GroupRegistry(home).reap_orphans(progress=progress)
+    for record in reaped:
+        if close is not None and record.labels:
+            close(record.labels)
+    ended = [f"process group {r.pgid}" for r in reaped]
+    if containers:
+        from k3pipe.launchers.docker import connect, reap_orphans
+
+        removed = reap_orphans(connect(), is_running, progress=progress)
+        if removed and progress:
+            progress(f"removed {len(removed)} orphan container(s) of earlier runs")
+        ended += [f"container {c[:12]}" for c in removed]
+    return ended
+
+
+class PreflightStep(Protocol):
+    """``preflight(spec, stage, model_dir)``: the findings at ``stage`` ('spec': the file alone;
+    'model': with the model's config.json and this machine's ports and GPUs)."""
+
+    def __call__(self, spec: ExperimentSpec, stage: str, model_dir: str | None = ..., /) -> list[Finding]: ...
 
 
 @dataclass(frozen=True)
@@ -32,15 +84,17 @@ class PrepareSteps:
     (the caller binds how it tells a live run and closes a dead one's records), ``fetch_model(name,
     model_spec, home)`` and ``prompts(spec, model_dir, home)``."""
 
-    preflight: Callable[..., list[Finding]]
+    preflight: PreflightStep
     reap_orphans: Callable[[bool], Any]
-    fetch_model: Callable[[str, Any, Path], ModelRecord]
+    fetch_model: Callable[[str, ModelScopeModel | LocalModel, Path], ModelRecord]
     prompts: Callable[[ExperimentSpec, Path, Path], dict[str, list[PromptSet]]]
 
     @classmethod
-    def library(cls, home: Path) -> PrepareSteps:
-        """The library's own steps (no Prefect): orphans of this home reaped without closing records."""
-        from k3pipe.core.procs import GroupRegistry
+    def library(
+        cls, home: Path, tracker: Tracker | None = None, say: Callable[[str], None] | None = None
+    ) -> PrepareSteps:
+        """The library's own steps (no Prefect): leftovers of killed runs reaped as a flow reaps them
+        (:func:`reap_leftovers`; their records closed where a ``tracker`` is given)."""
         from k3pipe.experiment.preflight import preflight
         from k3pipe.machine.node import gpus_here
         from k3pipe.prompts.draw import prepare_prompts
@@ -54,7 +108,9 @@ class PrepareSteps:
                 this_machine=stage == "model",
                 gpus=gpus_here() if stage == "model" else None,
             ),
-            reap_orphans=lambda containers: GroupRegistry(home).reap_orphans(),
+            reap_orphans=lambda containers: reap_leftovers(
+                home, containers, close=closer(tracker) if tracker is not None else None, progress=say
+            ),
             fetch_model=lambda name, model, where: fetch_model(model, where),
             prompts=lambda spec, model_dir, where: prepare_prompts(spec.workloads, model_dir, where),
         )

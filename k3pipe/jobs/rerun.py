@@ -20,7 +20,7 @@ from typing import Any
 
 from k3pipe.bench.repeats import Comparison, compare, judged
 from k3pipe.core.errors import K3pipeError, RerunError
-from k3pipe.core.layout import RERUN_TAG, WORKLOAD_TAG
+from k3pipe.core.layout import RECORD_FILE, RunTags
 from k3pipe.core.secrets import REDACTED
 from k3pipe.experiment.load import parse_experiment
 from k3pipe.prompts.corpora import PromptSet
@@ -31,14 +31,14 @@ from k3pipe.records.compare import (
     request_values,
     workload_priors,
 )
-from k3pipe.records.runrecord import RECORD_FILE, RunRecord, prompts_digest
+from k3pipe.records.runrecord import RunRecord, prompts_digest
 from k3pipe.records.tracking import Tracker
 from k3pipe.report.collect import StudyData
 from k3pipe.schema.specs import ExperimentSpec, LocalModel, ModelScopeModel
 from k3pipe.sources import ModelRecord, changed_files, fetch_model, hub_files, recorded_dir, verify_dir
 from k3pipe.verdicts.stats import Design, estimate, with_prior
 
-__all__ = ["RERUN_TAG", "RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict", "verdict_rows"]
+__all__ = ["RerunInputs", "WorkloadVerdict", "read_record", "restore", "verdict", "verdict_rows"]
 
 Progress = Callable[[str], None]
 
@@ -59,7 +59,7 @@ def arm_run(tracker: Tracker, run_ref: str) -> Any:
     """The arm's MLflow run for ``run_ref``: an arm run, or a workload or repeat run under one."""
     run = find_run(tracker, run_ref)
     for _ in range(2):  # repeat -> workload -> arm
-        if not (run.data.tags.get(WORKLOAD_TAG) and run.data.tags.get("mlflow.parentRunId")):
+        if not (RunTags.of(run).workload and run.data.tags.get("mlflow.parentRunId")):
             break
         run = tracker.client.get_run(run.data.tags["mlflow.parentRunId"])
     return run
@@ -301,8 +301,8 @@ class WorkloadVerdict:
 
 def verdict(tracker: Tracker, original_arm: str, rerun_arm: str) -> list[WorkloadVerdict]:
     """Each workload of the rerun against the original's: ``k3pipe compare``'s test, per metric."""
-    a = {c.data.tags.get(WORKLOAD_TAG): c for c in tracker.children(original_arm)}
-    b = {c.data.tags.get(WORKLOAD_TAG): c for c in tracker.children(rerun_arm)}
+    a = {RunTags.of(c).workload: c for c in tracker.children(original_arm)}
+    b = {RunTags.of(c).workload: c for c in tracker.children(rerun_arm)}
     out = []
     for name in sorted(k for k in a if k and k in b):
         rows = compare_workloads(tracker, a[name], b[name], DEFAULT_METRICS)

@@ -36,29 +36,28 @@ from typing import Any
 from k3pipe.core.errors import K3pipeError
 from k3pipe.core.layout import (
     ARM_TAG,
+    EXPERIMENT_FILE,
     EXPERIMENT_TAG,
-    KEPT_TAG,
     KIND_TAG,
     LADDER_POINT_TAG,
     LADDER_PREFIX,
-    LADDER_TAG,
     LAUNCH_TAG,
+    PRIME_TAG,
+    RECORD_FILE,
     RESUMED_TAG,
-    WORKLOAD_TAG,
+    STUDY_KIND,
+    SUPERSEDED_TAG,
+    RunTags,
 )
 from k3pipe.core.secrets import REDACTED, redact_data
 from k3pipe.experiment.load import parse_experiment
 from k3pipe.prompts.corpora import PromptSet
 from k3pipe.records.compare import find_run
-from k3pipe.records.runrecord import RECORD_FILE, KeptWorkloads, RunRecord, prompts_artifact, prompts_digest
+from k3pipe.records.runrecord import KeptWorkloads, RunRecord, prompts_artifact, prompts_digest
 from k3pipe.records.tracking import Tracker
-from k3pipe.report.collect import PRIME_TAG, STUDY_KIND, SUPERSEDED_TAG
 from k3pipe.schema.specs import ExperimentSpec
 
 __all__ = [
-    "KEPT_TAG",
-    "RESUMED_TAG",
-    "SUPERSEDED_TAG",
     "KeptWorkloads",
     "ResumeError",
     "ResumePoint",
@@ -159,7 +158,7 @@ def read_study(tracker: Tracker, run_ref: str, what: str = "resumed") -> tuple[A
             "study run id `k3pipe study` printed (`k3pipe runs` lists them)"
         )
     name = tags.get(EXPERIMENT_TAG, run.info.run_name)
-    raw = tracker.read_artifact(run_id, "experiment.json")
+    raw = tracker.read_artifact(run_id, EXPERIMENT_FILE)
     if raw is None:
         raise ResumeError(f"study {name} (run {run_id}) has no experiment.json: it cannot be {what}")
     import json
@@ -201,7 +200,7 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
         resumes=int(tags.get(RESUMED_TAG, "0")),
     )
     for arm_run in sorted(tracker.children(run_id), key=lambda r: r.info.start_time):
-        if not arm_run.data.tags.get(ARM_TAG) or arm_run.data.tags.get(SUPERSEDED_TAG):
+        if not RunTags.of(arm_run).arm or RunTags.of(arm_run).superseded:
             continue
         key = _launch(arm_run)
         if arm_run.info.status == "FINISHED":
@@ -227,9 +226,9 @@ def _finished_workloads(tracker: Tracker, arm_run: Any, spec: ExperimentSpec) ->
     clean: dict[str, Any] = {}
     rungs: dict[str, list[Any]] = {}
     for run in tracker.children(arm_run.info.run_id):
-        name = run.data.tags.get(WORKLOAD_TAG)
+        name = RunTags.of(run).workload
         ok = run.info.status == "FINISHED" and not run.data.metrics.get("failed")
-        ladder = run.data.tags.get(LADDER_TAG)
+        ladder = RunTags.of(run).ladder
         if ladder:
             rungs.setdefault(ladder, []).append(run if ok else None)
         elif name and ok:

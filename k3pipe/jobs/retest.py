@@ -13,12 +13,13 @@ from typing import Any
 
 from k3pipe.core.errors import PartlyFailedError
 from k3pipe.core.layout import (
+    EXPERIMENT_FILE,
     FAILED_PREFIX,
     FAILED_VARIANTS_TAG,
-    KIND_TAG,
     RERUN_TAG,
     RETEST_RUN_TAG,
     VARIANT_TAG,
+    RunTags,
 )
 from k3pipe.core.secrets import scrub
 from k3pipe.experiment.params import RunRequest
@@ -156,17 +157,17 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
     against the baseline again. A study that cannot be rerun is recorded and the others still are; then
     :class:`VariantsFailed` after the report."""
     from k3pipe.core.errors import RerunError
+    from k3pipe.core.layout import RETEST_KIND
     from k3pipe.experiment.load import parse_experiment
     from k3pipe.jobs.study import rerun as rerun_study
     from k3pipe.records.compare import find_run
-    from k3pipe.report.retest_verdicts import RETEST_KIND
 
     tracker = job.tracker
     original = find_run(tracker, run_ref)
     orig_id = original.info.run_id
-    if original.data.tags.get(KIND_TAG) != RETEST_KIND:
+    if RunTags.of(original).kind != RETEST_KIND:
         raise RerunError(f"run {orig_id} is not a retest's run (tag k3pipe.kind): give a retest's run id")
-    recorded = tracker.read_artifact(orig_id, "experiment.json")
+    recorded = tracker.read_artifact(orig_id, EXPERIMENT_FILE)
     if recorded is None:
         raise RerunError(f"retest run {orig_id} has no experiment.json: it cannot be rerun from its record")
     spec = parse_experiment(json.loads(recorded), f"experiment.json of retest run {orig_id}")
@@ -175,9 +176,7 @@ def rerun_retest(run_ref: str, job: Job, allow_drift: bool = False) -> RetestRes
     targets = retest_targets(spec, names)
     overrides = {k: v for k, v in params.items() if k.startswith("override.")}
     children = {
-        c.data.tags.get(VARIANT_TAG): c.info.run_id
-        for c in tracker.children(orig_id)
-        if c.data.tags.get(VARIANT_TAG)
+        RunTags.of(c).variant: c.info.run_id for c in tracker.children(orig_id) if RunTags.of(c).variant
     }
     tags = {**job.tags, RERUN_TAG: orig_id}
     run_id = start_retest(tracker, spec, params.get("experiment_file", ""), targets, tags, overrides)

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3pipe.core.errors import SpecError
-from k3pipe.core.layout import EXPERIMENT_TAG, KIND_TAG
+from k3pipe.core.layout import EXPERIMENT_FILE, EXPERIMENT_TAG, KIND_TAG, RETEST_KIND, VARIANTS_FILE
 from k3pipe.core.secrets import redact_data
 from k3pipe.experiment.variants import changes, resolve
 from k3pipe.records.tracking import Tracker
-from k3pipe.report.retest_verdicts import BASELINE, RETEST_KIND, VARIANTS_FILE
+from k3pipe.report.retest_verdicts import BASELINE
 from k3pipe.schema.specs import ExperimentSpec
 
 __all__ = ["RetestTarget", "describe_retest", "retest_targets", "start_retest", "workloads_key"]
@@ -109,7 +109,7 @@ def start_retest(
             **(params or {}),
         },
     )
-    tracker.log_dict(run_id, redact_data(spec.model_dump(mode="json")), "experiment.json")
+    tracker.log_dict(run_id, redact_data(spec.model_dump(mode="json")), EXPERIMENT_FILE)
     tracker.log_dict(
         run_id, {t.label: {"description": t.description, "changes": list(t.changes)} for t in variants},
         VARIANTS_FILE,

@@ -10,7 +10,7 @@ uses ``Job.library()``. The bodies (:mod:`k3pipe.jobs.benchmark`, :mod:`k3pipe.j
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,9 @@ class JobSteps:
     load_experiment: Callable[[RunRequest], ExperimentSpec]
     prepare: PrepareSteps
     arm: ArmSteps
-    judge_speculation: Callable[..., SpeculationReport]
+    judge_speculation: Callable[
+        [ExperimentSpec, list[dict[str, Any]], Mapping[str, float] | None], SpeculationReport
+    ]
     """``(spec, rows, log_accept_length)``: each speculative arm against its plain baseline."""
     restore_run: Callable[[Tracker, str, Path, bool], RerunInputs]
     rerun_verdict: Callable[[Tracker, str, str], list[dict[str, Any]]]
@@ -56,7 +58,9 @@ class JobSteps:
     retest_report: Callable[[Tracker, str, Path], dict[str, str]]
 
     @classmethod
-    def library(cls, home: Path, say: Callable[[str], None] | None = None) -> JobSteps:
+    def library(
+        cls, home: Path, say: Callable[[str], None] | None = None, tracker: Tracker | None = None
+    ) -> JobSteps:
         """The library's functions themselves (no Prefect), their progress to ``say``."""
         from k3pipe.experiment.speculation import judge_speculation as judge
         from k3pipe.jobs.rerun import restore, verdict_rows
@@ -75,9 +79,9 @@ class JobSteps:
 
         return cls(
             load_experiment=lambda request: request.load(),
-            prepare=PrepareSteps.library(home),
+            prepare=PrepareSteps.library(home, tracker, out),
             arm=ArmSteps.library(out),
-            judge_speculation=lambda spec, rows, lengths=None: judge(spec, rows, log_accept_length=lengths),
+            judge_speculation=lambda spec, rows, lengths: judge(spec, rows, log_accept_length=lengths),
             restore_run=lambda tracker, run_id, where, drift: restore(
                 tracker, run_id, where, drift, progress=out
             ),
@@ -120,7 +124,7 @@ class Job:
         tracker = tracker or Tracker(
             settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root()
         )
-        return cls(settings, tracker, JobSteps.library(settings.home_dir))
+        return cls(settings, tracker, JobSteps.library(settings.home_dir, tracker=tracker))
 
     @property
     def home(self) -> Path:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3pipe.core.errors import PartlyFailedError, RerunError, SpecError, first_line
-from k3pipe.core.layout import DRIFT_TAG, RERUN_TAG, RERUN_VERDICT_TAG, RESUME_TAG
+from k3pipe.core.layout import DRIFT_TAG, RERUN_TAG, RERUN_VERDICT_TAG, RERUN_VERDICTS_FILE, RESUME_TAG
 from k3pipe.core.secrets import scrub
 from k3pipe.experiment.params import INLINE_SOURCE, RunRequest
 from k3pipe.experiment.speculation import speculation_setting
@@ -187,9 +187,6 @@ def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None
         return _finish(study, job)
 
 
-RERUN_VERDICTS = "rerun_verdicts.json"
-
-
 def rerun(
     run_ref: str,
     job: Job,
@@ -274,7 +271,7 @@ def _rerun_verdicts(job: Job, original: str, result: StudyResult) -> list[dict[s
         }
         out.append(row)
         job.say("rerun of study: %s / %s (launches %s): %s", v.arm, v.workload, v.launches, v.summary)
-    job.tracker.log_dict(result.study_run_id, out, RERUN_VERDICTS)
+    job.tracker.log_dict(result.study_run_id, out, RERUN_VERDICTS_FILE)
     summary = "; ".join(f"{v['arm']}/{v['workload']}: {v['verdict']}" for v in out)
     job.tracker.set_tags(result.study_run_id, {RERUN_VERDICT_TAG: scrub(summary)[:4000] or "none"})
     return out

@@ -37,11 +37,14 @@ from k3pipe.core.layout import (
     DECISION_LOOK_TAG,
     DECISION_LOOKS_TAG,
     DECISION_STOPPED_TAG,
+    EXPERIMENT_FILE,
     EXPERIMENT_TAG,
     FAILED_ARMS_TAG,
     KIND_TAG,
     LAUNCH_TAG,
     LAUNCHES_TAG,
+    PRIME_TAG,
+    STUDY_KIND,
 )
 from k3pipe.core.secrets import redact_data, scrub
 from k3pipe.core.settings import Settings
@@ -54,7 +57,6 @@ from k3pipe.prompts.corpora import PromptSet
 from k3pipe.records.recorder import record_failed_arm
 from k3pipe.records.runrecord import KeptWorkloads
 from k3pipe.records.tracking import Tracker
-from k3pipe.report.collect import PRIME_TAG, STUDY_KIND
 from k3pipe.schema.schedule import interleaved_order, launch_order, models_of, prime_order, study_arm_names
 from k3pipe.schema.specs import ArmSpec, ExperimentSpec, FleetSpec, LocalModel, ModelScopeModel
 from k3pipe.sources import ModelRecord, fetch_model
@@ -157,7 +159,7 @@ def start_study(
             **(params or {}),
         },
     )
-    tracker.log_dict(run_id, redact_data(spec.model_dump(mode="json")), "experiment.json")
+    tracker.log_dict(run_id, redact_data(spec.model_dump(mode="json")), EXPERIMENT_FILE)
     return run_id
 
 

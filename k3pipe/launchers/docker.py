@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FLOW_RUN_LABEL",
-    "MANAGED_LABEL",
-    "OWNER_LABEL",
     "DockerLauncher",
     "connect",
     "reap_orphans",

@@ -15,14 +15,13 @@ from typing import Any
 
 from k3pipe.bench.repeats import Comparison, compare
 from k3pipe.core.errors import ArtifactMissingError, TrackingError
-from k3pipe.core.layout import ARM_TAG, REPEAT_TAG, WORKLOAD_TAG
+from k3pipe.core.layout import ARM_TAG, REPEAT_TAG, REPEATS_FILE, REQUESTS_FILE, WORKLOAD_TAG, RunTags
 from k3pipe.records.priors import find_priors, run_class
 from k3pipe.records.tracking import Tracker
 from k3pipe.verdicts.stats import Design, RestartPrior
 
 __all__ = [
     "DEFAULT_METRICS",
-    "REPEATS_FILE",
     "REQUEST_METRICS",
     "compare_workloads",
     "find_run",
@@ -43,8 +42,6 @@ DEFAULT_METRICS = (
     "goodput_rps",
     "slo_attainment_pct",
 )
-REPEATS_FILE = "repeats.json"
-"""A workload run's values in each of its repeats (k3pipe.records.recorder writes it when repeats > 1)."""
 
 
 def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = None) -> Any:
@@ -54,14 +51,15 @@ def resolve_workload_run(tracker: Tracker, run_ref: str, workload: str | None = 
     run = find_run(tracker, run_ref)
     if run.data.tags.get(REPEAT_TAG):  # a single repeat: compare its workload instead
         run = tracker.client.get_run(run.data.tags["mlflow.parentRunId"])
-    if run.data.tags.get(WORKLOAD_TAG):
+    if RunTags.of(run).workload:
         if workload and run.data.tags[WORKLOAD_TAG] != workload:
             raise TrackingError(
                 f"run {run_ref} is workload {run.data.tags[WORKLOAD_TAG]!r}, not {workload!r}"
             )
         return run
-    children = {c.data.tags.get(WORKLOAD_TAG): c for c in tracker.children(run.info.run_id)}
-    children.pop(None, None)
+    children = {
+        name: c for c in tracker.children(run.info.run_id) if (name := RunTags.of(c).workload) is not None
+    }
     if not workload:
         if len(children) == 1:
             return next(iter(children.values()))
@@ -128,7 +126,7 @@ def request_values(
 
     import pandas as pd
 
-    data = tracker.read_artifact(run.info.run_id, "requests.parquet")
+    data = tracker.read_artifact(run.info.run_id, REQUESTS_FILE)
     if data is None:
         return {}
     frame = pd.read_parquet(io.BytesIO(data))
@@ -160,7 +158,7 @@ def workload_priors(
     for run in runs:
         parent_id = run.data.tags.get("mlflow.parentRunId")
         arm = tracker.client.get_run(parent_id) if parent_id else None
-        classes.append(run_class(arm, run) if arm is not None and arm.data.tags.get(ARM_TAG) else None)
+        classes.append(run_class(arm, run) if arm is not None and RunTags.of(arm).arm else None)
     wanted: dict[str, set[str]] = {}
     for klass in classes:
         if klass is not None:

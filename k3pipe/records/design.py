@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from k3pipe.core.figures import DEFAULT_DECISION, figure
-from k3pipe.core.layout import ENGINE_TAG, PRIME_TAG
+from k3pipe.core.layout import NOISE_TAG, RunTags
 from k3pipe.engines import get_engine
-from k3pipe.records.priors import MIN_PRIOR_DF, NOISE_TAG, NoiseEntry, entries_of, model_identity
+from k3pipe.records.priors import MIN_PRIOR_DF, NoiseEntry, entries_of, model_identity
 from k3pipe.schema.schedule import launch_order, prime_order, study_arm_names
 from k3pipe.schema.specs import ExperimentSpec, LocalModel
 from k3pipe.sources import model_dir
@@ -72,9 +72,9 @@ def load_history(tracker: Tracker, spec: ExperimentSpec, node: str, home: Path) 
     for run in runs:
         params, metrics = run.data.params, run.data.metrics
         here = params.get("node.host") == host if host else _gpus(params) == node
-        if not here or run.data.tags.get(PRIME_TAG):
+        if not here or RunTags.of(run).prime:
             continue
-        engine, model = run.data.tags.get(ENGINE_TAG, ""), model_identity(params) or ""
+        engine, model = (RunTags.of(run).engine or ""), model_identity(params) or ""
         cold = metrics.get("cold_start_s")
         if cold is not None:
             history.cold_starts.setdefault((engine, model), []).append(float(cold))

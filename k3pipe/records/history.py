@@ -17,12 +17,12 @@ from k3pipe.core.layout import (
     ARM_TAG,
     ENGINE_TAG,
     EXPERIMENT_TAG,
-    KIND_TAG,
     REPEAT_TAG,
     RERUN_TAG,
     RETEST_KIND,
     STUDY_KIND,
     VARIANT_TAG,
+    RunTags,
 )
 from k3pipe.records.tracking import KEY_METRICS, Tracker
 
@@ -163,7 +163,7 @@ def recent_runs(
     )
 
     def wanted(run: Any) -> bool:
-        if engine and run.data.tags.get(ENGINE_TAG) != engine:
+        if engine and RunTags.of(run).engine != engine:
             return False
         return not (model and model not in (run.data.params.get("model_id"), run.data.params.get("model.id")))
 
@@ -191,7 +191,7 @@ def recent_runs(
         seen += 1
         if seen > limit:
             break
-        kind = run.data.tags.get(KIND_TAG)
+        kind = RunTags.of(run).kind
         if kind == RETEST_KIND:
             studies = sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time)
             found = [row for st in studies if of_variant(st) for row in study_rows(st, indent="  ")]

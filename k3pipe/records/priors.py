@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from k3pipe.core.layout import ENGINE_TAG, NOISE_TAG
+from k3pipe.core.layout import ENGINE_TAG, NOISE_FILE, NOISE_TAG
 
 if TYPE_CHECKING:
     from k3pipe.records.tracking import Tracker
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_PRIOR_DAYS",
     "MIN_PRIOR_DF",
-    "NOISE_FILE",
-    "NOISE_TAG",
     "NoiseEntry",
     "cell_class",
     "entries_of",
@@ -60,8 +58,6 @@ __all__ = [
     "workload_shape",
 ]
 
-NOISE_FILE = "noise.json"
-"""On a study's run: the restart noise its cells measured (a list of :class:`NoiseEntry`)."""
 DEFAULT_PRIOR_DAYS = 30.0
 """How old an earlier study's noise may be to stand in for a launch not made."""
 MIN_PRIOR_DF = 5

@@ -21,30 +21,44 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 
 from k3pipe.bench import WorkloadResult, records_frame
-from k3pipe.bench.accuracy import ACCURACY_FILE, AccuracyRecord
+from k3pipe.bench.accuracy import AccuracyRecord
 from k3pipe.bench.health import EndpointCheck
-from k3pipe.bench.probe import ANSWERS_FILE, ProbeRecord
+from k3pipe.bench.probe import ProbeRecord
 from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
 from k3pipe.bench.session import WorkloadOutcome
-from k3pipe.bench.structured import STRUCTURED_FILE, StructuredRecord
+from k3pipe.bench.structured import StructuredRecord
 from k3pipe.bench.summary import timing_note
 from k3pipe.core.layout import (
     ABORTED_TAG,
+    ACCURACY_FILE,
     ANSWERS_ERROR_TAG,
+    ANSWERS_FILE,
     ARM_TAG,
     BURSTY_WORKLOADS_TAG,
     CAPACITY_BINDING_TAG,
     CAPACITY_CENSORED_TAG,
+    CAPACITY_FILE,
     CAPACITY_TAG,
+    CLIENT_LOAD_FILE,
     CLIENT_TIMING_NOTE_TAG,
     CLIENT_TIMING_TAG,
+    COLD_START_PHASES_FILE,
+    COLD_START_TABLE_FILE,
+    COMMAND_FILE,
+    COMPILE_CACHE_FILE,
+    DISCREPANCIES_FILE,
+    ENDPOINT_CHECK_FILE,
     ENERGY_GPUS_TAG,
     ENGINE_DEVICE_NAMES_TAG,
     ENGINE_FINDINGS_ERROR_TAG,
+    ENGINE_FINDINGS_FILE,
+    ENGINE_METRICS_FILE,
     ENGINE_TAG,
     ENGINE_WARNINGS_TAG,
     ERROR_TAG,
+    EXPERIMENT_FILE,
     EXPERIMENT_TAG,
+    GPU_MEMORY_FILE,
     GPUS_TAG,
     KEPT_TAG,
     KEPT_WORKLOADS_TAG,
@@ -55,21 +69,32 @@ from k3pipe.core.layout import (
     LAUNCH_TAG,
     LAUNCHER_TAG,
     LAUNCHES_TAG,
+    LOGS_DIR,
     LOSSLESS_TAG,
+    NODE_DIR,
     NODE_ERROR_TAG,
     NODE_MISMATCH_TAG,
-    POOL_TAG,
     PREFIX_CACHE_RESET_NOTE_TAG,
     PREFIX_CACHE_RESET_TAG,
+    PREFLIGHT_FILE,
     PREFLIGHT_TAG,
     PROBE_TAG,
+    RECORD_FILE,
     REPEAT_TAG,
     REPEATS_ERROR_TAG,
+    REPEATS_FILE,
+    REPEATS_FRAME_FILE,
+    REQUESTS_FILE,
     SPECULATION_BASELINE_TAG,
     SPECULATION_ERROR_TAG,
+    SPECULATION_FILE,
     SPECULATION_VERDICT_TAG,
+    STRUCTURED_FILE,
+    SUMMARY_FILE,
     TWIN_TAG,
     WORKLOAD_TAG,
+    RunTags,
+    provenance_path,
 )
 from k3pipe.core.provenance import git_commit
 from k3pipe.core.secrets import redact_data, scrub
@@ -85,7 +110,7 @@ from k3pipe.machine.node import NodeInfo, gpu_energy, gpu_memory_frame
 from k3pipe.planning.coldstart import ColdStart
 from k3pipe.planning.plan import ArmGpus, ArmPlan
 from k3pipe.prompts.corpora import PromptSet
-from k3pipe.records.runrecord import RECORD_FILE, PromptsRef, RunRecord, prompts_artifact, prompts_digest
+from k3pipe.records.runrecord import PromptsRef, RunRecord, prompts_artifact, prompts_digest
 from k3pipe.records.tracking import KEY_METRICS, Tracker
 from k3pipe.schema.specs import ExperimentSpec, WorkloadSpec
 from k3pipe.sources import ModelRecord
@@ -329,11 +354,11 @@ class ArmRecorder:
                     f"{name}.bytes": rec.total_bytes,
                 }
             )
-            self.tracker.log_dict(self.run_id, rec.model_dump(), f"provenance/{name}.json")
+            self.tracker.log_dict(self.run_id, rec.model_dump(), provenance_path(name))
         self.tracker.log_params(self.run_id, {k: v for k, v in params.items() if v is not None})
         # a secret written in the experiment is '***' in its records ({env.NAME} references stay)
         recorded = redact_data(exp.model_dump(mode="json"))
-        self.tracker.log_dict(self.run_id, recorded, "experiment.json")
+        self.tracker.log_dict(self.run_id, recorded, EXPERIMENT_FILE)
         self.record = RunRecord(
             experiment_name=exp.name,
             experiment_file=experiment_file,
@@ -361,13 +386,13 @@ class ArmRecorder:
                     "",
                 ]
             ),
-            "command.txt",
+            COMMAND_FILE,
         )
 
     def log_preflight(self, findings: list[Finding]) -> None:
         """The findings that concern this arm (and the experiment-wide ones)."""
         mine = [f for f in findings if f.arm in (None, self.plan.arm)]
-        self.tracker.log_dict(self.run_id, [f.model_dump() for f in mine], "preflight.json")
+        self.tracker.log_dict(self.run_id, [f.model_dump() for f in mine], PREFLIGHT_FILE)
         counts = {s: sum(f.severity == s for f in mine) for s in ("error", "warning", "info")}
         self.tracker.log_metrics(self.run_id, {f"preflight_{s}s": n for s, n in counts.items()})
         rules = sorted({f.rule for f in mine if f.severity != "info"})
@@ -423,7 +448,7 @@ class ArmRecorder:
             if self.record is not None:
                 self.record = self.record.model_copy(update={"engine_version": version})
         if check is not None:
-            self.tracker.log_dict(self.run_id, check.model_dump(), "endpoint_check.json")
+            self.tracker.log_dict(self.run_id, check.model_dump(), ENDPOINT_CHECK_FILE)
             self.tracker.log_metrics(self.run_id, {"probe_first_delta_s": check.first_delta_s})
 
     def log_answers(self, record: ProbeRecord, lossless: str | None = None, twin: str | None = None) -> None:
@@ -662,7 +687,7 @@ class ArmRecorder:
             },
         )
         self._tag_probe_resets(search_run, workload)
-        self.tracker.log_dict(search_run, result.record(), "capacity.json")
+        self.tracker.log_dict(search_run, result.record(), CAPACITY_FILE)
         if workload.repeats == 1:
             self._single[workload.name] = metrics
             # a search that only bounded it (every probe passed, or none): its bound, named so
@@ -826,10 +851,10 @@ class ArmRecorder:
                 self.tracker.log_dataset(run_id, outcome.prompts)
             metrics = summary.metrics()
             self.tracker.log_metrics(run_id, metrics)
-            self.tracker.log_frame(run_id, records_frame(result), "requests.parquet")
+            self.tracker.log_frame(run_id, records_frame(result), REQUESTS_FILE)
             if outcome.scrapes:
                 self.tracker.log_frame(
-                    run_id, series_frame(outcome.scrapes, result.t_start), "engine_metrics.parquet"
+                    run_id, series_frame(outcome.scrapes, result.t_start), ENGINE_METRICS_FILE
                 )
             if not self._gpus_logged:
                 self.log_gpus(self.gpus, None)
@@ -840,13 +865,11 @@ class ArmRecorder:
             self.tracker.log_metrics(run_id, outcome.engine_metrics)
             self.tracker.log_metrics(run_id, {"client_engine_discrepancies": len(outcome.discrepancies)})
             if outcome.discrepancies:
-                self.tracker.log_dict(
-                    run_id, [asdict(d) for d in outcome.discrepancies], "discrepancies.json"
-                )
-            self.tracker.log_dict(run_id, summary.model_dump(mode="json"), "summary.json")
+                self.tracker.log_dict(run_id, [asdict(d) for d in outcome.discrepancies], DISCREPANCIES_FILE)
+            self.tracker.log_dict(run_id, summary.model_dump(mode="json"), SUMMARY_FILE)
             if result.client_load:
                 self.tracker.log_dict(
-                    run_id, [c.model_dump(mode="json") for c in result.client_load], "client_load.json"
+                    run_id, [c.model_dump(mode="json") for c in result.client_load], CLIENT_LOAD_FILE
                 )
             note = timing_note({**metrics, **outcome.engine_metrics})
             self.tracker.set_tags(
@@ -896,11 +919,11 @@ class ArmRecorder:
                     "repeats_aborted": len(aborted),
                 },
             )
-            self.tracker.log_dict(run_id, {k: v.model_dump() for k, v in stats.items()}, "repeats.json")
+            self.tracker.log_dict(run_id, {k: v.model_dump() for k, v in stats.items()}, REPEATS_FILE)
             if every:
                 frame = pd.DataFrame(every)
                 frame["aborted"] = [int(int(m.get("repeat", 0)) in aborted) for m in every]
-                self.tracker.log_frame(run_id, frame, "repeats.parquet")
+                self.tracker.log_frame(run_id, frame, REPEATS_FRAME_FILE)
             means = {k: v.mean for k, v in stats.items()}
             self.tracker.log_metrics(self.run_id, {f"{name}.{k}": means.get(k) for k in KEY_METRICS})
         finally:
@@ -919,7 +942,7 @@ class ArmRecorder:
             facts = get_engine(self.plan.engine).parse_log(fh)
         self.engine_log_facts = facts
         untuned = facts.untuned_kernels
-        self.tracker.log_dict(self.run_id, facts.model_dump(mode="json"), "engine_findings.json")
+        self.tracker.log_dict(self.run_id, facts.model_dump(mode="json"), ENGINE_FINDINGS_FILE)
         self.tracker.log_metrics(
             self.run_id,
             {
@@ -1036,9 +1059,9 @@ class ArmRecorder:
             self.run_id, {f"cold_start.{p.phase}_s": p.seconds for p in facts.cold_start_phases}
         )
         self.tracker.log_dict(
-            self.run_id, [p.model_dump() for p in facts.cold_start_phases], "cold_start_phases.json"
+            self.run_id, [p.model_dump() for p in facts.cold_start_phases], COLD_START_PHASES_FILE
         )
-        self.tracker.log_text(self.run_id, phase_table(facts.cold_start_phases), "cold_start_phases.txt")
+        self.tracker.log_text(self.run_id, phase_table(facts.cold_start_phases), COLD_START_TABLE_FILE)
 
     def log_cold_start(self, cold: ColdStart) -> None:
         """What the compile cache did for this launch: ``compile_cache.hit``, and on a hit the cold
@@ -1075,7 +1098,7 @@ class ArmRecorder:
         factors = planned.factors if planned is not None else None
         env = planned.env if planned is not None else None
         self.tracker.log_dict(
-            self.run_id, {**cache.model_dump(), "env": env, "factors": factors}, "compile_cache.json"
+            self.run_id, {**cache.model_dump(), "env": env, "factors": factors}, COMPILE_CACHE_FILE
         )
 
     def log_node(self, node: NodeInfo | None) -> None:
@@ -1090,10 +1113,10 @@ class ArmRecorder:
             self.tracker.log_metrics(self.run_id, {"node.hardware_mismatch": int(bool(wrong))})
             if wrong:
                 self.tracker.set_tags(self.run_id, {NODE_MISMATCH_TAG: " | ".join(wrong)[:4000]})
-        self.tracker.log_text(self.run_id, node.nvidia_smi, "node/nvidia-smi-before.txt")
+        self.tracker.log_text(self.run_id, node.nvidia_smi, f"{NODE_DIR}/nvidia-smi-before.txt")
         if node.topology is not None:
-            self.tracker.log_text(self.run_id, node.topology, "node/nvidia-smi-topo.txt")
-        self.tracker.log_dict(self.run_id, node.comm_env, "node/comm-env.json")
+            self.tracker.log_text(self.run_id, node.topology, f"{NODE_DIR}/nvidia-smi-topo.txt")
+        self.tracker.log_dict(self.run_id, node.comm_env, f"{NODE_DIR}/comm-env.json")
 
     def log_gpus(self, gpus: ArmGpus, node: NodeInfo | None) -> None:
         """The GPUs the arm's engine holds (``gpus``, placed on the node nvidia-smi listed, None
@@ -1118,7 +1141,7 @@ class ArmRecorder:
         if report is None:
             return
         try:
-            self.tracker.log_text(self.run_id, report, "node/nvidia-smi-after.txt")
+            self.tracker.log_text(self.run_id, report, f"{NODE_DIR}/nvidia-smi-after.txt")
         except Exception as exc:  # a bonus: never lose the run over it
             self.tracker.set_tags(self.run_id, {NODE_ERROR_TAG: repr(exc)[:500]})
 
@@ -1132,7 +1155,7 @@ class ArmRecorder:
             return {}
         result = outcome.result
         frame = gpu_memory_frame(outcome.gpu_memory, result.t_start)
-        self.tracker.log_frame(run_id, frame, "gpu_memory.parquet")
+        self.tracker.log_frame(run_id, frame, GPU_MEMORY_FILE)
         peak = max(s.memory_used_mib for s in outcome.gpu_memory)
         self.tracker.log_metrics(run_id, {"gpu_memory_used_mib_max": peak})
         energy = gpu_energy(outcome.gpu_memory, result.t_start, result.t_end, self.gpus_counted)
@@ -1150,7 +1173,7 @@ class ArmRecorder:
                 except Exception as exc:  # never lose the arm's own run over a workload's
                     self.tracker.set_tags(self.run_id, {REPEATS_ERROR_TAG: repr(exc)[:500]})
             if log_path is not None:
-                self.tracker.log_file(self.run_id, log_path, "logs")
+                self.tracker.log_file(self.run_id, log_path, LOGS_DIR)
                 try:
                     self.log_engine_findings(log_path)
                 except Exception as exc:  # findings are a bonus: never lose the run over them
@@ -1281,7 +1304,7 @@ def close_abandoned(tracker: Tracker, run_id: str, why: str, upward: bool = True
             tracker.set_tags(current, {ERROR_TAG: why})
             tracker.end_run(current, "KILLED")
             closed.append(current)
-        mine_above = upward and current == run_id and not run.data.tags.get(POOL_TAG)
+        mine_above = upward and current == run_id and not RunTags.of(run).pool
         parent = run.data.tags.get("mlflow.parentRunId") if mine_above else None
         while parent:  # a study or retest the same process ran
             try:
@@ -1312,7 +1335,7 @@ def record_preflight_stop(
     )
     mine = [f for f in findings if f.arm in (None, arm)]
     errors = [f for f in mine if f.severity == "error"]
-    tracker.log_dict(run_id, [f.model_dump() for f in mine], "preflight.json")
+    tracker.log_dict(run_id, [f.model_dump() for f in mine], PREFLIGHT_FILE)
     tracker.log_metrics(run_id, {"preflight_errors": len(errors)})
     if errors:
         why = "preflight: " + "; ".join(f.rule for f in errors)
@@ -1342,7 +1365,7 @@ def record_speculation(tracker: Tracker, run_ids: Mapping[str, str], report: Spe
                     "noise_margin": report.noise_margin,
                     **arm.model_dump(mode="json"),
                 },
-                "speculation.json",
+                SPECULATION_FILE,
             )
             metrics: dict[str, float | None] = {}
             for v in arm.workloads:

@@ -17,13 +17,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k3pipe.core.layout import prompts_path
 from k3pipe.prompts.corpora import PromptSet
 from k3pipe.sources import ModelRecord
 from k3pipe.sources.images import ImageRecord
 
-__all__ = ["RECORD_FILE", "KeptWorkloads", "PromptsRef", "RunRecord", "prompts_artifact", "prompts_digest"]
+__all__ = ["KeptWorkloads", "PromptsRef", "RunRecord", "prompts_artifact", "prompts_digest"]
 
-RECORD_FILE = "run_record.json"
 SCHEMA_VERSION = 1
 
 
@@ -42,7 +42,7 @@ class KeptWorkloads:
 
 def prompts_artifact(workload: str, repeat: int) -> str:
     """Where a repeat's prompts live in the arm's run (``repeat`` counts from 0)."""
-    return f"prompts/{workload}/r{repeat}.json"
+    return prompts_path(workload, repeat)
 
 
 def prompts_digest(prompts: PromptSet) -> str:

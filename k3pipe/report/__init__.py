@@ -17,16 +17,15 @@ from typing import Any
 
 import pandas as pd
 
+from k3pipe.core.layout import CLAIMS_FILE, REPORT_DIR
 from k3pipe.records.priors import NoiseEntry, launch_spread, record_noise, repeat_spread
 from k3pipe.records.tracking import Tracker
 from k3pipe.report.analysis import Analysis, analyse
-from k3pipe.report.collect import STUDY_KIND, CellData, StudyData, cell_class_of, collect, requests_frame
+from k3pipe.report.collect import CellData, StudyData, cell_class_of, collect, requests_frame
 from k3pipe.report.render import Document, Table, build_document, to_html, to_markdown
 from k3pipe.report.steady import steady_decode_tps
 
-__all__ = ["CLAIMS_FILE", "STUDY_KIND", "Report", "build_report", "publish", "report_dir", "retest_dir"]
-
-CLAIMS_FILE = "claims.json"
+__all__ = ["Report", "build_report", "publish", "report_dir", "retest_dir"]
 
 
 @dataclass
@@ -212,7 +211,7 @@ def publish(tracker: Tracker, report: Report, out_dir: Path) -> dict[str, Path]:
     restart noise it measured for later studies (k3pipe.records.priors)."""
     paths = report.write(out_dir)
     for path in [*paths.values(), *sorted((out_dir / "plots").glob("*.png"))]:
-        sub = "report/plots" if path.parent.name == "plots" else "report"
+        sub = f"{REPORT_DIR}/plots" if path.parent.name == "plots" else REPORT_DIR
         tracker.log_file(report.data.run_id, path, sub)
     tracker.describe(report.data.run_id, report.description())
     record_noise(tracker, report.data.run_id, noise_entries(report.data))

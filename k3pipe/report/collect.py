@@ -11,13 +11,13 @@ from typing import Any
 import pandas as pd
 from pydantic import BaseModel, Field
 
-from k3pipe.bench.accuracy import ACCURACY_FILE
-from k3pipe.bench.probe import ANSWERS_FILE
-from k3pipe.bench.structured import STRUCTURED_FILE
 from k3pipe.core.errors import ArtifactMissingError, TrackingError
 from k3pipe.core.layout import (
     ABORTED_TAG,
+    ACCURACY_FILE,
+    ANSWERS_FILE,
     ARM_TAG,
+    CAPACITY_FILE,
     CLIENT_TIMING_TAG,
     DECISION_ALPHA_TAG,
     DECISION_LOOK_TAG,
@@ -26,23 +26,24 @@ from k3pipe.core.layout import (
     ENGINE_TAG,
     ENGINE_WARNINGS_TAG,
     ERROR_TAG,
+    EXPERIMENT_FILE,
     EXPERIMENT_TAG,
     KEPT_WORKLOADS_TAG,
-    KIND_TAG,
     LADDER_POINT_TAG,
     LADDER_PREFIX,
-    LADDER_TAG,
     LAUNCH_TAG,
     LOSSLESS_TAG,
     NODE_MISMATCH_TAG,
     PREFIX_CACHE_RESET_TAG,
-    PRIME_TAG,
+    PREFLIGHT_FILE,
     REPEAT_TAG,
+    REPEATS_FRAME_FILE,
+    REQUESTS_FILE,
     RESUMED_TAG,
+    STRUCTURED_FILE,
     STUDY_KIND,
-    SUPERSEDED_TAG,
     TWIN_TAG,
-    WORKLOAD_TAG,
+    RunTags,
 )
 from k3pipe.machine.cost import counted_label
 from k3pipe.machine.node import hardware_label
@@ -61,9 +62,6 @@ from k3pipe.schema.specs import CALIBRATION_SUFFIX
 from k3pipe.verdicts.stats import RestartPrior
 
 __all__ = [
-    "ABORTED_TAG",
-    "PRIME_TAG",
-    "STUDY_KIND",
     "ArmData",
     "ArmGpusData",
     "CellData",
@@ -442,7 +440,7 @@ def _values(tracker: Tracker, run: Any) -> dict[str, list[float]]:
 def _arm(tracker: Tracker, run: Any) -> ArmData:
     tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
     hardware = hardware_label(params)
-    findings_text = tracker.read_artifact(run.info.run_id, "preflight.json")
+    findings_text = tracker.read_artifact(run.info.run_id, PREFLIGHT_FILE)
     warnings = [w.strip() for w in tags.get(ENGINE_WARNINGS_TAG, "").split(" | ") if w.strip()]
     return ArmData(
         hardware=hardware,
@@ -482,7 +480,7 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
     """The cells of one arm run: each workload nested under it, its repeats' values."""
     cells = []
     for wl in tracker.children(arm_run.info.run_id):
-        name = wl.data.tags.get(WORKLOAD_TAG)
+        name = RunTags.of(wl).workload
         if not name:
             continue
         repeats = [r for r in tracker.children(wl.info.run_id) if r.data.tags.get(REPEAT_TAG)]
@@ -513,7 +511,7 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 searches=_searches(tracker, kept or [wl]) if capacity is not None else [],
                 slo={k: float(v) for k, v in _json(params.get("workload.slo")).items() if v is not None},
                 attainment_pct=spec.get("attainment_pct"),
-                ladder=wl.data.tags.get(LADDER_TAG),
+                ladder=RunTags.of(wl).ladder,
                 ladder_point=_float(wl.data.tags, LADDER_POINT_TAG),
                 prefix_cache_reset=wl.data.tags.get(PREFIX_CACHE_RESET_TAG),
             )
@@ -530,16 +528,16 @@ def _part(
     out of every figure; a launch counts in a cell only when every planned repeat ran to its end."""
     planned = max(1, int(float(wl.data.params.get("workload.repeats", "1") or 1)))
     if not repeats:  # one repeat: the workload's run is the repeat
-        aborted = wl.data.tags.get(ABORTED_TAG)
+        aborted = RunTags.of(wl).aborted
         cut = [f"its one repeat ended early ({aborted}){_sent(wl)}"] if aborted else []
         whole = 0 if aborted or not values else 1
         part = LaunchPart(launch=arm.launch, status=arm.status, whole=whole, planned=planned, cut=cut)
         return part, ({} if aborted else values), []
-    kept = [r for r in repeats if not r.data.tags.get(ABORTED_TAG)]
+    kept = [r for r in repeats if not RunTags.of(r).aborted]
     cut = [
         f"repeat {r.data.tags[REPEAT_TAG]} ended early ({r.data.tags[ABORTED_TAG]}){_sent(r)}"
         for r in repeats
-        if r.data.tags.get(ABORTED_TAG)
+        if RunTags.of(r).aborted
     ]
     if len(kept) < len(repeats):
         values = _repeat_values(tracker, wl, kept)
@@ -563,7 +561,7 @@ def _repeat_values(tracker: Tracker, wl: Any, kept: list[Any]) -> dict[str, list
     repeats.parquet (one row per repeat, its number in ``repeat``) where it exists, else from the
     kept repeats' own runs."""
     numbers = [int(r.data.tags[REPEAT_TAG]) for r in kept]
-    raw = tracker.find_artifact(wl.info.run_id, "repeats.parquet")
+    raw = tracker.find_artifact(wl.info.run_id, REPEATS_FRAME_FILE)
     if raw is not None:
         frame = pd.read_parquet(io.BytesIO(raw))
         if "repeat" in frame.columns:
@@ -594,7 +592,7 @@ def _searches(tracker: Tracker, runs: list[Any]) -> list[dict[str, Any]]:
     that ended before writing it is left out."""
     out = []
     for run in runs:
-        raw = tracker.read_artifact(run.info.run_id, "capacity.json")
+        raw = tracker.read_artifact(run.info.run_id, CAPACITY_FILE)
         found = _json(raw.decode() if raw else None)
         if found:
             out.append(found)
@@ -616,10 +614,10 @@ def _capacity_label(params: dict[str, str]) -> str | None:
 def collect(tracker: Tracker, study_ref: str) -> StudyData:
     """The study ``study_ref`` (its run id, or a unique prefix) as recorded in MLflow."""
     run = find_run(tracker, study_ref)
-    if run.data.tags.get(KIND_TAG) != STUDY_KIND:
+    if RunTags.of(run).kind != STUDY_KIND:
         raise TrackingError(
             f"run {run.info.run_id} is not a study's run (tag k3pipe.kind is "
-            f"{run.data.tags.get(KIND_TAG)!r}); give the id `k3pipe study` printed, or find it with "
+            f"{RunTags.of(run).kind!r}); give the id `k3pipe study` printed, or find it with "
             "`k3pipe runs`"
         )
     arms: list[ArmData] = []
@@ -628,14 +626,14 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
     primed_cells: list[CellData] = []
     superseded = kept = 0
     for arm_run in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
-        if not arm_run.data.tags.get(ARM_TAG):
+        if not RunTags.of(arm_run).arm:
             continue
-        if arm_run.data.tags.get(SUPERSEDED_TAG):
+        if RunTags.of(arm_run).superseded:
             superseded += 1
             continue
         arm = _arm(tracker, arm_run)
         kept += len([w for w in arm_run.data.tags.get(KEPT_WORKLOADS_TAG, "").split(",") if w])
-        if arm_run.data.tags.get(PRIME_TAG):
+        if RunTags.of(arm_run).prime:
             primed.append(arm)
             primed_cells.extend(_cells(tracker, arm_run, arm))
             continue
@@ -717,7 +715,7 @@ def _look(tags: dict[str, str]) -> dict[str, Any]:
 
 def _experiment(tracker: Tracker, run_id: str) -> dict[str, Any]:
     """The experiment.json the study run holds (k3pipe.jobs.study_run logs it); {} when there is none."""
-    raw = tracker.read_artifact(run_id, "experiment.json")
+    raw = tracker.read_artifact(run_id, EXPERIMENT_FILE)
     try:
         data = json.loads(raw) if raw else {}
     except ValueError:
@@ -741,9 +739,9 @@ def requests_frame(tracker: Tracker, cell: CellData) -> pd.DataFrame | None:
     frames = []
     for run_id in cell.request_runs:
         try:
-            data = tracker.find_artifact(run_id, "requests.parquet")
+            data = tracker.find_artifact(run_id, REQUESTS_FILE)
             if data is None and CLIENT_TIMING_TAG in tracker.client.get_run(run_id).data.tags:
-                data = tracker.read_artifact(run_id, "requests.parquet", required=True)  # raises
+                data = tracker.read_artifact(run_id, REQUESTS_FILE, required=True)  # raises
         except ArtifactMissingError as exc:
             raise exc.context(f"the requests of workload {cell.workload} of arm {cell.arm}") from exc
         if data is not None:

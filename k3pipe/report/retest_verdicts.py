@@ -27,7 +27,16 @@ from typing import Any
 
 from k3pipe.core.errors import ArtifactMissingError, TrackingError
 from k3pipe.core.figures import DEFAULT_DECISION, figure
-from k3pipe.core.layout import EXPERIMENT_TAG, FAILED_PREFIX, KIND_TAG, RETEST_KIND, STUDY_KIND, VARIANT_TAG
+from k3pipe.core.layout import (
+    EXPERIMENT_TAG,
+    FAILED_PREFIX,
+    KIND_TAG,
+    REPORT_DIR,
+    RETEST_KIND,
+    STUDY_KIND,
+    VARIANTS_FILE,
+    RunTags,
+)
 from k3pipe.records.compare import find_run
 from k3pipe.records.tracking import Tracker
 from k3pipe.report.analysis import TABLE_METRICS, CellStat, Metric, design_of, is_bursty
@@ -37,8 +46,6 @@ from k3pipe.verdicts import stats
 
 __all__ = [
     "BASELINE",
-    "RETEST_KIND",
-    "VARIANTS_FILE",
     "RetestData",
     "RetestReport",
     "VariantVerdict",
@@ -51,7 +58,6 @@ __all__ = [
 
 BASELINE = "baseline"
 """The ``k3pipe.variant`` tag of the baseline's study in a retest."""
-VARIANTS_FILE = "variants.json"
 """On the retest's run: each variant's description and the changes it makes."""
 
 BETTER, WORSE, EQUIVALENT, INCONCLUSIVE = "better", "worse", "equivalent", "inconclusive"
@@ -309,8 +315,8 @@ def collect_retest(tracker: Tracker, ref: str) -> RetestData:
         )
     studies: dict[str, StudyData] = {}
     for child in sorted(tracker.children(run.info.run_id), key=lambda r: r.info.start_time):
-        label = child.data.tags.get(VARIANT_TAG)
-        if child.data.tags.get(KIND_TAG) == STUDY_KIND and label:
+        label = RunTags.of(child).variant
+        if RunTags.of(child).kind == STUDY_KIND and label:
             studies[label] = collect(tracker, child.info.run_id)
     # after the studies, whose errors name the workload; an artifact store that cannot be read raises
     # (ArtifactStoreError) rather than lose what each variant changes
@@ -421,7 +427,7 @@ def publish_retest(tracker: Tracker, report: RetestReport, out_dir: Path) -> dic
     run's description and one metric per variant and verdict (``verdict.<variant>.better`` ...)."""
     paths = report.write(out_dir)
     for path in paths.values():
-        tracker.log_file(report.data.run_id, path, "report")
+        tracker.log_file(report.data.run_id, path, REPORT_DIR)
     tracker.describe(report.data.run_id, report.description())
     short = {BETTER: "better", WORSE: "worse", EQUIVALENT: "equivalent", INCONCLUSIVE: "inconclusive",
              CANNOT_TELL: "cannot_tell", NO_TEST: "untested"}  # fmt: skip

@@ -9,7 +9,7 @@ proxied artifacts, a Prefect server, the k3pipe work pool and a worker):
    arm, the run's page with its description and child runs, the report and a plot among its
    artifacts (served by the MLflow server, not from the worker's disk).
 
-The arm is an `external` endpoint served by the scripted OpenAI server (tests/scripted_openai.py)
+The arm is an `external` endpoint served by the scripted OpenAI server (k3pipe/testing/scripted_openai.py)
 running in this test's process, so the worker starts no engine. Screenshots of each step go to
 ``$K3PIPE_UI_SHOTS`` (docs/ui when refreshing the README's pictures) or the test's tmp dir.
 """
@@ -26,9 +26,9 @@ import httpx
 import pytest
 import yaml
 
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import TINY_MODEL
 from tests.integration.test_stack import Stack, _down_and_remove, _free_ports, _stack_home
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.flow
 

@@ -1,5 +1,5 @@
 """The benchmark flow through the Docker launcher, for real: image pulled from the local registry by
-digest, the scripted engine container (tests/docker/fake_engine.py) launched, health-checked,
+digest, the scripted engine container (k3pipe/testing/fake_engine.py) launched, health-checked,
 benchmarked and removed; orphans of earlier runs reaped; Ctrl-C removes the container."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import docker
 import pytest
 import yaml
 
+from k3pipe.core.layout import MANAGED_LABEL, OWNER_LABEL
 from k3pipe.core.settings import Settings
-from k3pipe.launchers.docker import MANAGED_LABEL, OWNER_LABEL
 from k3pipe.records.tracking import Tracker
 from tests.conftest import TINY_MODEL, CliRun, free_port
 from tests.docker.test_images import registry_digest

@@ -1,4 +1,4 @@
-"""The Docker launcher on the real dockerd with the scripted engine image (tests/docker/fake_engine.py:
+"""The Docker launcher on the real dockerd with the scripted engine image (k3pipe/testing/fake_engine.py:
 a stand-in, since no GPU engine can run here)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 
 from k3pipe.bench.health import check_endpoint, wait_until_healthy
 from k3pipe.core.errors import LaunchError
-from k3pipe.launchers.docker import MANAGED_LABEL, OWNER_LABEL, DockerLauncher, owner_label, reap_orphans
+from k3pipe.core.layout import MANAGED_LABEL, OWNER_LABEL
+from k3pipe.launchers.docker import DockerLauncher, owner_label, reap_orphans
 from k3pipe.sources.images import resolve_image
 from tests.conftest import TINY_MODEL, free_port
 

@@ -13,8 +13,8 @@ import docker
 import pytest
 import yaml
 
+from k3pipe.core.layout import MANAGED_LABEL
 from k3pipe.core.settings import Settings
-from k3pipe.launchers.docker import MANAGED_LABEL
 from k3pipe.records.tracking import Tracker
 from tests.conftest import REPO, TINY_MODEL, VLLM_PYTHON, free_port, require_engine
 

@@ -18,8 +18,8 @@ from mlflow.entities import Run
 
 from k3pipe.core.settings import Settings
 from k3pipe.records.tracking import Tracker
+from k3pipe.testing.fakehub import client_pointed_at_fake_hub
 from tests.conftest import TINY_MODEL, CliRun, demo_experiment, free_port, require_engine
-from tests.fakehub import client_pointed_at_fake_hub
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
 

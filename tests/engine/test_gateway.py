@@ -35,14 +35,14 @@ import pytest
 import yaml
 
 from k3pipe.core.errors import EndpointAuthError, HealthError, ModelNotServedError
-from tests.conftest import ASSETS_HOME, REPO, demo_experiment, free_port, require_engine, stop_group
+from k3pipe.testing import FAKE_ENGINE
+from tests.conftest import ASSETS_HOME, demo_experiment, free_port, require_engine, stop_group
 
 pytestmark = [pytest.mark.engine, pytest.mark.flow]
 
 LITELLM_VERSION = "1.108.7"  # the Makefile's LITELLM_VERSION
 LITELLM = ASSETS_HOME / "venvs" / f"litellm-{LITELLM_VERSION}" / "bin" / "litellm"
 GATEWAY_MODEL = "gw-tiny"  # the gateway's own id for the route to the engine's 'tiny-llama'
-FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 ENGINE_VAR = "GW_TEST_ENGINE_KEY"  # endpoint.api_key_env: the engine's key (VLLM_API_KEY)
 GATEWAY_VAR = "GW_TEST_GATEWAY_KEY"  # gateway.api_key_env: LiteLLM's master key
 WRONG_VAR = "GW_TEST_WRONG_KEY"  # a variable holding a key the gateway does not know
@@ -250,7 +250,7 @@ def test_the_gate_says_what_is_wrong_with_the_gateway_and_the_engine_is_stopped(
         monkeypatch.setenv(var, value)
     # the arm's own setting: gateway.api_key_env names a variable holding a key LiteLLM does not know.
     # Every failure here is the gateway's (the requests never reach the engine): the engine behind it is
-    # the scripted vLLM (tests/docker/fake_engine.py, starts in a second); the real vLLM serves the
+    # the scripted vLLM (k3pipe/testing/fake_engine.py, starts in a second); the real vLLM serves the
     # flow test above
     scripted = {"kind": "vllm", "executable": [sys.executable, str(FAKE_ENGINE), "--startup-delay-s=0.5"]}
     spec = parse_experiment(_experiment(gateway, scripted, api_key_env=WRONG_VAR))

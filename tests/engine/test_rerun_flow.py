@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from k3pipe.core.errors import RerunError
+from k3pipe.core.layout import RERUN_TAG
 from k3pipe.core.settings import Settings
-from k3pipe.jobs.rerun import RERUN_TAG, read_record
+from k3pipe.jobs.rerun import read_record
 from k3pipe.records.tracking import Tracker
 from tests.conftest import TINY_MODEL, RunningEngine, external_experiment
 

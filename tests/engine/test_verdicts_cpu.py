@@ -35,10 +35,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from k3pipe.core.layout import SUPERSEDED_TAG
 from k3pipe.core.settings import Settings
 from k3pipe.report import Report, build_report
 from k3pipe.report.analysis import analyse
-from k3pipe.report.collect import SUPERSEDED_TAG, collect
+from k3pipe.report.collect import collect
 from tests.conftest import ASSETS_HOME, REPO, free_port, require_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.serial]

@@ -5,7 +5,7 @@ named with both versions and the history it was judged against; `k3pipe retest a
 new normal, and the retest after it starts a new series. Through Prefect, for real: the retest flow
 emits the event, prefect.yaml's `notify` deployment trigger (an automation) starts the notify flow on
 a worker, which posts the regression to a Webhook block whose URL is a receiver in this test. The
-engines are the scripted OpenAI server (tests/scripted_openai.py).
+engines are the scripted OpenAI server (k3pipe/testing/scripted_openai.py).
 
 The history a judgement needs (4 earlier retests) is seeded cheaply: one real retest runs, and three
 copies of its record are written with the tracker in the shape the alerts read of an earlier retest
@@ -33,13 +33,13 @@ import yaml
 from typer.testing import CliRunner
 
 import cli.main as cli
+from k3pipe.core.layout import ACCEPTED_TAG, REGRESSION_FILE, REGRESSION_TAG
 from k3pipe.experiment.params import RunRequest
-from k3pipe.jobs.alerts import ACCEPTED_TAG, REGRESSION_FILE, REGRESSION_TAG
 from k3pipe.jobs.retest import retest
 from k3pipe.jobs.steps import Job
 from k3pipe.records.tracking import Tracker
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import PREFECT, REPO, TINY_MODEL, stop_group
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.flow
 

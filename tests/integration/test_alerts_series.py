@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from k3pipe.core.errors import TrackingError
-from k3pipe.jobs.alerts import ACCEPTED_TAG, REGRESSION_TAG, accept, check_regression, record_regression
-from k3pipe.jobs.rerun import RERUN_TAG
+from k3pipe.core.layout import ACCEPTED_TAG, PRIME_TAG, REGRESSION_TAG, RERUN_TAG, SUPERSEDED_TAG
+from k3pipe.jobs.alerts import accept, check_regression, record_regression
 from k3pipe.jobs.steps import Job
 from k3pipe.records.tracking import Tracker
-from k3pipe.report.collect import PRIME_TAG, SUPERSEDED_TAG
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 DAY_MS = 86_400_000

@@ -1,5 +1,5 @@
 """Capacity under an SLO through the study and its report, against engines whose capacity is known:
-the scripted OpenAI server (tests/scripted_openai.py, vLLM's wire format) serving at most ``slots``
+the scripted OpenAI server (k3pipe/testing/scripted_openai.py, vLLM's wire format) serving at most ``slots``
 requests at once, each for a fixed service time S, so it sustains ``slots / S`` requests a second and
 queues beyond. An E2E SLO of 2 S: the search must land within 10% of ``slots / S``. The search's
 arithmetic across 0.1-100 req/s is tested on simulated queues (tests/unit/test_capacity.py); here,
@@ -15,8 +15,8 @@ import yaml
 
 from k3pipe.core.settings import Settings
 from k3pipe.report import build_report
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import TINY_MODEL
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 # the capacity found is the scripted server's timing at up to 80 req/s: alone in `make test`'s first phase
 pytestmark = pytest.mark.serial

@@ -3,11 +3,11 @@ SIGINT stopped the A/A copy's third launch in its second repeat, and the report 
 repeat into the cells). The report says "3 + 3 + 1 cut" there; here "2 + 2 + 1 cut": two repeats a
 launch keep the test short.
 
-The study here: arms ``fast`` and ``slow`` served by the scripted OpenAI server (tests/scripted_openai.py,
-real HTTP and SSE), the A/A copy ``fast-aa``, three launches each, interleaved, one workload of two
-repeats; run by the study job (the code the study flow runs), and stopped by a real SIGINT sent to this
-process while ``fast-aa``'s third launch is in its second repeat, as ``timeout --signal=INT`` does at a
-deadline. Then:
+The study here: arms ``fast`` and ``slow`` served by the scripted OpenAI server
+(k3pipe/testing/scripted_openai.py, real HTTP and SSE), the A/A copy ``fast-aa``, three launches
+each, interleaved, one workload of two repeats; run by the study job (the code the study flow
+runs), and stopped by a real SIGINT sent to this process while ``fast-aa``'s third launch is in
+its second repeat, as ``timeout --signal=INT`` does at a deadline. Then:
 
 - the cut launch keeps its record (MLflow: the repeat tagged ``k3pipe.aborted``, the arm run KILLED);
 - the report's verdicts, A/A calibration and noise equal those of the complete launches alone (the same
@@ -33,15 +33,16 @@ from typing import Any
 import pytest
 import yaml
 
+from k3pipe.core.layout import SUPERSEDED_TAG
 from k3pipe.core.settings import Settings
 from k3pipe.experiment.params import RunRequest
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import study
 from k3pipe.report import build_report
 from k3pipe.report.analysis import analyse
-from k3pipe.report.collect import SUPERSEDED_TAG, collect
+from k3pipe.report.collect import collect
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import REPO, TINY_MODEL
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 
 def _checker() -> Any:

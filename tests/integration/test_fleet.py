@@ -2,7 +2,7 @@
 of its own (its own K3PIPE_HOME, its own tracker) running the launches the scheduler hands its pool,
 reading the experiment and the prompts from the study's run (verified by digest), its arm runs nested
 under the study's; the study joined into one report. The arms are `external` endpoints served by the
-scripted OpenAI server (tests/scripted_openai.py); MLflow a real server (benchmarks/faults.py's).
+scripted OpenAI server (k3pipe/testing/scripted_openai.py); MLflow a real server (benchmarks/faults.py's).
 Prefect's side (the deployment runs on two pools with two workers) is flows/fleet.py's."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import yaml
 
 from benchmarks.faults import MlflowServer
 from k3pipe.core.errors import SpecError
+from k3pipe.core.layout import NODE_TAG, POOL_TAG, PROMPTS_INDEX_FILE, SUPERSEDED_TAG
 from k3pipe.core.settings import Settings
 from k3pipe.experiment.params import RunRequest
 from k3pipe.jobs.arm_run import ArmOutcome
 from k3pipe.jobs.fleet import (
-    PROMPTS_INDEX,
     PoolUnavailable,
     PromptsMismatch,
     Remote,
@@ -32,15 +32,14 @@ from k3pipe.jobs.fleet import (
     last_heartbeat,
     read_study_prompts,
 )
-from k3pipe.jobs.launch import NODE_TAG, POOL_TAG, LaunchRequest, run_launch
+from k3pipe.jobs.launch import LaunchRequest, run_launch
 from k3pipe.jobs.rerun import read_record
-from k3pipe.jobs.resume import SUPERSEDED_TAG
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import StudyResult, resume, study
 from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import TINY_MODEL
-from tests.scripted_openai import Script, ScriptedOpenAI
 from tests.stores import seed_mlflow_db
 
 WORKLOADS = [
@@ -155,7 +154,7 @@ def test_a_study_over_two_nodes_is_one_study(servers, tmp_path: Path) -> None:  
         assert abs(beat - time.time()) < 600
 
     # the prompts: drawn once by the study, recorded on its run, sent by every launch
-    index = json.loads(tracker.read_artifact(result.study_run_id, PROMPTS_INDEX) or b"[]")
+    index = json.loads(tracker.read_artifact(result.study_run_id, PROMPTS_INDEX_FILE) or b"[]")
     recorded = {(e["workload"], e["repeat"]): e["sha256"] for e in index}
     assert set(recorded) == {("in32", 0), ("in32", 1)}
     for run in arm_runs:
@@ -215,7 +214,7 @@ def test_a_node_refuses_prompts_that_are_not_the_studys(servers, tmp_path: Path)
     spec = parse_experiment(_experiment(fast.base_url, slow.base_url, {"pools": ["node-a"]}))
     assert len(read_study_prompts(tracker, run_id, spec)["in32"]) == 2
     # the artifact changed behind the record's back: named, never sent
-    index = json.loads(tracker.read_artifact(run_id, PROMPTS_INDEX) or b"[]")
+    index = json.loads(tracker.read_artifact(run_id, PROMPTS_INDEX_FILE) or b"[]")
     first = next(e for e in index if e["repeat"] == 0)
     data = json.loads(tracker.read_artifact(run_id, first["artifact"]) or b"{}")
     data["prompts"] = list(reversed(data["prompts"]))

@@ -5,7 +5,7 @@ stack add-node` does, each with a worker of its own whose K3PIPE_HOME is its own
 machine). The workers, their launches and the study flow (started as a user starts it, `python -m
 flows.study`) reach both servers with the stack's credentials and trust its CA through their
 environment (``ops.stack.client_env``: what `k3pipe stack env` exports). The arms are `external`
-endpoints served by the scripted OpenAI server (tests/scripted_openai.py), so no engine start hides
+endpoints served by the scripted OpenAI server (k3pipe/testing/scripted_openai.py), so no engine start hides
 what is tested: the launches run as flow runs of the two pools, nested into one MLflow study with one
 report; a node busy with another flow run is waited for, a node whose worker is gone is lost.
 
@@ -26,12 +26,12 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from k3pipe.core.layout import POOL_TAG
 from k3pipe.jobs.fleet import heartbeat_key
-from k3pipe.jobs.launch import POOL_TAG
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from ops.stack import StackConfig, client_env
 from tests.conftest import ASSETS_HOME, REPO, TINY_MODEL, free_port, require_engine
 from tests.fleet_harness import Fleet, base_env, kill_flow_runs_of, prefect_cli, team_stack
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.flow
 

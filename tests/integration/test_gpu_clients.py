@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.scripted_openai import Script, ScriptedOpenAI
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial
 

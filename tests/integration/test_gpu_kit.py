@@ -2,7 +2,7 @@
 collect) and scripts/check_gpu_record.py.
 
 One flow runs here (module fixture): ``gpu-node.sh run`` drives ``k3pipe run`` on an experiment of two
-process arms serving tests/docker/fake_engine.py (the scripted vLLM stand-in: /health, /version,
+process arms serving k3pipe/testing/fake_engine.py (the scripted vLLM stand-in: /health, /version,
 /metrics, vLLM log lines; no real engine, no docker) with a made-up key; ``gpu-node.sh collect`` packs
 the store, and check_gpu_record.py must find it complete, and incomplete once a part is removed or
 the key planted.
@@ -31,10 +31,11 @@ from tests.conftest import REPO, TINY_MODEL, VLLM_PYTHON, free_port
 
 NODE = REPO / "scripts" / "gpu-node.sh"
 CHECK = REPO / "scripts" / "check_gpu_record.py"
-FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 sys.path.insert(0, str(REPO / "scripts"))
 import make_random_llama  # noqa: E402
 import random_mla  # noqa: E402
+
+from k3pipe.testing import FAKE_ENGINE  # noqa: E402
 
 
 def _torch_python() -> Path:

@@ -1,9 +1,9 @@
-"""The ``gpustack`` launcher through the benchmark flow, against tests/gpustack_standin.py.
+"""The ``gpustack`` launcher through the benchmark flow, against k3pipe/testing/gpustack_standin.py.
 
 The stand-in, not the real GPUStack: a GPUStack worker runs a custom backend as a container on the
 host network and needs GPUs it detects (see the stand-in's docstring); neither is here. The stand-in
 speaks GPUStack 2.3.0's /v2 API and OpenAI gateway as its source defines them and runs the rendered
-run command as a process: the engine is tests/docker/fake_engine.py (vLLM flavour, 5 ms a token).
+run command as a process: the engine is k3pipe/testing/fake_engine.py (vLLM flavour, 5 ms a token).
 
 Each test runs the flow in process (the session's Prefect harness) and then asks the stand-in what
 it was asked: the backend registered, the deployment created with restart_on_error false, requests
@@ -30,12 +30,12 @@ from k3pipe.launchers.factory import launch_engine
 from k3pipe.launchers.gpustack import GpustackLauncher
 from k3pipe.planning.plan import plan_arm
 from k3pipe.records.tracking import Tracker
-from tests.conftest import REPO, TINY_MODEL, require_engine
-from tests.gpustack_standin import GpustackStandin
+from k3pipe.testing import FAKE_ENGINE
+from k3pipe.testing.gpustack_standin import GpustackStandin
+from tests.conftest import TINY_MODEL, require_engine
 
 pytestmark = [pytest.mark.flow]
 
-FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 KEY_ENV = "K3PIPE_TEST_GPUSTACK_KEY"
 NAME = "k3pipe-gs-vllm"
 WORKLOAD = {"name": "w", "input_tokens": 16, "output_tokens": 4, "num_requests": 6, "concurrency": 2}

@@ -1,7 +1,7 @@
 """The jobs without Prefect: a study and a benchmark run from the library alone
 (``Job.library()``, the library's steps), typed request in, typed result out, the same records a flow
 makes, the report built once. The arms are `external` endpoints served by the scripted OpenAI server
-(tests/scripted_openai.py: real HTTP and SSE), the MLflow store a real SQLite one."""
+(k3pipe/testing/scripted_openai.py: real HTTP and SSE), the MLflow store a real SQLite one."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from k3pipe.jobs.benchmark import BenchmarkRequest, benchmark
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import ArmsFailed, study
 from k3pipe.records.tracking import Tracker
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import TINY_MODEL, free_port
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 
 def _experiment(arms: dict[str, str], launches: int | None = None) -> str:
@@ -137,8 +137,9 @@ def test_a_study_rerun_from_its_records_is_compared_arm_by_arm(tmp_path: Path) -
     2-ms token pacing once), so for a only its verdict is asserted to exist and its throughput to
     stay within a factor 2 (tokens paced at 20 ms, which load moves far less)."""
     from k3pipe.bench.repeats import Comparison
+    from k3pipe.core.layout import RERUN_VERDICTS_FILE
     from k3pipe.jobs.rerun import read_record
-    from k3pipe.jobs.study import RERUN_VERDICTS, rerun
+    from k3pipe.jobs.study import rerun
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
@@ -181,7 +182,7 @@ def test_a_study_rerun_from_its_records_is_compared_arm_by_arm(tmp_path: Path) -
         if m["metric"] == "output_throughput_tps"
     )
     assert same.mean_a / 2 < same.mean_b < same.mean_a * 2, verdicts[("a", "in32")]["verdict"]
-    recorded = tracker.read_artifact(again.study_run_id, RERUN_VERDICTS)
+    recorded = tracker.read_artifact(again.study_run_id, RERUN_VERDICTS_FILE)
     assert recorded is not None
     assert "b/in32: different" in run.data.tags["k3pipe.rerun_verdict"]
     assert slower["launches"] == "2 + 2 against 2 + 2"  # every launch a side, restart noise in both

@@ -1,6 +1,6 @@
 """Restart noise kept by one study and used by a later one (k3pipe.records.priors), through the study job and
 a
-real MLflow store, the arms served by the scripted OpenAI server (tests/scripted_openai.py).
+real MLflow store, the arms served by the scripted OpenAI server (k3pipe/testing/scripted_openai.py).
 
 - A study of two arms launched twice keeps its restart noise on its run (noise.json, tag k3pipe.noise),
   per cell and figure, under the cell's configuration class.
@@ -21,15 +21,16 @@ from typing import Any
 import pytest
 import yaml
 
+from k3pipe.core.layout import NOISE_FILE, NOISE_TAG
 from k3pipe.core.settings import Settings
 from k3pipe.experiment.params import RunRequest
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import study
-from k3pipe.records.priors import MIN_PRIOR_DF, NOISE_FILE, NOISE_TAG, NoiseEntry, record_noise
+from k3pipe.records.priors import MIN_PRIOR_DF, NoiseEntry, record_noise
 from k3pipe.report import build_report
 from k3pipe.report.collect import cell_class_of
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import TINY_MODEL
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 
 @pytest.fixture

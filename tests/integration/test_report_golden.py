@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from k3pipe.core.layout import CLAIMS_FILE, STUDY_KIND
 from k3pipe.records.tracking import Tracker
-from k3pipe.report import CLAIMS_FILE, build_report
-from k3pipe.report.collect import STUDY_KIND
+from k3pipe.report import build_report
 
 # field-notes.md, "Results (10 concurrent requests, 3K output)": end-to-end s, steady decode tok/s
 RESULTS = {

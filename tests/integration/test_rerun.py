@@ -12,12 +12,13 @@ import pytest
 
 from k3pipe.bench import load_tokenizer
 from k3pipe.core.errors import RerunError, SpecError
+from k3pipe.core.layout import RECORD_FILE
 from k3pipe.experiment.load import parse_experiment
 from k3pipe.jobs.rerun import arm_run, read_record, restore
 from k3pipe.planning.plan import plan_arm
 from k3pipe.prompts.draw import prepare_prompts
 from k3pipe.records.recorder import ArmRecorder
-from k3pipe.records.runrecord import RECORD_FILE, prompts_digest
+from k3pipe.records.runrecord import prompts_digest
 from k3pipe.records.tracking import Tracker
 from k3pipe.sources import fetch_model
 from tests.conftest import TINY_MODEL
@@ -194,7 +195,7 @@ def test_a_rerun_after_the_hub_moved_uses_the_kept_files_or_names_what_moved(
     """The model from a (fake) ModelScope hub, recorded by content. The hub's master then moves (new
     weights): the rerun still finds the recorded files, kept in their own content directory, and asks
     the hub for nothing; with that directory gone it says which file moved and fetches nothing."""
-    from tests.fakehub import client_pointed_at_fake_hub
+    from k3pipe.testing.fakehub import client_pointed_at_fake_hub
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")

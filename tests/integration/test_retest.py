@@ -2,7 +2,7 @@
 and its variants each run as a study nested under one retest run, a variant with the baseline's
 workloads sends the baseline's very prompts, a variant that cannot run is recorded while the others
 go on, and the report judges each variant against the baseline. The arm is an `external` endpoint
-served by the scripted OpenAI server (tests/scripted_openai.py: real HTTP and SSE, fixed timing)."""
+served by the scripted OpenAI server (k3pipe/testing/scripted_openai.py: real HTTP and SSE, fixed timing)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from k3pipe.jobs.rerun import read_record
 from k3pipe.records.history import recent_runs
 from k3pipe.records.tracking import Tracker
 from k3pipe.report.retest_verdicts import build_retest_report
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import TINY_MODEL
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 # serial: beside the other worker, a verdict on a variant twice as long came out within noise (2026-12-03)
 pytestmark = [pytest.mark.flow, pytest.mark.serial]

@@ -1,5 +1,5 @@
 """The arm's lifetime as a library context manager, without Prefect: an `external` arm against the
-scripted OpenAI server (tests/scripted_openai.py; real HTTP and SSE, no engine), a real SQLite MLflow
+scripted OpenAI server (k3pipe/testing/scripted_openai.py; real HTTP and SSE, no engine), a real SQLite MLflow
 store. Teardown and status on every path: success, failed requests, a failing step, an interrupt."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
+from k3pipe.core.layout import RECORD_FILE
 from k3pipe.core.settings import Settings
 from k3pipe.experiment.load import parse_experiment
 from k3pipe.jobs.arm_run import INTERRUPT_GRACE_S, ArmRun, ArmSteps
 from k3pipe.prompts.draw import prepare_prompts
-from k3pipe.records.runrecord import RECORD_FILE
 from k3pipe.records.tracking import Tracker
 from k3pipe.sources import fetch_model
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import TINY_MODEL
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 
 class Recorded:

@@ -3,7 +3,7 @@ with its descriptions and bounds, a bad value refused by the server before any f
 nightly CPU smoke schedule (paused as deployed; turned on, it schedules runs with its own
 parameters), and the work pool's concurrency limit of 1 (a second flow run waits while the first
 holds the node). The flow runs go through a real process worker to `external` arms served by the
-scripted OpenAI server (tests/scripted_openai.py), slow per token so that a run lasts seconds."""
+scripted OpenAI server (k3pipe/testing/scripted_openai.py), slow per token so that a run lasts seconds."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import yaml
 from k3pipe.core.settings import Settings
 from k3pipe.experiment.params import Overrides, RunRequest
 from k3pipe.records.tracking import Tracker
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import PREFECT, REPO, TINY_MODEL, running_prefect_server, stop_group
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 # serial: beside the other worker, its server's SQLite answered 503 to a second flow run (2026-12-03)
 pytestmark = [pytest.mark.flow, pytest.mark.serial]

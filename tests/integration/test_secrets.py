@@ -7,7 +7,7 @@ reference (a literal is refused: test_planted_keys_through_every_refusal_path), 
 reference under a name that says nothing about secrets, the experiment given as ``experiment_yaml``
 text, and endpoints that echo the Authorization header in their error bodies (the engine's workload
 requests; a gateway's health probe). The engine is
-tests/scripted_engine.py under the process launcher: it prints its arguments and those variables raw
+k3pipe/testing/scripted_engine.py under the process launcher: it prints its arguments and those variables raw
 to its log, as engines do, and the sha256 of each, which prove what it received.
 
 The stores: the terminal (stdout and stderr), and every file under K3PIPE_HOME: MLflow's SQLite
@@ -40,12 +40,11 @@ import yaml
 
 from k3pipe.core.settings import Settings
 from k3pipe.records.tracking import Tracker
+from k3pipe.testing import SCRIPTED_ENGINE as ENGINE_SCRIPT
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import REPO, TINY_MODEL, free_port
-from tests.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = [pytest.mark.flow]
-
-ENGINE_SCRIPT = REPO / "tests" / "scripted_engine.py"
 
 
 def _secret(tag: str) -> str:
@@ -208,7 +207,7 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
         )
         code = (
             "import sys\n"
-            "from cli.main import prepare_prefect_env\n"
+            "from cli.prefect_env import prepare_prefect_env\n"
             "from k3pipe.core.settings import Settings\n"
             "prepare_prefect_env(Settings())\n"
             "from flows.benchmark import benchmark\n"

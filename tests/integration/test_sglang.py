@@ -1,6 +1,6 @@
 """An SGLang arm through the whole benchmark flow, under the process launcher.
 
-The engine is the SCRIPTED stand-in tests/docker/fake_engine.py with ``--flavor sglang``: no SGLang
+The engine is the SCRIPTED stand-in k3pipe/testing/fake_engine.py with ``--flavor sglang``: no SGLang
 build runs on this machine (its PyPI wheels need CUDA torch and sglang-kernel; its CPU build is
 compiled from source for Xeon AMX) and none was carried to the GPU node. The stand-in speaks SGLang
 0.5.23 as its source defines it: ``/health`` 503 until warm-up, the key only through ``--api-key``
@@ -24,11 +24,11 @@ import yaml
 
 from k3pipe.core.settings import Settings
 from k3pipe.records.tracking import Tracker
-from tests.conftest import REPO, TINY_MODEL, free_port, require_engine
+from k3pipe.testing import FAKE_ENGINE
+from tests.conftest import TINY_MODEL, free_port, require_engine
 
 pytestmark = pytest.mark.flow
 
-FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 KEY_VAR = "K3PIPE_SGLANG_TEST_KEY"
 
 

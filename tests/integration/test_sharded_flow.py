@@ -1,5 +1,5 @@
 """A workload sent by two client processes through the whole flow (the scripted engine,
-tests/docker/fake_engine.py, under the process launcher, pinned to CPU 0 with launcher.cpus): its
+k3pipe/testing/fake_engine.py, under the process launcher, pinned to CPU 0 with launcher.cpus): its
 records equal those of the same workload sent by one process, and what the client used is recorded."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import yaml
 
 from k3pipe.core.settings import Settings
 from k3pipe.records.tracking import Tracker
-from tests.conftest import REPO, TINY_MODEL, free_port, require_engine
+from k3pipe.testing import FAKE_ENGINE
+from tests.conftest import TINY_MODEL, free_port, require_engine
 
 pytestmark = [pytest.mark.flow, pytest.mark.serial]
 
-FAKE_ENGINE = REPO / "tests" / "docker" / "fake_engine.py"
 COLUMNS = ["index", "warmup", "usage_output_tokens", "prompt_tokens", "max_tokens", "error"]
 
 

@@ -35,8 +35,8 @@ from k3pipe.records.spool import IdMap, Journal, SessionDir, list_sessions, new_
 from k3pipe.records.sync import sync_spool
 from k3pipe.records.tracking import Tracker
 from k3pipe.sources import fetch_model
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import REPO, TINY_MODEL, demo_experiment, free_port
-from tests.scripted_openai import Script, ScriptedOpenAI
 from tests.stores import seed_mlflow_db
 
 KEY = "sk-spool-secret-0123456789"

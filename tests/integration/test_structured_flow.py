@@ -1,7 +1,7 @@
 """The structured-output check through a study (issue 47, item 4): an arm served with a tool-call and a
-reasoning parser, launched by the process launcher as tests/scripted_engine.py (the scripted server,
+reasoning parser, launched by the process launcher as k3pipe/testing/scripted_engine.py (the scripted server,
 answering tool-calling requests with good and broken calls as vLLM 0.32.0 spells them:
-tests/scripted_tools.py); an arm without parsers beside it gets no such requests. The scripted server
+k3pipe/testing/scripted_tools.py); an arm without parsers beside it gets no such requests. The scripted server
 does not answer the output probe's requests as vLLM does (it streams every answer), so the probe
 stops short: recorded and said, failing nothing."""
 
@@ -16,12 +16,11 @@ import yaml
 
 from k3pipe.core.settings import Settings
 from k3pipe.report import build_report
-from tests.conftest import REPO, TINY_MODEL, free_port
-from tests.scripted_tools import BEHAVIOURS, FAILING
+from k3pipe.testing import SCRIPTED_ENGINE as ENGINE_SCRIPT
+from k3pipe.testing.scripted_tools import BEHAVIOURS, FAILING
+from tests.conftest import TINY_MODEL, free_port
 
 pytestmark = [pytest.mark.flow]
-
-ENGINE_SCRIPT = REPO / "tests" / "scripted_engine.py"
 
 
 def _arm(name: str, args: dict[str, Any], tools: str) -> dict[str, Any]:

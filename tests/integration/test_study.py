@@ -1,7 +1,7 @@
 """A study: arms nested under one MLflow run, the same prompts for every arm, the next arm's inputs
 fetched while one arm runs, a failed arm recorded while the others go on, and the report built from
 MLflow alone. The arms are `external` endpoints served by the scripted OpenAI server
-(tests/scripted_openai.py: real HTTP and SSE, timing set per arm), the MLflow store a real SQLite
+(k3pipe/testing/scripted_openai.py: real HTTP and SSE, timing set per arm), the MLflow store a real SQLite
 one; the flow test runs the real Prefect flow on a temporary Prefect server."""
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
 from k3pipe.schema.schedule import models_of
 from k3pipe.sources import fetch_model
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from k3pipe.verdicts import stats
 from tests.conftest import REPO, TINY_MODEL, free_port
-from tests.scripted_openai import Script, ScriptedOpenAI
 from tests.stores import seed_prefect_home
 
 WORKLOADS = [

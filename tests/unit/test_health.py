@@ -7,7 +7,7 @@ from pydantic import SecretStr
 
 from k3pipe.bench.health import GateTarget, check_endpoint
 from k3pipe.core.errors import EndpointAuthError, HealthError, ModelNotServedError
-from tests.scripted_openai import Script, ScriptedOpenAI
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 
 
 def test_the_probe_asks_for_stream_options_as_the_benchmark_will() -> None:

@@ -31,6 +31,7 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("records: MLflow, the spool, the recorder", ["k3pipe.records"]),
     ("report: a study's and a retest's", ["k3pipe.report"]),
     ("jobs: every lifetime (arm, study, resume, rerun, retest, fleet, alerts)", ["k3pipe.jobs"]),
+    ("testing: the fakes (the library never imports them)", ["k3pipe.testing"]),
     ("the facade: `import k3pipe`", ["k3pipe"]),
     ("operations, a wing beside the library: the team stack, the offline bundle", ["ops"]),
     ("shell: Prefect tasks and flows, the command line", ["tasks", "flows", "cli"]),

@@ -1,7 +1,7 @@
 """The MLflow record's names live in k3pipe.core.layout alone (issue 48): no module of the library or its
-shell spells a tag, a tag family's prefix or a container label itself, so a rename is one line and
-shows in tests/integration/test_store_layout.py; each name is one constant; every run is stamped with
-the layout's version."""
+shell spells a tag, a tag family's prefix, a container label or an artifact's file name itself, so a
+rename is one line and shows in tests/integration/test_store_layout.py; each name is one constant;
+every run is stamped with the layout's version."""
 
 from __future__ import annotations
 
@@ -13,8 +13,12 @@ from tests.conftest import REPO
 
 PACKAGES = ("k3pipe", "cli", "flows", "tasks", "ops")
 # the names spelled k3pipe.*: tags, tag families, labels (a run kind's value, 'study', is a plain word)
-NAMES = {getattr(layout, n): n for n in layout.__all__ if getattr(layout, n).startswith("k3pipe.")}
-PREFIXES = tuple(v for v in NAMES if v.endswith("."))
+NAMES = {
+    value: n
+    for n in layout.__all__
+    if isinstance(value := getattr(layout, n), str) and (value.startswith("k3pipe.") or n.endswith("_FILE"))
+}
+PREFIXES = tuple(v for v in NAMES if v.endswith(".") and v.startswith("k3pipe."))
 
 
 def _spelled(path: Path) -> list[str]:
@@ -41,10 +45,29 @@ def test_no_module_spells_a_name_of_the_record_itself() -> None:
 
 
 def test_each_name_is_one_constant() -> None:
-    values = [getattr(layout, n) for n in layout.__all__ if n != "LAYOUT_VERSION"]
+    values = [v for n in layout.__all__ if n != "LAYOUT_VERSION" and isinstance(v := getattr(layout, n), str)]
     assert len(values) == len(set(values))
-    plain = sorted(n for n in layout.__all__ if not getattr(layout, n).startswith("k3pipe."))
-    assert plain == ["LAYOUT_VERSION", "RETEST_KIND", "STUDY_KIND"]
+    plain = sorted(
+        n
+        for n in layout.__all__
+        if isinstance(v := getattr(layout, n), str)
+        and not v.startswith("k3pipe.")
+        and not n.endswith("_FILE")
+    )
+    assert plain == ["LAYOUT_VERSION", "LOGS_DIR", "NODE_DIR", "REPORT_DIR", "RETEST_KIND", "STUDY_KIND"]
+
+
+def test_the_artifact_paths_are_the_layout_s() -> None:
+    """Every file k3pipe writes on a run, and the readers that find it, take its path from the layout:
+    a renamed artifact is one line here, and the stored studies' fixture says what it breaks."""
+    assert layout.prompts_path("w", 0) == "prompts/w/r0.json"
+    assert layout.provenance_path("model") == "provenance/model.json"
+    files = sorted(
+        v for n in layout.__all__ if n.endswith("_FILE") and isinstance(v := getattr(layout, n), str)
+    )
+    assert "answers.json" in files
+    assert "requests.parquet" in files
+    assert "run_record.json" in files
 
 
 def test_every_run_carries_the_layout_version(tmp_path: Path) -> None:
@@ -57,3 +80,24 @@ def test_every_run_carries_the_layout_version(tmp_path: Path) -> None:
     tags = tracker.client.get_run(run_id).data.tags
     assert tags[layout.LAYOUT_TAG] == layout.LAYOUT_VERSION
     assert tags[layout.ARM_TAG] == "a"
+
+
+def test_a_run_s_tags_read_through_the_typed_view() -> None:
+    """Readers ask a run's kind, arm, repeat ... of RunTags, never its tags by name: the values as
+    written, numbers as numbers, None where the run has none."""
+    from types import SimpleNamespace
+
+    tags = {
+        layout.KIND_TAG: layout.STUDY_KIND,
+        layout.ARM_TAG: "vllm",
+        layout.REPEAT_TAG: "0",
+        layout.LAUNCH_TAG: "2",
+        "mlflow.parentRunId": "p1",
+    }
+    view = layout.RunTags.of(SimpleNamespace(data=SimpleNamespace(tags=tags)))
+    assert (view.kind, view.arm, view.parent) == ("study", "vllm", "p1")
+    assert view.repeat == 0  # a number, and repeat 0 is not "no repeat"
+    assert view.launch == 2
+    assert view.workload is None
+    assert view.aborted is None
+    assert layout.RunTags({}).repeat is None

@@ -23,7 +23,7 @@ from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, records_frame, r
 from k3pipe.bench.client import schedule_offsets
 from k3pipe.core.errors import BenchmarkError
 from k3pipe.schema.specs import WorkloadSpec
-from tests.scripted_openai import Received, Script, ScriptedOpenAI
+from k3pipe.testing.scripted_openai import Received, Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial
 

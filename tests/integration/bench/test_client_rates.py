@@ -1,5 +1,5 @@
 """The real client at the rates a capacity search probes, 0.1 to 80 requests a second, against the
-scripted vLLM-style server (tests/scripted_openai.py, in this process: its arrival stamps are on the
+scripted vLLM-style server (k3pipe/testing/scripted_openai.py, in this process: its arrival stamps are on the
 client's clock). A search bisects down to whatever rate the engine sustains, so a probe at 0.1 req/s
 is as much a measurement as one at 80; the search's arithmetic at those rates is simulated in
 tests/unit/test_capacity.py, and this holds the client to the schedule it is given there.
@@ -26,7 +26,7 @@ import pytest
 from k3pipe.bench import Prompt, WorkloadResult, run_workload, summarize
 from k3pipe.bench.client import schedule_offsets
 from k3pipe.schema.specs import WorkloadSpec
-from tests.scripted_openai import Script, ScriptedOpenAI
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 
 LAG_P50_S = 0.02
 """The send lag's median: the client's own delay between a request's due time and its write."""

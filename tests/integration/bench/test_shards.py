@@ -1,5 +1,5 @@
 """A workload sent by several client processes (k3pipe/bench/shards.py) against the scripted server
-(tests/scripted_openai.py, in this process: its perf_counter stamps and the client processes' are on
+(k3pipe/testing/scripted_openai.py, in this process: its perf_counter stamps and the client processes' are on
 the one system-wide monotonic clock): the load keeps its meaning, the records merge in order, an abort
 stops every process. The definitions themselves run at 1 and 2 processes in test_definitions.py."""
 
@@ -17,7 +17,7 @@ from k3pipe.bench.client import Abort, schedule_offsets
 from k3pipe.bench.shards import run_sharded, slot_shares
 from k3pipe.core.errors import BenchmarkError
 from k3pipe.schema.specs import WorkloadSpec
-from tests.scripted_openai import Script, ScriptedOpenAI
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial
 

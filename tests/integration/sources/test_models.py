@@ -16,7 +16,7 @@ import k3pipe.sources
 from k3pipe.core.errors import ModelSourceError
 from k3pipe.schema.specs import LocalModel, ModelScopeModel
 from k3pipe.sources import ModelRecord, content_dir_name, fetch_model, model_dir
-from tests.fakehub import FakeHub, client_pointed_at_fake_hub
+from k3pipe.testing.fakehub import FakeHub, client_pointed_at_fake_hub
 
 MODEL_ID = "acme/tiny-llm"
 

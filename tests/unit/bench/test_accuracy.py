@@ -12,8 +12,8 @@ import pytest
 
 from k3pipe.bench.accuracy import is_right, load_questions, read_accuracy, run_accuracy
 from k3pipe.core.errors import BenchmarkError
+from k3pipe.testing.scripted_openai import ScriptedOpenAI
 from tests.conftest import REPO
-from tests.scripted_openai import ScriptedOpenAI
 
 ARITH = REPO / "tests" / "fixtures" / "datasets" / "arith.jsonl"
 

@@ -2,10 +2,10 @@
 
 Two kinds of ground truth:
 
-- the scripted vLLM-style server (``tests/scripted_openai.py``, in this process): it stamps every chunk
-  with ``perf_counter`` as it hands it to the transport, so the true TTFT, E2E, TPOT and ITL of each
-  request follow from its stamps and the scripted token counts; the client's figures must match them
-  within the delivery slack of a loaded 2-core machine;
+- the scripted vLLM-style server (``k3pipe/testing/scripted_openai.py``, in this process): it stamps
+  every chunk with ``perf_counter`` as it hands it to the transport, so the true TTFT, E2E, TPOT and
+  ITL of each request follow from its stamps and the scripted token counts; the client's figures must
+  match them within the delivery slack of a loaded 2-core machine;
 - hand-written SSE streams through ``httpx.MockTransport``, for the shapes the scripted server does
   not produce (tool calls, keep-alive comments, chunks without new tokens).
 """
@@ -25,7 +25,7 @@ from k3pipe.bench import Prompt, RequestRecord, WorkloadResult, run_workload, su
 from k3pipe.bench.shards import run_sharded
 from k3pipe.bench.summary import WorkloadSummary, records_frame, retokenize, timing_note
 from k3pipe.schema.specs import SLOSpec, WorkloadSpec
-from tests.scripted_openai import Received, Script, ScriptedOpenAI
+from k3pipe.testing.scripted_openai import Received, Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial
 

@@ -1,6 +1,6 @@
 """The structured-output check (k3pipe.bench.structured) against answers whose faults are known: the
 scripted server answering tool-calling requests with good and broken calls as vLLM 0.32.0 spells
-them (tests/scripted_tools.py), streamed and not; each broken answer found with its kind, no good one
+them (k3pipe/testing/scripted_tools.py), streamed and not; each broken answer found with its kind, no good one
 called broken, reasoning leaks counted only where the arm has a reasoning parser, and the rate with
 its interval."""
 
@@ -18,8 +18,8 @@ from k3pipe.bench.structured import (
     read_structured,
     run_structured,
 )
-from tests.scripted_openai import ScriptedOpenAI
-from tests.scripted_tools import BEHAVIOURS, FAILING, ToolScript
+from k3pipe.testing.scripted_openai import ScriptedOpenAI
+from k3pipe.testing.scripted_tools import BEHAVIOURS, FAILING, ToolScript
 
 
 @pytest.mark.parametrize("reasoning_parser", [True, False])
@@ -52,7 +52,7 @@ def test_every_broken_answer_is_found_streamed_and_not(reasoning_parser: bool) -
 
 
 def test_a_refused_request_is_a_failure_and_the_check_goes_on() -> None:
-    from tests.scripted_openai import Script
+    from k3pipe.testing.scripted_openai import Script
 
     with ScriptedOpenAI(Script(status=500), model="m") as engine:  # no tools script: every answer 500
         record = run_structured(engine.base_url, "m", 3, tool_parser=True, reasoning_parser=False)

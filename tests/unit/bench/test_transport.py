@@ -37,7 +37,7 @@ from k3pipe.bench.transport import (
     StreamTimeout,
     TransportError,
 )
-from tests.scripted_openai import Script, ScriptedOpenAI
+from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 
 pytestmark = pytest.mark.serial
 

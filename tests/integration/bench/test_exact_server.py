@@ -1,4 +1,4 @@
-"""benchmarks/exact_server.py with several worker processes on one port (the GPU node's benchmarks).
+"""k3pipe/testing/exact_server.py with several worker processes on one port (the GPU node's benchmarks).
 
 Real processes and sockets on 127.0.0.1: the server is forked into workers that share the port
 through SO_REUSEPORT; each keeps its own records and control port, and the benchmarks' wrapper
@@ -7,15 +7,12 @@ through SO_REUSEPORT; each keeps its own records and control port, and the bench
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-import client_vs_peers as bench
+from benchmarks import client_vs_peers as bench
 
 pytestmark = pytest.mark.serial
 
@@ -55,7 +52,7 @@ def test_workers_share_the_port_and_their_records_are_merged(tmp_path: Path) -> 
 
 
 def test_a_bad_cpu_list_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    import exact_server
+    from k3pipe.testing import exact_server
 
     with pytest.raises(SystemExit):
         exact_server.main(["--workers", "2", "--cpus", "a,b"])
@@ -67,9 +64,8 @@ def test_a_bad_cpu_list_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -
 def test_the_cached_chunks_are_openai_wire_chunks(chat: bool, continuous: bool) -> None:
     """_Plan.of encodes each shape of chunk once and writes the counts into its text: the result is
     what openai_wire builds chunk by chunk."""
-    import exact_server
-
-    from tests.docker import openai_wire as wire
+    from k3pipe.testing import exact_server
+    from k3pipe.testing import openai_wire as wire
 
     script = exact_server.Script(reasoning_tokens=3, tokens_per_chunk=2)
     prompt = 0 if continuous else 7  # 0: the two counts in a template are the same number

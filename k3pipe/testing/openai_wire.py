@@ -2,8 +2,8 @@
 
 Standard library only: it lives beside ``fake_engine.py`` because that program also runs alone in the
 test image (``tests/docker/Dockerfile`` copies both files). The scripted servers import it:
-``tests/scripted_openai.py`` and ``benchmarks/exact_server.py`` as ``tests.docker.openai_wire``,
-``tests/docker/fake_engine.py`` by its bare name (its own folder is first on ``sys.path``). Each builds
+``scripted_openai.py`` and ``exact_server.py`` as ``k3pipe.testing.openai_wire``, ``fake_engine.py``
+the same way, else (alone in the image) by its bare name, its own folder first on ``sys.path``. Each builds
 chunks with the functions here and writes them its own way (Starlette, ``http.server``, raw
 ``asyncio`` transport); what a server varies on purpose (delays, reasoning field, role placement, the
 made-up tokens) stays in that server.

@@ -4,7 +4,7 @@ Ground truth for the benchmark client: each test scripts the delays, reasoning, 
 and the server records what it received and the ``time.perf_counter()`` at which it handed every
 chunk to the transport (the same clock as the client's, since both live in this process).
 
-The chunks are vLLM 0.32.0's, built by ``tests/docker/openai_wire.py`` (which documents where each
+The chunks are vLLM 0.32.0's, built by ``k3pipe/testing/openai_wire.py`` (which documents where each
 shape comes from); a script varies only what a real server may vary (timing, reasoning field, usage,
 errors, older vLLM's ``"usage": null``).
 """
@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.docker import openai_wire as wire
-from tests.scripted_tools import ToolScript
+from k3pipe.testing import openai_wire as wire
+from k3pipe.testing.scripted_tools import ToolScript
 
 __all__ = ["Received", "Script", "ScriptedOpenAI"]
 
@@ -111,7 +111,9 @@ class ScriptedOpenAI:
         # a chat request with "stream": false gets one JSON answer whose content is answer(body), as
         # vLLM's ChatCompletionResponse (chat_completion/protocol.py); None: every answer streams
         self.answer = answer
-        self.tools = tools  # chat requests that offer tools: answered by it (tests/scripted_tools.py)
+        self.tools = (
+            tools  # chat requests that offer tools: answered by it (k3pipe/testing/scripted_tools.py)
+        )
         self.slots = slots
         self._slots: asyncio.Semaphore | None = None  # made on the server's loop, at its first request
         self.script: ScriptSource = script if script is not None else Script()

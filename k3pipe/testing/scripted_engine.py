@@ -1,4 +1,4 @@
-"""A stand-in engine for the process launcher: the scripted OpenAI server (tests/scripted_openai.py)
+"""A stand-in engine for the process launcher: the scripted OpenAI server (k3pipe/testing/scripted_openai.py)
 started the way k3pipe starts vLLM (``--model DIR [--served-model-name N] --host H --port P`` and the
 arm's own flags), as its own process, for tests that need a real launch without the real engine.
 
@@ -14,9 +14,9 @@ It behaves as vLLM does where the tests look:
   body that echoes the request's Authorization header (a gateway that echoes its headers);
 - ``SCRIPTED_ENGINE_INTER_TOKEN_S=S``: S seconds between token chunks (default none: a TPOT of 0);
 - ``SCRIPTED_ENGINE_TOOLS=good,bad-json,...``: chat requests that offer tools are answered with these
-  behaviours in turn (tests/scripted_tools.py: good and broken tool calls as vLLM spells them).
+  behaviours in turn (k3pipe/testing/scripted_tools.py: good and broken tool calls as vLLM spells them).
 
-Run as ``python tests/scripted_engine.py ...``; SIGTERM ends it (k3pipe stops its process group).
+Run as ``python k3pipe/testing/scripted_engine.py ...``; SIGTERM ends it (k3pipe stops its process group).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import sys
 import threading
 from pathlib import Path
 
-# run as a script, from any directory: the repo root on sys.path, so that tests.* import as in pytest
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# run as a script, from any directory: the repo root on sys.path, so that k3pipe imports as in pytest
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.scripted_openai import Received, Script, ScriptedOpenAI
-from tests.scripted_tools import ToolScript
+from k3pipe.testing.scripted_openai import Received, Script, ScriptedOpenAI
+from k3pipe.testing.scripted_tools import ToolScript
 
 
 def _sha(value: str) -> str:

@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tests.docker import openai_wire as wire
+from k3pipe.testing import openai_wire as wire
 
 __all__ = ["BEHAVIOURS", "FAILING", "ToolScript"]
 

@@ -71,7 +71,10 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import openai_wire as wire  # beside this file, in the repo and in the image
+try:
+    from k3pipe.testing import openai_wire as wire
+except ImportError:  # alone in the test image, openai_wire.py beside it
+    import openai_wire as wire  # type: ignore[no-redef]
 
 VLLM_VERSION = "0.32.0"
 SGLANG_VERSION = "0.5.23"

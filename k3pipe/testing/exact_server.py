@@ -21,7 +21,7 @@ chunk, nothing else), ``with_first`` (vLLM's own behaviour: a ``{"role": "assist
 (``choices: []``), ``stream_options.continuous_usage_stats`` puts ``usage`` with the running
 ``completion_tokens`` on every chunk; ``data: [DONE]`` ends every stream.
 
-The chunks are vLLM 0.32.0's, built by ``tests/docker/openai_wire.py`` (which says where each shape
+The chunks are vLLM 0.32.0's, built by ``k3pipe/testing/openai_wire.py`` (which says where each shape
 comes from); the last token chunk has ``finish_reason: "length"``.
 
 Why it is built this way (accuracy at 1000 streams on 2 cores):
@@ -65,7 +65,7 @@ connection serial numbers are unique across workers (worker k counts from k x 10
 parent reserves the port (bound with ``SO_REUSEPORT``, never listening) until every worker listens,
 and on SIGTERM/SIGINT stops its workers and waits for them.
 
-Run: ``python benchmarks/exact_server.py [--port 0] [--cpu N] [--workers N --cpus A,B]``; it prints
+Run: ``python k3pipe/testing/exact_server.py [--port 0] [--cpu N] [--workers N --cpus A,B]``; it prints
 ``{"port": P, "pid": ...}`` (with workers: and ``"workers": [{"pid", "cpu", "control_port"}, ...]``)
 on one line of stdout when it listens, and stops on SIGTERM or SIGINT.
 """
@@ -92,13 +92,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-# The wire format is spelled once, in tests/docker/openai_wire.py (beside the fake engine, which runs
-# alone in an image); run as a script, this file has only benchmarks/ on sys.path, so add the repo root.
-_REPO = str(Path(__file__).resolve().parents[1])
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+# The wire format is spelled once, in k3pipe/testing/openai_wire.py (beside the fake engine, which runs
+# alone in an image); run as a script, this file has only k3pipe/testing/ on sys.path, so add the root
+# of the checkout it sits in (an installed k3pipe is found either way).
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
-from tests.docker import openai_wire as wire  # noqa: E402
+from k3pipe.testing import openai_wire as wire  # noqa: E402
 
 __all__ = ["PreciseSelector", "Script", "main", "serve", "set_realtime"]
 
