@@ -32,7 +32,7 @@ def notify(retest: str) -> dict[str, Any]:
     'k3pipe-regression' where it exists.
 
     Args:
-        retest: The retest's MLflow run id (or the event's resource id, k3pipe.jobs.retest_run.<run id>).
+        retest: The retest's MLflow run id (or the event's resource id, k3pipe.retest.<run id>).
     """
     guard()
     job = flow_job()
