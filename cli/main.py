@@ -693,7 +693,7 @@ def _rerun_retest(settings: Settings, run_id: str, allow_drift: bool) -> None:
 def _print_outcomes(outcomes: list[dict]) -> None:
     import pandas as pd
 
-    from k3pipe.records.recorder import summary_table
+    from k3pipe.records.derive import summary_table
 
     rows = [row for o in outcomes for row in o.get("workloads", [])]
     if rows:

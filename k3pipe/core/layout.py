@@ -23,6 +23,7 @@ __all__ = [
     "ACCURACY_FILE",
     "ANSWERS_ERROR_TAG",
     "ANSWERS_FILE",
+    "ARG_PREFIX",
     "ARM_TAG",
     "BURSTY_WORKLOADS_TAG",
     "CAPACITY_BINDING_TAG",
@@ -34,6 +35,7 @@ __all__ = [
     "CLIENT_TIMING_NOTE_TAG",
     "CLIENT_TIMING_TAG",
     "COLD_START_PHASES_FILE",
+    "COLD_START_PREFIX",
     "COLD_START_TABLE_FILE",
     "COMMAND_FILE",
     "COMPILE_CACHE_FILE",
@@ -48,9 +50,11 @@ __all__ = [
     "ENGINE_DEVICE_NAMES_TAG",
     "ENGINE_FINDINGS_ERROR_TAG",
     "ENGINE_FINDINGS_FILE",
+    "ENGINE_LOG_PREFIX",
     "ENGINE_METRICS_FILE",
     "ENGINE_TAG",
     "ENGINE_WARNINGS_TAG",
+    "ENV_PREFIX",
     "ERROR_TAG",
     "EXPERIMENT_FILE",
     "EXPERIMENT_TAG",
@@ -115,17 +119,25 @@ __all__ = [
     "SPECULATION_ERROR_TAG",
     "SPECULATION_FILE",
     "SPECULATION_VERDICT_TAG",
+    "STAGE_PREFIX",
     "STRUCTURED_FILE",
     "STUDY_KIND",
     "SUMMARY_FILE",
     "SUPERSEDED_TAG",
+    "TIME_PREFIX",
     "TWIN_TAG",
     "VARIANTS_FILE",
     "VARIANT_TAG",
+    "VERDICT_PREFIX",
+    "WORKLOAD_PREFIX",
     "WORKLOAD_TAG",
     "RunTags",
+    "cold_start_metric",
     "prompts_path",
     "provenance_path",
+    "stage_prefix",
+    "stage_times",
+    "verdict_metric",
 ]
 
 LAYOUT_VERSION = "1"
@@ -433,3 +445,50 @@ class RunTags:
     def parent(self) -> str | None:
         """The run it is nested under (MLflow's own tag)."""
         return self._get("mlflow.parentRunId")
+
+
+# --- metric and param names built from parts: each scheme written and read through these ---------------
+STAGE_PREFIX = "stage."
+"""A study run's stage times, per arm launch (:func:`stage_prefix`)."""
+COLD_START_PREFIX = "cold_start."
+"""An arm run's cold-start phases read from the engine's log (:func:`cold_start_metric`)."""
+ENGINE_LOG_PREFIX = "engine_log."
+"""An arm run's figures from the engine's log (KV pool, throughput samples, OOM lines ...)."""
+VERDICT_PREFIX = "verdict."
+"""A retest run's verdict counts, per variant and outcome (:func:`verdict_metric`)."""
+TIME_PREFIX = "time."
+"""A workload run's wall-clock times, as params."""
+ARG_PREFIX = "arg."
+"""An arm run's engine arguments as given (secrets redacted), as params."""
+ENV_PREFIX = "env."
+"""An arm run's engine environment (secrets redacted), as params."""
+WORKLOAD_PREFIX = "workload."
+"""A workload run's spec, as params."""
+
+
+def stage_prefix(arm: str, launch: int = 1) -> str:
+    """The study run's metric prefix of an arm launch's stages: ``stage.a.`` for launch 1,
+    ``stage.a.launch2.`` for later ones (a priming launch is launch 0: ``stage.a.launch0.``)."""
+    return f"{STAGE_PREFIX}{arm}." if launch == 1 else f"{STAGE_PREFIX}{arm}.launch{launch}."
+
+
+def stage_times(metrics: Mapping[str, float], arm: str, launch: int = 1) -> dict[str, float]:
+    """An arm launch's stage times (seconds by stage) among a study run's metrics: the reader of
+    :func:`stage_prefix` (launch 1's prefix also starts the later launches' keys: those are not its)."""
+    prefix = stage_prefix(arm, launch)
+    later = f"{STAGE_PREFIX}{arm}.launch"
+    return {
+        k.removeprefix(prefix).removesuffix("_s"): v
+        for k, v in metrics.items()
+        if k.startswith(prefix) and (launch != 1 or not k.startswith(later))
+    }
+
+
+def cold_start_metric(phase: str) -> str:
+    """The arm run's metric of one cold-start phase, in seconds."""
+    return f"{COLD_START_PREFIX}{phase}_s"
+
+
+def verdict_metric(variant: str, outcome: str) -> str:
+    """The retest run's count of ``variant``'s cells judged ``outcome`` (better, worse, ...)."""
+    return f"{VERDICT_PREFIX}{variant}.{outcome}"

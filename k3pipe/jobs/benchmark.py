@@ -17,7 +17,7 @@ from k3pipe.jobs.arm_run import ArmOutcome, ArmRun
 from k3pipe.jobs.prepare import prepare
 from k3pipe.jobs.rerun import RerunInputs
 from k3pipe.jobs.steps import Job, judge_speculation
-from k3pipe.records.recorder import summary_table
+from k3pipe.records.derive import summary_table
 
 __all__ = ["BenchmarkRequest", "BenchmarkResult", "benchmark"]
 

@@ -45,6 +45,7 @@ from k3pipe.core.layout import (
     PRIME_TAG,
     RECORD_FILE,
     RESUMED_TAG,
+    STAGE_PREFIX,
     STUDY_KIND,
     SUPERSEDED_TAG,
     RunTags,
@@ -195,7 +196,7 @@ def resume_point(tracker: Tracker, run_ref: str) -> ResumePoint:
         arms=[a for a in arms if a],
         params={k: v for k, v in params.items() if k.startswith("override.")},
         experiment_file=params.get("experiment_file", ""),
-        stages={k: v for k, v in run.data.metrics.items() if k.startswith("stage.")},
+        stages={k: v for k, v in run.data.metrics.items() if k.startswith(STAGE_PREFIX)},
         wall_s=float(run.data.metrics.get("study.wall_s", 0.0)),
         resumes=int(tags.get(RESUMED_TAG, "0")),
     )

@@ -45,6 +45,7 @@ from k3pipe.core.layout import (
     LAUNCHES_TAG,
     PRIME_TAG,
     STUDY_KIND,
+    stage_prefix,
 )
 from k3pipe.core.secrets import redact_data, scrub
 from k3pipe.core.settings import Settings
@@ -68,7 +69,6 @@ __all__ = [
     "StudyOutcome",
     "StudySteps",
     "primed_spec",
-    "stage_prefix",
     "start_study",
 ]
 
@@ -100,12 +100,6 @@ def decision_reached(tracker: Tracker, run_id: str, ci_pct: float, alpha: float)
         return True, f"every decision comparison decided or within +-{ci_pct:g}% ({len(pairs)} in all)"
     shown = ", ".join(open_[:3]) + (f" and {len(open_) - 3} more" if len(open_) > 3 else "")
     return False, f"{len(open_)} of {len(pairs)} comparisons open ({shown})"
-
-
-def stage_prefix(arm: str, launch: int = 1) -> str:
-    """The study run's metric prefix of an arm launch's stages (``stage.a.``, ``stage.a.launch2.``;
-    a priming launch is launch 0: ``stage.a.launch0.``)."""
-    return f"stage.{arm}" if launch == 1 else f"stage.{arm}.launch{launch}"
 
 
 def primed_spec(spec: ExperimentSpec) -> ExperimentSpec:
@@ -417,8 +411,8 @@ class Study:
                     models[name] = self.models[name]
                 elif name in model_futures:
                     models[name] = model_futures[name].result()
-                    stages[f"{prefix}.models_s"] = (
-                        stages.get(f"{prefix}.models_s", 0.0) + models[name].duration_s
+                    stages[f"{prefix}models_s"] = (
+                        stages.get(f"{prefix}models_s", 0.0) + models[name].duration_s
                     )
         except Exception as exc:
             error = scrub(f"{type(exc).__name__}: {exc}")
@@ -435,7 +429,7 @@ class Study:
                 image_futures[arm.name].result() if arm.name in image_futures else self.steps.pull_image(plan)
             )
             waits.append(time.perf_counter() - t)
-            stages[f"{prefix}.image_pull_s"] = record.duration_s
+            stages[f"{prefix}image_pull_s"] = record.duration_s
             return record
 
         which = f" launch {launch} of {launches}" if launches > 1 else ""
@@ -461,14 +455,14 @@ class Study:
         try:
             result = run.execute()
         finally:
-            stages[f"{prefix}.input_wait_s"] = sum(waits)
-            stages[f"{prefix}.run_s"] = time.perf_counter() - began - (waits[1] if len(waits) > 1 else 0.0)
+            stages[f"{prefix}input_wait_s"] = sum(waits)
+            stages[f"{prefix}run_s"] = time.perf_counter() - began - (waits[1] if len(waits) > 1 else 0.0)
             # each launch's stages as it ends: a study whose command is killed keeps those of its
             # finished launches (a resume adds the rest)
             own = ("models_s", "image_pull_s", "input_wait_s", "run_s")
             self.tracker.log_metrics(
                 self.run_id,
-                {f"{prefix}.{k}": stages[f"{prefix}.{k}"] for k in own if f"{prefix}.{k}" in stages},
+                {f"{prefix}{k}": stages[f"{prefix}{k}"] for k in own if f"{prefix}{k}" in stages},
             )
         result.launch = launch
         return result

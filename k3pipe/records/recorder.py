@@ -13,18 +13,17 @@ import socket
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from mlflow.exceptions import MlflowException
 
-from k3pipe.bench import WorkloadResult, records_frame
+from k3pipe.bench import records_frame
 from k3pipe.bench.accuracy import AccuracyRecord
 from k3pipe.bench.health import EndpointCheck
 from k3pipe.bench.probe import ProbeRecord
-from k3pipe.bench.repeats import RepeatStats, aggregate_repeats
+from k3pipe.bench.repeats import aggregate_repeats
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.structured import StructuredRecord
 from k3pipe.bench.summary import timing_note
@@ -33,6 +32,7 @@ from k3pipe.core.layout import (
     ACCURACY_FILE,
     ANSWERS_ERROR_TAG,
     ANSWERS_FILE,
+    ARG_PREFIX,
     ARM_TAG,
     BURSTY_WORKLOADS_TAG,
     CAPACITY_BINDING_TAG,
@@ -52,9 +52,11 @@ from k3pipe.core.layout import (
     ENGINE_DEVICE_NAMES_TAG,
     ENGINE_FINDINGS_ERROR_TAG,
     ENGINE_FINDINGS_FILE,
+    ENGINE_LOG_PREFIX,
     ENGINE_METRICS_FILE,
     ENGINE_TAG,
     ENGINE_WARNINGS_TAG,
+    ENV_PREFIX,
     ERROR_TAG,
     EXPERIMENT_FILE,
     EXPERIMENT_TAG,
@@ -92,15 +94,17 @@ from k3pipe.core.layout import (
     STRUCTURED_FILE,
     SUMMARY_FILE,
     TWIN_TAG,
+    WORKLOAD_PREFIX,
     WORKLOAD_TAG,
     RunTags,
+    cold_start_metric,
     provenance_path,
 )
 from k3pipe.core.provenance import git_commit
 from k3pipe.core.secrets import redact_data, scrub
 from k3pipe.engines import get_engine
 from k3pipe.engines.base import Finding
-from k3pipe.engines.observe import EngineLogFacts, log_wall_time, phase_table, same_device
+from k3pipe.engines.observe import EngineLogFacts, phase_table
 from k3pipe.experiment.preflight import hardware_mismatches
 from k3pipe.experiment.speculation import SpeculationReport
 from k3pipe.launchers import equivalent_command
@@ -110,6 +114,20 @@ from k3pipe.machine.node import NodeInfo, gpu_energy, gpu_memory_frame
 from k3pipe.planning.coldstart import ColdStart
 from k3pipe.planning.plan import ArmGpus, ArmPlan
 from k3pipe.prompts.corpora import PromptSet
+from k3pipe.records.derive import (
+    COUNTS,
+    compile_cache_params,
+    compiles_inside,
+    device_mismatch,
+    flat,
+    gateway_params,
+    ms_of,
+    probe_interval_metrics,
+    repeat_metrics_of,
+    summary_table,
+    times_params,
+    workload_times,
+)
 from k3pipe.records.runrecord import PromptsRef, RunRecord, prompts_artifact, prompts_digest
 from k3pipe.records.tracking import KEY_METRICS, Tracker
 from k3pipe.schema.specs import ExperimentSpec, WorkloadSpec
@@ -118,136 +136,12 @@ from k3pipe.sources.images import ImageRecord
 from k3pipe.verdicts.capacity import CapacityResult, Probe, summarize_searches
 
 __all__ = [
-    "SUMMARY_COLUMNS",
     "ArmRecorder",
     "close_abandoned",
     "record_failed_arm",
     "record_preflight_stop",
     "record_speculation",
-    "summary_table",
 ]
-
-SUMMARY_COLUMNS = (
-    "arm",
-    "workload",
-    "completed",
-    "failed",
-    "ttft_ms_p50",
-    "ttft_ms_p99",
-    "tpot_ms_p50",
-    "itl_ms_p50",
-    "e2e_ms_p50",
-    "output_throughput_tps",
-    "request_throughput_rps",
-    "slo_attainment_pct",
-)
-"""The columns of the summary table the flow publishes and `k3pipe run` prints."""
-
-_CLIENT_TIMING = ("tpot_ms_p50", "itl_ms_p50")
-
-
-def summary_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The summary table for people: ``SUMMARY_COLUMNS``, counts as integers, figures rounded to 2.
-
-    A figure the run did not measure reads ``-``, never NaN. A workload whose delivery was bursty
-    (``client_timing_bursty``, see k3pipe.bench.summary) shows ``bursty`` in place of the client's
-    TPOT and ITL, which would read near zero, and a ``client_timing`` column says why and gives the
-    engine's own ITL.
-    """
-    rows = list(rows)
-    any_bursty = any(r.get("client_timing_bursty") for r in rows)
-    table = []
-    for r in rows:
-        bursty = bool(r.get("client_timing_bursty"))
-        out: dict[str, Any] = {}
-        for column in SUMMARY_COLUMNS:
-            value = r.get(column)
-            if bursty and column in _CLIENT_TIMING:
-                out[column] = "bursty"
-            elif value is None or (isinstance(value, float) and value != value):
-                out[column] = "-"
-            elif column in _COUNTS:
-                out[column] = int(value)
-            elif isinstance(value, float):
-                out[column] = round(value, 2)
-            else:
-                out[column] = value
-        if any_bursty:
-            out["client_timing"] = _timing_cell(r) if bursty else "ok"
-        table.append(out)
-    return table
-
-
-def _timing_cell(row: Mapping[str, Any]) -> str:
-    pct = row.get("bursty_requests_pct")
-    share = "?" if pct is None else f"{pct:.0f}%"
-    engine = row.get("engine_itl_ms_p50")
-    where = "no engine ITL" if engine is None else f"engine ITL p50 {engine:.2f} ms"
-    return f"bursty ({share} of requests): {where}"
-
-
-def _probe_interval(probe: Probe | None) -> dict[str, float]:
-    """A judged probe's counts and attainment interval as metrics (none where its count is unknown)."""
-    if probe is None or probe.requests is None or probe.ci_low_pct is None or probe.ci_high_pct is None:
-        return {}
-    return {
-        "probe.requests": float(probe.requests),
-        "probe.slo_met": float(probe.met or 0),
-        "probe.slo_attainment_ci_low_pct": probe.ci_low_pct,
-        "probe.slo_attainment_ci_high_pct": probe.ci_high_pct,
-        "probe.undecided": float(bool(probe.undecided)),
-    }
-
-
-def _flat(prefix: str, data: Mapping[str, Any]) -> dict[str, Any]:
-    return {f"{prefix}.{k}": v for k, v in data.items()}
-
-
-def _gateway_params(plan: ArmPlan) -> dict[str, Any]:
-    """The gateway's three settings (its key by its variable's NAME only) and where the requests
-    went; ``base_url``, ``model_id`` and ``api_key_env`` stay the engine's."""
-    if plan.gateway is None:
-        return {}  # the requests went to the engine's endpoint (base_url, model_id)
-    return {
-        "client_target": "gateway",
-        "gateway.base_url": plan.gateway.base_url,
-        "gateway.model": plan.gateway.model,
-        "gateway.api_key_env": plan.gateway.api_key_env,
-        "gateway.continuous_usage_stats": plan.gateway.continuous_usage_stats,
-    }
-
-
-def workload_times(result: WorkloadResult) -> dict[str, float] | None:
-    """When a workload ran, on the wall clock (Unix seconds): its first send (warm-up included), the
-    measured window's start (the zero of requests.parquet's, engine_metrics.parquet's and
-    gpu_memory.parquet's times) and end, its last response's end, and the monotonic clock's reading
-    at the window's start. None when the client recorded no wall-clock start."""
-    if not result.started_at_unix_s or result.started_at_unix_s <= 0:
-        return None
-    offset = result.started_at_unix_s - result.t_start  # perf_counter -> Unix seconds
-    sends = [r.t_send for r in result.records]
-    ends = [r.t_end for r in result.records]
-    return {
-        "first_send_unix_s": offset + min(sends, default=result.t_start),
-        "measured_start_unix_s": result.started_at_unix_s,
-        "measured_end_unix_s": offset + result.t_end,
-        "last_end_unix_s": offset + max([*ends, result.t_end]),
-        "perf_counter_at_measured_start_s": result.t_start,
-    }
-
-
-def _times_params(times: Mapping[str, float] | None) -> dict[str, str]:
-    """``time.*`` params of :func:`workload_times` (and the window's start in UTC, for people)."""
-    if times is None:
-        return {}
-    params = {f"time.{k}": f"{v:.6f}" for k, v in times.items()}
-    start = datetime.fromtimestamp(times["measured_start_unix_s"], tz=UTC)
-    params["time.measured_start_utc"] = start.isoformat(timespec="milliseconds")
-    return params
-
-
-def _ms(times: Mapping[str, float] | None, key: str) -> int | None:
-    return None if times is None else round(times[key] * 1000)
 
 
 class ArmRecorder:
@@ -278,7 +172,7 @@ class ArmRecorder:
         )
         self.workload_runs: dict[str, str] = {}
         # workloads with repeats: the metrics of each repeat logged so far, and which are still open
-        self._repeat_metrics: dict[str, list[dict[str, float]]] = {}
+        self.repeat_metrics_of: dict[str, list[dict[str, float]]] = {}
         self._aborted: dict[str, set[int]] = {}  # per workload: its repeats cut short (numbers from 1)
         self._open: dict[str, WorkloadSpec] = {}
         self._single: dict[str, dict[str, float]] = {}
@@ -328,7 +222,7 @@ class ArmRecorder:
             "base_url": plan.base_url,
             "model_id": plan.model,
             "api_key_env": plan.api_key_env,
-            **_gateway_params(plan),
+            **gateway_params(plan),
             "k3pipe_commit": git_commit(),
             # the node restart noise is kept for where no GPU names it (k3pipe.records.priors)
             "node.host": socket.gethostname(),
@@ -336,9 +230,9 @@ class ArmRecorder:
             "client.cpus": plan.client.cpus,
             "client.realtime": plan.client.realtime,
             "launcher.cpus": ",".join(map(str, plan.launch.engine_cpus() or [])) or None,
-            **_flat("env", cmd.redacted_env()),
-            **_flat("arg", redact_data(exp.arm(plan.arm).engine.args)),
-            **_compile_cache_params(plan),
+            **flat(ENV_PREFIX, cmd.redacted_env()),
+            **flat(ARG_PREFIX, redact_data(exp.arm(plan.arm).engine.args)),
+            **compile_cache_params(plan),
             **(extra or {}),
         }
         for name, rec in models.items():
@@ -514,7 +408,7 @@ class ArmRecorder:
         disagreement. With repeats it is a nested run under the workload's run, which gets the
         statistics across repeats once the last repeat is in (or when the arm ends early)."""
         tags = self._workload_tags(workload)
-        params = _flat("workload", workload.model_dump(mode="json"))
+        params = flat(WORKLOAD_PREFIX, workload.model_dump(mode="json"))
         tags["mlflow.note.content"] = (
             f"Workload **{workload.name}** of arm {self.plan.arm}: {workload.input_tokens:,} in / "
             f"{workload.output_tokens:,} out tokens, {workload.dataset.kind} prompts, {workload.load} load "
@@ -531,7 +425,7 @@ class ArmRecorder:
                 f"{self.plan.arm}/{workload.name}",
                 tags=tags,
                 parent_id=self.run_id,
-                start_ms=_ms(times, "first_send_unix_s"),
+                start_ms=ms_of(times, "first_send_unix_s"),
             )
             self.workload_runs[workload.name] = run_id
             metrics = self._log_outcome(run_id, params, outcome)
@@ -539,7 +433,7 @@ class ArmRecorder:
                 self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}
             )
             return run_id
-        parent = self._repeats_parent(workload, tags, params, _ms(times, "first_send_unix_s"))
+        parent = self._repeats_parent(workload, tags, params, ms_of(times, "first_send_unix_s"))
         k = outcome.repeat
         run_id = self.tracker.start_run(
             f"{self.plan.arm}/{workload.name}#{k + 1}",
@@ -552,16 +446,16 @@ class ArmRecorder:
                 ),
             },
             parent_id=parent,
-            start_ms=_ms(times, "first_send_unix_s"),
+            start_ms=ms_of(times, "first_send_unix_s"),
         )
         repeat_params = {**params, "workload.seed": outcome.seed, "repeat": k + 1}
         metrics = self._log_outcome(run_id, repeat_params, outcome)
-        self._repeat_metrics[workload.name].append({"repeat": float(k + 1), **metrics})
+        self.repeat_metrics_of[workload.name].append({"repeat": float(k + 1), **metrics})
         if outcome.result.aborted or outcome.engine_lost:
             # cut short (an interrupt, a deadline, the engine lost): in no figure across repeats, and
             # the workload did not finish; the arm's end closes its run with the arm's status
             self._aborted.setdefault(workload.name, set()).add(k + 1)
-        elif len(self._repeat_metrics[workload.name]) >= workload.repeats:
+        elif len(self.repeat_metrics_of[workload.name]) >= workload.repeats:
             self._close_repeats(workload.name, "FINISHED")
         return run_id
 
@@ -588,7 +482,7 @@ class ArmRecorder:
             )
             # registered before anything else can fail, so that finish() always closes it
             self.workload_runs[workload.name] = parent
-            self._repeat_metrics[workload.name] = []
+            self.repeat_metrics_of[workload.name] = []
             self._open[workload.name] = workload
             self.tracker.log_params(parent, params)
         return parent
@@ -600,7 +494,7 @@ class ArmRecorder:
         repeat's run under it (the workload's run then gets the statistics across repeats)."""
         assert workload.capacity is not None
         tags = self._workload_tags(workload)
-        params = _flat("workload", workload.model_dump(mode="json"))
+        params = flat(WORKLOAD_PREFIX, workload.model_dump(mode="json"))
         unit = "req/s" if workload.capacity.over == "rate" else "streams"
         tags["mlflow.note.content"] = (
             f"Capacity search of workload **{workload.name}** of arm {self.plan.arm}: the highest "
@@ -644,7 +538,7 @@ class ArmRecorder:
             f"{self.plan.arm}/{probe.name}@{label}",
             tags={**self._workload_tags(probe), PROBE_TAG: label},
             parent_id=search_run,
-            start_ms=_ms(workload_times(outcome.result), "first_send_unix_s"),
+            start_ms=ms_of(workload_times(outcome.result), "first_send_unix_s"),
         )
         pct, by = attainment
         self._resets.setdefault(search_run, [0, 0])[0 if reset else 1] += 1
@@ -654,11 +548,11 @@ class ArmRecorder:
                 "probe.slo_attainment_from_arrival_pct": pct,
                 **{f"probe.slo_attainment_from_arrival.{k}_pct": v for k, v in by.items()},
                 "probe.prefix_cache_reset": int(reset),
-                **_probe_interval(judged),
+                **probe_interval_metrics(judged),
             },
         )
         params = {
-            **_flat("workload", probe.model_dump(mode="json")),
+            **flat(WORKLOAD_PREFIX, probe.model_dump(mode="json")),
             "probe.over": over,
             "probe.point": point,
             "workload.seed": outcome.seed,
@@ -700,10 +594,10 @@ class ArmRecorder:
             self.tracker.end_run(search_run, "FINISHED" if found else "FAILED")
             return
         self.tracker.end_run(search_run, "FINISHED")
-        self._repeat_metrics[workload.name].append(metrics)
+        self.repeat_metrics_of[workload.name].append(metrics)
         searches = self._searches.setdefault(workload.name, [])
         searches.append(result)
-        if len(self._repeat_metrics[workload.name]) >= workload.repeats:
+        if len(self.repeat_metrics_of[workload.name]) >= workload.repeats:
             self._log_capacity_interval(workload.name, searches, unit)
             self._close_repeats(workload.name, "FINISHED")
             means = self.workload_metrics(workload.name)
@@ -802,12 +696,12 @@ class ArmRecorder:
         else:
             repeats = [r for r in self.tracker.children(run_id) if r.data.tags.get(REPEAT_TAG)]
             repeats.sort(key=lambda r: int(r.data.tags[REPEAT_TAG]))
-            self._repeat_metrics[workload.name] = [
+            self.repeat_metrics_of[workload.name] = [
                 {**r.data.metrics, "repeat": float(r.data.tags[REPEAT_TAG])} for r in repeats
             ]
             if any(r.data.tags.get(CLIENT_TIMING_TAG) == "bursty" for r in repeats):
                 self._bursty.add(workload.name)
-            stats = aggregate_repeats(self._repeat_metrics[workload.name])
+            stats = aggregate_repeats(self.repeat_metrics_of[workload.name])
             metrics = {k: v.mean for k, v in stats.items()}
         self.tracker.log_metrics(self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS})
         if self._bursty:
@@ -818,7 +712,7 @@ class ArmRecorder:
 
     def repeat_metrics(self, name: str) -> list[dict[str, float]]:
         """A workload's metrics, one mapping per repeat measured (one for a single-repeat workload)."""
-        per_repeat = self._repeat_metrics.get(name)
+        per_repeat = self.repeat_metrics_of.get(name)
         if per_repeat is None:
             return [dict(self._single[name])] if name in self._single else []
         return [dict(m) for m in per_repeat]
@@ -826,12 +720,12 @@ class ArmRecorder:
     def workload_metrics(self, name: str) -> dict[str, float]:
         """What the arm's summary table shows for a workload: its metrics, or across repeats the means
         of its figures and the sums of its request counts."""
-        per_repeat = self._repeat_metrics.get(name)
+        per_repeat = self.repeat_metrics_of.get(name)
         if per_repeat is None:
             return dict(self._single.get(name, {}))
         means = {k: v.mean for k, v in aggregate_repeats(per_repeat).items() if k != "repeat"}
         # counts add up across repeats (a mean of 15.67 completed requests reads as a bug)
-        for count in _COUNTS:
+        for count in COUNTS:
             if count in means:
                 means[count] = sum(m.get(count, 0.0) for m in per_repeat)
         return means
@@ -842,11 +736,11 @@ class ArmRecorder:
         result, summary = outcome.result, outcome.summary
         costs: dict[str, float] = {}
         times = workload_times(result)
-        end_ms = _ms(times, "last_end_unix_s")
+        end_ms = ms_of(times, "last_end_unix_s")
         if end_ms is not None:
             self._last_end_ms[result.workload] = end_ms
         try:
-            self.tracker.log_params(run_id, {**params, **_times_params(times)})
+            self.tracker.log_params(run_id, {**params, **times_params(times)})
             if outcome.prompts is not None:
                 self.tracker.log_dataset(run_id, outcome.prompts)
             metrics = summary.metrics()
@@ -902,7 +796,7 @@ class ArmRecorder:
         run_id = self.workload_runs.get(name)
         if workload is None or run_id is None:
             return
-        every = self._repeat_metrics.get(name, [])
+        every = self.repeat_metrics_of.get(name, [])
         aborted = self._aborted.get(name, set())
         # a repeat cut short is in no figure across repeats (docs/measurement.md, "A launch cut
         # short"); repeats.parquet keeps its row, marked
@@ -910,7 +804,7 @@ class ArmRecorder:
         try:
             stats = aggregate_repeats(per_repeat) if per_repeat else {}
             stats.pop("repeat", None)
-            self.tracker.log_metrics(run_id, _repeat_metrics(stats))
+            self.tracker.log_metrics(run_id, repeat_metrics_of(stats))
             self.tracker.log_metrics(
                 run_id,
                 {
@@ -946,7 +840,7 @@ class ArmRecorder:
         self.tracker.log_metrics(
             self.run_id,
             {
-                f"engine_log.{name}": getattr(facts, name)
+                f"{ENGINE_LOG_PREFIX}{name}": getattr(facts, name)
                 for name in (
                     "startup_s",
                     "kv_pool_tokens",
@@ -998,23 +892,7 @@ class ArmRecorder:
         if not facts.serving_compiles:
             return []
         fmt = get_engine(self.plan.engine).log_patterns.format
-        said: list[str] = []
-        inside = 0
-        for line in facts.serving_compiles:
-            if line.time is None or not self.windows:
-                continue
-            year = datetime.fromtimestamp(self.windows[0][1]).year
-            try:
-                t = log_wall_time(line.time, fmt, year)
-            except ValueError:
-                continue
-            hit = [label for label, start, end in self.windows if t < end and t + 1 > start]
-            if hit:
-                inside += 1
-                said.append(
-                    f"a kernel was compiled while serving, inside the measured window of {', '.join(hit)} "
-                    f"({line.time}): {line.message}"
-                )
+        inside, said = compiles_inside(facts.serving_compiles, self.windows, fmt)
         self.tracker.log_metrics(
             self.run_id,
             {
@@ -1033,16 +911,10 @@ class ArmRecorder:
         if not facts.device_names:
             return None
         self.tracker.set_tags(self.run_id, {ENGINE_DEVICE_NAMES_TAG: ", ".join(facts.device_names)})
-        hardware = self.plan.hardware
-        if self.gpu_names:
-            wrong = [d for d in facts.device_names if not same_device(d, self.gpu_names)]
-            named = f"nvidia-smi names the GPU {', '.join(self.gpu_names)}"
-        elif hardware is not None:  # no nvidia-smi where k3pipe runs (an endpoint, a cluster manager)
-            words = hardware.gpu_name.casefold().split()
-            wrong = [d for d in facts.device_names if not set(words) <= set(d.casefold().split("_"))]
-            named = f"the experiment's hardware.gpu_name is {hardware.gpu_name!r} (no nvidia-smi here)"
-        else:
+        compared = device_mismatch(facts.device_names, self.gpu_names, self.plan.hardware)
+        if compared is None:
             return None
+        wrong, named = compared
         self.tracker.log_metrics(self.run_id, {"engine_log.device_name_mismatch": int(bool(wrong))})
         if not wrong:
             return None
@@ -1056,7 +928,7 @@ class ArmRecorder:
         if not facts.cold_start_phases:
             return
         self.tracker.log_metrics(
-            self.run_id, {f"cold_start.{p.phase}_s": p.seconds for p in facts.cold_start_phases}
+            self.run_id, {cold_start_metric(p.phase): p.seconds for p in facts.cold_start_phases}
         )
         self.tracker.log_dict(
             self.run_id, [p.model_dump() for p in facts.cold_start_phases], COLD_START_PHASES_FILE
@@ -1228,33 +1100,6 @@ class ArmRecorder:
                 cells = [str(raw["workload"]), *(str(row.get(h, "-")) for h in headers[1:])]
                 lines.append("| " + " | ".join(cells) + " |")
         return self.tracker.scrub("\n".join(lines))
-
-
-_COUNTS = ("requests", "completed", "failed", "warmup_requests", "slo_met")
-
-
-def _compile_cache_params(plan: ArmPlan) -> dict[str, Any]:
-    """``compile_cache.key``, ``.dir`` (as the engine sees it), ``.host_dir``, ``.source``, ``.var``."""
-    cache = plan.compile_cache
-    if cache is None:
-        return {}
-    return {
-        "compile_cache.key": cache.key,
-        "compile_cache.dir": cache.dir,
-        "compile_cache.host_dir": cache.host_dir,
-        "compile_cache.source": cache.source,
-        "compile_cache.var": cache.var,
-    }
-
-
-def _repeat_metrics(stats: Mapping[str, RepeatStats]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for name, st in stats.items():
-        out[name] = st.mean
-        out[f"{name}.std"] = st.std
-        out[f"{name}.ci95_low"] = st.ci_low
-        out[f"{name}.ci95_high"] = st.ci_high
-    return out
 
 
 def record_failed_arm(

@@ -44,6 +44,7 @@ from k3pipe.core.layout import (
     STUDY_KIND,
     TWIN_TAG,
     RunTags,
+    stage_times,
 )
 from k3pipe.machine.cost import counted_label
 from k3pipe.machine.node import hardware_label
@@ -637,13 +638,7 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
             primed.append(arm)
             primed_cells.extend(_cells(tracker, arm_run, arm))
             continue
-        prefix = f"stage.{arm.name}." if arm.launch == 1 else f"stage.{arm.name}.launch{arm.launch}."
-        arm.stages = {
-            k.removeprefix(prefix).removesuffix("_s"): v
-            for k, v in run.data.metrics.items()
-            # launch 1's prefix is also the start of the later launches' keys
-            if k.startswith(prefix) and (arm.launch > 1 or not k.startswith(f"stage.{arm.name}.launch"))
-        }
+        arm.stages = stage_times(run.data.metrics, arm.name, arm.launch)
         arms.append(arm)
         for cell in _cells(tracker, arm_run, arm):
             earlier = next((c for c in cells if c.arm == cell.arm and c.workload == cell.workload), None)

@@ -36,6 +36,7 @@ from k3pipe.core.layout import (
     STUDY_KIND,
     VARIANTS_FILE,
     RunTags,
+    verdict_metric,
 )
 from k3pipe.records.compare import find_run
 from k3pipe.records.tracking import Tracker
@@ -432,7 +433,7 @@ def publish_retest(tracker: Tracker, report: RetestReport, out_dir: Path) -> dic
     short = {BETTER: "better", WORSE: "worse", EQUIVALENT: "equivalent", INCONCLUSIVE: "inconclusive",
              CANNOT_TELL: "cannot_tell", NO_TEST: "untested"}  # fmt: skip
     counts = {
-        f"verdict.{variant}.{short[label]}": float(n)
+        verdict_metric(variant, short[label]): float(n)
         for variant, per in summary(report.verdicts).items()
         for label, n in per.items()
     }

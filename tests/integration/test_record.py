@@ -12,7 +12,8 @@ from k3pipe.bench import RequestRecord, WorkloadResult, summarize
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.experiment.load import parse_experiment
 from k3pipe.planning.plan import plan_arm
-from k3pipe.records.recorder import SUMMARY_COLUMNS, ArmRecorder, summary_table
+from k3pipe.records.derive import SUMMARY_COLUMNS, summary_table
+from k3pipe.records.recorder import ArmRecorder
 from k3pipe.records.tracking import Tracker
 from k3pipe.schema.specs import WorkloadSpec
 from tests.conftest import demo_experiment

@@ -52,7 +52,7 @@ def test_each_name_is_one_constant() -> None:
         for n in layout.__all__
         if isinstance(v := getattr(layout, n), str)
         and not v.startswith("k3pipe.")
-        and not n.endswith("_FILE")
+        and not n.endswith(("_FILE", "_PREFIX"))
     )
     assert plain == ["LAYOUT_VERSION", "LOGS_DIR", "NODE_DIR", "REPORT_DIR", "RETEST_KIND", "STUDY_KIND"]
 
@@ -101,3 +101,20 @@ def test_a_run_s_tags_read_through_the_typed_view() -> None:
     assert view.workload is None
     assert view.aborted is None
     assert layout.RunTags({}).repeat is None
+
+
+def test_the_stage_scheme_is_read_as_it_is_written() -> None:
+    """A study run's stage times: each arm launch's read back alone (launch 1's prefix also starts
+    the later launches' keys), by the reader beside the writer's scheme."""
+    metrics = {
+        layout.stage_prefix("a") + "run_s": 10.0,
+        layout.stage_prefix("a", 2) + "run_s": 20.0,
+        layout.stage_prefix("a", 0) + "models_s": 5.0,
+        layout.stage_prefix("ab") + "run_s": 30.0,
+    }
+    assert layout.stage_prefix("a", 2) == "stage.a.launch2."
+    assert layout.stage_times(metrics, "a") == {"run": 10.0}
+    assert layout.stage_times(metrics, "a", 2) == {"run": 20.0}
+    assert layout.stage_times(metrics, "a", 0) == {"models": 5.0}
+    assert layout.cold_start_metric("weight_load") == "cold_start.weight_load_s"
+    assert layout.verdict_metric("fp8", "worse") == "verdict.fp8.worse"

@@ -208,7 +208,7 @@ def _with_gateway(**arm: object) -> dict:
 
 def test_a_gateway_is_the_client_target_and_the_engine_stays_the_engines(tmp_path: Path) -> None:
     from k3pipe.planning.plan import plan_arm
-    from k3pipe.records.recorder import _gateway_params
+    from k3pipe.records.derive import gateway_params as _gateway_params
 
     spec = parse_experiment(_with_gateway())
     plan = plan_arm(spec, spec.arms[0], tmp_path)
