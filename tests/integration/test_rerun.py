@@ -174,12 +174,12 @@ def test_a_secret_written_in_the_experiment_refuses_a_rerun_and_a_reference_does
     """A literal key in an experiment is refused when it is parsed now; a record made before that
     rule holds '***' in its place, and a rerun of it (which would start the engine with '***') is
     refused naming the field and the '{env.NAME}' way. A reference is restored as written."""
-    import k3pipe.schema.specs
+    import k3pipe.schema.arms
 
     with pytest.raises(SpecError, match=r"args\.api_key: a literal secret"):
         parse_experiment(_experiment(tmp_path, {"api_key": "literal-key-0123456789"}))
     with monkeypatch.context() as older:  # a record of a k3pipe without the refusal
-        older.setattr(k3pipe.schema.specs, "_refuse_literal_secret", lambda *_args: None)
+        older.setattr(k3pipe.schema.arms, "_refuse_literal_secret", lambda *_args: None)
         tracker, run_id, home, _ = _record(tmp_path / "literal", args={"api_key": "literal-key-0123456789"})
     with pytest.raises(RerunError, match=r"engine\.args\.api_key.*\{env\.NAME\}"):
         restore(tracker, run_id, home)
