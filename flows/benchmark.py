@@ -2,7 +2,7 @@
 MLflow; or one arm run again from its record (the rerun flow). The body is the library's
 (k3pipe.jobs.benchmark); this is its Prefect shell.
 
-prefect: python -m flows.benchmark experiments/demo-cpu.yaml   (or `k3pipe run`, or the deployment)
+prefect: python -m k3pipe.flows.benchmark experiments/demo-cpu.yaml   (or `k3pipe run`, or the deployment)
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flows.runtime import flow_job
-from flows.secrecy import guard, scrubbed_flow
 from k3pipe.experiment.params import NO_OVERRIDES, Overrides, RunRequest
+from k3pipe.flows.runtime import flow_job
+from k3pipe.flows.secrecy import guard, scrubbed_flow
 from k3pipe.jobs.benchmark import BenchmarkRequest
 from k3pipe.jobs.benchmark import benchmark as benchmark_job
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.pools import LAUNCH_FLOW
-from flows.runtime import flow_job
-from flows.secrecy import guard, scrubbed_flow
 from k3pipe.core.errors import RunFailedError
+from k3pipe.flows.pools import LAUNCH_FLOW
+from k3pipe.flows.runtime import flow_job
+from k3pipe.flows.secrecy import guard, scrubbed_flow
 from k3pipe.jobs.launch import LaunchRequest, run_launch
 
 __all__ = ["launch"]

@@ -13,11 +13,11 @@ from prefect.blocks.webhook import Webhook
 from prefect.exceptions import ObjectNotFound
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from flows.runtime import flow_job
-from flows.secrecy import guard, scrubbed_flow
 from k3pipe.core.errors import K3pipeError
 from k3pipe.core.layout import REGRESSION_FILE
 from k3pipe.core.layout import RETEST_RESOURCE_PREFIX as RESOURCE_PREFIX
+from k3pipe.flows.runtime import flow_job
+from k3pipe.flows.secrecy import guard, scrubbed_flow
 
 __all__ = ["WEBHOOK_BLOCK", "notify"]
 
@@ -42,7 +42,7 @@ def notify(retest: str) -> dict[str, Any]:
         raise K3pipeError(f"retest run {run_id} has no {REGRESSION_FILE}: nothing to tell")
     import json
 
-    regression = json.loads(raw)
+    regression: dict[str, Any] = json.loads(raw)
     lines = [f"# Regression in {regression['experiment']}", "", regression["summary"], ""]
     lines += [
         f"- {w['arm']} / {w['workload']}: {w['metric']} {w['change']}{_since(w)}" for w in regression["worse"]

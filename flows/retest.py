@@ -3,7 +3,7 @@ run as a study nested under one parent MLflow run, then every variant judged aga
 the report on the retest's run and as Prefect artifacts. The body is the library's
 (k3pipe.jobs.retest); this is its Prefect shell.
 
-prefect: python -m flows.retest experiments/demo-retest.yaml   (or `k3pipe retest`, or the deployment)
+prefect: python -m k3pipe.flows.retest experiments/demo-retest.yaml   (or `k3pipe retest`, or the deployment)
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flows.runtime import flow_job
-from flows.secrecy import guard, scrubbed_flow
 from k3pipe.experiment.params import NO_OVERRIDES, Overrides, RunRequest
+from k3pipe.flows.runtime import flow_job
+from k3pipe.flows.secrecy import guard, scrubbed_flow
 from k3pipe.jobs import retest as job
 from k3pipe.jobs.retest import VariantsFailed
 

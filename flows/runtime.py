@@ -16,14 +16,14 @@ from prefect.context import get_run_context
 from prefect.events import emit_event
 from prefect.states import Crashed
 
-from flows.pools import prefect_fleet
 from k3pipe.core.layout import FLOW_RUN_TAG, REGRESSION_EVENT, RETEST_RESOURCE_PREFIX
 from k3pipe.core.settings import Settings
+from k3pipe.flows.pools import prefect_fleet
 from k3pipe.jobs.arm_run import ArmSteps
 from k3pipe.jobs.prepare import ABANDONED, PrepareSteps, closer
 from k3pipe.jobs.steps import Job, JobSteps
 from k3pipe.records.tracking import Tracker
-from tasks.steps import (
+from k3pipe.tasks.steps import (
     benchmark_task,
     cold_start_task,
     engine_version_task,

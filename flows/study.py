@@ -2,7 +2,7 @@
 with the arms nested under it, and the study's report at the end, on the study's run and as Prefect
 artifacts. The body is the library's (k3pipe.jobs.study); this is its Prefect shell.
 
-prefect: python -m flows.study experiments/demo-study.yaml   (or `k3pipe study`, or the deployment)
+prefect: python -m k3pipe.flows.study experiments/demo-study.yaml   (or `k3pipe study`, or the deployment)
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flows.runtime import flow_job
-from flows.secrecy import guard, scrubbed_flow
 from k3pipe.experiment.params import NO_OVERRIDES, Overrides, RunRequest
+from k3pipe.flows.runtime import flow_job
+from k3pipe.flows.secrecy import guard, scrubbed_flow
 from k3pipe.jobs import study as job
 from k3pipe.jobs.study import ArmsFailed
 

@@ -104,7 +104,7 @@ pipeline_python() {
 k3pipe() {
     local py
     py=$(pipeline_python) || die "no python for the pipeline: run 'scripts/gpu-node.sh install' first"
-    (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$py" -m cli.main "$@")
+    (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$py" -m k3pipe.cli.main "$@")
 }
 
 stage_inventory() {
@@ -234,7 +234,7 @@ cmd_install() {
     local py
     py=$(pipeline_python) || die "install.sh made no pipeline python (looked for $K3PIPE_HOME/venvs/k3pipe, $K3PIPE_HOME/venvs/pipeline, .venv)"
     step "the pipeline ($py) imports k3pipe, prefect, mlflow" \
-        bash -c "cd '$REPO' && PYTHONPATH='$REPO' '$py' -c 'import cli.main, flows.benchmark, mlflow, prefect; print(\"prefect\", prefect.__version__, \"mlflow\", mlflow.__version__)'"
+        bash -c "cd '$REPO' && PYTHONPATH='$REPO' '$py' -c 'import k3pipe.cli.main, k3pipe.flows.benchmark, mlflow, prefect; print(\"prefect\", prefect.__version__, \"mlflow\", mlflow.__version__)'"
 }
 
 cmd_model() {
@@ -315,7 +315,7 @@ cmd_run() {
     # SIGINT at the deadline: the flow stops the engine and records the arm as KILLED; SIGKILL 60 s later
     # the output kept beside the node's logs too: a study cut by the deadline is named from it
     (set -o pipefail; cd "$REPO" && PYTHONPATH="$REPO" timeout --signal=INT --kill-after=60 "$deadline" \
-        "$py" -m cli.main "$command" "$EXPERIMENT" "$@" 2>&1 | tee "$NODE_LOGS/run.out") || rc=$?
+        "$py" -m k3pipe.cli.main "$command" "$EXPERIMENT" "$@" 2>&1 | tee "$NODE_LOGS/run.out") || rc=$?
     echo "$rc" > "$NODE_LOGS/run.rc"
     awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f\n", b - a }' > "$NODE_LOGS/run.seconds"
     end_leftovers "after the run"
@@ -558,7 +558,7 @@ use_key() {
         || (umask 077 && printf '%s\n' "$K3PIPE_GPU_API_KEY" >> "$NODE_LOGS/api-keys")
 }
 
-# blank_keys SRC DEST: SRC with every secret k3pipe's scrubber knows replaced by *** (ops/scrub.py:
+# blank_keys SRC DEST: SRC with every secret k3pipe's scrubber knows replaced by *** (k3pipe/ops/scrub.py:
 # the keys of node-logs/api-keys, the secrets of the experiment that ran and of this environment,
 # credential-shaped strings); without the pipeline installed, the keys alone, taken literally.
 # Prints how many it replaced
@@ -568,7 +568,7 @@ blank_keys() {
         experiment=$(cut -d' ' -f1 "$NODE_LOGS/run.experiment" 2>/dev/null || true)
         case $experiment in /*) ;; ?*) experiment=$REPO/$experiment ;; esac
         local counts
-        counts=$(cd "$REPO" && PYTHONPATH="$REPO" "$py" -m ops.scrub --keys "$NODE_LOGS/api-keys" \
+        counts=$(cd "$REPO" && PYTHONPATH="$REPO" "$py" -m k3pipe.ops.scrub --keys "$NODE_LOGS/api-keys" \
             ${experiment:+--experiment "$experiment"} "$1" "$2")
         # the engine's own echo of a secret it was given is blanked and said; the count is k3pipe's keys
         set -- $counts

@@ -267,7 +267,7 @@ class CliRun:
         env.pop("PREFECT_API_URL", None)
         self.out = (tmp_path / "k3pipe-run.log").open("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "run", str(experiment)],
+            [sys.executable, "-m", "k3pipe.cli.main", "run", str(experiment)],
             cwd=REPO,
             env=env,
             stdout=self.out,

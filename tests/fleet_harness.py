@@ -1,8 +1,8 @@
 """Two GPU nodes on this machine for fleet studies (an experiment's ``fleet``): a process work pool per
 node (one run at a time) with its ``launch`` deployment, deployed as `k3pipe stack add-node` does, and
 a worker of its own whose K3PIPE_HOME is its own; a study flow run as a user runs it
-(`python -m flows.study`, its own process). :func:`team_stack` is the stack they run against as a
-team runs it beyond loopback (ops.stack: PostgreSQL, MLflow, Prefect; auth and TLS on), here on
+(`python -m k3pipe.flows.study`, its own process). :func:`team_stack` is the stack they run against as a
+team runs it beyond loopback (k3pipe.ops.stack: PostgreSQL, MLflow, Prefect; auth and TLS on), here on
 127.0.0.1. tests/integration/test_fleet_prefect.py and benchmarks/fleet_wall.py use them."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import yaml
 
-from ops.stack import StackConfig, add_node, down, up
+from k3pipe.ops.stack import StackConfig, add_node, down, up
 from tests.conftest import PREFECT, REPO, free_port, stop_group
 
 __all__ = ["Fleet", "StudyProcess", "base_env", "kill_flow_runs_of", "prefect_cli", "team_stack"]
@@ -50,7 +50,7 @@ def base_env() -> dict[str, str]:
 
 @contextmanager
 def team_stack(pools: tuple[str, ...] = ()) -> Iterator[StackConfig]:
-    """The team stack (ops.stack.up) with auth and TLS on, as beyond loopback, bound to 127.0.0.1 on
+    """The team stack (k3pipe.ops.stack.up) with auth and TLS on, as beyond loopback, bound to 127.0.0.1 on
     free ports, without a worker of its own; each of ``pools`` set up as `k3pipe stack add-node` does.
     Its home is under /tmp (PostgreSQL's unprivileged user must reach it). Taken down on the way out."""
     home = Path(tempfile.mkdtemp(prefix="k3fleet-", dir="/tmp"))
@@ -117,7 +117,7 @@ class StudyProcess:
 
 class Fleet:
     """The pools' workers (each its own K3PIPE_HOME), and how to run a study flow against them as a
-    user does (`python -m flows.study`, its own process). ``start(deploy=True)`` also makes each pool
+    user does (`python -m k3pipe.flows.study`, its own process). ``start(deploy=True)`` also makes each pool
     and its launch deployment (without a stack's `add-node`)."""
 
     def __init__(

@@ -90,7 +90,7 @@ def _number(text: str) -> str | None:
     found = _NUMBER.findall(text)
     if not found:
         return None
-    value = found[-1].replace(",", "")
+    value = str(found[-1]).replace(",", "")
     return value[:-2] if value.endswith(".0") else value
 
 

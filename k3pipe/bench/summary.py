@@ -863,7 +863,8 @@ def _tpot_assuming_k1(r: RequestRecord) -> float | None:
 
 
 def _chunk_itl_ms(r: RequestRecord) -> list[float]:
-    return (np.diff(np.asarray(r.chunk_times, dtype=float)) * 1000.0).tolist()
+    itl: list[float] = (np.diff(np.asarray(r.chunk_times, dtype=float)) * 1000.0).tolist()
+    return itl
 
 
 def _itl_ms(r: RequestRecord) -> list[float]:

@@ -2,7 +2,7 @@
 can close those of a process that is gone (SIGKILL, the OOM killer, a lost node) without ending them.
 
 A killed process cannot say how its runs ended; the next command that opens the store says it for
-them (cli/closing.py): its MLflow runs are ended KILLED from the spool session the process leaves
+them (k3pipe/cli/closing.py): its MLflow runs are ended KILLED from the spool session the process leaves
 (:mod:`k3pipe.records.sync`), its engines are ended from their process-group records
 (:class:`k3pipe.core.procs.GroupRegistry`), and its Prefect flow runs, whatever it launched (an engine, a
 container, nothing: an external endpoint), are set Crashed from the record this module keeps:
@@ -10,7 +10,7 @@ container, nothing: an external endpoint), are set Crashed from the record this 
     K3PIPE_HOME/run/owners/<pid>-<start>.json    {"pid", "start", "argv", "flow_runs": [...]}
 
 one file per process, each flow run with the API it was created on and, for a command's temporary
-Prefect server (cli/local_prefect.py, gone with the command), the ``PREFECT_HOME`` whose database
+Prefect server (k3pipe/cli/local_prefect.py, gone with the command), the ``PREFECT_HOME`` whose database
 holds it. A process that exits normally removes its file (its flow runs have ended, or its command
 marked them Cancelled); a file left behind by a process that is gone is what the next command reads.
 """
@@ -32,7 +32,7 @@ from k3pipe.core.secrets import scrub
 __all__ = ["FlowRunNote", "OwnerRecord", "Owners", "local_prefect", "set_local_prefect"]
 
 _local_prefect: dict[str, str] = {}
-"""This process's temporary Prefect server: its API URL and PREFECT_HOME (cli/local_prefect.py)."""
+"""This process's temporary Prefect server: its API URL and PREFECT_HOME (k3pipe/cli/local_prefect.py)."""
 
 
 def set_local_prefect(api_url: str, prefect_home: Path) -> None:

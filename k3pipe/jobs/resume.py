@@ -256,7 +256,7 @@ def _finished_workloads(tracker: Tracker, arm_run: Any, spec: ExperimentSpec) ->
 
 
 def _all_repeats(run: Any, workload: Any) -> bool:
-    return workload.repeats == 1 or run.data.metrics.get("repeats", 0) >= workload.repeats
+    return bool(workload.repeats == 1 or run.data.metrics.get("repeats", 0) >= workload.repeats)
 
 
 def _recorded_prompts(

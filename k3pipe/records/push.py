@@ -68,8 +68,8 @@ def probe_tracking(tracking_uri: str, timeout_s: float = 5.0) -> str | None:
         verify = _tls_verify()
     except (OSError, ssl.SSLError) as exc:
         return (
-            f"MLFLOW_TRACKING_SERVER_CERT_PATH={MLFLOW_TRACKING_SERVER_CERT_PATH.get()} is no CA file it can "
-            f"read ({exc}); copy the stack's ca.pem there"
+            f"MLFLOW_TRACKING_SERVER_CERT_PATH={_setting(MLFLOW_TRACKING_SERVER_CERT_PATH)} is no CA file "
+            f"it can read ({exc}); copy the stack's ca.pem there"
         )
     try:
         answer = httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s, verify=verify)
@@ -87,13 +87,18 @@ def probe_tracking(tracking_uri: str, timeout_s: float = 5.0) -> str | None:
     return None  # anything else is a server that answers (a /health behind a path prefix may 404)
 
 
+def _setting(variable: Any) -> Any:
+    """An MLflow environment setting's value, parsed as MLflow parses it (its ``get`` is untyped)."""
+    return variable.get()
+
+
 def _tls_verify() -> ssl.SSLContext | bool:
     """What MLflow's own client trusts for an https tracking server, so that the probe agrees with it:
     the CA in MLFLOW_TRACKING_SERVER_CERT_PATH (a team stack's own: ``k3pipe stack env``), nothing
     with MLFLOW_TRACKING_INSECURE_TLS, else the default (MLflow reads both settings itself)."""
-    if MLFLOW_TRACKING_INSECURE_TLS.get():
+    if _setting(MLFLOW_TRACKING_INSECURE_TLS):
         return False
-    cafile = MLFLOW_TRACKING_SERVER_CERT_PATH.get()
+    cafile = _setting(MLFLOW_TRACKING_SERVER_CERT_PATH)
     return ssl.create_default_context(cafile=cafile) if cafile else True
 
 
@@ -115,7 +120,8 @@ def is_transient(exc: BaseException) -> bool:
     """Whether a failed write means MLflow is down (connection, timeout, 5xx), not that it refused
     the write (4xx: a param changed, a run that does not exist), which trying again cannot mend."""
     if isinstance(exc, MlflowException):
-        return exc.get_http_status_code() >= 500
+        status: int = exc.get_http_status_code()  # type: ignore[no-untyped-call]
+        return status >= 500
     return isinstance(exc, OSError | requests.exceptions.RequestException | httpx.HTTPError)
 
 

@@ -56,7 +56,7 @@ def test_flow_runs_the_engine_in_a_container(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     monkeypatch.setenv("K3PIPE_DOCKER_TEST_KEY", "sk-docker-" + uuid.uuid4().hex)
     name = f"docker-{uuid.uuid4().hex[:8]}"
@@ -120,7 +120,7 @@ def test_flow_runs_an_sglang_container_with_its_key_and_metrics(
     """An SGLang arm (the scripted engine's SGLang flavour: tests/integration/test_sglang.py says what it
     speaks) in a container: the key reaches it as --api-key from the variable, /metrics is on, and the
     key is in none of the records."""
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     key = "sgl-docker-" + uuid.uuid4().hex
     monkeypatch.setenv("K3PIPE_DOCKER_TEST_KEY", key)

@@ -42,7 +42,7 @@ def test_real_vllm_in_a_container(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     require_engine()  # the tiny model
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     monkeypatch.setenv("K3PIPE_VLLM_DOCKER_KEY", "sk-" + uuid.uuid4().hex)
     site_packages = VLLM_PYTHON.parents[1] / "lib" / "python3.11" / "site-packages"

@@ -44,6 +44,8 @@ def _experiment() -> dict:
     data["hardware"] = {"gpu_name": "CPU", "gpu_count": 1, "gpu_memory_gib": 1, "gpu_hour_usd": PRICE}
     data["decision"] = {"metrics": ["capacity_concurrency", "output_throughput_tps"]}
     for arm in data["arms"]:
+        arm["launches"] = 1  # the demo launches each arm twice (it compares): here what is tested is
+        # the ladder and the search within a launch (the launch-level verdicts: test_verdicts_cpu.py)
         arm["launcher"]["port"] = free_port()
         arm["engine"]["env"]["VLLM_CACHE_ROOT"] = str(ASSETS_HOME / "cache" / "vllm")
         arm["endpoint"] = {}
@@ -61,7 +63,7 @@ def _experiment() -> dict:
 
 def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None, tmp_path: Path) -> None:
     require_engine()
-    from flows.study import study
+    from k3pipe.flows.study import study
 
     exp = tmp_path / "capacity-cpu.yaml"
     exp.write_text(yaml.safe_dump(_experiment()))

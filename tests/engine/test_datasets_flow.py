@@ -26,7 +26,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
 def test_sharegpt_and_documents_through_the_flow(
     prefect_harness: None, vllm_engine: RunningEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     monkeypatch.setenv("ENGINE_KEY", vllm_engine.api_key)
     common = {"output_tokens": 8, "api": "completions", "num_requests": 6, "concurrency": 3}

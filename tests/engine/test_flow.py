@@ -83,8 +83,8 @@ def _stopped_before_launch(
 ) -> tuple[Run, Tracker]:
     """Run the demo experiment with ``workloads``: it must raise a PreflightError matching
     ``match`` within a minute, start nothing on ``port`` and leave one FAILED MLflow run."""
-    from flows.benchmark import benchmark
     from k3pipe.core.errors import PreflightError
+    from k3pipe.flows.benchmark import benchmark
 
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(demo_experiment(port, workloads)))
@@ -132,7 +132,7 @@ def test_flow_records_everything_in_mlflow(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     require_engine()
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     port = free_port()
     key = "sk-" + secrets.token_hex(16)
@@ -316,7 +316,7 @@ def test_a_dataset_that_cannot_be_built_stops_before_launch(prefect_harness: Non
 def test_bad_arm_fails_and_records(prefect_harness: None, tmp_path: Path) -> None:
     """An engine that dies at start: the flow fails with the log tail; MLflow marks the run FAILED."""
     require_engine()
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     port = free_port()
     data = demo_experiment(port, WORKLOADS[:1])

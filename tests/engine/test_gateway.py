@@ -187,8 +187,8 @@ def test_the_flow_benchmarks_through_the_gateway(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from flows.benchmark import benchmark
     from k3pipe.core.settings import Settings
+    from k3pipe.flows.benchmark import benchmark
     from k3pipe.records.tracking import Tracker
 
     for var, value in gateway.keys.items():

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.flow]
 def test_rerun_repeats_the_run_and_judges_it(
     prefect_harness: None, vllm_engine: RunningEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.benchmark import benchmark, rerun
+    from k3pipe.flows.benchmark import benchmark, rerun
 
     monkeypatch.setenv("ENGINE_KEY", vllm_engine.api_key)
     model_dir = tmp_path / "model"

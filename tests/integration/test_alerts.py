@@ -32,7 +32,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import cli.main as cli
+import k3pipe.cli.main as cli
 from k3pipe.core.layout import ACCEPTED_TAG, REGRESSION_FILE, REGRESSION_TAG
 from k3pipe.experiment.params import RunRequest
 from k3pipe.jobs.retest import retest
@@ -239,7 +239,7 @@ def test_a_scheduled_retests_regression_reaches_the_webhook(
             exp.write_text(yaml.safe_dump(_experiment(url, version)))
             if first is not None:  # the history a judgement needs, written beside the real one
                 seed_history(Tracker(env["MLFLOW_TRACKING_URI"], "k3pipe", artifacts), first, copies=3)
-            run(sys.executable, "-m", "flows.retest", str(exp), timeout=600)
+            run(sys.executable, "-m", "k3pipe.flows.retest", str(exp), timeout=600)
             first = first or _latest_retest(env["MLFLOW_TRACKING_URI"], artifacts)
         deadline = time.monotonic() + 180
         while not _Receiver.received and time.monotonic() < deadline:

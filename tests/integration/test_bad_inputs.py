@@ -54,7 +54,7 @@ def test_render_prints_the_error_without_a_traceback(name: str, says: str, tmp_p
     else:
         path = CORPUS / name
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", "render", str(path)],
+        [sys.executable, "-m", "k3pipe.cli.main", "render", str(path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -71,7 +71,7 @@ def test_the_fetch_task_retries_a_download_not_a_missing_directory() -> None:
     from prefect.states import Failed
 
     from k3pipe.core.errors import ModelSourceError
-    from tasks.steps import _worth_retrying, fetch_model_task
+    from k3pipe.tasks.steps import _worth_retrying, fetch_model_task
 
     assert fetch_model_task.retries == 2
     assert fetch_model_task.retry_condition_fn is _worth_retrying

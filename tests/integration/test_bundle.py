@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.bundle import (
+from k3pipe.ops.bundle import (
     INSTALL_SH,
     PIPELINE_SMOKE_IMPORTS,
     BundleError,
@@ -463,7 +463,7 @@ def test_bundle_installs_offline_and_k3pipe_renders(
     venv, r, install_s, env = offline_install
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"all {len(m['wheels'])} wheels match the manifest" in r.stdout
-    assert "import cli.main: ok" in r.stdout
+    assert "import k3pipe.cli.main: ok" in r.stdout
     assert "import prefect.server.api.server: ok" in r.stdout
     assert "k3pipe --help: ok" in r.stdout
     assert "pip check" in r.stdout

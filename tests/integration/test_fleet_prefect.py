@@ -1,10 +1,10 @@
 """A study spread over two nodes through Prefect, for real, through the team stack as a team runs it
-beyond loopback: ops.stack's PostgreSQL, MLflow on it and Prefect, with auth and TLS on (bound to
+beyond loopback: k3pipe.ops.stack's PostgreSQL, MLflow on it and Prefect, with auth and TLS on (bound to
 127.0.0.1 here), two process work pools (node-a, node-b, one run at a time each) set up as `k3pipe
 stack add-node` does, each with a worker of its own whose K3PIPE_HOME is its own (two nodes on one
 machine). The workers, their launches and the study flow (started as a user starts it, `python -m
-flows.study`) reach both servers with the stack's credentials and trust its CA through their
-environment (``ops.stack.client_env``: what `k3pipe stack env` exports). The arms are `external`
+k3pipe.flows.study`) reach both servers with the stack's credentials and trust its CA through their
+environment (``k3pipe.ops.stack.client_env``: what `k3pipe stack env` exports). The arms are `external`
 endpoints served by the scripted OpenAI server (k3pipe/testing/scripted_openai.py), so no engine start hides
 what is tested: the launches run as flow runs of the two pools, nested into one MLflow study with one
 report; a node busy with another flow run is waited for, a node whose worker is gone is lost.
@@ -28,8 +28,8 @@ from mlflow import MlflowClient
 
 from k3pipe.core.layout import POOL_TAG
 from k3pipe.jobs.fleet import heartbeat_key
+from k3pipe.ops.stack import StackConfig, client_env
 from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
-from ops.stack import StackConfig, client_env
 from tests.conftest import ASSETS_HOME, REPO, TINY_MODEL, free_port, require_engine
 from tests.fleet_harness import Fleet, base_env, kill_flow_runs_of, prefect_cli, team_stack
 

@@ -425,7 +425,7 @@ def test_check_finds_the_whole_record(record: Record) -> None:
     assert _check(record.out, record.experiment, "--key-value", record.key).returncode == 0
     # a secret the experiment names by reference: the engine's log as k3pipe wrote it holds none (its
     # output is scrubbed line by line), and a log k3pipe did not write is blanked in the record's copy
-    # (collect copies every log through k3pipe's scrubber, ops/scrub.py)
+    # (collect copies every log through k3pipe's scrubber, k3pipe/ops/scrub.py)
     assert _check(record.out, record.experiment, "--key-value", HF_TOKEN).returncode == 0
     home = record.root / "home"
     assert not any(HF_TOKEN in p.read_text(errors="replace") for p in (home / "logs").glob("*.log"))

@@ -132,7 +132,7 @@ def test_a_gpustack_arm_deploys_benchmarks_through_the_gateway_and_is_deleted(
     capfd: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     with GpustackStandin(key, pace_s=0.6) as gs:
         benchmark(str(_experiment(gs.url, tmp_path)))
@@ -181,7 +181,7 @@ def _failed_run(
 ) -> str:
     """The flow on ``experiment`` fails (``RuntimeError`` matching ``match``), the deployment is deleted
     and confirmed gone, the arm's MLflow run is FAILED and the key is nowhere: the run's error."""
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     with pytest.raises(RuntimeError, match=match):
         benchmark(str(experiment))

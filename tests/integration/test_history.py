@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from k3pipe.cli.main import app
 from k3pipe.core.errors import TrackingError
 from k3pipe.records.history import metric_history, plot_history, recent_runs
 from k3pipe.records.tracking import Tracker

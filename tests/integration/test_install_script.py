@@ -1,4 +1,4 @@
-"""The bundle's installer as the script file it is (ops/install.sh): bash parses it, its Python part
+"""The bundle's installer as the script file it is (k3pipe/ops/install.sh): bash parses it, its Python part
 compiles and uses the standard library alone (the node may have nothing else), and the bundle
 writes exactly this file with the manifest's digest in place. tests/integration/test_bundle.py runs it."""
 
@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ops.bundle import INSTALL_SH
+from k3pipe.ops.bundle import INSTALL_SH
 
-SCRIPT = Path(__file__).resolve().parents[2] / "ops" / "install.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "k3pipe" / "ops" / "install.sh"
 
 
 def _python_part(text: str) -> str:

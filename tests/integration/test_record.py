@@ -159,7 +159,7 @@ def test_compare_two_recorded_workloads(
 ) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from k3pipe.cli.main import app
     from k3pipe.core.errors import TrackingError
     from k3pipe.records.compare import compare_workloads, resolve_workload_run
     from k3pipe.records.priors import NoiseEntry, record_noise, run_class

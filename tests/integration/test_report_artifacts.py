@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
 from k3pipe.bench import RequestRecord, WorkloadResult, summarize
 from k3pipe.bench.session import WorkloadOutcome
+from k3pipe.cli.main import app
 from k3pipe.core.errors import ArtifactMissingError, ArtifactStoreError, TrackingError
 from k3pipe.experiment.load import parse_experiment
 from k3pipe.jobs.retest_run import retest_targets, start_retest

@@ -159,7 +159,7 @@ def test_k3pipe_report_regenerates_it_from_mlflow_alone(
 ) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from k3pipe.cli.main import app
 
     monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
     tracker = Tracker(

@@ -69,7 +69,7 @@ def _experiment(base_url: str, docs: str = "/nonexistent/k3pipe-docs") -> dict:
 def test_the_retest_flow_judges_each_variant_against_the_baseline(  # type: ignore[no-untyped-def]
     prefect_harness: None, tmp_path: Path
 ) -> None:
-    from flows.retest import VariantsFailed, retest
+    from k3pipe.flows.retest import VariantsFailed, retest
 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")

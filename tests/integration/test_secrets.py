@@ -188,7 +188,7 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
         )
         path = tmp_path / "planted.yaml"  # the user's own file, outside K3PIPE_HOME
         path.write_text(yaml.safe_dump(exp))
-        cli = _run([sys.executable, "-m", "cli.main", "run", str(path)], env)
+        cli = _run([sys.executable, "-m", "k3pipe.cli.main", "run", str(path)], env)
         terminal["k3pipe run stdout"] = cli.stdout.encode()
         terminal["k3pipe run stderr"] = cli.stderr.encode()
         (tmp_path / "k3pipe-run.out").write_text(cli.stdout + "\n----- stderr\n" + cli.stderr)
@@ -207,10 +207,10 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
         )
         code = (
             "import sys\n"
-            "from cli.prefect_env import prepare_prefect_env\n"
+            "from k3pipe.cli.prefect_env import prepare_prefect_env\n"
             "from k3pipe.core.settings import Settings\n"
             "prepare_prefect_env(Settings())\n"
-            "from flows.benchmark import benchmark\n"
+            "from k3pipe.flows.benchmark import benchmark\n"
             "benchmark(experiment_yaml=sys.stdin.read())\n"
         )
         flow = _run([sys.executable, "-c", code], env, stdin=yaml.safe_dump(inline))
@@ -282,11 +282,11 @@ def test_planted_secrets_appear_in_no_store(tmp_path: Path, clean_environ: Path)
 
 def test_a_run_created_with_a_secret_in_its_parameters_stores_them_scrubbed(prefect_harness: None) -> None:
     """A deployment run's parameters are stored as the UI or the API sent them, before any k3pipe code
-    runs: the flow's first step (flows.secrecy.guard) writes them back scrubbed."""
+    runs: the flow's first step (k3pipe.flows.secrecy.guard) writes them back scrubbed."""
     from prefect import get_client
     from prefect.flow_engine import run_flow
 
-    from flows.secrecy import guard, scrubbed_flow
+    from k3pipe.flows.secrecy import guard, scrubbed_flow
 
     literal = _secret("uihf")
 
@@ -363,7 +363,7 @@ def test_planted_keys_through_every_refusal_path(tmp_path: Path, clean_environ: 
     }
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     base |= {"K3PIPE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "cli.main"]
+    cli = [sys.executable, "-m", "k3pipe.cli.main"]
     terminal: dict[str, bytes] = {}
 
     def command(label: str, argv: list[str], env: dict[str, str], rc: int, says: str) -> None:

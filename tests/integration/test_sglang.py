@@ -76,7 +76,7 @@ def _files(root: Path) -> list[Path]:
 def test_sglang_arm_runs_through_the_flow_with_its_key_and_metrics(
     prefect_harness: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     require_engine()  # the tiny model's tokenizer
     key = "sgl-" + secrets.token_hex(16)
@@ -131,8 +131,8 @@ def test_sglang_arm_runs_through_the_flow_with_its_key_and_metrics(
 def test_sglang_arm_with_its_key_variable_unset_is_stopped_by_preflight(
     prefect_harness: None, tmp_path: Path
 ) -> None:
-    from flows.benchmark import benchmark
     from k3pipe.core.errors import PreflightError
+    from k3pipe.flows.benchmark import benchmark
 
     exp = tmp_path / "exp.yaml"
     exp.write_text(yaml.safe_dump(_experiment("sglang-nokey", free_port())))

@@ -57,7 +57,7 @@ def _experiment(name: str, client: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(name: str, client: dict[str, Any], tmp_path: Path) -> tuple[Any, Any, pd.DataFrame, list[dict]]:
-    from flows.benchmark import benchmark
+    from k3pipe.flows.benchmark import benchmark
 
     exp = tmp_path / f"{name}.yaml"
     exp.write_text(yaml.safe_dump(_experiment(name, client)))

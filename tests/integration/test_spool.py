@@ -73,7 +73,7 @@ def k3pipe_cli(*args: str, uri: str, timeout_s: float = 180) -> subprocess.Compl
     }
     env.pop("PREFECT_API_URL", None)
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args],
+        [sys.executable, "-m", "k3pipe.cli.main", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -366,7 +366,7 @@ def test_k3pipe_run_with_spool_then_the_next_run_pushes_it_first(
 ) -> None:
     """`k3pipe run --spool` with MLflow down runs the arm through the Prefect flow and says so once;
     the next `k3pipe run`, MLflow up, pushes that run before its flow starts (a notice on stderr, as
-    every command that opens the store does: cli/closing.py), then records its own."""
+    every command that opens the store does: k3pipe/cli/closing.py), then records its own."""
     exp = tmp_path / "exp.yaml"
     data = arm_experiment(endpoint.base_url, requests=4)
     exp.write_text(yaml.safe_dump(data))

@@ -25,8 +25,8 @@ import psycopg2
 import pytest
 
 from k3pipe.core.settings import Settings
+from k3pipe.ops.stack import StackConfig, load_state
 from k3pipe.records.tracking import Tracker
-from ops.stack import StackConfig, load_state
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.flow
@@ -72,7 +72,7 @@ class Stack:
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """`k3pipe stack ARGS` as a user runs it, from another directory than the checkout."""
         return subprocess.run(
-            [sys.executable, "-m", "cli.main", "stack", *args],
+            [sys.executable, "-m", "k3pipe.cli.main", "stack", *args],
             cwd=self.home,
             env={**self.env, "PYTHONPATH": str(REPO)},
             capture_output=True,
@@ -225,7 +225,8 @@ def test_up_starts_every_service_on_localhost(stack: Stack) -> None:
     assert str(stack.home / "stack" / "logs" / "mlflow.log") in out.stdout
 
     # `eval "$(k3pipe stack env)"` sets both
-    script = f'eval "$({sys.executable} -m cli.main stack env)"; echo "$MLFLOW_TRACKING_URI $PREFECT_API_URL"'
+    k3pipe = f"{sys.executable} -m k3pipe.cli.main"
+    script = f'eval "$({k3pipe} stack env)"; echo "$MLFLOW_TRACKING_URI $PREFECT_API_URL"'
     shell = subprocess.run(
         ["bash", "-c", script], env={**stack.env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True
     )
@@ -430,7 +431,7 @@ def test_a_stack_with_auth_and_tls_refuses_plain_http_and_clients_without_its_pa
     try:
         for auth, tls, says in (("0", "1", "K3PIPE_STACK_AUTH off"), ("1", "0", "K3PIPE_STACK_TLS off")):
             bare = subprocess.run(
-                [sys.executable, "-m", "cli.main", "stack", "up"],
+                [sys.executable, "-m", "k3pipe.cli.main", "stack", "up"],
                 cwd=s.home,
                 env={**s.env, "PYTHONPATH": str(REPO), "K3PIPE_STACK_HOST": "0.0.0.0",
                      "K3PIPE_STACK_AUTH": auth, "K3PIPE_STACK_TLS": tls},
@@ -484,7 +485,7 @@ def test_a_stack_with_auth_and_tls_refuses_plain_http_and_clients_without_its_pa
         # a client given the stack's env (the password read from the file, the CA trusted) records a
         # run, and k3pipe's own check of the tracking server trusts the same CA
         script = (
-            f'eval "$({sys.executable} -m cli.main stack env)"; '
+            f'eval "$({sys.executable} -m k3pipe.cli.main stack env)"; '
             f'{sys.executable} -c "import mlflow; from k3pipe.records.push import probe_tracking; '
             f"assert probe_tracking('{mlflow_url}') is None; mlflow.set_tracking_uri('{mlflow_url}'); "
             "mlflow.set_experiment('auth-check'); r = mlflow.start_run(); mlflow.log_metric('m', 1.0); "

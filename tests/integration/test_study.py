@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cli.detached import detached_jobs
+from k3pipe.cli.detached import detached_jobs
 from k3pipe.core.settings import Settings
 from k3pipe.experiment.load import parse_experiment
 from k3pipe.jobs.rerun import read_record
@@ -310,8 +310,8 @@ def test_until_stops_at_once_when_the_decision_is_reached(  # type: ignore[no-un
 def test_the_study_flow_nests_arms_reports_and_survives_a_failed_arm(  # type: ignore[no-untyped-def]
     prefect_harness: None, servers, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cli.main import _print_study
-    from flows.study import ArmsFailed, study
+    from k3pipe.cli.main import _print_study
+    from k3pipe.flows.study import ArmsFailed, study
 
     fast, slow = servers
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: the arm's health gate fails
@@ -409,8 +409,8 @@ def test_an_interrupted_study_resumed_ends_with_the_records_of_one_run_straight_
     launch's run, kept and tagged superseded."""
     from dataclasses import replace
 
-    from flows.study import study as study_flow
     from k3pipe.experiment.params import Overrides, RunRequest
+    from k3pipe.flows.study import study as study_flow
     from k3pipe.jobs.resume import ResumeError, check_experiment, resume_point, study_lock
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import resume, study
@@ -640,7 +640,7 @@ def test_a_resume_keeps_a_ladder_that_ended_and_goes_on_after_it(  # type: ignor
 
 def _k3pipe(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "k3pipe.cli.main", *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout_s,
     )  # fmt: skip
 
@@ -712,7 +712,7 @@ def test_a_study_whose_command_was_killed_is_resumed_by_the_command_line(  # typ
     env.pop("PREFECT_API_URL", None)
     out = (tmp_path / "first.log").open("w+")
     first = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "study", str(exp)], cwd=REPO, env=env, stdout=out,
+        [sys.executable, "-m", "k3pipe.cli.main", "study", str(exp)], cwd=REPO, env=env, stdout=out,
         stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:

@@ -1,5 +1,5 @@
 """`run`, `study` and `retest` take the same override options and --spool, spelled once
-(cli.main.run_options): each command gets them as Overrides' fields and the flag, after its own
+(k3pipe.cli.main.run_options): each command gets them as Overrides' fields and the flag, after its own
 arguments, and the help lists them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import cli.main as main
+import k3pipe.cli.main as main
 
 REPO = Path(__file__).resolve().parents[2]
 

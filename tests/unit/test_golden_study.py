@@ -116,7 +116,7 @@ def test_study_workloads() -> None:
 def test_render_cli_prints_the_study(capsys: pytest.CaptureFixture[str]) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from k3pipe.cli.main import app
 
     result = CliRunner().invoke(app, ["render", str(STUDY)])
     assert result.exit_code == 0, result.output

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("k3pipe", "ops", "flows", "tasks", "cli")
+PACKAGES = ("k3pipe",)
+# the shell sits in the one installed namespace: k3pipe/cli and k3pipe/ops are its folders, and
+# k3pipe/flows, k3pipe/tasks link to the top-level flows/ and tasks/ (where Prefect's deployments and
+# the project's layout want them)
+SHELL = ("k3pipe.cli", "k3pipe.flows", "k3pipe.tasks")
 
 # (floor, its packages: a package covers every module below it), lowest first
 FLOORS: list[tuple[str, list[str]]] = [
@@ -33,16 +38,26 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("jobs: every lifetime (arm, study, resume, rerun, retest, fleet, alerts)", ["k3pipe.jobs"]),
     ("testing: the fakes (the library never imports them)", ["k3pipe.testing"]),
     ("the facade: `import k3pipe`", ["k3pipe"]),
-    ("operations, a wing beside the library: the team stack, the offline bundle", ["ops"]),
-    ("shell: Prefect tasks and flows, the command line", ["tasks", "flows", "cli"]),
+    ("operations, a wing beside the library: the team stack, the offline bundle", ["k3pipe.ops"]),
+    ("shell: Prefect tasks and flows, the command line", list(SHELL)),
 ]
+
+
+def python_files(folder: Path) -> list[Path]:
+    """Every ``*.py`` under ``folder``, through the links of k3pipe/flows and k3pipe/tasks."""
+    return sorted(
+        Path(dirpath) / name
+        for dirpath, _, names in os.walk(folder, followlinks=True)
+        for name in names
+        if name.endswith(".py")
+    )
 
 
 def modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     """Dotted module name -> file, for every Python file of ``packages`` under ``root``."""
     found = {}
     for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
+        for path in python_files(root / package):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -120,9 +135,13 @@ def test_the_library_holds_packages_only() -> None:
 
 def test_no_twin_names() -> None:
     """No two modules of the library share a name (``study.py`` and ``jobs/study.py`` were twins), and
-    no module is named after a package; ``base`` (each family's interface) is the one shared name."""
+    no module is named after a package; ``base`` (each family's interface) is the one shared name.
+    The shell is the exception by design: a command's module, its flow and its job share the name the
+    user types (``k3pipe study``, the ``study`` flow, ``jobs/study.py``)."""
     names: dict[str, list[str]] = {}
-    for path in (REPO / "k3pipe").rglob("*.py"):
+    for path in (REPO / "k3pipe").rglob("*.py"):  # not through the links: flows/ and tasks/ are shell
+        if path.relative_to(REPO / "k3pipe").parts[0] in ("cli",):
+            continue
         if path.name != "__init__.py" and path.stem != "base":
             names.setdefault(path.stem, []).append(str(path.relative_to(REPO)))
     packages = {p.name for p in (REPO / "k3pipe").rglob("*") if (p / "__init__.py").is_file()}
@@ -143,13 +162,14 @@ def test_no_circle() -> None:
     assert circle(imports(modules(REPO, PACKAGES))) is None
 
 
-def private_imports(root: Path, package: str) -> list[str]:
-    """``file:line: module.name`` for each private name (``_x``) a module of ``package`` imports
-    from another module of it: what two modules share is public in one of them, or in a third."""
+def private_imports(root: Path, folder: str, package: str) -> list[str]:
+    """``file:line: module.name`` for each private name (``_x``) a module of ``folder`` (the package
+    ``package``) imports from another module of it: what two modules share is public in one of them,
+    or in a third."""
     found = []
-    for path in sorted((root / package).rglob("*.py")):
+    for path in python_files(root / folder):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
                 for alias in node.names:
                     if alias.name.startswith("_"):
                         found.append(f"{path.relative_to(root)}:{node.lineno}: {node.module}.{alias.name}")
@@ -157,14 +177,14 @@ def private_imports(root: Path, package: str) -> list[str]:
 
 
 def test_the_flows_share_no_private_helpers() -> None:
-    """The flows once imported each other's private helpers; what they share lives in flows.runtime."""
-    assert private_imports(REPO, "flows") == []
+    """The flows once imported each other's private helpers; what they share lives in flows/runtime.py."""
+    assert private_imports(REPO, "flows", "k3pipe.flows") == []
 
 
 def test_the_private_import_scan_finds_one(tmp_path: Path) -> None:
     (tmp_path / "flows").mkdir()
-    (tmp_path / "flows" / "a.py").write_text("from flows.b import public, _private\n")
-    assert private_imports(tmp_path, "flows") == ["flows/a.py:1: flows.b._private"]
+    (tmp_path / "flows" / "a.py").write_text("from k3pipe.flows.b import public, _private\n")
+    assert private_imports(tmp_path, "flows", "k3pipe.flows") == ["flows/a.py:1: k3pipe.flows.b._private"]
 
 
 def test_the_scan_sees_lazy_and_type_checking_imports_and_circles(tmp_path: Path) -> None:
@@ -180,3 +200,43 @@ def test_the_scan_sees_lazy_and_type_checking_imports_and_circles(tmp_path: Path
     assert edges["k3pipe.schema.specs"] == {"k3pipe.core.errors"}
     assert upward(edges) == ["k3pipe.core.errors (core) -> k3pipe.schema.specs (schema)"]
     assert set(circle(edges) or []) == {"k3pipe.core.errors", "k3pipe.schema.specs"}
+
+
+BARE_SHELL = ("cli", "ops", "flows", "tasks")
+
+
+def bare_shell_imports(root: Path, folders: tuple[str, ...]) -> list[str]:
+    """``file:line: name`` for each import of the shell by a bare top-level name (``flows.study``
+    rather than ``k3pipe.flows.study``): the wheel installs no such name, and in a checkout the two
+    names would load two copies of one module."""
+    found = []
+    for folder in folders:
+        for path in python_files(root / folder):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                found += [
+                    f"{path.relative_to(root)}:{node.lineno}: {n}"
+                    for n in names
+                    if n.split(".")[0] in BARE_SHELL
+                ]
+    return found
+
+
+def test_nothing_imports_the_shell_by_a_bare_name() -> None:
+    folders = tuple(
+        f for f in ("k3pipe", "flows", "tasks", "tests", "scripts", "benchmarks") if (REPO / f).is_dir()
+    )
+    assert bare_shell_imports(REPO, folders) == []
+
+
+def test_the_bare_name_scan_finds_one(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text(
+        "import k3pipe.flows.study\ndef f():\n    from flows.study import study\n"
+    )
+    assert bare_shell_imports(tmp_path, ("tests",)) == ["tests/t.py:3: flows.study"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import k3pipe.core.layout as layout
 from tests.conftest import REPO
 
-PACKAGES = ("k3pipe", "cli", "flows", "tasks", "ops")
+PACKAGES = ("k3pipe", "flows", "tasks")  # k3pipe/cli and k3pipe/ops: under k3pipe
 # the names spelled k3pipe.*: tags, tag families, labels (a run kind's value, 'study', is a plain word)
 NAMES = {
     value: n

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from cli.main import app
+from k3pipe.cli.main import app
 from k3pipe.core.errors import SpecError
 from k3pipe.experiment.load import load_experiment
 from k3pipe.experiment.params import INLINE_SOURCE, NO_OVERRIDES, Overrides, RunRequest, apply_overrides

@@ -1,4 +1,4 @@
-"""What leaves a node is scrubbed (ops/scrub.py, the GPU kit's collect): a log copied with every secret
+"""What leaves a node is scrubbed (k3pipe/ops/scrub.py, the GPU kit's collect): a log copied with every secret
 k3pipe's scrubber knows blanked: the node's keys, the experiment's references' values, the
 environment's secret-named variables, credential-shaped strings; the leak count is the node's keys."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from k3pipe.core import secrets
-from ops.scrub import main, register_known, scrub_file
+from k3pipe.ops.scrub import main, register_known, scrub_file
 
 
 def test_a_log_is_copied_with_every_known_secret_blanked(

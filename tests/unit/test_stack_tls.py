@@ -1,6 +1,6 @@
-"""The team stack's TLS (ops.tls, ops.stack): the CA made once and kept, the servers' certificate for
-the names clients use, made again when they change; TLS on by default beyond loopback and required
-there; the settings clients trust the CA by."""
+"""The team stack's TLS (k3pipe.ops.tls, k3pipe.ops.stack): the CA made once and kept, the servers'
+certificate for the names clients use, made again when they change; TLS on by default beyond loopback
+and required there; the settings clients trust the CA by."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from cryptography import x509
 
 from k3pipe.core.errors import StackError
 from k3pipe.core.settings import Settings
-from ops.stack import StackConfig, _check_exposure, client_env, env_lines, security_lines
-from ops.tls import ensure_certificates, san_names
+from k3pipe.ops.stack import StackConfig, _check_exposure, client_env, env_lines, security_lines
+from k3pipe.ops.tls import ensure_certificates, san_names
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
+from k3pipe.cli.main import app
 from k3pipe.core.errors import SpecError
 from k3pipe.experiment.load import load_experiment, parse_experiment
 from k3pipe.experiment.variants import changes, resolve

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
+from k3pipe.cli.main import app
 from tests.unit.engines.helpers import STUDY
 from tests.unit.engines.test_preflight import SYNTHETIC_STUDY_CONFIG
 

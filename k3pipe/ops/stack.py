@@ -11,7 +11,7 @@ Prefect beyond loopback only with auth and TLS on: :func:`_check_exposure`):
     stack/logs/NAME.log      each service's output
     stack/state.json         what ``up`` started: pid, process group, port, URL, log per service
     stack/credentials        with auth: 'USER:PASSWORD' of MLflow's admin and Prefect (mode 0600)
-    stack/tls/               with TLS: the stack's CA (ca.pem) and the servers' certificate (ops.tls)
+    stack/tls/               with TLS: the stack's CA (ca.pem) and the servers' certificate (k3pipe.ops.tls)
 
 Each service runs in its own process group (``start_new_session``); ``down`` ends exactly the groups
 the state file records, never anything found by name. Pure subprocess management: the Prefect CLI is
@@ -44,7 +44,7 @@ from k3pipe.core import secrets as k3secrets
 from k3pipe.core.errors import StackError
 from k3pipe.core.procs import alive, file_lock, proc_stat, reap, stop_group
 from k3pipe.core.settings import Settings
-from ops.tls import TlsFiles, describe, ensure_certificates
+from k3pipe.ops.tls import TlsFiles, describe, ensure_certificates
 
 __all__ = [
     "HOST",
@@ -120,7 +120,7 @@ class StackConfig:
     credentials_path: Path | None = None
     """The 'USER:PASSWORD' file (None: stack/credentials, made on first use)."""
     tls: bool = False
-    """Whether MLflow and Prefect serve HTTPS, with a certificate of the stack's own CA (ops.tls)."""
+    """Whether MLflow and Prefect serve HTTPS, with a certificate of the stack's own CA (k3pipe.ops.tls)."""
     tls_names: tuple[str, ...] = ()
     """Names and addresses the certificate carries besides loopback's, the host's and its name."""
 

@@ -15,7 +15,7 @@ every record k3pipe writes itself:
 - whatever is shaped like a credential, registered or not (``sk-...``, ``hf_...``, an
   ``Authorization:`` header, ``user:password@`` in a URL).
 
-``python -m ops.scrub [--keys FILE] [--experiment FILE] SRC DEST [SRC DEST ...]`` prints, per pair,
+``python -m k3pipe.ops.scrub [--keys FILE] [--experiment FILE] SRC DEST [SRC DEST ...]`` prints, per pair,
 ``SRC KEYS OTHERS``: how many of the keys file's keys it blanked (the record's leak count: k3pipe
 must never let one out) and how many other secrets (an engine that echoed its arguments).
 """
@@ -66,7 +66,7 @@ def scrub_file(src: Path, dest: Path, keys: list[str] | None = None) -> tuple[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ops.scrub", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m k3pipe.ops.scrub", description=__doc__.split("\n\n")[0])
     p.add_argument("--keys", type=Path, default=None, help="a file of keys to blank, one a line")
     p.add_argument("--experiment", type=Path, default=None, help="the experiment file that ran")
     p.add_argument("paths", nargs="+", type=Path, help="SRC DEST pairs")

@@ -1,4 +1,4 @@
-"""`k3pipe stack up|down|status|env|add-node`: the team stack (ops.stack) from the command line."""
+"""`k3pipe stack up|down|status|env|add-node`: the team stack (k3pipe.ops.stack) from the command line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from k3pipe.core.errors import K3pipeError
 from k3pipe.core.settings import SettingsError, load_settings
 
 if TYPE_CHECKING:
-    from ops.stack import StackConfig
+    from k3pipe.ops.stack import StackConfig
 
 stack_app = typer.Typer(
     help=(
@@ -23,11 +23,11 @@ stack_app = typer.Typer(
 )
 
 # the checkout holding prefect.yaml (an editable install); else the directory the command runs in
-_CHECKOUT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def _config() -> StackConfig:
-    from ops.stack import StackConfig
+    from k3pipe.ops.stack import StackConfig
 
     project = _CHECKOUT if (_CHECKOUT / "prefect.yaml").is_file() else Path.cwd()
     try:
@@ -50,7 +50,7 @@ def _say(line: str) -> None:
 @stack_app.command("up")
 def up_cmd() -> None:
     """Start what is not running and wait until each service is ready (a running one is left as is)."""
-    from ops.stack import up
+    from k3pipe.ops.stack import up
 
     config = _config()
     start = time.monotonic()
@@ -64,7 +64,7 @@ def up_cmd() -> None:
 @stack_app.command("down")
 def down_cmd() -> None:
     """Stop exactly what `stack up` started (its recorded process groups), worker first."""
-    from ops.stack import down
+    from k3pipe.ops.stack import down
 
     config = _config()
     try:
@@ -78,7 +78,7 @@ def status_cmd() -> None:
     """Each service (running, pid, URL, log), who may call the servers and how (bind address, auth,
     TLS), then the lines that point a shell at the stack. Exit code 1 when a service that should run
     is not running."""
-    from ops.stack import env_lines, security_lines, status
+    from k3pipe.ops.stack import env_lines, security_lines, status
 
     config = _config()
     try:
@@ -114,7 +114,7 @@ def add_node_cmd(
 ) -> None:
     """A GPU node for studies spread over nodes (an experiment's fleet.pools): its work pool (one run
     at a time) and launch deployment; prints the commands that start its worker on the node."""
-    from ops.stack import add_node
+    from k3pipe.ops.stack import add_node
 
     config = _config()
     try:
@@ -131,7 +131,7 @@ def add_node_cmd(
 def env_cmd() -> None:
     """The export lines for MLFLOW_TRACKING_URI and PREFECT_API_URL (and, with auth and TLS, the
     credentials read from their file and the stack's CA): eval "$(k3pipe stack env)"."""
-    from ops.stack import env_lines
+    from k3pipe.ops.stack import env_lines
 
     config = _config()
     try:

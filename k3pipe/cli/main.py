@@ -15,9 +15,9 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperCommand
 
-from cli.prefect_env import mark_cancelled, prepare_prefect_env
-from cli.stack import stack_app
-from cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
+from k3pipe.cli.prefect_env import mark_cancelled, prepare_prefect_env
+from k3pipe.cli.stack import stack_app
+from k3pipe.cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
 from k3pipe.core.errors import K3pipeError
 from k3pipe.core.layout import KIND_TAG, RunTags
 from k3pipe.core.settings import Settings
@@ -230,8 +230,8 @@ def run(
     settings = Settings()
     request = _request(experiment, arm, overrides)
     _tracking_ready(settings, spool)
-    prepare_prefect_env(settings, "flows.benchmark")
-    from flows.benchmark import benchmark
+    prepare_prefect_env(settings, "k3pipe.flows.benchmark")
+    from k3pipe.flows.benchmark import benchmark
 
     _print_outcomes(
         _run_flow(lambda: benchmark(request.experiment, arms=request.arms, overrides=request.overrides))
@@ -275,7 +275,7 @@ def study(
     covers them all."""
     settings = Settings()
     if detach:
-        from cli.detached import start_detached
+        from k3pipe.cli.detached import start_detached
 
         argv = [a for a in sys.argv[1:] if a != "--detach"]
         start_detached(settings.home_dir, argv, label=resume or (experiment.stem if experiment else "study"))
@@ -288,8 +288,8 @@ def study(
     else:
         request = _request(experiment, arm, overrides)
     _tracking_ready(settings, spool)
-    prepare_prefect_env(settings, "flows.study")
-    from flows.study import study as study_flow
+    prepare_prefect_env(settings, "k3pipe.flows.study")
+    from k3pipe.flows.study import study as study_flow
     from k3pipe.jobs.study import ArmsFailed
 
     def call() -> Any:
@@ -429,8 +429,8 @@ def retest(
     except (K3pipeError, ValidationError) as exc:
         _fail(exc)
     _tracking_ready(settings, spool)
-    prepare_prefect_env(settings, "flows.retest")
-    from flows.retest import retest as retest_flow
+    prepare_prefect_env(settings, "k3pipe.flows.retest")
+    from k3pipe.flows.retest import retest as retest_flow
     from k3pipe.jobs.retest import VariantsFailed
 
     failed = None
@@ -473,12 +473,12 @@ ARTIFACT_ROOT_HELP = (
 )
 
 
-def _print_report_text(paths: dict) -> None:
+def _print_report_text(paths: dict[str, Any]) -> None:
     """The report's terminal text, as the flow wrote it (report.txt): the report is built once."""
     print(Path(paths["text"]).read_text(), end="")
 
 
-def _print_study(result: dict) -> None:
+def _print_study(result: dict[str, Any]) -> None:
     _print_report_text(result["report"])
     launches = Counter(o["arm"] for o in result["arms"])
     for o in result["arms"]:
@@ -613,9 +613,9 @@ def rerun(
     if kind == "retest":
         _rerun_retest(settings, run_id, allow_drift)
         return
-    prepare_prefect_env(settings, "flows.benchmark")
-    from flows.benchmark import rerun as rerun_flow
+    prepare_prefect_env(settings, "k3pipe.flows.benchmark")
     from k3pipe.bench.repeats import Comparison
+    from k3pipe.flows.benchmark import rerun as rerun_flow
 
     outcomes = _run_flow(lambda: rerun_flow(run_id, allow_drift=allow_drift))
     _print_outcomes(outcomes)
@@ -635,16 +635,17 @@ def _run_kind(settings: Settings, run_ref: str) -> str | None:
     from k3pipe.records.compare import find_run
 
     try:
-        return find_run(_tracker(settings), run_ref).data.tags.get(KIND_TAG)
+        kind: str | None = find_run(_tracker(settings), run_ref).data.tags.get(KIND_TAG)
+        return kind
     except K3pipeError:
         return None
 
 
 def _rerun_study(settings: Settings, run_id: str, allow_drift: bool) -> None:
     """A study run again from its records, then its verdicts per arm and workload (over all launches)."""
-    prepare_prefect_env(settings, "flows.study")
-    from flows.study import study as study_flow
+    prepare_prefect_env(settings, "k3pipe.flows.study")
     from k3pipe.bench.repeats import Comparison
+    from k3pipe.flows.study import study as study_flow
     from k3pipe.jobs.study import ArmsFailed
 
     failed = None
@@ -670,8 +671,8 @@ def _rerun_study(settings: Settings, run_id: str, allow_drift: bool) -> None:
 def _rerun_retest(settings: Settings, run_id: str, allow_drift: bool) -> None:
     """A retest run again from its records: each study's verdicts against its original, then the
     retest's report (the variants against the baseline again)."""
-    prepare_prefect_env(settings, "flows.retest")
-    from flows.retest import retest as retest_flow
+    prepare_prefect_env(settings, "k3pipe.flows.retest")
+    from k3pipe.flows.retest import retest as retest_flow
     from k3pipe.jobs.retest import VariantsFailed
 
     failed = None
@@ -690,7 +691,7 @@ def _rerun_retest(settings: Settings, run_id: str, allow_drift: bool) -> None:
         raise typer.Exit(1)
 
 
-def _print_outcomes(outcomes: list[dict]) -> None:
+def _print_outcomes(outcomes: list[dict[str, Any]]) -> None:
     import pandas as pd
 
     from k3pipe.records.derive import summary_table
@@ -838,7 +839,7 @@ def detached(
 ) -> None:
     """Commands started with --detach (`k3pipe study --detach`): each one's state (running, or its
     exit status), its study run and its last log line; with NAME, the end of its log."""
-    from cli.detached import detached_jobs
+    from k3pipe.cli.detached import detached_jobs
 
     jobs = detached_jobs(Settings().home_dir)
     if name is not None:
@@ -976,7 +977,7 @@ def bundle(
     ] = None,
 ) -> None:
     """Bundle every wheel an air-gapped node lacks: parts, manifest.json and install.sh."""
-    from ops.bundle import BundleRequest, Target, build_bundle
+    from k3pipe.ops.bundle import BundleRequest, Target, build_bundle
 
     try:
         here = Target.this_machine()
@@ -1010,9 +1011,9 @@ def bundle(
 
 
 def _close_gone(settings: Settings, sync: bool = True) -> None:
-    """What killed k3pipe commands left open, closed before this one reads the store (cli/closing.py);
+    """What killed k3pipe commands left open, closed before this one reads the store (k3pipe/cli/closing.py);
     a home that cannot be used is the command's own error to say."""
-    from cli.closing import close_gone
+    from k3pipe.cli.closing import close_gone
 
     try:
         close_gone(settings, sync=sync)
@@ -1023,7 +1024,7 @@ def _close_gone(settings: Settings, sync: bool = True) -> None:
 def _tracking_ready(settings: Settings, spool: bool) -> None:
     """Before a run starts anything: MLflow answers (else the one-sentence error, in seconds), unless
     the spool is allowed (--spool, K3PIPE_ALLOW_SPOOL). What the spool still holds from earlier runs
-    is pushed once the command's Prefect is up (cli.closing.close_gone, from prepare_prefect_env)."""
+    is pushed once the command's Prefect is up (k3pipe.cli.closing.close_gone, from prepare_prefect_env)."""
     from k3pipe.core.errors import TrackingUnreachableError
     from k3pipe.records.push import probe_tracking, unreachable_message
 

@@ -52,9 +52,8 @@ def configure_logging(home: Path, debug: bool) -> Path:
     handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     handler.setLevel(logging.DEBUG)
     # not on the root logger: Prefect leaves its console out when it finds a handler there
-    for name in ("k3pipe", "cli"):
-        logging.getLogger(name).addHandler(handler)
-        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
+    logging.getLogger("k3pipe").addHandler(handler)  # the library's and the shell's (k3pipe.cli ...)
+    logging.getLogger("k3pipe").setLevel(logging.DEBUG if debug else logging.INFO)
     # the command's own records (errors with tracebacks) go to the file only: the terminal gets
     # one message from main()
     _log.addHandler(handler)

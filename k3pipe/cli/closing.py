@@ -117,7 +117,7 @@ def _prefect_api(home: Path, api_url: str, prefect_home: str | None, say: Say) -
     if mine is not None and os.path.realpath(mine[1]) == os.path.realpath(prefect_home):
         yield mine[0]
         return
-    from cli.local_prefect import LocalPrefect
+    from k3pipe.cli.local_prefect import LocalPrefect
 
     say(f"starting a Prefect server on {prefect_home} to close flow runs left Running there")
     server = LocalPrefect(home, Path(prefect_home))

@@ -68,7 +68,7 @@ PIPELINE_RUNTIME_NEEDS = {
 
 # What install.sh runs in each venv after installing (and with --check-only): the modules 'k3pipe run'
 # imports, Prefect's server included (a missing asyncpg fails there, not at 'import prefect').
-PIPELINE_SMOKE_IMPORTS = ["cli.main", "flows.benchmark", "prefect.server.api.server", "mlflow"]
+PIPELINE_SMOKE_IMPORTS = ["k3pipe.cli.main", "k3pipe.flows.benchmark", "prefect.server.api.server", "mlflow"]
 PIPELINE_SMOKE_COMMANDS = [["k3pipe", "--help"]]
 
 
@@ -444,7 +444,7 @@ def join_parts(part_paths: list[Path], dest: Path) -> list[Path]:
 def _find_uv(home: Path) -> str:
     """uv from the ``uv`` package, PATH, or ``K3PIPE_HOME/tools`` (installed there if absent)."""
     try:
-        from uv import find_uv_bin  # type: ignore[import-not-found]
+        from uv import find_uv_bin
 
         return str(find_uv_bin())
     except (ImportError, FileNotFoundError):
@@ -605,7 +605,7 @@ class BundleResult:
 
 
 def _project_dir(given: Path | None) -> Path:
-    root = given or Path(__file__).resolve().parents[1]
+    root = given or Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").exists():
         raise BundleError(
             f"{root}: no pyproject.toml: run k3pipe bundle from a k3pipe checkout (or pass --project-dir)"
@@ -892,5 +892,5 @@ def iter_manifest_wheels(manifest: dict[str, Any], group: str) -> Iterator[dict[
 # the installer shipped in the bundle: bash + python3 standard library only
 
 INSTALL_SH = (Path(__file__).with_name("install.sh")).read_text()
-"""The installer shipped in every bundle (``ops/install.sh``, a script file of its own: ``bash -n`` and
+"""The installer shipped in every bundle (``k3pipe/ops/install.sh``, a script file of its own: ``bash -n`` and
 its Python part are checked by the tests); ``@MANIFEST_SHA256@`` is the manifest's digest."""

@@ -1,8 +1,8 @@
 """Commands that run on after the terminal that started them: `k3pipe study --detach`.
 
-:func:`start_detached` starts ``python -m cli.detached run DIR -- ARGV`` in a session of its own
+:func:`start_detached` starts ``python -m k3pipe.cli.detached run DIR -- ARGV`` in a session of its own
 (no terminal: closing it, or the end of the command or device call that started it, sends nothing
-there), its output in ``DIR/output.log``. That wrapper runs ``python -m cli.main ARGV`` in its
+there), its output in ``DIR/output.log``. That wrapper runs ``python -m k3pipe.cli.main ARGV`` in its
 process group, waits for it and writes its exit status to ``DIR/exit_code``; SIGINT or SIGTERM to the
 group (``kill -INT -- -PGID``) reaches the command, which stops its engine and records what it
 measured, as Ctrl-C does in a terminal. ``DIR`` is ``K3PIPE_HOME/detached/<time>-<label>``, with
@@ -26,7 +26,7 @@ import typer
 
 __all__ = ["DetachedJob", "detached_jobs", "start_detached"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _STUDY_RUN = re.compile(
     r"study \S+: MLflow run ([0-9a-f]{32})|resuming study \S+ \(MLflow run ([0-9a-f]{32})"
 )
@@ -43,7 +43,7 @@ def start_detached(home: Path, argv: list[str], label: str) -> Path:
     job.mkdir(parents=True, exist_ok=False)
     with (job / "output.log").open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.detached", "run", str(job), "--", *argv],
+            [sys.executable, "-m", "k3pipe.cli.detached", "run", str(job), "--", *argv],
             cwd=os.getcwd(),
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()},
             stdin=subprocess.DEVNULL,
@@ -143,7 +143,7 @@ def _run(job: Path, argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    child = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], preexec_fn=_default_signals)
+    child = subprocess.Popen([sys.executable, "-m", "k3pipe.cli.main", *argv], preexec_fn=_default_signals)
     code = child.wait()
     code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
     (job / "exit_code").write_text(f"{code}\n")
@@ -152,5 +152,5 @@ def _run(job: Path, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "run" or sys.argv[3] != "--":
-        sys.exit("usage: python -m cli.detached run DIR -- ARGV...")
+        sys.exit("usage: python -m k3pipe.cli.detached run DIR -- ARGV...")
     sys.exit(_run(Path(sys.argv[2]), sys.argv[4:]))

@@ -1,6 +1,6 @@
 """The command line's Prefect glue: pointing Prefect at K3PIPE_HOME, this command's own temporary
-Prefect server (:mod:`cli.local_prefect`), what killed commands left open, and the flow runs an
-interrupt ended. The commands themselves (cli/main.py) only call these."""
+Prefect server (:mod:`k3pipe.cli.local_prefect`), what killed commands left open, and the flow runs an
+interrupt ended. The commands themselves (k3pipe/cli/main.py) only call these."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from cli.terminal import log_error
+from k3pipe.cli.terminal import log_error
 from k3pipe.core.errors import K3pipeError
 from k3pipe.core.settings import Settings
 
@@ -20,12 +20,12 @@ def prepare_prefect_env(settings: Settings, *modules: str) -> None:
     """Point Prefect at K3PIPE_HOME unless the user configured it (call before importing prefect),
     end what commands killed before their teardown left running (engines, Prefect servers), and,
     without PREFECT_API_URL, start this command's own temporary Prefect server
-    (:mod:`cli.local_prefect`: out of the terminal's signals, one start at a time per home).
+    (:mod:`k3pipe.cli.local_prefect`: out of the terminal's signals, one start at a time per home).
     ``modules`` (the command's flows) are imported while that server boots."""
     import importlib
 
-    from cli.closing import close_gone
-    from cli.local_prefect import LocalPrefect
+    from k3pipe.cli.closing import close_gone
+    from k3pipe.cli.local_prefect import LocalPrefect
     from k3pipe.core.owners import set_local_prefect
     from k3pipe.core.procs import GroupRegistry
 
@@ -50,7 +50,7 @@ def prepare_prefect_env(settings: Settings, *modules: str) -> None:
             importlib.import_module(module)
         if server is not None:
             server.wait()
-        # what killed commands left open: their engines, MLflow runs, flow runs (cli/closing.py)
+        # what killed commands left open: their engines, MLflow runs, flow runs (k3pipe/cli/closing.py)
         close_gone(settings)
     except OSError as exc:
         raise K3pipeError(f"K3PIPE_HOME {home} cannot be used: {exc}") from exc
