@@ -155,7 +155,7 @@ class Fleet:
         exp = self.tmp / f"{experiment['name']}.yaml"
         exp.write_text(yaml.safe_dump(experiment))
         return StudyProcess(
-            [sys.executable, "-m", f"flows.{flow}", str(exp)],
+            [sys.executable, "-m", f"k3pipe.flows.{flow}", str(exp)],
             {**self.env, "K3PIPE_HOME": str(self.tmp / "parent")},
             self.tmp / f"{experiment['name']}-{flow}.log",
         )

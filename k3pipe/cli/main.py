@@ -18,6 +18,7 @@ from typer.core import TyperCommand
 from k3pipe.cli.prefect_env import mark_cancelled, prepare_prefect_env
 from k3pipe.cli.stack import stack_app
 from k3pipe.cli.terminal import Interrupts, configure_logging, hide_tracebacks, log_error, log_path
+from k3pipe.cli.trace import trace_app
 from k3pipe.core.errors import K3pipeError
 from k3pipe.core.layout import KIND_TAG, RunTags
 from k3pipe.core.settings import Settings
@@ -28,6 +29,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,  # main() prints one message; the traceback goes to the log
 )
 app.add_typer(stack_app, name="stack")
+app.add_typer(trace_app, name="trace")
 
 
 @app.callback()

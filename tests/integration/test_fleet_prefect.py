@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import ssl
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +30,9 @@ from mlflow import MlflowClient
 from k3pipe.core.layout import POOL_TAG
 from k3pipe.jobs.fleet import heartbeat_key
 from k3pipe.ops.stack import StackConfig, client_env
+from k3pipe.testing import FAKE_ENGINE
 from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
-from tests.conftest import ASSETS_HOME, REPO, TINY_MODEL, free_port, require_engine
+from tests.conftest import ASSETS_HOME, REPO, TINY_MODEL, free_port
 from tests.fleet_harness import Fleet, base_env, kill_flow_runs_of, prefect_cli, team_stack
 
 pytestmark = pytest.mark.flow
@@ -267,15 +269,18 @@ def test_a_killed_worker_fails_its_launch_and_the_others_finish(stack: StackConf
 
 
 @pytest.mark.engine
-def test_a_retest_over_two_workers_with_the_real_engine_on_one(fleet: Fleet) -> None:
+def test_a_retest_over_two_workers_with_a_launched_engine_on_one(fleet: Fleet) -> None:
     """The retest flow over the two nodes: the baseline and a variant, each a study whose arms run on
-    their nodes at once: the real vLLM (CPU build, launched by node-a's worker from its own process)
-    and a scripted endpoint on node-b; the variant changes the engine's batch size. One retest in
-    MLflow, its two studies each joined from both nodes, and its verdicts."""
-    require_engine()
+    their nodes at once: an engine launched by node-a's worker from its own process (the scripted
+    vLLM, k3pipe/testing/fake_engine.py, a process launcher's arm as any other: its command line,
+    health gate, stop) and a scripted endpoint on node-b; the variant changes the engine's batch
+    size. One retest in MLflow, its two studies each joined from both nodes, and its verdicts.
+    The real vLLM launched by a worker is tests/engine/test_deployment.py's (here it took 330 s of
+    the parallel phase, two cold starts on busy cores, for what the scripted one shows in seconds)."""
     data = yaml.safe_load((REPO / "experiments" / "demo-retest.yaml").read_text())
     data = yaml.safe_load(yaml.safe_dump(data).replace("{home}", str(ASSETS_HOME)))
     vllm = data["arms"][0]
+    vllm["engine"]["executable"] = [sys.executable, str(FAKE_ENGINE), "--startup-delay-s=0.5"]
     vllm["launcher"]["port"] = free_port()
     vllm["endpoint"] = {}
     with ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as scripted:
@@ -291,7 +296,7 @@ def test_a_retest_over_two_workers_with_the_real_engine_on_one(fleet: Fleet) -> 
                 },
             ],
             workloads=[{**data["workloads"][0], "num_requests": 8, "repeats": 2}],
-            # batch1 on the real engine; the scripted arm runs in the variant's study too
+            # batch1 on the launched engine; the scripted arm runs in the variant's study too
             variants=[{**data["variants"][0], "arms": {**data["variants"][0]["arms"], "scripted": {}}}],
             fleet={"pools": ["node-a", "node-b"], "arms": {"vllm": ["node-a"], "scripted": ["node-b"]}},
         )

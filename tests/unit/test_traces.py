@@ -213,3 +213,31 @@ def test_opentelemetry_genai_spans_convert_with_sessions_inferred(tmp_path: Path
     (tmp_path / "empty.json").write_text(json.dumps({"resourceSpans": []}))
     with pytest.raises(SpecError, match="no GenAI inference span"):
         from_otel(tmp_path / "empty.json")
+
+
+def test_the_trace_commands_make_convert_and_show_a_trace(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from k3pipe.cli.main import app
+
+    runner = CliRunner()
+    made = runner.invoke(app, ["trace", "make", str(tmp_path / "a.jsonl"), "--seed", "4", "--sessions", "6"])
+    assert made.exit_code == 0, made.output
+    assert read_trace(tmp_path / "a.jsonl") == agentic_trace(4, sessions=6)
+    assert "6 sessions" in made.output
+    assert "theoretical prefix-cache hit rate" in made.output
+    shown = runner.invoke(app, ["trace", "show", str(tmp_path / "a.jsonl")])
+    assert shown.exit_code == 0
+    assert agentic_trace(4, sessions=6).digest in shown.output
+
+    mooncake = _lines(
+        tmp_path / "m.jsonl", {"timestamp": 0, "input_length": 655, "output_length": 52, "hash_ids": [46, 47]}
+    )
+    refused = runner.invoke(app, ["trace", "show", str(mooncake)])
+    assert refused.exit_code != 0
+    assert "k3pipe trace convert --from mooncake" in str(refused.exception)
+    converted = runner.invoke(
+        app, ["trace", "convert", str(mooncake), str(tmp_path / "k.jsonl"), "--from", "mooncake"]
+    )
+    assert converted.exit_code == 0, converted.output
+    assert read_trace(tmp_path / "k.jsonl").requests[0].hash_ids == (0, 1)
