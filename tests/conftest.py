@@ -474,27 +474,29 @@ SHARED_ENGINE_MODULES = frozenset(
         "tests/engine/test_rerun_flow.py",
     }
 )
-# The heaviest groups start first (seconds each took in `make test`'s parallel phase, three workers on
-# two cores, from its junit XML, 2026-12-05), so that the workers end at about the same time; the
+# The heaviest groups start first (worker-seconds each took in `make test`'s parallel phase, three
+# workers on two cores, from its --durations=0, 2026-12-06; test_fleet_prefect's after its retest
+# stopped cold-starting the real vLLM twice), so that the workers end at about the same time; the
 # others follow in collection order.
 GROUP_SECONDS = {
-    "tests/integration/test_faults.py": 420,
-    "tests/integration/test_study.py": 385,  # three of its tests start `k3pipe study` themselves
-    "tests/integration/test_fleet_prefect.py": 335,
-    "tests/integration/test_bundle.py": 255,
-    "tests/integration/test_spool.py": 210,
-    SHARED_ENGINE: 195,
-    "tests/docker": 155,
-    "tests/engine/test_flow.py": 155,
-    "tests/integration/test_stack.py": 140,
-    "tests/integration/test_gpu_kit.py": 130,
-    "tests/integration/test_alerts.py": 130,
-    "tests/browser/test_ui.py": 100,
-    "tests/integration/test_fleet.py": 90,
+    "tests/integration/test_study.py": 545,  # three of its tests start `k3pipe study` themselves
+    "tests/integration/test_faults.py": 505,
+    "tests/integration/test_fleet_prefect.py": 340,
+    "tests/integration/test_bundle.py": 220,
+    SHARED_ENGINE: 175,
+    "tests/integration/test_spool.py": 175,
+    "tests/integration/test_alerts.py": 170,
+    "tests/docker": 160,
+    "tests/integration/test_gpu_kit.py": 140,
+    "tests/integration/test_stack.py": 115,
+    "tests/engine/test_answers_cpu.py": 110,
+    "tests/engine/test_flow.py": 100,
+    "tests/integration/test_secrets.py": 90,
+    "tests/browser/test_ui.py": 85,
     "tests/integration/test_jobs.py": 75,
-    "tests/integration/test_gpustack_real.py": 55,  # the real GPUStack server, its start most of it
+    "tests/integration/test_fleet.py": 70,
     "tests/engine/test_gateway.py": 50,
-    "tests/integration/test_secrets.py": 40,
+    "tests/integration/test_gpustack_real.py": 40,  # the real GPUStack server, its start most of it
 }
 
 
