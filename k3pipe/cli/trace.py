@@ -58,12 +58,20 @@ def make(
 
 
 @trace_app.command("show")
-def show(path: Annotated[Path, typer.Argument(help="A k3pipe trace.")]) -> None:
+def show(
+    path: Annotated[Path, typer.Argument(help="A k3pipe trace.")],
+    plot: Annotated[Path | None, typer.Option(help="Also draw its shape into this PNG file.")] = None,
+) -> None:
     """Check a trace and print its shape (arrivals, lengths, sessions, the theoretical hit rate)."""
     from k3pipe.prompts.traces import read_trace
 
     trace = read_trace(path)
     _print_shape(path, trace.digest, trace.shape().lines())
+    if plot is not None:
+        from k3pipe.report.plots import trace_shape_png
+
+        plot.write_bytes(trace_shape_png(trace))
+        typer.echo(f"  its shape drawn: {plot}")
 
 
 def _print_shape(path: Path, digest: str, lines: list[str]) -> None:

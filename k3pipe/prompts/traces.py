@@ -45,6 +45,8 @@ __all__ = [
     "TraceRequest",
     "TraceShape",
     "agentic_trace",
+    "arrivals",
+    "cumulative_hit_rate",
     "from_mooncake",
     "from_otel",
     "read_trace",
@@ -177,6 +179,32 @@ def theoretical_hit_rate(trace: Trace) -> float:
                 hit += size
         seen.update(r.hash_ids)
     return hit / total if total else 0.0
+
+
+def cumulative_hit_rate(trace: Trace) -> list[float]:
+    """After each request (in send order), the theoretical hit rate of the requests up to it: the
+    curve whose last point is :func:`theoretical_hit_rate`."""
+    seen: set[int] = set()
+    hit = total = 0
+    out = []
+    for r in trace.requests:
+        total += r.input_tokens
+        for k, block in enumerate(r.hash_ids):
+            if block in seen:
+                hit += min(trace.block_tokens, r.input_tokens - k * trace.block_tokens)
+        seen.update(r.hash_ids)
+        out.append(hit / total)
+    return out
+
+
+def arrivals(trace: Trace, bin_s: float) -> list[int]:
+    """Requests sent in each ``bin_s`` seconds from the trace's start (the last bin holds the last)."""
+    if bin_s <= 0:
+        raise ValueError(f"bin_s must be > 0, not {bin_s}")
+    counts = [0] * (int(trace.requests[-1].t // bin_s) + 1)
+    for r in trace.requests:
+        counts[int(r.t // bin_s)] += 1
+    return counts
 
 
 def _median(values: list[int]) -> float:

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
+from k3pipe.prompts.traces import Trace, arrivals, cumulative_hit_rate
 from k3pipe.report.analysis import Analysis
 from k3pipe.report.collect import StudyData
 
-__all__ = ["plot_all"]
+__all__ = ["plot_all", "trace_shape_png"]
 
 
 def _png(fig: object) -> bytes:
@@ -161,3 +162,30 @@ def plot_all(
         "pareto.png": _pareto(analysis),
     }
     return {name: png for name, png in made.items() if png is not None}
+
+
+def trace_shape_png(trace: Trace, bin_s: float = 10.0) -> bytes:
+    """A trace's shape (docs/traces.md): its arrivals per ``bin_s`` seconds, its prompt lengths, its
+    sessions' depths, and the theoretical prefix-cache hit rate as the requests go on."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(10, 6.5))
+    counts = arrivals(trace, bin_s)
+    a.bar([k * bin_s for k in range(len(counts))], counts, width=bin_s * 0.9, align="edge")
+    a.set(title=f"arrivals per {bin_s:g} s", xlabel="s from the trace's start", ylabel="requests")
+    b.hist([r.input_tokens for r in trace.requests], bins=30)
+    b.set(title="prompt tokens", xlabel="tokens", ylabel="requests")
+    depths = [len(turns) for turns in trace.sessions().values()]
+    if depths:
+        c.hist(depths, bins=range(1, max(depths) + 2), align="left")
+    c.set(title=f"turns per session ({len(depths)} sessions)", xlabel="turns", ylabel="sessions")
+    curve = cumulative_hit_rate(trace)
+    d.plot(range(1, len(curve) + 1), [100 * v for v in curve])
+    d.set(title="theoretical prefix-cache hit rate", xlabel="requests sent", ylabel="% of prompt tokens")
+    d.set_ylim(0, 100)
+    fig.suptitle(f"trace {trace.digest}: {trace.source}"[:110], fontsize=9)
+    fig.tight_layout()
+    return _png(fig)

@@ -17,6 +17,8 @@ from k3pipe.prompts.traces import (
     Trace,
     TraceRequest,
     agentic_trace,
+    arrivals,
+    cumulative_hit_rate,
     from_mooncake,
     from_otel,
     read_trace,
@@ -103,6 +105,24 @@ def test_the_theoretical_hit_rate_counts_the_blocks_seen_before_in_send_order() 
     reordered = Trace(tuple(reversed(trace.requests)), 4)
     assert theoretical_hit_rate(reordered) == pytest.approx((4 + 8) / 29)
     assert theoretical_hit_rate(Trace((TraceRequest(0, 10, 1),), 4)) == 0.0  # no ids: nothing shared
+
+
+def test_the_hit_rate_curve_and_the_arrivals_of_a_trace_set_by_hand() -> None:
+    trace = Trace(
+        (
+            TraceRequest(0.0, 10, 1, (1, 2, 3)),
+            TraceRequest(4.0, 10, 1, (1, 2, 4)),
+            TraceRequest(9.9, 6, 1, (1, 5)),
+            TraceRequest(25.0, 3, 1, (6,)),
+        ),
+        block_tokens=4,
+    )
+    assert cumulative_hit_rate(trace) == pytest.approx([0, 8 / 20, 12 / 26, 12 / 29])
+    assert cumulative_hit_rate(trace)[-1] == pytest.approx(theoretical_hit_rate(trace))
+    assert arrivals(trace, 10.0) == [3, 0, 1]
+    assert arrivals(trace, 5.0) == [2, 1, 0, 0, 0, 1]
+    with pytest.raises(ValueError, match="bin_s must be > 0"):
+        arrivals(trace, 0)
 
 
 def test_the_agentic_trace_has_its_sessions_context_bound_and_shared_system_prompts() -> None:
@@ -226,9 +246,12 @@ def test_the_trace_commands_make_convert_and_show_a_trace(tmp_path: Path) -> Non
     assert read_trace(tmp_path / "a.jsonl") == agentic_trace(4, sessions=6)
     assert "6 sessions" in made.output
     assert "theoretical prefix-cache hit rate" in made.output
-    shown = runner.invoke(app, ["trace", "show", str(tmp_path / "a.jsonl")])
-    assert shown.exit_code == 0
+    shown = runner.invoke(
+        app, ["trace", "show", str(tmp_path / "a.jsonl"), "--plot", str(tmp_path / "a.png")]
+    )
+    assert shown.exit_code == 0, shown.output
     assert agentic_trace(4, sessions=6).digest in shown.output
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     mooncake = _lines(
         tmp_path / "m.jsonl", {"timestamp": 0, "input_length": 655, "output_length": 52, "hash_ids": [46, 47]}
