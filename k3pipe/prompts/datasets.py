@@ -64,7 +64,7 @@ from tokenizers import Encoding, Tokenizer
 
 from k3pipe.core.errors import BenchmarkError
 
-__all__ = ["Prompt", "load_tokenizer", "random_prompts", "shared_prefix_prompts"]
+__all__ = ["Prompt", "load_tokenizer", "random_prompts", "shared_prefix_prompts", "tree_prompts"]
 
 # Full-text encode/verify rounds, tail refits per round, tokens refitted at the tail, context tokens.
 _MAX_ROUNDS = 6
@@ -80,7 +80,7 @@ _MAX_WORDS = 8192
 # Tokens verified per encode_batch_fast call: an Encoding holds ~150 bytes a token until dropped.
 _BATCH_TOKENS = 2_000_000
 # Kinds of random stream (part of each prompt's key, so datasets never share prompts or prefixes).
-_RANDOM, _PREFIX, _SUFFIX, _POOL = 0, 1, 2, 3
+_RANDOM, _PREFIX, _SUFFIX, _POOL, _TREE = 0, 1, 2, 3, 4
 # Piecewise assembly: pool blocks x words, words per segment (min, max <= block), fresh words that
 # start each prompt (and each shared-prefix suffix), words checked either side of a join.
 _POOL_BLOCKS = 64  # at least; more for long prompts, so a prompt never uses a block twice
@@ -214,6 +214,73 @@ def shared_prefix_prompts(
         return [Prompt(text=d.text, tokens=input_tokens) for d in drafts]
 
     return _assembled_or_whole(tokenizer, vocab, seed, n, input_tokens, make)
+
+
+def tree_prompts(tokenizer: Tokenizer, nodes: Sequence[tuple[int | None, int]], seed: int) -> list[Prompt]:
+    """Prompts that form a tree: node ``i`` is ``(parent, tokens)``, its parent's index (None: a root)
+    and its own length, more than its parent's. Every node encodes to exactly ``tokens`` tokens and
+    its encoding starts with exactly its parent's (checked), so a prompt shares with each of its
+    ancestors, token for token, what a prefix cache can reuse: a trace's chained blocks
+    (k3pipe.prompts.traces) rebuilt as text. Parents come before their children; node ``i``
+    depends only on ``(seed, i)`` and its ancestors.
+
+    Raises:
+        BenchmarkError: a node no longer than its parent, a parent after its child, or lengths this
+            tokenizer cannot reach.
+    """
+    depth: list[int] = []
+    for i, (parent, tokens) in enumerate(nodes):
+        if parent is None:
+            depth.append(0)
+            if tokens < 1:
+                raise BenchmarkError(f"prompt tree: node {i} has {tokens} tokens; give at least 1")
+            continue
+        if not 0 <= parent < i:
+            raise BenchmarkError(f"prompt tree: node {i}'s parent {parent} must come before it")
+        if tokens <= nodes[parent][1]:
+            raise BenchmarkError(
+                f"prompt tree: node {i} has {tokens} tokens, no more than its parent's {nodes[parent][1]}"
+            )
+        depth.append(depth[parent] + 1)
+    if not nodes:
+        return []
+    vocab = _vocabulary(tokenizer)
+    longest = max(t for _, t in nodes)
+    # a node's words come from pool blocks none of its ancestors used: a pool as deep as the tree
+    levels = max(depth) + 1
+    pool_tokens = max(longest, (levels + 8) * 4 * _BLOCK_WORDS // 5)
+
+    def make(kind: _Maker) -> list[Prompt]:
+        drafts = [_Draft(index=i, rng=_stream(seed, _TREE, i), keep_ids=True) for i in range(len(nodes))]
+        order = sorted(range(len(nodes)), key=lambda i: (depth[i], nodes[i][1], i))
+        at = 0
+        while at < len(order):
+            level, target = depth[order[at]], nodes[order[at]][1]
+            group = []
+            while at < len(order) and depth[order[at]] == level and nodes[order[at]][1] == target:
+                group.append(order[at])
+                at += 1
+            for i in group:
+                parent = nodes[i][0]
+                if parent is not None:
+                    head = drafts[parent]
+                    d = drafts[i]
+                    d.head_text, d.head_ids = head.text, _kept(head.ids)
+                    d.head_positions, d.head_blocks = _kept(head.positions), head.blocks
+            kind(target, [drafts[i] for i in group])
+            for i in group:  # the ids a child's head must start with
+                d = drafts[i]
+                if d.ids is None and d.positions is not None:
+                    d.ids = vocab.pool[d.positions]
+        return [Prompt(text=d.text, tokens=nodes[d.index][1]) for d in drafts]
+
+    pool = _pool(tokenizer, vocab, seed, pool_tokens)
+    if pool is not None:
+        try:
+            return make(lambda target, drafts: _assemble_all(tokenizer, vocab, pool, target, drafts))
+        except _Unassemblable:
+            pass
+    return make(lambda target, drafts: _make_exact(tokenizer, vocab, target, drafts))
 
 
 # Makes drafts exact: (target tokens, drafts) -> None.

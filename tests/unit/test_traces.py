@@ -264,3 +264,34 @@ def test_the_trace_commands_make_convert_and_show_a_trace(tmp_path: Path) -> Non
     )
     assert converted.exit_code == 0, converted.output
     assert read_trace(tmp_path / "k.jsonl").requests[0].hash_ids == (0, 1)
+
+
+def test_the_prompt_tree_makes_each_block_once_and_refuses_ids_that_are_not_chained() -> None:
+    from k3pipe.prompts.traces import prompt_tree
+
+    # blocks of 4: request 2 shares request 1's two full blocks; request 3 its first; request 4 ends
+    # in a partial block of request 1's id 3 but longer: a leaf of its own
+    trace = Trace(
+        (
+            TraceRequest(0, 10, 1, (1, 2, 3)),
+            TraceRequest(1, 12, 1, (1, 2, 4)),
+            TraceRequest(2, 6, 1, (1, 5)),
+            TraceRequest(3, 11, 1, (1, 2, 3)),
+            TraceRequest(4, 5, 1),
+        ),
+        block_tokens=4,
+    )
+    nodes, of_request = prompt_tree(trace)
+    assert nodes == [
+        (None, 4), (0, 8), (1, 10),  # 1, 2, 3 (partial: 10 tokens)
+        (1, 12),  # 4 (full)
+        (0, 6),  # 5 (partial)
+        (1, 11),  # 3 again, 11 tokens: its own leaf
+        (None, 5),  # no ids: a prompt of its own
+    ]  # fmt: skip
+    assert of_request == [2, 3, 4, 5, 6]
+    broken = Trace((TraceRequest(0, 8, 1, (1, 2)), TraceRequest(1, 8, 1, (2, 1))), block_tokens=4)
+    with pytest.raises(
+        SpecError, match="block id 2 at block 1 after id None, but earlier at block 2 after id 1"
+    ):
+        prompt_tree(broken)

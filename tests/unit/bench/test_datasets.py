@@ -298,3 +298,72 @@ def test_a_shared_prefix_prompt_never_repeats_its_prefix_blocks(byte_level_token
         grams = np.lib.stride_tricks.sliding_window_view(ids, 12)
         assert len(ids) == 60_000
         assert len(np.unique(grams, axis=0)) == len(grams)
+
+
+def _encoded(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def test_a_tree_of_prompts_shares_each_parents_tokens_exactly(tokenizer: Tokenizer) -> None:
+    # two roots; chains and branches; lengths not multiples of anything
+    nodes = [(None, 64), (0, 128), (1, 192), (0, 150), (None, 40), (4, 100), (2, 256), (6, 300), (2, 260)]
+    prompts = datasets.tree_prompts(tokenizer, nodes, 3)
+    ids = [_encoded(tokenizer, p.text) for p in prompts]
+    assert [len(i) for i in ids] == [n for _, n in nodes]
+    for i, (parent, _) in enumerate(nodes):
+        if parent is not None:
+            assert ids[i][: len(ids[parent])] == ids[parent]
+            assert prompts[i].text.startswith(prompts[parent].text)
+    assert ids[1][64:74] != ids[3][64:74]  # siblings part after their parent
+    assert ids[0][:10] != ids[4][:10]  # two roots are two prompts
+    assert datasets.tree_prompts(tokenizer, nodes, 3) == prompts
+    assert datasets.tree_prompts(tokenizer, nodes, 4) != prompts
+
+
+def test_a_tree_as_deep_as_a_long_session_is_assembled(
+    byte_level_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 64 tokens chained to 16K tokens: 256 levels, each from pool blocks its ancestors
+    did not use (the pool is as deep as the tree), never the slow whole path."""
+    monkeypatch.setattr(datasets, "_make_exact", _whole_path_forbidden)
+    nodes = [(None if k == 0 else k - 1, 64 * (k + 1)) for k in range(256)]
+    prompts = datasets.tree_prompts(byte_level_tokenizer, nodes, 1)
+    last = _encoded(byte_level_tokenizer, prompts[-1].text)
+    assert len(last) == 16384
+    assert last[:8192] == _encoded(byte_level_tokenizer, prompts[127].text)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "message"),
+    [
+        ([(None, 0)], "node 0 has 0 tokens"),
+        ([(None, 10), (0, 10)], "node 1 has 10 tokens, no more than its parent's 10"),
+        ([(None, 10), (2, 20), (None, 5)], "node 1's parent 2 must come before it"),
+    ],
+)
+def test_a_bad_tree_is_refused(byte_level_tokenizer: Tokenizer, nodes: list, message: str) -> None:
+    with pytest.raises(BenchmarkError, match=message):
+        datasets.tree_prompts(byte_level_tokenizer, nodes, 1)
+
+
+def test_a_traces_prompts_have_its_lengths_and_share_its_blocks(tokenizer: Tokenizer) -> None:
+    from k3pipe.prompts.traces import agentic_trace, prompt_tree, trace_prompts
+
+    trace = agentic_trace(
+        2, sessions=4, turns=(3, 5), context_tokens=2048, system_prompts=2, system_tokens=256,
+        user_tokens=(16, 64), tool_tokens=(32, 128), output_tokens=(8, 64), block_tokens=16,
+    )  # fmt: skip
+    prompts = trace_prompts(trace, tokenizer, 1)
+    ids = [_encoded(tokenizer, p.text) for p in prompts]
+    assert [len(i) for i in ids] == [r.input_tokens for r in trace.requests]
+    for a, ia in zip(trace.requests, ids, strict=True):
+        for b, ib in zip(trace.requests, ids, strict=True):
+            shared = 0
+            while shared < min(len(a.hash_ids), len(b.hash_ids)) and a.hash_ids[shared] == b.hash_ids[shared]:
+                shared += 1
+            whole = min(shared, a.input_tokens // 16, b.input_tokens // 16) * 16
+            assert ia[:whole] == ib[:whole]
+            if shared < min(len(a.hash_ids), len(b.hash_ids)):  # where the ids part, the tokens do
+                assert ia[shared * 16 : shared * 16 + 16] != ib[shared * 16 : shared * 16 + 16]
+    nodes, _ = prompt_tree(trace)
+    assert len(nodes) < sum(len(r.hash_ids) for r in trace.requests)  # shared blocks made once
