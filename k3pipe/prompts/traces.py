@@ -33,7 +33,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -175,16 +175,8 @@ class Trace:
 def theoretical_hit_rate(trace: Trace) -> float:
     """The share of prompt tokens in blocks an earlier request (in send order) already had: what a
     prefix cache that never evicts could reuse. A request's last, partial block counts its tokens."""
-    seen: set[int] = set()
-    hit = total = 0
-    for r in trace.requests:
-        total += r.input_tokens
-        for k, block in enumerate(r.hash_ids):
-            size = min(trace.block_tokens, r.input_tokens - k * trace.block_tokens)
-            if block in seen:
-                hit += size
-        seen.update(r.hash_ids)
-    return hit / total if total else 0.0
+    curve = cumulative_hit_rate(trace)
+    return curve[-1] if curve else 0.0
 
 
 def cumulative_hit_rate(trace: Trace) -> list[float]:
@@ -569,11 +561,6 @@ def agentic_trace(
         f"system_prompts={system_prompts}x{system_tokens}"
     )
     return Trace(tuple(pending), block_tokens, source)
-
-
-def scaled(trace: Trace, speed: float) -> Trace:
-    """The trace with its times divided by ``speed`` (2: twice as fast)."""
-    return replace(trace, requests=tuple(replace(r, t=r.t / speed) for r in trace.requests))
 
 
 # --- prompts rebuilt from the ids -------------------------------------------------------------------
