@@ -42,12 +42,14 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from k3pipe.bench.replay import ReplayOutcome, replay, replay_plan
 from k3pipe.bench.request_records import RequestRecord
 from k3pipe.bench.transport import HttpxSSE, SSEPool, SSESender, TransportError
 from k3pipe.bench.warmup import WarmupReport, agree, warmup_report
 from k3pipe.bench.warmup import waves as warmup_waves
 from k3pipe.core.errors import BenchmarkError
 from k3pipe.prompts.datasets import Prompt
+from k3pipe.prompts.traces import Trace
 from k3pipe.schema.specs import WorkloadSpec
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "RequestRecord",
     "Share",
     "WorkloadResult",
+    "replay_trace",
     "run_workload",
     "schedule_offsets",
 ]
@@ -934,3 +937,67 @@ def _scrub(text: str | None, secret: str | None) -> str | None:
     if text is None or not secret:
         return text
     return text.replace(secret, "***")
+
+
+# The most connections a replay opens: a request beyond them waits for one, and that wait is lag.
+_REPLAY_CONNECTIONS = 1024
+
+
+async def replay_trace(
+    base_url: str,
+    model: str,
+    api_key: SecretStr | None,
+    workload: WorkloadSpec,
+    trace: Trace,
+    prompts: Sequence[Prompt],
+    *,
+    speed: float = 1.0,
+    max_idle_s: float | None = None,
+) -> tuple[ReplayOutcome, list[RequestRecord]]:
+    """Send ``trace``'s requests in time (k3pipe.bench.replay: the plan, the sessions' order, a failed
+    turn ending its session), each with its prompt and ``max_tokens`` its ``output_tokens``, streaming
+    as :func:`run_workload` does (``workload`` gives the API, the timeout and ``ignore_eos``). Returns
+    the replay's outcome (planned, ready, sent and ended times; the sender's lag) and one record per
+    request sent, in trace order; a record's ``t_scheduled`` is when it was ready to go.
+
+    Raises:
+        BenchmarkError: a prompt count other than the trace's requests, or an unusable base URL.
+    """
+    if len(prompts) != len(trace.requests):
+        raise BenchmarkError(
+            f"trace replay: {len(prompts)} prompts for {len(trace.requests)} requests: one prompt per "
+            "request (k3pipe.prompts.traces.trace_prompts)"
+        )
+    secret = api_key.get_secret_value() if api_key is not None else None
+    path = "/chat/completions" if workload.api == "chat" else "/completions"
+    url = base_url.rstrip("/") + path
+    plan = replay_plan(trace, speed, max_idle_s)
+    # one spec per request (its max_tokens), every body serialized before the first send
+    specs = [workload.model_copy(update={"output_tokens": r.output_tokens}) for r in trace.requests]
+    bodies = [_body(model, specs[i], prompts[i]) for i in range(len(prompts))]
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    try:
+        pool = SSEPool(base_url, max_connections=min(len(prompts), _REPLAY_CONNECTIONS), headers=headers)
+    except ValueError as exc:
+        raise BenchmarkError(f"base URL {base_url!r} cannot be used: {exc}") from None
+    records: dict[int, RequestRecord] = {}
+    async with pool as sender:
+
+        async def send(i: int) -> bool:
+            record = await _send(sender, path, url, bodies[i], prompts[i], specs[i], i, False, secret)
+            records[i] = record
+            return record.error is None
+
+        gc.collect()
+        gc.freeze()
+        start = time.perf_counter()  # the replay's own origin, a few microseconds before its first read
+        try:
+            outcome = await replay(trace, plan, send, clock=time.perf_counter)
+        finally:
+            gc.unfreeze()
+    ready = {r.index: r.ready_s for r in outcome.records}
+    kept = []
+    for i in sorted(records):
+        at = ready.get(i)
+        kept.append(records[i] if at is None else records[i].model_copy(update={"t_scheduled": start + at}))
+    return outcome, kept
