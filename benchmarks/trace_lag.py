@@ -33,8 +33,8 @@ import numpy as np
 import k3pipe.testing
 from k3pipe.bench.client import replay_trace
 from k3pipe.prompts.datasets import Prompt
-from k3pipe.prompts.traces import Trace, TraceRequest
 from k3pipe.schema.specs import WorkloadSpec
+from k3pipe.schema.traces import Trace, TraceRequest
 
 SERVER = Path(k3pipe.testing.__file__).with_name("exact_server.py")
 

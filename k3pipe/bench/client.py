@@ -49,8 +49,8 @@ from k3pipe.bench.warmup import WarmupReport, agree, warmup_report
 from k3pipe.bench.warmup import waves as warmup_waves
 from k3pipe.core.errors import BenchmarkError
 from k3pipe.prompts.datasets import Prompt
-from k3pipe.prompts.traces import Trace
 from k3pipe.schema.specs import WorkloadSpec
+from k3pipe.schema.traces import Trace
 
 __all__ = [
     "Abort",
@@ -966,7 +966,7 @@ async def replay_trace(
     if len(prompts) != len(trace.requests):
         raise BenchmarkError(
             f"trace replay: {len(prompts)} prompts for {len(trace.requests)} requests: one prompt per "
-            "request (k3pipe.prompts.traces.trace_prompts)"
+            "request (k3pipe.prompts.trace_prompts.trace_prompts)"
         )
     secret = api_key.get_secret_value() if api_key is not None else None
     path = "/chat/completions" if workload.api == "chat" else "/completions"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3pipe.prompts.traces import Trace
+from k3pipe.schema.traces import Trace
 
 __all__ = ["ReplayOutcome", "ReplayRecord", "replay", "replay_plan"]
 

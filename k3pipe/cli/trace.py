@@ -30,7 +30,7 @@ def convert(
     ] = None,
 ) -> None:
     """Convert a Mooncake trace or OpenTelemetry GenAI spans into a k3pipe trace, and print its shape."""
-    from k3pipe.prompts.traces import from_mooncake, from_otel, write_trace
+    from k3pipe.schema.traces import from_mooncake, from_otel, write_trace
 
     if source is Source.mooncake:
         trace = from_mooncake(src, block_tokens=block_tokens or 512)
@@ -50,7 +50,7 @@ def make(
     ] = 16384,
 ) -> None:
     """Write the ready agent-like multi-turn trace (docs/traces.md, "The ready trace")."""
-    from k3pipe.prompts.traces import agentic_trace, write_trace
+    from k3pipe.schema.traces import agentic_trace, write_trace
 
     trace = agentic_trace(seed, sessions=sessions, context_tokens=context_tokens)
     write_trace(trace, dest)
@@ -63,7 +63,7 @@ def show(
     plot: Annotated[Path | None, typer.Option(help="Also draw its shape into this PNG file.")] = None,
 ) -> None:
     """Check a trace and print its shape (arrivals, lengths, sessions, the theoretical hit rate)."""
-    from k3pipe.prompts.traces import read_trace
+    from k3pipe.schema.traces import read_trace
 
     trace = read_trace(path)
     _print_shape(path, trace.digest, trace.shape().lines())

@@ -221,7 +221,7 @@ def tree_prompts(tokenizer: Tokenizer, nodes: Sequence[tuple[int | None, int]], 
     and its own length, more than its parent's. Every node encodes to exactly ``tokens`` tokens and
     its encoding starts with exactly its parent's (checked), so a prompt shares with each of its
     ancestors, token for token, what a prefix cache can reuse: a trace's chained blocks
-    (k3pipe.prompts.traces) rebuilt as text. Parents come before their children; node ``i``
+    (k3pipe.prompts.trace_prompts) rebuilt as text. Parents come before their children; node ``i``
     depends only on ``(seed, i)`` and its ancestors.
 
     Raises:

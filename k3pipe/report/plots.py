@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from k3pipe.prompts.traces import Trace, arrivals, cumulative_hit_rate
 from k3pipe.report.analysis import Analysis
 from k3pipe.report.collect import StudyData
+from k3pipe.schema.traces import Trace, arrivals, cumulative_hit_rate
 
 __all__ = ["plot_all", "trace_shape_png"]
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from k3pipe.bench.replay import ReplayOutcome, replay, replay_plan
-from k3pipe.prompts.traces import Trace, TraceRequest
+from k3pipe.schema.traces import Trace, TraceRequest
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""Traces (k3pipe/prompts/traces.py): the format read back as written and refused with the line, the
+"""Traces (k3pipe/schema/traces.py): the format read back as written and refused with the line, the
 field and what to do; the theoretical prefix-cache hit rate on traces whose sharing is set by hand;
 the ready agentic trace's sessions, context bound and shared system prompts; Mooncake's format (its
 published example lines) and OpenTelemetry GenAI spans converted with their timing and sessions."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from k3pipe.core.errors import SpecError
-from k3pipe.prompts.traces import (
+from k3pipe.schema.traces import (
     Trace,
     TraceRequest,
     agentic_trace,
@@ -267,7 +267,7 @@ def test_the_trace_commands_make_convert_and_show_a_trace(tmp_path: Path) -> Non
 
 
 def test_the_prompt_tree_makes_each_block_once_and_refuses_ids_that_are_not_chained() -> None:
-    from k3pipe.prompts.traces import prompt_tree
+    from k3pipe.prompts.trace_prompts import prompt_tree
 
     # blocks of 4: request 2 shares request 1's two full blocks; request 3 its first; request 4 ends
     # in a partial block of request 1's id 3 but longer: a leaf of its own

@@ -14,8 +14,9 @@ from tokenizers import Tokenizer
 
 from k3pipe.bench.client import replay_trace
 from k3pipe.core.errors import BenchmarkError
-from k3pipe.prompts.traces import Trace, TraceRequest, trace_prompts
+from k3pipe.prompts.trace_prompts import trace_prompts
 from k3pipe.schema.specs import WorkloadSpec
+from k3pipe.schema.traces import Trace, TraceRequest
 from k3pipe.testing.scripted_openai import Received, Script, ScriptedOpenAI
 
 

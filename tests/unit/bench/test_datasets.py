@@ -347,7 +347,8 @@ def test_a_bad_tree_is_refused(byte_level_tokenizer: Tokenizer, nodes: list, mes
 
 
 def test_a_traces_prompts_have_its_lengths_and_share_its_blocks(tokenizer: Tokenizer) -> None:
-    from k3pipe.prompts.traces import agentic_trace, prompt_tree, trace_prompts
+    from k3pipe.prompts.trace_prompts import prompt_tree, trace_prompts
+    from k3pipe.schema.traces import agentic_trace
 
     trace = agentic_trace(
         2, sessions=4, turns=(3, 5), context_tokens=2048, system_prompts=2, system_tokens=256,
