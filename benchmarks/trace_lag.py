@@ -54,7 +54,7 @@ def measure(base_url: str, rate: float, seconds: float) -> dict[str, Any]:
     workload = WorkloadSpec.model_validate(
         {"name": "lag", "input_tokens": 32, "output_tokens": 8, "concurrency": 1, "num_requests": 1}
     )
-    outcome, records = asyncio.run(replay_trace(base_url, "exact", None, workload, trace, prompts))
+    outcome, records, _ = asyncio.run(replay_trace(base_url, "exact", None, workload, trace, prompts))
     lags = np.array([r.lag_s for r in outcome.records if r.lag_s is not None]) * 1000.0
     failed = sum(1 for r in records if r.error is not None)
     return {

@@ -49,6 +49,7 @@ from k3pipe.bench.warmup import WarmupReport, agree, warmup_report
 from k3pipe.bench.warmup import waves as warmup_waves
 from k3pipe.core.errors import BenchmarkError
 from k3pipe.prompts.datasets import Prompt
+from k3pipe.prompts.trace_prompts import previous_turns
 from k3pipe.schema.specs import WorkloadSpec
 from k3pipe.schema.traces import Trace
 
@@ -721,12 +722,22 @@ def stream_options(continuous_usage: bool = True) -> dict[str, bool]:
     return {"include_usage": True, **({"continuous_usage_stats": True} if continuous_usage else {})}
 
 
-def _body(model: str, workload: WorkloadSpec, prompt: Prompt, continuous_usage: bool = True) -> bytes:
+def _body(
+    model: str,
+    workload: WorkloadSpec,
+    prompt: Prompt,
+    continuous_usage: bool = True,
+    conversation: list[dict[str, str]] | str | None = None,
+) -> bytes:
+    """A request's JSON body; ``conversation``, when given, is sent instead of the prompt alone (the
+    messages under the chat API, the whole text under completions)."""
     body: dict[str, Any] = {"model": model}
     if workload.api == "chat":
-        body["messages"] = [{"role": "user", "content": prompt.text}]
+        body["messages"] = (
+            conversation if isinstance(conversation, list) else [{"role": "user", "content": prompt.text}]
+        )
     else:
-        body["prompt"] = prompt.text
+        body["prompt"] = conversation if isinstance(conversation, str) else prompt.text
     body.update(
         max_tokens=workload.output_tokens,
         temperature=0,
@@ -750,6 +761,7 @@ async def _send(
     secret: str | None,
     t_scheduled: float | None = None,
     abort: Abort | None = None,
+    answer: list[str] | None = None,
 ) -> RequestRecord:
     # The body is serialized before the call: JSON-encoding a 200K-token prompt is client work, not
     # TTFT. The transport stamps t_send after the request's write, so waiting for a connection and
@@ -793,6 +805,8 @@ async def _send(
         t_end = time.perf_counter()
     if state.error is None:
         state.error = _zero_output_error(state)
+    if answer is not None:
+        answer.append("".join(state.text))
     return RequestRecord(
         index=index,
         warmup=warmup,
@@ -953,12 +967,21 @@ async def replay_trace(
     *,
     speed: float = 1.0,
     max_idle_s: float | None = None,
-) -> tuple[ReplayOutcome, list[RequestRecord]]:
+    thread: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+    abort: Abort | None = None,
+) -> tuple[ReplayOutcome, list[RequestRecord], float]:
     """Send ``trace``'s requests in time (k3pipe.bench.replay: the plan, the sessions' order, a failed
-    turn ending its session), each with its prompt and ``max_tokens`` its ``output_tokens``, streaming
-    as :func:`run_workload` does (``workload`` gives the API, the timeout and ``ignore_eos``). Returns
-    the replay's outcome (planned, ready, sent and ended times; the sender's lag) and one record per
-    request sent, in trace order; a record's ``t_scheduled`` is when it was ready to go.
+    turn ending its session), each with ``max_tokens`` its ``output_tokens``, streaming as
+    :func:`run_workload` does (``workload`` gives the API, the timeout and ``ignore_eos``).
+
+    Each request sends its prompt; with ``thread``, a session's later turn sends the conversation so
+    far instead: the previous turn's as sent, the engine's real answer to it (chat: an assistant
+    message), then its prompt (:func:`k3pipe.prompts.trace_prompts.replay_prompts` made it the new
+    part only). ``abort`` stops the replay: no request is sent after it, those in flight end as
+    failed records. Returns the replay's outcome (planned, ready, sent and ended times; the sender's
+    lag), one record per request sent, in trace order (a record's ``t_scheduled`` is when it was
+    ready to go), and the perf_counter origin of the plan.
 
     Raises:
         BenchmarkError: a prompt count other than the trace's requests, or an unusable base URL.
@@ -968,31 +991,74 @@ async def replay_trace(
             f"trace replay: {len(prompts)} prompts for {len(trace.requests)} requests: one prompt per "
             "request (k3pipe.prompts.trace_prompts.trace_prompts)"
         )
+    abort = abort or Abort()
     secret = api_key.get_secret_value() if api_key is not None else None
-    path = "/chat/completions" if workload.api == "chat" else "/completions"
+    chat = workload.api == "chat"
+    path = "/chat/completions" if chat else "/completions"
     url = base_url.rstrip("/") + path
     plan = replay_plan(trace, speed, max_idle_s)
-    # one spec per request (its max_tokens), every body serialized before the first send
+    before = previous_turns(trace) if thread else [None] * len(prompts)
+    # one spec per request (its max_tokens); a request on its own or a first turn serialized before the
+    # first send, a threaded turn when its previous answer is in
     specs = [workload.model_copy(update={"output_tokens": r.output_tokens}) for r in trace.requests]
-    bodies = [_body(model, specs[i], prompts[i]) for i in range(len(prompts))]
+    bodies: list[bytes | None] = [
+        _body(model, specs[i], prompts[i]) if before[i] is None else None for i in range(len(prompts))
+    ]
+    sent: dict[int, list[dict[str, str]] | str] = {}  # what a turn sent, for the turn after it
+    answers: dict[int, str] = {}
+    threaded = {p for p in before if p is not None}
     headers = {"Authorization": f"Bearer {secret}"} if secret else {}
     try:
         pool = SSEPool(base_url, max_connections=min(len(prompts), _REPLAY_CONNECTIONS), headers=headers)
     except ValueError as exc:
         raise BenchmarkError(f"base URL {base_url!r} cannot be used: {exc}") from None
     records: dict[int, RequestRecord] = {}
+    done = 0
+
+    def conversation(i: int) -> list[dict[str, str]] | str:
+        prev = before[i]
+        text = prompts[i].text
+        if prev is None:
+            return [{"role": "user", "content": text}] if chat else text
+        history = sent[prev]
+        if isinstance(history, list):
+            return [
+                *history,
+                {"role": "assistant", "content": answers[prev]},
+                {"role": "user", "content": text},
+            ]
+        return history + answers[prev] + text
+
     async with pool as sender:
 
         async def send(i: int) -> bool:
-            record = await _send(sender, path, url, bodies[i], prompts[i], specs[i], i, False, secret)
+            nonlocal done
+            abort.track()
+            body = bodies[i]
+            if before[i] is not None or i in threaded:
+                sent[i] = conversation(i)
+                if body is None:
+                    body = _body(model, specs[i], prompts[i], conversation=sent[i])
+            assert body is not None
+            answer: list[str] | None = [] if i in threaded else None
+            record = await _send(
+                sender, path, url, body, prompts[i], specs[i], i, False, secret, abort=abort, answer=answer
+            )
+            if answer is not None:
+                answers[i] = answer[0]
             records[i] = record
+            done += 1
+            if on_progress is not None:
+                on_progress(done, len(prompts))
             return record.error is None
 
         gc.collect()
         gc.freeze()
         start = time.perf_counter()  # the replay's own origin, a few microseconds before its first read
         try:
-            outcome = await replay(trace, plan, send, clock=time.perf_counter)
+            outcome = await replay(
+                trace, plan, send, clock=time.perf_counter, sleep=abort.sleep, stopped=lambda: abort.reason
+            )
         finally:
             gc.unfreeze()
     ready = {r.index: r.ready_s for r in outcome.records}
@@ -1000,4 +1066,4 @@ async def replay_trace(
     for i in sorted(records):
         at = ready.get(i)
         kept.append(records[i] if at is None else records[i].model_copy(update={"t_scheduled": start + at}))
-    return outcome, kept
+    return outcome, kept, start

@@ -29,9 +29,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3pipe.schema.traces import Trace
+from k3pipe.schema.traces import Trace, theoretical_hit_rate
 
-__all__ = ["ReplayOutcome", "ReplayRecord", "replay", "replay_plan"]
+__all__ = [
+    "FIDELITY_BOUNDS",
+    "ReplayOutcome",
+    "ReplayRecord",
+    "fidelity",
+    "fidelity_problems",
+    "rate_window_s",
+    "replay",
+    "replay_plan",
+]
 
 
 def replay_plan(trace: Trace, speed: float = 1.0, max_idle_s: float | None = None) -> list[float]:
@@ -102,9 +111,12 @@ async def replay(
     *,
     clock: Clock = time.monotonic,
     sleep: Sleep = asyncio.sleep,
+    stopped: Callable[[], str | None] = lambda: None,
 ) -> ReplayOutcome:
     """Send every request of ``trace`` by ``plan`` and the session rule; ``send(i)`` sends request i
-    and returns, when its answer has ended, whether it succeeded."""
+    and returns, when its answer has ended, whether it succeeded. Once ``stopped()`` gives a reason
+    (the engine was lost, an interrupt), no request is sent: each left is recorded as skipped with
+    it."""
     if len(plan) != len(trace.requests):
         raise ValueError(f"a plan of {len(plan)} times for {len(trace.requests)} requests")
     start = clock()
@@ -135,6 +147,12 @@ async def replay(
                 done.get(i, asyncio.Event()).set()
                 return
             ready = max(planned, prior.done_s or planned)
+        reason = stopped()
+        if reason is not None:
+            records[i] = ReplayRecord(i, planned, ready, skipped=f"not sent: {reason}")
+            if i in done:
+                done[i].set()
+            return
         sent = clock() - start
         try:
             ok = await send(i)
@@ -146,3 +164,102 @@ async def replay(
 
     await asyncio.gather(*(one(i) for i in range(len(plan))))
     return ReplayOutcome(tuple(r for r in records if r is not None))
+
+
+# --- fidelity (issue 49, item 4) -------------------------------------------------------------------
+
+FIDELITY_BOUNDS: dict[str, tuple[float, str]] = {
+    "replay_lag_ms_p99": (10.0, "the sender's lag p99 (ms)"),
+    "replay_rate_dev_pct_max": (10.0, "the offered rate's largest gap from the trace's in a window (%)"),
+    "replay_prompt_tokens_dev_pct_p50": (5.0, "the engine's prompt tokens' median gap from the trace's (%)"),
+    "replay_skipped": (0.0, "requests not sent (their session's earlier turn failed, or the replay stopped)"),
+}
+"""The bounds a faithful replay keeps (metric -> (the most it may be, what it is)); a replay outside
+any of them says so at the top of the report."""
+
+RATE_WINDOW_S = 60.0
+MIN_WINDOW_REQUESTS = 5
+
+
+def rate_window_s(plan: Sequence[float]) -> float:
+    """The window the offered rate is compared in: a minute, or a third of a replay shorter than three."""
+    span = (plan[-1] - plan[0]) if plan else 0.0
+    return RATE_WINDOW_S if span >= 3 * RATE_WINDOW_S else max(1.0, span / 3)
+
+
+def fidelity(
+    trace: Trace,
+    plan: Sequence[float],
+    outcome: ReplayOutcome,
+    usage_prompt_tokens: Sequence[int | None],
+) -> dict[str, float]:
+    """How faithful a replay was, as metrics:
+
+    - ``replay_lag_ms_p50``/``_p99``/``_max``: the sender's lag (what the client added);
+    - ``replay_session_wait_s_p50``/``_max``: how long turns waited for their previous answer past
+      their planned time (the engine's pace, not the client's);
+    - ``replay_rate_dev_pct_max``: in each window of ``replay_rate_window_s`` (a minute; a third of a
+      shorter replay) holding at least 5 planned sends, the sends made against those planned, the
+      largest gap in percent: the offered load against the trace's;
+    - ``replay_prompt_tokens_dev_pct_p50``/``_max``: the engine's prompt tokens (usage) against the
+      trace's ``input_tokens``, per request (threaded turns carry real answers: their lengths move
+      with them);
+    - ``replay_sent``, ``replay_skipped``;
+    - ``trace_hit_rate_pct``: the theoretical prefix-cache hit rate of the requests sent (the engine's
+      ``engine_prefix_cache_hit_pct`` is read against it).
+
+    ``usage_prompt_tokens``: the engine's prompt tokens per request of the trace (None: not sent, or
+    not reported).
+    """
+    out: dict[str, float] = {}
+    lags = [r.lag_s for r in outcome.records if r.lag_s is not None]
+    if lags:
+        ms = np.asarray(lags) * 1000.0
+        out |= {
+            "replay_lag_ms_p50": float(np.quantile(ms, 0.5)),
+            "replay_lag_ms_p99": float(np.quantile(ms, 0.99)),
+            "replay_lag_ms_max": float(ms.max()),
+        }
+    waits = [w for r in outcome.records if r.sent_s is not None and (w := r.session_wait_s) is not None]
+    if waits:
+        out |= {"replay_session_wait_s_p50": float(np.median(waits)), "replay_session_wait_s_max": max(waits)}
+    sent = [r for r in outcome.records if r.sent_s is not None]
+    out["replay_sent"] = float(len(sent))
+    out["replay_skipped"] = float(len(outcome.records) - len(sent))
+    window = rate_window_s(plan)
+    out["replay_rate_window_s"] = window
+    planned = np.bincount((np.asarray(plan) // window).astype(int))
+    if sent:
+        made = np.bincount(
+            (np.asarray([r.sent_s for r in sent]) // window).astype(int), minlength=len(planned)
+        )
+        gaps = [
+            abs(float(made[k]) - float(planned[k])) / float(planned[k]) * 100.0
+            for k in range(len(planned))
+            if planned[k] >= MIN_WINDOW_REQUESTS
+        ]
+        if gaps:
+            out["replay_rate_dev_pct_max"] = max(gaps)
+    devs = [
+        abs(u - r.input_tokens) / r.input_tokens * 100.0
+        for r, u in zip(trace.requests, usage_prompt_tokens, strict=True)
+        if u is not None
+    ]
+    if devs:
+        out["replay_prompt_tokens_dev_pct_p50"] = float(np.median(devs))
+        out["replay_prompt_tokens_dev_pct_max"] = max(devs)
+    sent_ids = {r.index for r in sent}
+    kept = Trace(tuple(r for i, r in enumerate(trace.requests) if i in sent_ids), trace.block_tokens)
+    if kept.requests:
+        out["trace_hit_rate_pct"] = 100.0 * theoretical_hit_rate(kept)
+    return out
+
+
+def fidelity_problems(metrics: dict[str, float]) -> list[str]:
+    """Each bound of :data:`FIDELITY_BOUNDS` a replay's metrics break, in words."""
+    problems = []
+    for key, (bound, what) in FIDELITY_BOUNDS.items():
+        value = metrics.get(key)
+        if value is not None and value > bound:
+            problems.append(f"{what} {value:.4g}, over its bound {bound:g}")
+    return problems

@@ -9,7 +9,8 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,7 +18,8 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import SecretStr
 
-from k3pipe.bench.client import Abort, WorkloadResult
+from k3pipe.bench.client import Abort, WorkloadResult, replay_trace
+from k3pipe.bench.replay import ReplayOutcome, ReplayRecord, fidelity, replay_plan
 from k3pipe.bench.shards import client_layout, run_sharded
 from k3pipe.bench.summary import WorkloadSummary, retokenize, summarize
 from k3pipe.bench.watch import EngineWatch, Liveness
@@ -63,10 +65,14 @@ class WorkloadOutcome:
     interrupted: int | None = None
     """The signal (SIGINT, SIGTERM) that ended the workload early: the caller records what was
     measured, then lets the signal go on (:func:`deliver`)."""
+    replay: dict[str, float] = field(default_factory=dict)
+    """A trace replay's fidelity (:func:`k3pipe.bench.replay.fidelity`); empty for other workloads."""
+    replay_records: tuple[ReplayRecord, ...] = ()
+    """A trace replay's requests: planned, ready, sent and ended times, or why one was skipped."""
 
     def metrics(self) -> dict[str, float]:
-        """The client summary's metrics and the engine-side ones, flat."""
-        return {**self.summary.metrics(), **self.engine_metrics}
+        """The client summary's metrics, the engine-side ones and a replay's fidelity, flat."""
+        return {**self.summary.metrics(), **self.engine_metrics, **self.replay}
 
 
 def watch_target(plan: ArmPlan, api_key: SecretStr | None) -> tuple[str, SecretStr | None]:
@@ -104,7 +110,9 @@ def benchmark_workload(
     seed = workload.seed + repeat
     run_spec = workload.model_copy(update={"seed": seed})
     tokenizer = load_tokenizer(model_dir)
-    prompt_set = prompts or workload_prompts(workload, tokenizer, repeat, home or Path.cwd(), progress)
+    prompt_set = prompts or workload_prompts(
+        workload, tokenizer, repeat, home or Path.cwd(), progress, model_dir
+    )
     step = max(1, workload.num_requests // 4)
     label = (
         workload.name if workload.repeats == 1 else f"{workload.name} repeat {repeat + 1}/{workload.repeats}"
@@ -143,6 +151,10 @@ def benchmark_workload(
                     await scraper.scrape_once(metrics_client, url)
 
             try:
+                if workload.trace is not None:
+                    return await _replay(
+                        plan, api_key, run_spec, prompt_set, on_progress, window_start, abort
+                    )
                 return await run_sharded(
                     plan.client_base_url,
                     plan.client_model,
@@ -168,6 +180,39 @@ def benchmark_workload(
                         with contextlib.suppress(asyncio.CancelledError):
                             await helper
 
+    replayed: list[tuple[ReplayOutcome, float]] = []
+
+    async def _replay(
+        plan: ArmPlan,
+        api_key: SecretStr | None,
+        spec: WorkloadSpec,
+        prompt_set: PromptSet,
+        on_progress: Callable[[int, int], None],
+        window_start: Callable[[], Awaitable[None]],
+        abort: Abort,
+    ) -> WorkloadResult:
+        assert spec.trace is not None
+        trace = spec.loaded_trace()
+        await window_start()  # nothing in flight: the engine's window opens here
+        started_at = time.time()
+        outcome, records, origin = await replay_trace(
+            plan.client_base_url, plan.client_model, api_key, spec, trace, prompt_set.prompts,
+            speed=spec.trace.speed, max_idle_s=spec.trace.max_idle_s, thread=spec.trace.thread_answers,
+            on_progress=on_progress, abort=abort,
+        )  # fmt: skip
+        replayed.append((outcome, origin))
+        sent = [r for r in records]
+        t_start = min((r.t_send for r in sent), default=origin)
+        return WorkloadResult(
+            workload=spec.name,
+            records=records,
+            t_start=t_start,
+            t_end=max((r.t_end for r in sent), default=t_start),
+            started_at_unix_s=started_at + (t_start - origin),
+            requests_planned=len(trace.requests),
+            aborted=abort.reason,
+        )
+
     # the node's GPUs only matter when the engine is ours (not for an external endpoint)
     with GpuMemorySampler(workload.metrics_interval_s, enabled=plan.launch.runs_here) as gpu:
         result, interrupted = _run_interruptibly(go)
@@ -178,6 +223,20 @@ def benchmark_workload(
     window = bracketing_scrapes(scraper.scrapes, result.t_start, result.t_end)
     engine_metrics = engine_side_summary(window, engine) if len(window) >= 2 else {}
     discrepancies = reconcile(summary.metrics(), engine_metrics) if engine_metrics else []
+    replay_metrics: dict[str, float] = {}
+    replay_records: tuple[ReplayRecord, ...] = ()
+    if replayed:
+        trace = workload.loaded_trace()
+        outcome, _ = replayed[0]
+        assert workload.trace is not None
+        usage = {r.index: r.usage_prompt_tokens for r in result.records}
+        replay_metrics = fidelity(
+            trace,
+            replay_plan(trace, workload.trace.speed, workload.trace.max_idle_s),
+            outcome,
+            [usage.get(i) for i in range(len(trace.requests))],
+        )
+        replay_records = outcome.records
     return WorkloadOutcome(
         result,
         summary,
@@ -190,6 +249,8 @@ def benchmark_workload(
         gpu_memory=gpu.samples,
         engine_lost=watch.lost,
         interrupted=interrupted,
+        replay=replay_metrics,
+        replay_records=replay_records,
     )
 
 

@@ -104,6 +104,7 @@ __all__ = [
     "REPEATS_FILE",
     "REPEATS_FRAME_FILE",
     "REPEAT_TAG",
+    "REPLAY_FILE",
     "REPORT_DIR",
     "REQUESTS_FILE",
     "RERUN_DRIFT_TAG",
@@ -125,6 +126,7 @@ __all__ = [
     "SUMMARY_FILE",
     "SUPERSEDED_TAG",
     "TIME_PREFIX",
+    "TRACE_FILE",
     "TWIN_TAG",
     "VARIANTS_FILE",
     "VARIANT_TAG",
@@ -282,6 +284,10 @@ COMPILE_CACHE_FILE = "compile_cache.json"
 GPU_MEMORY_FILE = "gpu_memory.parquet"
 """A workload's GPU memory series (nvidia-smi samples)."""
 REQUESTS_FILE = "requests.parquet"
+REPLAY_FILE = "replay.parquet"
+TRACE_FILE = "trace.jsonl"
+"""The trace a workload replayed (k3pipe's format: no text unless it was captured with text), on its run."""
+"""A trace replay's requests: planned, ready, sent and ended seconds from its start, lag, or why skipped."""
 """A workload's (or a repeat's) requests, one row each, as the client recorded them."""
 ENGINE_METRICS_FILE = "engine_metrics.parquet"
 """The engine's /metrics scraped during a workload."""

@@ -67,3 +67,51 @@ def trace_prompts(trace: Trace, tokenizer: Tokenizer, seed: int) -> list[Prompt]
     nodes, of_request = prompt_tree(trace)
     texts = tree_prompts(tokenizer, nodes, seed)
     return [texts[i] for i in of_request]
+
+
+def previous_turns(trace: Trace) -> list[int | None]:
+    """Each request's previous turn in its session (its index), None for a first turn or a request on
+    its own."""
+    last: dict[str, int] = {}
+    out: list[int | None] = []
+    for i, r in enumerate(trace.requests):
+        out.append(last.get(r.session) if r.session is not None else None)
+        if r.session is not None:
+            last[r.session] = i
+    return out
+
+
+def replay_prompts(
+    trace: Trace, tokenizer: Tokenizer, seed: int, *, template_first: int = 0, template_turn: int = 0,
+    thread: bool = False,
+) -> list[Prompt]:  # fmt: skip
+    """What a replay sends of its own for each request of ``trace``: the rebuilt prompt
+    (:func:`trace_prompts`) less the chat template's ``template_first`` tokens (cut from its start, so
+    that prompts still share what their blocks share), and, with ``thread``, for a session's later
+    turn only its new part: the tokens past the previous prompt, its answer and ``template_turn`` (the
+    replay sends the conversation so far, the real answer in it, before it). A later turn whose trace
+    leaves no room for a new part (it grew by less than the answer and the template) gets one token.
+    """
+    full = trace_prompts(trace, tokenizer, seed)
+    before = previous_turns(trace)
+    out: list[Prompt] = []
+    for i, prompt in enumerate(full):
+        start = template_first
+        prev = before[i]
+        if thread and prev is not None:
+            p = trace.requests[prev]
+            start = p.input_tokens + p.output_tokens + template_turn
+        out.append(_cut(tokenizer, prompt, start, i))
+    return out
+
+
+def _cut(tokenizer: Tokenizer, prompt: Prompt, start: int, index: int) -> Prompt:
+    if start <= 0:
+        return prompt
+    ids = tokenizer.encode(prompt.text, add_special_tokens=False).ids
+    start = min(start, len(ids) - 1)  # one token at least
+    text = tokenizer.decode(ids[start:], skip_special_tokens=False)
+    tokens = len(tokenizer.encode(text, add_special_tokens=False).ids)
+    if tokens < 1:
+        raise SpecError(f"trace request {index + 1}: its prompt's new part decodes to nothing")
+    return Prompt(text=text, tokens=tokens)

@@ -24,6 +24,7 @@ from k3pipe.bench.accuracy import AccuracyRecord
 from k3pipe.bench.health import EndpointCheck
 from k3pipe.bench.probe import ProbeRecord
 from k3pipe.bench.repeats import aggregate_repeats
+from k3pipe.bench.replay import ReplayRecord
 from k3pipe.bench.session import WorkloadOutcome
 from k3pipe.bench.structured import StructuredRecord
 from k3pipe.bench.summary import timing_note
@@ -86,6 +87,7 @@ from k3pipe.core.layout import (
     REPEATS_ERROR_TAG,
     REPEATS_FILE,
     REPEATS_FRAME_FILE,
+    REPLAY_FILE,
     REQUESTS_FILE,
     SPECULATION_BASELINE_TAG,
     SPECULATION_ERROR_TAG,
@@ -93,6 +95,7 @@ from k3pipe.core.layout import (
     SPECULATION_VERDICT_TAG,
     STRUCTURED_FILE,
     SUMMARY_FILE,
+    TRACE_FILE,
     TWIN_TAG,
     WORKLOAD_PREFIX,
     WORKLOAD_TAG,
@@ -141,6 +144,7 @@ __all__ = [
     "record_failed_arm",
     "record_preflight_stop",
     "record_speculation",
+    "replay_frame",
 ]
 
 
@@ -411,8 +415,14 @@ class ArmRecorder:
         params = flat(WORKLOAD_PREFIX, workload.model_dump(mode="json"))
         tags["mlflow.note.content"] = (
             f"Workload **{workload.name}** of arm {self.plan.arm}: {workload.input_tokens:,} in / "
-            f"{workload.output_tokens:,} out tokens, {workload.dataset.kind} prompts, {workload.load} load "
-            f"(concurrency {workload.concurrency}), {workload.num_requests} requests"
+            f"{workload.output_tokens:,} out tokens, "
+            + (
+                f"the trace {workload.trace.path} replayed at {workload.trace.speed:g}x"
+                if workload.trace is not None
+                else f"{workload.dataset.kind} prompts, {workload.load} load "
+                f"(concurrency {workload.concurrency})"
+            )
+            + f", {workload.num_requests} requests"
             + (f", {workload.repeats} repeats (nested runs)" if workload.repeats > 1 else "")
             + "."
         )
@@ -428,6 +438,7 @@ class ArmRecorder:
                 start_ms=ms_of(times, "first_send_unix_s"),
             )
             self.workload_runs[workload.name] = run_id
+            self._log_trace(run_id, workload)
             metrics = self._log_outcome(run_id, params, outcome)
             self.tracker.log_metrics(
                 self.run_id, {f"{workload.name}.{k}": metrics.get(k) for k in KEY_METRICS}
@@ -485,7 +496,14 @@ class ArmRecorder:
             self.repeat_metrics_of[workload.name] = []
             self._open[workload.name] = workload
             self.tracker.log_params(parent, params)
+            self._log_trace(parent, workload)
         return parent
+
+    def _log_trace(self, run_id: str, workload: WorkloadSpec) -> None:
+        """The trace a workload replays, on its run (the report draws its shape from it)."""
+        if workload.trace is not None:
+            trace = workload.loaded_trace()
+            self.tracker.log_text(run_id, "\n".join(trace.lines()) + "\n", TRACE_FILE)
 
     # -- capacity searches (k3pipe.verdicts.capacity) ------------------------------------------------------
 
@@ -757,6 +775,9 @@ class ArmRecorder:
             )
             self.tracker.log_metrics(run_id, costs)
             self.tracker.log_metrics(run_id, outcome.engine_metrics)
+            if outcome.replay_records:
+                self.tracker.log_metrics(run_id, outcome.replay)
+                self.tracker.log_frame(run_id, replay_frame(outcome.replay_records), REPLAY_FILE)
             self.tracker.log_metrics(run_id, {"client_engine_discrepancies": len(outcome.discrepancies)})
             if outcome.discrepancies:
                 self.tracker.log_dict(run_id, [asdict(d) for d in outcome.discrepancies], DISCREPANCIES_FILE)
@@ -786,7 +807,7 @@ class ArmRecorder:
         except BaseException:
             self.tracker.end_run(run_id, "FAILED")
             raise
-        every = {**metrics, **outcome.engine_metrics, **costs}
+        every = {**metrics, **outcome.engine_metrics, **outcome.replay, **costs}
         self._single[result.workload] = every
         return every
 
@@ -1227,3 +1248,23 @@ def record_speculation(tracker: Tracker, run_ids: Mapping[str, str], report: Spe
             )
         except Exception as exc:  # a judgement after the fact: never lose the flow over it
             tracker.set_tags(run_id, {SPECULATION_ERROR_TAG: repr(exc)[:500]})
+
+
+def replay_frame(records: Iterable[ReplayRecord]) -> pd.DataFrame:
+    """A replay's requests, one row each (k3pipe.core.layout.REPLAY_FILE)."""
+    return pd.DataFrame(
+        [
+            {
+                "index": r.index,
+                "planned_s": r.planned_s,
+                "ready_s": r.ready_s,
+                "sent_s": r.sent_s,
+                "done_s": r.done_s,
+                "lag_ms": None if r.lag_s is None else r.lag_s * 1000.0,
+                "ok": r.ok,
+                "skipped": r.skipped,
+            }
+            for r in records
+        ],
+        columns=["index", "planned_s", "ready_s", "sent_s", "done_s", "lag_ms", "ok", "skipped"],
+    )

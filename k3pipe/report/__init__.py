@@ -11,13 +11,14 @@ recorded values give instead of repeating them.
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from k3pipe.core.layout import CLAIMS_FILE, REPORT_DIR
+from k3pipe.core.layout import CLAIMS_FILE, REPORT_DIR, TRACE_FILE
 from k3pipe.records.priors import NoiseEntry, launch_spread, record_noise, repeat_spread
 from k3pipe.records.tracking import Tracker
 from k3pipe.report.analysis import Analysis, analyse
@@ -166,7 +167,30 @@ def build_report(tracker: Tracker, study_ref: str, claims: list[dict[str, Any]] 
     all_claims = [*(json.loads(recorded) if recorded else []), *(claims or [])]
     analysis = analyse(data, all_claims)
     document = build_document(data, analysis)
-    return Report(data, analysis, document, plot_all(analysis, data, frames))
+    figures = plot_all(analysis, data, frames)
+    figures.update(_trace_shapes(tracker, data))
+    return Report(data, analysis, document, figures)
+
+
+def _trace_shapes(tracker: Tracker, data: StudyData) -> dict[str, bytes]:
+    """The shape of each trace a workload replayed (arrivals, lengths, session depth, sharing), drawn
+    from the copy its first run kept (k3pipe.core.layout.TRACE_FILE)."""
+    from k3pipe.report.plots import trace_shape_png
+    from k3pipe.schema.traces import read_trace
+
+    out: dict[str, bytes] = {}
+    for cell in data.cells:
+        name = f"trace_{cell.workload}.png"
+        if cell.trace is None or name in out:
+            continue
+        raw = tracker.find_artifact(cell.run_id, TRACE_FILE)
+        if raw is None:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / TRACE_FILE
+            path.write_bytes(raw)
+            out[name] = trace_shape_png(read_trace(path))
+    return out
 
 
 def report_dir(home: Path, experiment: str, run_id: str) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -134,6 +135,8 @@ class CellData(BaseModel):
     )
     load: str = "concurrency"
     rate_rps: float | None = None
+    trace: str | None = Field(default=None, description="The trace file the workload replayed (its path).")
+    trace_speed: float | None = None
     dataset: str = "random"
     ladder: str | None = Field(default=None, description="The ladder this cell is a point of (its workload).")
     ladder_point: float | None = Field(default=None, description="Its load on the ladder.")
@@ -222,6 +225,8 @@ class CellData(BaseModel):
     @property
     def load_label(self) -> str:
         """How the cell's requests were sent, in words."""
+        if self.trace is not None:
+            return f"the trace {Path(self.trace).name} replayed at {self.trace_speed or 1:g}x"
         if self.capacity is not None:
             return f"{self.load}, capacity search over {self.capacity}"
         if self.load == "concurrency":
@@ -507,7 +512,11 @@ def _cells(tracker: Tracker, arm_run: Any, arm: ArmData) -> list[CellData]:
                 request_runs=[r.info.run_id for r in kept] or ([] if repeats else [wl.info.run_id]),
                 load=params.get("workload.load", "concurrency"),
                 rate_rps=_float(params, "workload.rate_rps"),
-                dataset=params.get("workload.dataset.kind", "random"),
+                trace=_json(params.get("workload.trace")).get("path"),
+                trace_speed=_json(params.get("workload.trace")).get("speed"),
+                dataset="trace"
+                if params.get("workload.trace") not in (None, "null")
+                else _json(params.get("workload.dataset")).get("kind", "random"),
                 capacity=capacity,
                 searches=_searches(tracker, kept or [wl]) if capacity is not None else [],
                 slo={k: float(v) for k, v in _json(params.get("workload.slo")).items() if v is not None},

@@ -8,8 +8,10 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
+from k3pipe.bench.replay import FIDELITY_BOUNDS, fidelity_problems
 from k3pipe.bench.structured import StructuredRecord, read_structured
 from k3pipe.report.analysis import Analysis, NoiseRow, Row
 from k3pipe.report.collect import CellData, StudyData
@@ -706,6 +708,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             f"(run `{a.run_id}`); the workloads it completed with whole repeats count below, the rest "
             "of it is named in the answer and in no figure."
         )
+    replay = _replay_section(data)
+    if replay is not None:
+        head.extend(_replay_warnings(data))
     sections = [Section("Study", head)]
     answer = _answer(data, analysis)
     if answer:
@@ -753,6 +758,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
         )
     )
     for extra in (
+        replay,
         _answers_section(data, analysis),
         _calibration_section(data, analysis),
         _noise_section(data, analysis),
@@ -965,6 +971,77 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
 
 MIN_POWER_SAMPLES = 5
 """Fewer GPU power samples than this inside a cell's window: its energy figures are marked rough."""
+
+
+def _replayed(data: StudyData) -> list[CellData]:
+    return [c for c in data.cells if c.trace is not None and "replay_sent" in c.values]
+
+
+def _worst(cell: CellData, key: str) -> float | None:
+    values = cell.values.get(key)
+    return max(values) if values else None
+
+
+def _replay_warnings(data: StudyData) -> list[str]:
+    """A replay outside its fidelity bounds, said before any verdict."""
+    lines: list[str] = []
+    for cell in _replayed(data):
+        broken = fidelity_problems({k: w for k in FIDELITY_BOUNDS if (w := _worst(cell, k)) is not None})
+        if broken:
+            lines.append(
+                f"**The replay of {Path(cell.trace or '').name} on {cell.arm} ({cell.workload}) was not "
+                f"faithful**: {'; '.join(broken)} (its worst repeat). Its figures are those of the load it "
+                "did send, not of the trace's; see 'Replay fidelity'."
+            )
+    return lines
+
+
+def _replay_section(data: StudyData) -> Section | None:
+    """How faithful each trace replay was: the sender's lag, the offered rate against the trace's,
+    the prompt lengths against the trace's, and the engine's prefix-cache hit rate against the
+    trace's theoretical one."""
+    cells = _replayed(data)
+    if not cells:
+        return None
+    table = Table(
+        ["workload", "arm", "sent", "skipped", "lag p50 / p99 ms", "rate gap %", "prompt tokens gap %",
+         "hit rate: trace / engine %", "within bounds"], [],
+    )  # fmt: skip
+    for c in cells:
+
+        def mean(key: str, cell: CellData = c) -> float | None:
+            values = cell.values.get(key)
+            return sum(values) / len(values) if values else None
+
+        broken = fidelity_problems({k: w for k in FIDELITY_BOUNDS if (w := _worst(c, k)) is not None})
+        table.rows.append(
+            [
+                c.workload,
+                c.arm,
+                num(sum(c.values.get("replay_sent", [])), 0),
+                num(sum(c.values.get("replay_skipped", [])), 0),
+                f"{num(mean('replay_lag_ms_p50'), 2)} / {num(mean('replay_lag_ms_p99'), 2)}",
+                num(_worst(c, "replay_rate_dev_pct_max")),
+                num(mean("replay_prompt_tokens_dev_pct_p50")),
+                f"{num(mean('trace_hit_rate_pct'))} / {num(mean('engine_prefix_cache_hit_pct'))}",
+                "yes" if not broken else "no: " + "; ".join(broken),
+            ]
+        )
+    limits = "; ".join(f"{text} at most {bound:g}" for _, (bound, text) in FIDELITY_BOUNDS.items())
+    return Section(
+        "Replay fidelity",
+        [
+            "Each trace replay against the trace (docs/traces.md), across its repeats (the mean; the "
+            "rate gap and the bounds: the worst repeat). Lag: how late the client sent a request past "
+            "the time it could go (its plan, or its previous answer's end). Rate gap: in each window, "
+            "the requests sent against those the trace planned (a session waits for its previous "
+            "answer, so an engine slower than the recorded one lowers the offered rate). Prompt tokens: "
+            "the engine's count against the trace's. Hit rate: the trace's theoretical prefix-cache hit "
+            "rate (a cache that never evicts) beside the engine's own counters over the window. Bounds: "
+            f"{limits}.",
+            table,
+        ],
+    )
 
 
 def _gpu_basis(data: StudyData) -> str | None:

@@ -84,6 +84,7 @@ from k3pipe.schema.workloads import (
     SharedPrefixDataset,
     ShareGPTDataset,
     SLOSpec,
+    TraceSpec,
     WorkloadSpec,
 )
 
@@ -145,6 +146,7 @@ __all__ = [
     "SLOSpec",
     "ShareGPTDataset",
     "SharedPrefixDataset",
+    "TraceSpec",
     "UntilSpec",
     "VariantSpec",
     "WorkloadSpec",

@@ -5,11 +5,15 @@ Part of the experiment's schema; :mod:`k3pipe.schema.specs` re-exports every nam
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Annotated, Literal
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from k3pipe.core.errors import SpecError
 from k3pipe.core.procs import parse_cpu_list
 from k3pipe.schema.common import (
     MAX_CONCURRENCY,
@@ -29,8 +33,10 @@ from k3pipe.schema.common import (
     _count,
     _finite,
     _Spec,
+    expand_home,
     safe_name,
 )
+from k3pipe.schema.traces import Trace, read_trace
 
 
 class RandomDataset(_Spec):
@@ -109,6 +115,117 @@ class SharedPrefixDataset(_Spec):
 DatasetSpec = Annotated[
     RandomDataset | ShareGPTDataset | DocumentsDataset | SharedPrefixDataset, Field(discriminator="kind")
 ]
+
+
+MAX_TRACE_SPEED = 1000.0
+
+
+class TraceSpec(_Spec):
+    """A trace replayed as the workload (docs/traces.md): its requests sent at the trace's times (open
+    loop), a session's turn after the previous turn's answer, carrying it. Given as a path alone
+    (``trace: FILE``) or with these settings."""
+
+    path: str = Field(
+        description="The trace file (k3pipe's format; `k3pipe trace convert` reads Mooncake and OTel "
+        "files). '{home}' expands to K3PIPE_HOME; a relative path is taken from the working directory."
+    )
+    speed: float = _finite(
+        default=1.0, gt=0, le=MAX_TRACE_SPEED, description="Replay this many times faster than recorded."
+    )
+    max_idle_s: float | None = _finite(
+        default=None,
+        ge=0,
+        le=MAX_DURATION_S,
+        description="Cut a gap between two sends longer than this to this (seconds after speed); None: "
+        "every gap as recorded.",
+    )
+    requests: int | None = _count(
+        default=None, ge=1, le=MAX_REQUESTS, description="Replay the trace's first N requests only."
+    )
+    thread_answers: bool = Field(
+        default=True,
+        strict=True,
+        description="A session's later turn carries the engine's real answer to the turn before (chat: "
+        "as the assistant message); false: the rebuilt text of the recorded answer.",
+    )
+
+    def file(self) -> Path:
+        """Where the trace is on this machine."""
+        home = Path(os.environ.get("K3PIPE_HOME") or "~/.k3pipe").expanduser()
+        return Path(os.path.abspath(Path(expand_home(self.path, home)).expanduser()))
+
+    def load(self) -> Trace:
+        """The trace, cut to ``requests``; read once per file state (path, size, mtime) in a process.
+
+        Raises:
+            SpecError: the file is missing or not a trace (the message names the line and field).
+        """
+        path = self.file()
+        try:
+            stat = path.stat()
+        except OSError:
+            raise ValueError(
+                f"trace.path {self.path!r} ({path}) does not exist: give a k3pipe trace file (`k3pipe trace "
+                "make` makes the ready agentic one; `k3pipe trace convert` converts Mooncake and "
+                "OpenTelemetry files)"
+            ) from None
+        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        trace = _TRACES.get(key)
+        if trace is None:
+            try:
+                trace = read_trace(path)
+            except SpecError as exc:  # a field's problem to pydantic (the loader names the field)
+                raise ValueError(str(exc)) from None
+            _TRACES.clear()  # one file at a time is what a process replays
+            _TRACES[key] = trace
+        if self.requests is not None:
+            if self.requests > len(trace.requests):
+                raise ValueError(
+                    f"trace.requests {self.requests} is more than the {len(trace.requests)} requests of "
+                    f"{self.path}: give at most {len(trace.requests)}, or leave it out to replay them all"
+                )
+            trace = dataclasses.replace(trace, requests=trace.requests[: self.requests])
+        return trace
+
+
+_TRACES: dict[tuple[str, int, int], Trace] = {}
+
+# what a trace sets (it is the load): given, a field must equal what the trace gives
+_TRACE_DERIVED = ("input_tokens", "output_tokens", "num_requests", "concurrency")
+_TRACE_REFUSED = {
+    "load": "concurrency",
+    "rate_rps": None,
+    "duration_s": None,
+    "warmup_requests": 0,
+    "ladder": None,
+    "capacity": None,
+}
+
+
+def trace_fields(trace: Trace) -> dict[str, int]:
+    """What a trace sets of its workload: the longest prompt and answer, the requests, and the most
+    sessions open at once (a session open from its first send to its last), which preflight's memory
+    estimates read as the streams in flight."""
+    spans: dict[str, list[float]] = {}
+    for r in trace.requests:
+        if r.session is not None:
+            span = spans.setdefault(r.session, [r.t, r.t])
+            span[1] = r.t
+    events = sorted(
+        [(a, 1) for a, _ in spans.values()] + [(b, -1) for _, b in spans.values()],
+        key=lambda e: (e[0], -e[1]),
+    )
+    open_, peak = 0, 0
+    for _, step in events:
+        open_ += step
+        peak = max(peak, open_)
+    alone = sum(r.session is None for r in trace.requests)
+    return {
+        "input_tokens": max(r.input_tokens for r in trace.requests),
+        "output_tokens": max(r.output_tokens for r in trace.requests),
+        "num_requests": len(trace.requests),
+        "concurrency": max(1, min(MAX_CONCURRENCY, peak + min(alone, 1))),
+    }
 
 
 class SLOSpec(_Spec):
@@ -291,6 +408,11 @@ class WorkloadSpec(_Spec):
         default_factory=RandomDataset,
         description="Where prompts come from: random (default), sharegpt, documents or shared_prefix.",
     )
+    trace: TraceSpec | None = Field(
+        default=None,
+        description="Replay a trace (a file, or {path, speed, max_idle_s, requests}): its times, sessions, "
+        "lengths make the load, and input_tokens, output_tokens, num_requests and concurrency come from it.",
+    )
     output_tokens: int = _count(
         gt=0, le=MAX_TOKENS, description="Tokens to generate (max_tokens, with ignore_eos)."
     )
@@ -414,6 +536,43 @@ class WorkloadSpec(_Spec):
     def _safe_name(cls, value: str) -> str:
         return safe_name(value, "workload")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_trace(cls, data: Any) -> Any:
+        """A trace workload's lengths, requests and streams come from its trace, read here: a trace
+        that is missing or malformed is refused where the experiment is parsed."""
+        if not isinstance(data, dict) or data.get("trace") is None:
+            return data
+        raw = data["trace"]
+        if isinstance(raw, str):
+            raw = {"path": raw}
+        try:
+            spec = TraceSpec.model_validate(raw)
+        except ValidationError:
+            # the field's own validation names what is wrong (the lengths it would give are not asked for)
+            return {"input_tokens": 1, "output_tokens": 1, **data, "trace": raw}
+        derived = trace_fields(spec.load())
+        out = {**data, "trace": spec}
+        for key in _TRACE_DERIVED:
+            given = data.get(key)
+            if given is not None and given != derived[key]:
+                raise ValueError(
+                    f"{key}={given!r} but the trace {spec.path} gives {derived[key]!r}: a trace sets "
+                    f"{key} itself; remove it (trace.requests replays the first N requests)"
+                )
+            out[key] = derived[key]
+        for key, default in _TRACE_REFUSED.items():
+            if key in data and data[key] != default:
+                raise ValueError(
+                    f"{key}={data[key]!r} does not apply to a trace, whose requests go at its own times "
+                    f"(trace.speed and trace.max_idle_s shape them): remove {key}"
+                )
+        if "dataset" in data and data["dataset"] not in (None, {"kind": "random"}):
+            raise ValueError(
+                "dataset does not apply to a trace: its prompts are rebuilt from its blocks; remove dataset"
+            )
+        return out
+
     def _capacity_fits(self) -> None:
         capacity = self.capacity
         assert capacity is not None
@@ -470,6 +629,11 @@ class WorkloadSpec(_Spec):
         if self.capacity.over == "rate":
             return self.model_copy(update={"rate_rps": point, "capacity": None})
         return self.model_copy(update={"concurrency": int(point), "capacity": None})
+
+    def loaded_trace(self) -> Trace:
+        """The trace this workload replays."""
+        assert self.trace is not None, f"workload {self.name} replays no trace"
+        return self.trace.load()
 
     @property
     def prompt_count(self) -> int:

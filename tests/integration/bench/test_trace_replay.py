@@ -47,7 +47,7 @@ def test_a_trace_goes_over_the_wire_in_its_order_and_time(byte_level_tokenizer: 
     trace = _trace()
     prompts = trace_prompts(trace, byte_level_tokenizer, 1)
     with ScriptedOpenAI(Script(first_token_delay_s=0.2, inter_token_s=0.01), model="m") as server:
-        outcome, records = asyncio.run(replay_trace(server.base_url, "m", None, WORKLOAD, trace, prompts))
+        outcome, records, _ = asyncio.run(replay_trace(server.base_url, "m", None, WORKLOAD, trace, prompts))
         bodies = [r.body for r in server.requests]
     assert [r.index for r in records] == list(range(8))
     assert all(r.error is None for r in records), [r.error for r in records]
@@ -85,7 +85,7 @@ def test_a_failed_turn_ends_its_session_over_the_wire(byte_level_tokenizer: Toke
         return Script(status=500) if failing else Script(inter_token_s=0.005)
 
     with ScriptedOpenAI(script, model="m") as server:
-        outcome, records = asyncio.run(replay_trace(server.base_url, "m", None, WORKLOAD, trace, prompts))
+        outcome, records, _ = asyncio.run(replay_trace(server.base_url, "m", None, WORKLOAD, trace, prompts))
     assert [r.index for r in outcome.skipped] == [4, 7]  # b's turns 2 and 3
     assert {r.skipped for r in outcome.skipped} == {"turn 1 failed"}
     assert [r.index for r in records] == [0, 1, 2, 3, 5, 6]
