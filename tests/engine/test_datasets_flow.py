@@ -90,3 +90,43 @@ def test_sharegpt_and_documents_through_the_flow(
             assert frame["prompt_tokens"].nunique() > 1  # real conversations vary in length
             assert run.data.metrics["slo_attainment_pct"] == 100.0
             assert run.data.metrics["goodput_rps"] > 0
+
+
+def test_a_trace_replayed_through_the_flow_sends_the_traces_prompt_lengths(
+    prefect_harness: None, vllm_engine: RunningEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small agent-like trace (k3pipe.schema.traces.agentic_trace) replayed on the real vLLM through
+    the benchmark flow, on the chat API: the engine's own prompt tokens equal the trace's for every
+    request, so the chat template's tokens were counted (the first turns) and a later turn carrying
+    the engine's real answer, in the conversation the template renders, is as long as recorded."""
+    from k3pipe.flows.benchmark import benchmark
+    from k3pipe.schema.traces import agentic_trace, write_trace
+
+    trace = agentic_trace(
+        3, sessions=4, turns=(2, 4), context_tokens=1200, system_prompts=2, system_tokens=256,
+        user_tokens=(16, 64), tool_tokens=(32, 128), output_tokens=(8, 24), think_s=0.3, burst_s=1.0,
+        bursts=2, block_tokens=16,
+    )  # fmt: skip
+    write_trace(trace, tmp_path / "agent.jsonl")
+    monkeypatch.setenv("ENGINE_KEY", vllm_engine.api_key)
+    workload = {"name": "agent", "trace": {"path": str(tmp_path / "agent.jsonl"), "speed": 2}}
+    exp = tmp_path / "trace.yaml"
+    exp.write_text(yaml.safe_dump(external_experiment("trace", vllm_engine, "ENGINE_KEY", [workload])))
+
+    (outcome,) = benchmark(str(exp))
+    assert outcome["status"] == "FINISHED", outcome
+    settings = Settings()
+    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
+    (run,) = tracker.children(outcome["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert metrics["replay_sent"] == len(trace.requests)
+    assert metrics["replay_skipped"] == 0
+    assert metrics["replay_prompt_tokens_dev_pct_max"] <= 1.0, metrics
+    frame = pd.read_parquet(
+        tracker.client.download_artifacts(run.info.run_id, "requests.parquet", str(tmp_path / "r"))
+    )
+    sent = frame.sort_values("index")["usage_prompt_tokens"].tolist()
+    expected = [r.input_tokens for r in trace.requests]
+    assert sum(abs(a - b) for a, b in zip(sent, expected, strict=True)) <= len(expected)  # a token at a seam
+    assert frame["usage_output_tokens"].tolist() == frame["max_tokens"].tolist()

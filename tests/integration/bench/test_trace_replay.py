@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from k3pipe.bench.client import replay_trace
 from k3pipe.core.errors import BenchmarkError
-from k3pipe.prompts.trace_prompts import trace_prompts
+from k3pipe.prompts.trace_prompts import replay_prompts, trace_prompts
 from k3pipe.schema.specs import WorkloadSpec
 from k3pipe.schema.traces import Trace, TraceRequest
 from k3pipe.testing.scripted_openai import Received, Script, ScriptedOpenAI
@@ -99,3 +99,34 @@ def test_a_replay_needs_a_prompt_per_request(byte_level_tokenizer: Tokenizer) ->
     prompts = trace_prompts(trace, byte_level_tokenizer, 1)
     with pytest.raises(BenchmarkError, match="7 prompts for 8 requests"):
         asyncio.run(replay_trace("http://127.0.0.1:9/v1", "m", None, WORKLOAD, trace, prompts[:7]))
+
+
+def test_a_threaded_session_carries_the_engines_real_answers(byte_level_tokenizer: Tokenizer) -> None:
+    """With ``thread``, a later turn sends the conversation so far: the previous turn's messages, the
+    answer the server really streamed as the assistant's, then the turn's new part; a request on its
+    own and a first turn send their prompt alone."""
+    trace = _trace()
+    prompts = replay_prompts(trace, byte_level_tokenizer, 1, thread=True)
+    with ScriptedOpenAI(Script(inter_token_s=0.002), model="m") as server:
+        outcome, records, _ = asyncio.run(
+            replay_trace(server.base_url, "m", None, WORKLOAD, trace, prompts, thread=True)
+        )
+        received = {b["max_tokens"]: b for b in (r.body for r in server.requests)}
+        by_prompt = {r.body["messages"][-1]["content"]: r.body["messages"] for r in server.requests}
+    assert all(r.error is None for r in records)
+    assert not outcome.skipped
+    # session a: turns 0, 3, 6; each later turn holds every earlier turn and its answer
+    first, second, third = (by_prompt[prompts[i].text] for i in (0, 3, 6))
+    assert first == [{"role": "user", "content": prompts[0].text}]
+    assert [m["role"] for m in second] == ["user", "assistant", "user"]
+    assert second[0] == first[0]
+    assert [m["role"] for m in third] == ["user", "assistant", "user", "assistant", "user"]
+    assert third[:3] == second
+    # the assistant's words are what the server streamed for that turn, not the recorded text
+    assert second[1]["content"]
+    assert second[1]["content"] not in prompts[0].text
+    assert len(received) >= 5  # distinct max_tokens: each request sent its own
+    # a later turn's own prompt is the new part only (shorter than the whole rebuilt prompt)
+    whole = trace_prompts(trace, byte_level_tokenizer, 1)
+    assert prompts[3].tokens < whole[3].tokens
+    assert prompts[1].text == whole[1].text  # a request on its own: the whole prompt
