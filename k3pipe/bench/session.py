@@ -201,13 +201,12 @@ def benchmark_workload(
             on_progress=on_progress, abort=abort,
         )  # fmt: skip
         replayed.append((outcome, origin))
-        sent = [r for r in records]
-        t_start = min((r.t_send for r in sent), default=origin)
+        t_start = min((r.t_send for r in records), default=origin)
         return WorkloadResult(
             workload=spec.name,
             records=records,
             t_start=t_start,
-            t_end=max((r.t_end for r in sent), default=t_start),
+            t_end=max((r.t_end for r in records), default=t_start),
             started_at_unix_s=started_at + (t_start - origin),
             requests_planned=len(trace.requests),
             aborted=abort.reason,
