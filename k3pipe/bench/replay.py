@@ -178,7 +178,9 @@ FIDELITY_BOUNDS: dict[str, tuple[float, str]] = {
 any of them says so at the top of the report."""
 
 RATE_WINDOW_S = 60.0
-MIN_WINDOW_REQUESTS = 5
+MIN_WINDOW_REQUESTS = 20
+"""A window is compared only when it plans this many sends: one request that slips into the next window
+(its session waited for an answer) then moves the gap by at most 5%, half the bound."""
 
 
 def rate_window_s(plan: Sequence[float]) -> float:
@@ -199,14 +201,16 @@ def fidelity(
     - ``replay_session_wait_s_p50``/``_max``: how long turns waited for their previous answer past
       their planned time (the engine's pace, not the client's);
     - ``replay_rate_dev_pct_max``: in each window of ``replay_rate_window_s`` (a minute; a third of a
-      shorter replay) holding at least 5 planned sends, the sends made against those planned, the
-      largest gap in percent: the offered load against the trace's;
+      shorter replay) holding at least ``MIN_WINDOW_REQUESTS`` (20) planned sends, the sends made
+      against those planned, the largest gap in percent: the offered load against the trace's;
     - ``replay_prompt_tokens_dev_pct_p50``/``_max``: the engine's prompt tokens (usage) against the
       trace's ``input_tokens``, per request (threaded turns carry real answers: their lengths move
       with them);
     - ``replay_sent``, ``replay_skipped``;
-    - ``trace_hit_rate_pct``: the theoretical prefix-cache hit rate of the requests sent (the engine's
-      ``engine_prefix_cache_hit_pct`` is read against it).
+    - ``trace_hit_rate_pct``: the theoretical prefix-cache hit rate of the requests sent (blocks an
+      earlier prompt held, Mooncake's definition), and ``trace_hit_rate_answers_pct`` with the blocks a
+      session's previous answer covers too (engines cache what they generate); the engine's
+      ``engine_prefix_cache_hit_pct`` is read against both.
 
     ``usage_prompt_tokens``: the engine's prompt tokens per request of the trace (None: not sent, or
     not reported).
@@ -252,6 +256,7 @@ def fidelity(
     kept = Trace(tuple(r for i, r in enumerate(trace.requests) if i in sent_ids), trace.block_tokens)
     if kept.requests:
         out["trace_hit_rate_pct"] = 100.0 * theoretical_hit_rate(kept)
+        out["trace_hit_rate_answers_pct"] = 100.0 * theoretical_hit_rate(kept, with_answers=True)
     return out
 
 

@@ -48,11 +48,19 @@ def make(
     context_tokens: Annotated[
         int, typer.Option(help="The most tokens a session's prompt grows to.", min=256)
     ] = 16384,
+    system_tokens: Annotated[
+        int, typer.Option(help="The tokens of each shared system prompt a session opens with.", min=1)
+    ] = 2048,
 ) -> None:
     """Write the ready agent-like multi-turn trace (docs/traces.md, "The ready trace")."""
     from k3pipe.schema.traces import agentic_trace, write_trace
 
-    trace = agentic_trace(seed, sessions=sessions, context_tokens=context_tokens)
+    try:
+        trace = agentic_trace(
+            seed, sessions=sessions, context_tokens=context_tokens, system_tokens=system_tokens
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).replace("context_tokens=", "--context-tokens ")) from None
     write_trace(trace, dest)
     _print_shape(dest, trace.digest, trace.shape().lines())
 

@@ -212,7 +212,7 @@ def rule_speculation_random_prompts(ctx: ArmContext) -> Iterator[Finding]:
     speculation = ctx.engine.speculation(ctx.args)
     if speculation is None:
         return
-    random = [w.name for w in ctx.experiment.workloads if w.dataset.kind == "random"]
+    random = [w.name for w in ctx.experiment.workloads if w.dataset.kind == "random" and w.trace is None]
     if not random:
         return
     yield ctx.finding(

@@ -1005,7 +1005,7 @@ def _replay_section(data: StudyData) -> Section | None:
         return None
     table = Table(
         ["workload", "arm", "sent", "skipped", "lag p50 / p99 ms", "rate gap %", "prompt tokens gap %",
-         "hit rate: trace / engine %", "within bounds"], [],
+         "hit rate %: trace (prompts / with answers) / engine", "within bounds"], [],
     )  # fmt: skip
     for c in cells:
 
@@ -1023,7 +1023,8 @@ def _replay_section(data: StudyData) -> Section | None:
                 f"{num(mean('replay_lag_ms_p50'), 2)} / {num(mean('replay_lag_ms_p99'), 2)}",
                 num(_worst(c, "replay_rate_dev_pct_max")),
                 num(mean("replay_prompt_tokens_dev_pct_p50")),
-                f"{num(mean('trace_hit_rate_pct'))} / {num(mean('engine_prefix_cache_hit_pct'))}",
+                f"{num(mean('trace_hit_rate_pct'))} / {num(mean('trace_hit_rate_answers_pct'))} / "
+                f"{num(mean('engine_prefix_cache_hit_pct'))}",
                 "yes" if not broken else "no: " + "; ".join(broken),
             ]
         )
@@ -1031,13 +1032,16 @@ def _replay_section(data: StudyData) -> Section | None:
     return Section(
         "Replay fidelity",
         [
-            "Each trace replay against the trace (docs/traces.md), across its repeats (the mean; the "
+            "Each trace replay against the trace (docs/traces.md), across its repeats (sent and "
+            "skipped: their sum over the repeats; lag, prompt tokens and hit rates: the mean; the "
             "rate gap and the bounds: the worst repeat). Lag: how late the client sent a request past "
             "the time it could go (its plan, or its previous answer's end). Rate gap: in each window, "
             "the requests sent against those the trace planned (a session waits for its previous "
             "answer, so an engine slower than the recorded one lowers the offered rate). Prompt tokens: "
             "the engine's count against the trace's. Hit rate: the trace's theoretical prefix-cache hit "
-            "rate (a cache that never evicts) beside the engine's own counters over the window. Bounds: "
+            "rate (a cache that never evicts), counting the blocks an earlier prompt held (Mooncake's "
+            "definition) and also those a session's previous answer covers (engines cache what they "
+            "generate), beside the engine's own counters over the window. Bounds: "
             f"{limits}.",
             table,
         ],

@@ -108,9 +108,10 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
             else f"{w.warmup_requests} warm-up"
         )
         bound = f" or {w.duration_s:g} s" if w.duration_s is not None else ""
+        prompts = "trace" if w.trace else w.dataset.kind
         lines.append(
             f"  workload {w.name}: {w.input_tokens:,} in / {w.output_tokens:,} out tokens, {load_text(w)}, "
-            f"{w.num_requests} requests{bound} (+{warmup}), {w.dataset.kind} prompts, "
+            f"{w.num_requests} requests{bound} (+{warmup}), {prompts} prompts, "
             f"{w.repeats} repeat(s)"
         )
     return lines

@@ -97,6 +97,7 @@ class TraceShape:
     turns_p50: float
     turns_max: int
     theoretical_hit_rate: float  # of prompt tokens, in send order, blocks seen before
+    theoretical_hit_rate_answers: float  # also the blocks a session's previous prompt and answer cover
 
     def lines(self) -> list[str]:
         return [
@@ -105,7 +106,8 @@ class TraceShape:
             f"prompt tokens p50 {self.input_tokens_p50:g}, max {self.input_tokens_max}; "
             f"output tokens p50 {self.output_tokens_p50:g}",
             f"theoretical prefix-cache hit rate {100 * self.theoretical_hit_rate:.1f}% "
-            "(every block seen before, in send order)",
+            "(every block an earlier prompt held, in send order); "
+            f"{100 * self.theoretical_hit_rate_answers:.1f}% with the answers cached too",
         ]
 
 
@@ -163,28 +165,43 @@ class Trace:
             turns_p50=_median(turns),
             turns_max=max(turns),
             theoretical_hit_rate=theoretical_hit_rate(self),
+            theoretical_hit_rate_answers=theoretical_hit_rate(self, with_answers=True),
         )
 
 
-def theoretical_hit_rate(trace: Trace) -> float:
+def theoretical_hit_rate(trace: Trace, *, with_answers: bool = False) -> float:
     """The share of prompt tokens in blocks an earlier request (in send order) already had: what a
-    prefix cache that never evicts could reuse. A request's last, partial block counts its tokens."""
-    curve = cumulative_hit_rate(trace)
+    prefix cache that never evicts could reuse. A request's last, partial block counts its tokens.
+
+    ``with_answers``: also count the blocks of a session's turn that its previous turn's prompt and
+    answer cover (the turn continues that conversation), as an engine that caches the tokens it
+    generated (vLLM's and SGLang's prefix caches both do) can reuse them; Mooncake's definition,
+    the default, counts only blocks an earlier prompt held."""
+    curve = cumulative_hit_rate(trace, with_answers=with_answers)
     return curve[-1] if curve else 0.0
 
 
-def cumulative_hit_rate(trace: Trace) -> list[float]:
+def cumulative_hit_rate(trace: Trace, *, with_answers: bool = False) -> list[float]:
     """After each request (in send order), the theoretical hit rate of the requests up to it: the
     curve whose last point is :func:`theoretical_hit_rate`."""
+    size = trace.block_tokens
     seen: set[int] = set()
+    last: dict[str, TraceRequest] = {}
     hit = total = 0
     out = []
     for r in trace.requests:
         total += r.input_tokens
+        held = 0  # leading blocks the previous turn's prompt and answer cover
+        if with_answers and r.session is not None and (p := last.get(r.session)) is not None:
+            whole = p.input_tokens // size
+            if r.hash_ids[:whole] == p.hash_ids[:whole]:  # it continues that conversation
+                held = (p.input_tokens + p.output_tokens) // size
         for k, block in enumerate(r.hash_ids):
-            if block in seen:
-                hit += min(trace.block_tokens, r.input_tokens - k * trace.block_tokens)
+            if k < held or block in seen:
+                hit += min(size, r.input_tokens - k * size)
         seen.update(r.hash_ids)
+        if r.session is not None:
+            last[r.session] = r
         out.append(hit / total)
     return out
 
@@ -515,6 +532,12 @@ def agentic_trace(
     ``context_tokens``; sessions start in ``bursts`` bursts ``burst_s`` apart, and a turn is sent
     an exponential think time (mean ``think_s``) after the previous one would have been answered
     (recorded times: a replay waits for the real answer anyway)."""
+    if context_tokens <= system_tokens + user_tokens[0]:
+        raise ValueError(
+            f"context_tokens={context_tokens} leaves no room for a turn: a session opens with its "
+            f"{system_tokens}-token system prompt and a user message of at least {user_tokens[0]} tokens; "
+            f"raise context_tokens above {system_tokens + user_tokens[0]} or lower system_tokens"
+        )
     rng = random.Random(seed)
     ids = BlockIds()
     starts = sorted(

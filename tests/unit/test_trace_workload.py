@@ -182,7 +182,7 @@ def test_the_replays_fidelity_is_worked_out_from_its_records() -> None:
     assert got["replay_lag_ms_p50"] == pytest.approx(0.5)
     assert got["replay_lag_ms_max"] == pytest.approx(30.0)
     assert 0.5 < got["replay_lag_ms_p99"] <= 30.0
-    # windows of a third of the 11 s: planned 4, 4, 4 (at least 5 to count: none); with 1 s windows none
+    # windows of a third of the 11 s: planned 4, 4, 4 (at least 20 to count: none); with 1 s windows none
     assert got["replay_rate_window_s"] == pytest.approx(11 / 3)
     assert "replay_rate_dev_pct_max" not in got
     assert got["replay_prompt_tokens_dev_pct_p50"] == 0.0
@@ -196,15 +196,16 @@ def test_the_replays_fidelity_is_worked_out_from_its_records() -> None:
 
 
 def test_the_offered_rate_is_compared_window_by_window() -> None:
-    """Thirty-one requests planned over 3 minutes: windows of a minute, ten planned in each of the
-    first three; five of the second window's sends slip into the third."""
-    requests = tuple(TraceRequest(6.0 * i, 10, 1, ()) for i in range(31))
+    """Sixty-one requests planned over 3 minutes: windows of a minute, twenty planned in each of the
+    first three; ten of the second window's sends slip into the third. A window of fewer than 20
+    planned sends is not compared (one slipped request would be a gap over 5%)."""
+    requests = tuple(TraceRequest(3.0 * i, 10, 1, ()) for i in range(61))
     trace = Trace(requests, block_tokens=16)
     plan = [r.t for r in requests]
-    shifted = [t + (30.0 if 15 <= i < 20 else 0.0) for i, t in enumerate(plan)]
+    shifted = [t + (30.0 if 30 <= i < 40 else 0.0) for i, t in enumerate(plan)]
     outcome = ReplayOutcome(tuple(ReplayRecord(i, plan[i], s, s, s + 1, True) for i, s in enumerate(shifted)))
-    got = fidelity(trace, plan, outcome, [None] * 31)
+    got = fidelity(trace, plan, outcome, [None] * 61)
     assert got["replay_rate_window_s"] == 60.0
-    assert got["replay_rate_dev_pct_max"] == pytest.approx(50.0)  # 5 of 10 sent, and 15 of 10
+    assert got["replay_rate_dev_pct_max"] == pytest.approx(50.0)  # 10 of 20 sent, and 30 of 20
     assert got["replay_lag_ms_max"] == 0.0  # the slips were waits for answers, not the sender's
     assert got["replay_session_wait_s_max"] == pytest.approx(30.0)

@@ -107,6 +107,23 @@ def test_the_theoretical_hit_rate_counts_the_blocks_seen_before_in_send_order() 
     assert theoretical_hit_rate(Trace((TraceRequest(0, 10, 1),), 4)) == 0.0  # no ids: nothing shared
 
 
+def test_with_answers_the_hit_rate_also_counts_what_the_previous_answer_covers() -> None:
+    # blocks of 4: turn 1 is 6 tokens in, 5 out (11: two whole blocks of its prompt and answer);
+    # turn 2 (16 tokens) continues it: its blocks 0-1 are held by turn 1's prompt and answer (block 0
+    # also by the prompt alone); turn 3 of another conversation (its ids differ) holds nothing of it
+    t1 = TraceRequest(0, 6, 5, (1, 2), "a", 1)
+    t2 = TraceRequest(1, 16, 3, (1, 7, 8, 9), "a", 2)
+    other = TraceRequest(2, 8, 3, (30, 31), "a", 3)
+    trace = Trace((t1, t2, other), block_tokens=4)
+    assert theoretical_hit_rate(trace) == pytest.approx(4 / 30)  # block 1 seen before, once
+    # with answers: turn 2's first two blocks (8 tokens); turn 3 does not continue turn 2's prompt
+    assert theoretical_hit_rate(trace, with_answers=True) == pytest.approx(8 / 30)
+    # a turn whose previous answer was shorter than a block past its prompt gains nothing more
+    short = Trace((TraceRequest(0, 8, 1, (1, 2), "b", 1), TraceRequest(1, 12, 1, (1, 2, 3), "b", 2)), 4)
+    assert theoretical_hit_rate(short, with_answers=True) == pytest.approx(8 / 20)
+    assert theoretical_hit_rate(short) == pytest.approx(8 / 20)
+
+
 def test_the_hit_rate_curve_and_the_arrivals_of_a_trace_set_by_hand() -> None:
     trace = Trace(
         (
