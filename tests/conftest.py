@@ -472,6 +472,7 @@ SHARED_ENGINE_MODULES = frozenset(
         "tests/engine/test_deployment.py",
         "tests/engine/test_engine_real.py",
         "tests/engine/test_rerun_flow.py",
+        "tests/engine/test_trace_capture.py",
     }
 )
 # The heaviest groups start first (worker-seconds each took in `make test`'s parallel phase, three

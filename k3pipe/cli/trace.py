@@ -17,27 +17,102 @@ trace_app = typer.Typer(
 class Source(StrEnum):
     mooncake = "mooncake"
     otel = "otel"
+    capture = "capture"
+    openai_log = "openai-log"
 
 
 @trace_app.command("convert")
 def convert(
     src: Annotated[Path, typer.Argument(help="The file to convert.")],
     dest: Annotated[Path, typer.Argument(help="Where to write the k3pipe trace (JSON lines).")],
-    source: Annotated[Source, typer.Option("--from", help="The file's format.")],
+    source: Annotated[
+        Source,
+        typer.Option(
+            "--from",
+            help="The file's format: mooncake, otel (OpenTelemetry GenAI spans), capture (the gateway's "
+            "capture log) or openai-log (JSON lines of timestamp, session_id, request body and usage).",
+        ),
+    ],
     block_tokens: Annotated[
         int | None,
-        typer.Option(help="Tokens per block of its hash ids (Mooncake: 512; OpenTelemetry: 64).", min=1),
+        typer.Option(
+            help="Tokens per block of its hash ids (Mooncake: 512; OpenTelemetry and openai-log: 64).", min=1
+        ),
+    ] = None,
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="openai-log: the target model's directory; its tokenizer and chat template count and "
+            "hash the prompts (no text enters the trace)."
+        ),
     ] = None,
 ) -> None:
-    """Convert a Mooncake trace or OpenTelemetry GenAI spans into a k3pipe trace, and print its shape."""
-    from k3pipe.schema.traces import from_mooncake, from_otel, write_trace
+    """Convert a Mooncake trace, OpenTelemetry GenAI spans, a gateway capture or an OpenAI request log
+    into a k3pipe trace, and print its shape."""
+    from k3pipe.schema.traces import from_capture, from_mooncake, from_otel, write_trace
 
     if source is Source.mooncake:
         trace = from_mooncake(src, block_tokens=block_tokens or 512)
-    else:
+    elif source is Source.otel:
         trace = from_otel(src, block_tokens=block_tokens or 64)
+    elif source is Source.capture:
+        trace = from_capture(_capture_rows(src), src.name)
+    else:
+        if model_dir is None:
+            raise typer.BadParameter(
+                "--from openai-log needs --model-dir: the target model's directory, whose tokenizer and "
+                "chat template count the prompts as its engine will",
+                param_hint="--model-dir",
+            )
+        from k3pipe.prompts.capture import request_log_lines
+
+        trace = from_capture(request_log_lines(src, model_dir, block_tokens or 64), src.name)
     write_trace(trace, dest)
     _print_shape(dest, trace.digest, trace.shape().lines())
+
+
+def _capture_rows(path: Path) -> list[dict[str, object]]:
+    import json
+
+    from k3pipe.core.errors import SpecError
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise SpecError(f"capture {path}: cannot be read ({exc})") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise SpecError(f"capture {path}: line {n} is not JSON ({exc.msg})") from None
+    return rows
+
+
+@trace_app.command("gateway")
+def gateway(
+    config_dir: Annotated[
+        Path, typer.Argument(help="The LiteLLM proxy's config directory (it loads callbacks from there).")
+    ],
+    out: Annotated[Path, typer.Option(help="The capture log the gateway appends to (JSON lines, no text).")],
+    model_dir: Annotated[
+        Path, typer.Option(help="The target model's directory: its tokenizer and template hash the prompts.")
+    ],
+    block_tokens: Annotated[int, typer.Option(help="Tokens per hashed block.", min=1)] = 64,
+) -> None:
+    """Write the LiteLLM callback that captures the gateway's traffic as a trace (no text, no key), and
+    print the lines its config needs."""
+    from k3pipe.prompts.capture import CALLBACK_INSTANCE, CALLBACK_MODULE, write_gateway_callback
+
+    path = write_gateway_callback(config_dir, out=out, model_dir=model_dir, block_tokens=block_tokens)
+    typer.echo(f"wrote {path} (and the modules it imports under {config_dir / 'k3pipe-capture-lib'})")
+    typer.echo("add to the proxy's config, beside model_list:")
+    typer.echo(f"  litellm_settings:\n    callbacks: [{CALLBACK_MODULE}.{CALLBACK_INSTANCE}]")
+    typer.echo(
+        "a client names its session with the body field litellm_session_id; "
+        f"then: k3pipe trace convert {out} TRACE.jsonl --from capture"
+    )
 
 
 @trace_app.command("make")

@@ -360,7 +360,8 @@ class ArmPlan(BaseModel):
     )
     version_url: str | None = Field(description="URL that reports the engine version.")
     metrics_url: str | None = Field(
-        default=None, description="The engine's Prometheus endpoint (None: external endpoints)."
+        default=None,
+        description="The engine's Prometheus endpoint (an external endpoint's: its endpoint.metrics_url).",
     )
     startup_timeout_s: float
     stop_timeout_s: float
@@ -493,7 +494,7 @@ def plan_arm(
         health_url=None if external else root + engine.health_path,
         watch_url=None if external or engine.watch_path is None else root + engine.watch_path,
         version_url=None if external or not engine.version_path else root + engine.version_path,
-        metrics_url=None if external else root + "/metrics",
+        metrics_url=arm.endpoint.metrics_url if external else root + "/metrics",
         startup_timeout_s=arm.launcher.startup_timeout_s,
         stop_timeout_s=arm.launcher.stop_timeout_s,
         launch=arm.launcher,

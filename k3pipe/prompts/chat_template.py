@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from k3pipe.core.errors import BenchmarkError
 
-__all__ = ["TemplateCost", "load_chat_template", "template_cost"]
+__all__ = ["TemplateCost", "load_chat_template", "render_chat", "template_cost"]
 
 # contents whose tokens do not merge with markup around them in the tokenizers seen (words, spaces)
 _FIRST, _ANSWER, _NEXT = "first message here", "an answer here", "next message here"
@@ -65,7 +65,9 @@ def load_chat_template(model_dir: Path) -> tuple[str, dict[str, str]] | None:
     return template, specials
 
 
-def _render(template: str, specials: dict[str, str], messages: list[dict[str, str]]) -> str:
+def render_chat(template: str, specials: dict[str, str], messages: list[dict[str, Any]]) -> str:
+    """A conversation rendered with the model's chat template as the engines render it (the
+    generation prompt added)."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -93,10 +95,10 @@ def template_cost(model_dir: Path, tokenizer: Tokenizer) -> TemplateCost:
 
     one = [{"role": "user", "content": _FIRST}]
     three = [*one, {"role": "assistant", "content": _ANSWER}, {"role": "user", "content": _NEXT}]
-    first_text = _render(template, specials, one)
+    first_text = render_chat(template, specials, one)
     rendered_one = count(first_text)
     first = rendered_one - count(_FIRST)
-    turn = count(_render(template, specials, three)) - rendered_one - count(_ANSWER) - count(_NEXT)
+    turn = count(render_chat(template, specials, three)) - rendered_one - count(_ANSWER) - count(_NEXT)
     return TemplateCost(
         max(0, first),
         max(0, turn),

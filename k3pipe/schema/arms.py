@@ -141,13 +141,21 @@ class EndpointSpec(_Spec):
         default=None, min_length=1, description="Model id sent in requests (default: the served name)."
     )
     continuous_usage_stats: bool = _usage_stats_field()
+    metrics_url: str | None = Field(
+        default=None,
+        description=(
+            "An engine k3pipe does not start (launcher.kind external): its Prometheus endpoint, e.g. "
+            "'http://127.0.0.1:8000/metrics', read over each workload's window as a launched engine's "
+            "(prefix-cache hits, tokens, KV use, queue). Unset: no engine counters for the arm."
+        ),
+    )
 
     @field_validator("api_key_env")
     @classmethod
     def _env_name(cls, value: str | None) -> str | None:
         return _check_key_env(value, "endpoint.api_key_env")
 
-    @field_validator("base_url")
+    @field_validator("base_url", "metrics_url")
     @classmethod
     def _http(cls, value: str | None) -> str | None:
         return _check_url_without_key(value, "endpoint.api_key_env")
@@ -243,6 +251,16 @@ class ArmSpec(_Spec):
         problem = self.launcher.arm_problem(self.engine, self.endpoint)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _metrics_url_fits(self) -> ArmSpec:
+        if self.endpoint.metrics_url is not None and self.launcher.runs_here:
+            raise ValueError(
+                f"endpoint.metrics_url {self.endpoint.metrics_url!r} is set with launcher.kind "
+                f"{self.launcher.kind!r}: k3pipe reads the /metrics of an engine it starts itself; "
+                "remove endpoint.metrics_url (it is for an external endpoint's engine)"
+            )
         return self
 
     @model_validator(mode="after")

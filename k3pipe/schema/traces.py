@@ -47,6 +47,7 @@ __all__ = [
     "agentic_trace",
     "arrivals",
     "cumulative_hit_rate",
+    "from_capture",
     "from_mooncake",
     "from_otel",
     "read_trace",
@@ -430,6 +431,54 @@ def from_mooncake(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> T
         )  # fmt: skip
     requests.sort(key=lambda r: r.t)
     return Trace(tuple(requests), block_tokens, f"mooncake:{path.name}")
+
+
+def from_capture(rows: Iterable[dict[str, Any]], source: str) -> Trace:
+    """Capture-log lines (``{"k3pipe_capture": 1, "t", "session", "input_tokens", "output_tokens",
+    "block_tokens", "blocks", "kind"}``, as :mod:`k3pipe.prompts.capture` writes them at the gateway
+    or from a request log) as a k3pipe trace: times from the first request, a session's turns
+    numbered in send order and named ``s000``, ``s001``... in order of appearance (the gateway's own
+    ids stay out of the trace), the chained block hashes renumbered from 0."""
+    lines = list(rows)
+    if not lines:
+        raise SpecError(f"capture {source}: no request captured")
+    sizes = {row.get("block_tokens") for row in lines}
+    if len(sizes) != 1:
+        raise SpecError(
+            f"capture {source}: block_tokens {sorted(map(str, sizes))}: one capture holds one block size"
+        )
+    (size,) = sizes
+    if not isinstance(size, int) or size < 1:
+        raise SpecError(f"capture {source}: block_tokens={size!r}: a whole number >= 1")
+    checked = []
+    for n, row in enumerate(lines, 1):
+        where = f"capture {source}: request {n}"
+        if row.get("k3pipe_capture") != 1:
+            raise SpecError(f"{where}: k3pipe_capture={row.get('k3pipe_capture')!r}: this k3pipe reads 1")
+        t = row.get("t")
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
+            raise SpecError(f"{where}: t={t!r}: the send time in seconds")
+        blocks = row.get("blocks")
+        inp = _field_int(row, "input_tokens", where, least=1)
+        if not isinstance(blocks, list) or len(blocks) != math.ceil(inp / size):
+            raise SpecError(f"{where}: blocks: {math.ceil(inp / size)} hashes expected for {inp} tokens")
+        checked.append((float(t), n, row, inp, _field_int(row, "output_tokens", where, least=1)))
+    checked.sort(key=lambda c: (c[0], c[1]))
+    t0 = checked[0][0]
+    renumber: dict[str, int] = {}
+    names: dict[str, str] = {}
+    turns: dict[str, int] = {}
+    requests = []
+    for t, _, row, inp, out in checked:
+        session = None  # the gateway's session ids are the team's: renamed in order of appearance
+        turn = None
+        if row.get("session") is not None:
+            session = names.setdefault(str(row["session"]), f"s{len(names):03d}")
+            turn = turns[session] = turns.get(session, 0) + 1
+        kind = row.get("kind") if row.get("kind") in KINDS else None
+        ids = tuple(renumber.setdefault(str(h), len(renumber)) for h in row["blocks"])
+        requests.append(TraceRequest(round(t - t0, 6), inp, out, ids, session, turn, kind))
+    return Trace(tuple(requests), size, f"capture:{source}")
 
 
 def from_otel(path: Path, *, block_tokens: int = 64) -> Trace:

@@ -71,9 +71,10 @@ class Gateway:
         return len(re.findall(r'"POST /v1/chat/completions HTTP/1\.1" 200', text))
 
 
-def _config(engine_port: int) -> dict[str, Any]:
+def _config(engine_port: int, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """LiteLLM's config: the gateway's model id routed to the engine's served name, the engine's key
-    and the master key from the environment (no value in the file), no retries, no database."""
+    and the master key from the environment (no value in the file), no retries, no database;
+    ``settings`` join its litellm_settings (a callback)."""
     return {
         "model_list": [
             {
@@ -86,20 +87,22 @@ def _config(engine_port: int) -> dict[str, Any]:
             }
         ],
         "router_settings": {"num_retries": 0},
-        "litellm_settings": {"telemetry": False, "num_retries": 0},
+        "litellm_settings": {"telemetry": False, "num_retries": 0, **(settings or {})},
         "general_settings": {"master_key": f"os.environ/{GATEWAY_VAR}"},
     }
 
 
 @contextmanager
-def running_litellm(directory: Path, engine_port: int, keys: dict[str, str]) -> Iterator[Gateway]:
+def running_litellm(
+    directory: Path, engine_port: int, keys: dict[str, str], settings: dict[str, Any] | None = None
+) -> Iterator[Gateway]:
     """LiteLLM's proxy on 127.0.0.1 in a process group of its own, ready; stopped on every way out.
     Its environment is only what it needs: no database, telemetry off, the model cost map read from
     the package (it fetches it from the network otherwise)."""
     if not LITELLM.exists():
         pytest.fail(f"LiteLLM's proxy is missing at {LITELLM}; run `make gateway` (make test does)")
     config = directory / "litellm.yaml"
-    config.write_text(yaml.safe_dump(_config(engine_port)))
+    config.write_text(yaml.safe_dump(_config(engine_port, settings)))
     port = free_port()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

@@ -106,7 +106,7 @@ CHATML = (
 def test_the_chat_templates_tokens_are_counted_as_the_engine_renders_them(
     tmp_path: Path, byte_level_tokenizer: Tokenizer
 ) -> None:
-    from k3pipe.prompts.chat_template import _render, load_chat_template
+    from k3pipe.prompts.chat_template import load_chat_template, render_chat
 
     named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHATML}]
     model = _model_dir(tmp_path, byte_level_tokenizer, named)
@@ -122,8 +122,8 @@ def test_the_chat_templates_tokens_are_counted_as_the_engine_renders_them(
     user, answer, nxt = "def main(): return None", "the answer is four", "and then what follows"
     one = [{"role": "user", "content": user}]
     three = [*one, {"role": "assistant", "content": answer}, {"role": "user", "content": nxt}]
-    assert count(_render(CHATML, loaded[1], one)) == pytest.approx(count(user) + cost.first, abs=1)
-    rendered = count(_render(CHATML, loaded[1], three))
+    assert count(render_chat(CHATML, loaded[1], one)) == pytest.approx(count(user) + cost.first, abs=1)
+    rendered = count(render_chat(CHATML, loaded[1], three))
     assert rendered == pytest.approx(count(user) + count(answer) + count(nxt) + cost.first + cost.turn, abs=2)
     assert cost.first > 5
     assert cost.turn > cost.first  # markup around one message, then around two

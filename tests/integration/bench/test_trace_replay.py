@@ -8,6 +8,8 @@ other tests); the lag's figures are the benchmark's."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -130,3 +132,63 @@ def test_a_threaded_session_carries_the_engines_real_answers(byte_level_tokenize
     whole = trace_prompts(trace, byte_level_tokenizer, 1)
     assert prompts[3].tokens < whole[3].tokens
     assert prompts[1].text == whole[1].text  # a request on its own: the whole prompt
+
+
+def test_a_mooncake_file_and_opentelemetry_spans_convert_and_replay(
+    tmp_path: Path, byte_level_tokenizer: Tokenizer
+) -> None:
+    """Each format the issue names, converted by `k3pipe trace convert` and replayed over the wire: every
+    request sent with its length and answer, the converted sharing rebuilt token for token, a session's
+    turn after its previous answer."""
+    from typer.testing import CliRunner
+
+    from k3pipe.cli.main import app
+    from k3pipe.schema.traces import read_trace
+
+    mooncake = tmp_path / "mooncake.jsonl"
+    mooncake.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in (
+                {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [7, 8, 9]},
+                {"timestamp": 20, "input_length": 44, "output_length": 3, "hash_ids": [7, 8, 10]},
+                {"timestamp": 50, "input_length": 30, "output_length": 4, "hash_ids": [11, 12]},
+            )
+        )
+    )
+    nanos = 1_700_000_000 * 10**9
+
+    def span(start_ms: int, inp: int, out: int, conversation: str) -> dict[str, object]:
+        return {"name": "chat", "startTimeUnixNano": str(nanos + start_ms * 10**6), "attributes": [
+            {"key": "gen_ai.usage.input_tokens", "value": {"intValue": str(inp)}},
+            {"key": "gen_ai.usage.output_tokens", "value": {"intValue": str(out)}},
+            {"key": "gen_ai.conversation.id", "value": {"stringValue": conversation}},
+        ]}  # fmt: skip
+
+    otel = tmp_path / "spans.json"
+    spans = [span(0, 40, 6, "c1"), span(30, 35, 4, "c2"), span(60, 70, 5, "c1")]
+    otel.write_text(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}))
+
+    runner = CliRunner()
+    for source, path in (("mooncake", mooncake), ("otel", otel)):
+        dest = tmp_path / f"{source}-k3.jsonl"
+        argv = ["trace", "convert", str(path), str(dest), "--from", source, "--block-tokens", "16"]
+        done = runner.invoke(app, argv)
+        assert done.exit_code == 0, done.output
+        trace = read_trace(dest)
+        prompts = trace_prompts(trace, byte_level_tokenizer, 3)
+        with ScriptedOpenAI(Script(inter_token_s=0.005), model="m") as server:
+            outcome, records, _ = asyncio.run(
+                replay_trace(server.base_url, "m", None, WORKLOAD, trace, prompts, speed=4)
+            )
+        assert all(r.error is None for r in records), (source, [r.error for r in records])
+        assert [r.sent_s is not None for r in outcome.records] == [True] * len(trace.requests)
+        assert [r.usage_output_tokens for r in records] == [r.output_tokens for r in trace.requests]
+        for prompt, request in zip(prompts, trace.requests, strict=True):
+            assert len(byte_level_tokenizer.encode(prompt.text, add_special_tokens=False).ids) == (
+                request.input_tokens
+            )
+        # the blocks the converted ids share are the same tokens in the rebuilt prompts
+        first, second = prompts[0], prompts[1 if source == "mooncake" else 2]
+        ids = [byte_level_tokenizer.encode(p.text, add_special_tokens=False).ids for p in (first, second)]
+        assert ids[0][:32] == ids[1][:32]
