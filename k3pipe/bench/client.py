@@ -728,10 +728,11 @@ def _body(
     prompt: Prompt,
     continuous_usage: bool = True,
     conversation: list[dict[str, str]] | str | None = None,
+    extra: dict[str, str] | None = None,
 ) -> bytes:
     """A request's JSON body; ``conversation``, when given, is sent instead of the prompt alone (the
-    messages under the chat API, the whole text under completions)."""
-    body: dict[str, Any] = {"model": model}
+    messages under the chat API, the whole text under completions); ``extra`` fields join it."""
+    body: dict[str, Any] = {"model": model, **(extra or {})}
     if workload.api == "chat":
         body["messages"] = (
             conversation if isinstance(conversation, list) else [{"role": "user", "content": prompt.text}]
@@ -968,6 +969,8 @@ async def replay_trace(
     speed: float = 1.0,
     max_idle_s: float | None = None,
     thread: bool = False,
+    session_field: str | None = None,
+    session_tag: str = "",
     on_progress: Callable[[int, int], None] | None = None,
     abort: Abort | None = None,
 ) -> tuple[ReplayOutcome, list[RequestRecord], float]:
@@ -978,7 +981,9 @@ async def replay_trace(
     Each request sends its prompt; with ``thread``, a session's later turn sends the conversation so
     far instead: the previous turn's as sent, the engine's real answer to it (chat: an assistant
     message), then its prompt (:func:`k3pipe.prompts.trace_prompts.replay_prompts` made it the new
-    part only). ``abort`` stops the replay: no request is sent after it, those in flight end as
+    part only). With ``session_field``, every request of a session carries that body field set to the
+    session's name and ``session_tag`` (a gateway's session affinity).
+    ``abort`` stops the replay: no request is sent after it, those in flight end as
     failed records. Returns the replay's outcome (planned, ready, sent and ended times; the sender's
     lag), one record per request sent, in trace order (a record's ``t_scheduled`` is when it was
     ready to go), and the perf_counter origin of the plan.
@@ -1001,8 +1006,13 @@ async def replay_trace(
     # one spec per request (its max_tokens); a request on its own or a first turn serialized before the
     # first send, a threaded turn when its previous answer is in
     specs = [workload.model_copy(update={"output_tokens": r.output_tokens}) for r in trace.requests]
+    extras = [
+        {session_field: f"{r.session}{session_tag}"} if session_field and r.session is not None else None
+        for r in trace.requests
+    ]
     bodies: list[bytes | None] = [
-        _body(model, specs[i], prompts[i]) if before[i] is None else None for i in range(len(prompts))
+        _body(model, specs[i], prompts[i], extra=extras[i]) if before[i] is None else None
+        for i in range(len(prompts))
     ]
     sent: dict[int, list[dict[str, str]] | str] = {}  # what a turn sent, for the turn after it
     answers: dict[int, str] = {}
@@ -1038,7 +1048,7 @@ async def replay_trace(
             if before[i] is not None or i in threaded:
                 sent[i] = conversation(i)
                 if body is None:
-                    body = _body(model, specs[i], prompts[i], conversation=sent[i])
+                    body = _body(model, specs[i], prompts[i], conversation=sent[i], extra=extras[i])
             assert body is not None
             answer: list[str] | None = [] if i in threaded else None
             record = await _send(

@@ -198,6 +198,7 @@ def benchmark_workload(
         outcome, records, origin = await replay_trace(
             plan.client_base_url, plan.client_model, api_key, spec, trace, prompt_set.prompts,
             speed=spec.trace.speed, max_idle_s=spec.trace.max_idle_s, thread=spec.trace.thread_answers,
+            session_field=spec.trace.session_field, session_tag=f".r{spec.seed}",
             on_progress=on_progress, abort=abort,
         )  # fmt: skip
         replayed.append((outcome, origin))

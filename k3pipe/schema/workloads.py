@@ -148,6 +148,13 @@ class TraceSpec(_Spec):
         description="A session's later turn carries the engine's real answer to the turn before (chat: "
         "as the assistant message); false: the rebuilt text of the recorded answer.",
     )
+    session_field: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$",
+        description="A body field every request of a session carries, set to the session's name and the "
+        "repeat (e.g. litellm_session_id: a LiteLLM router with optional_pre_call_checks "
+        "[session_affinity] keeps a session on one deployment, so its prefix cache is reused); None: none.",
+    )
 
     def file(self) -> Path:
         """Where the trace is on this machine."""

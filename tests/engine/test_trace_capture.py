@@ -38,7 +38,7 @@ from k3pipe.experiment.params import RunRequest
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import study
 from k3pipe.report import build_report
-from k3pipe.schema.traces import read_trace
+from k3pipe.schema.traces import from_capture, read_trace
 from tests.conftest import TINY_MODEL, RunningEngine
 from tests.engine.test_gateway import ENGINE_VAR, GATEWAY_MODEL, GATEWAY_VAR, running_litellm
 
@@ -156,15 +156,39 @@ def test_traffic_captured_at_the_gateway_replays_on_two_arms(
             "model": {"source": "local", "path": str(TINY_MODEL)},
             "arms": [arm("direct", vllm_engine.base_url, ENGINE_VAR, vllm_engine.model),
                      arm("via-gateway", gateway.base_url, GATEWAY_VAR, GATEWAY_MODEL)],
-            "workloads": [{"name": "team", "trace": {"path": str(trace_path), "speed": 2}, "repeats": 2}],
+            "workloads": [{"name": "team", "repeats": 2, "trace": {
+                "path": str(trace_path), "speed": 2, "session_field": "litellm_session_id"}}],
         }))  # fmt: skip
         job = Job.library(Settings())
         study(RunRequest(experiment=str(exp)), job)
 
+        # the gateway captured the replay too: each repeat's sessions (named by session_field, as
+        # LiteLLM's session affinity reads them) with the trace's turns, lengths and sharing
+        later = [json.loads(x) for x in capture.read_text().splitlines()][len(answered) :]
+    replayed = [x for x in later if x["session"] is not None]  # not the health gate's probe
+    assert len(later) - len(replayed) == 1
+    n = len(trace.requests)
+    assert len(replayed) == 2 * len(trace.requests)
+    names = {x["session"] for x in replayed}
+    assert len(names) == 6  # three sessions in each of two repeats
+    assert {n.split(".r")[0] for n in names} == {"s000", "s001", "s002"}
+    for tag in {n.split(".r")[1] for n in names}:
+        again = from_capture([x for x in replayed if x["session"].endswith(f".r{tag}")], "replayed")
+        assert [(r.session is not None, r.turn) for r in again.requests] == [
+            (True, r.turn) for r in trace.requests
+        ]
+        got = sorted(r.input_tokens for r in again.requests)
+        assert (
+            sum(abs(a - b) for a, b in zip(got, sorted(r.input_tokens for r in trace.requests), strict=True))
+            <= n
+        )
+        assert again.shape().theoretical_hit_rate == pytest.approx(
+            trace.shape().theoretical_hit_rate, abs=0.05
+        )
+
     tracker = job.tracker
     (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
     report = build_report(tracker, run.info.run_id)
-    n = len(trace.requests)
     for cell in report.data.cells:
         assert cell.values["replay_sent"] == [n, n]
         assert all(v < 50 for v in cell.values["replay_lag_ms_p99"])
