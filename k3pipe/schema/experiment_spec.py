@@ -43,6 +43,7 @@ from k3pipe.schema.common import (
 from k3pipe.schema.model_source import (
     ModelSpec,
 )
+from k3pipe.schema.tune import TuneSpec
 from k3pipe.schema.workloads import (
     ClientSpec,
     WorkloadSpec,
@@ -572,6 +573,13 @@ class ExperimentSpec(_Spec):
             "flow); None: every launch on this machine, one after another."
         ),
     )
+    tune: TuneSpec | None = Field(
+        default=None,
+        description=(
+            "A search over one arm's engine settings under an objective, raced by the verdict rules "
+            "(issue 50; k3pipe.schema.tune); None: the arms as written."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -670,6 +678,26 @@ class ExperimentSpec(_Spec):
                     "decision.prime with fleet: a priming launch fills one node's caches, and the "
                     "measured launches may run on another; drop decision.prime, or fleet"
                 )
+        if self.tune is not None:
+            tune = self.tune
+            if tune.arm not in arms:
+                raise ValueError(
+                    f"tune.arm {tune.arm!r} is not an arm of the experiment; its arms: "
+                    + ", ".join(a.name for a in self.arms)
+                )
+            workloads = [w.name for w in self.workloads]
+            if tune.objective.workload not in workloads:
+                raise ValueError(
+                    f"tune.objective.workload {tune.objective.workload!r} is not a workload of the "
+                    f"experiment; its workloads: {', '.join(workloads)}"
+                )
+            if tune.objective.metric not in DECISION_METRICS:
+                raise ValueError(
+                    f"tune.objective.metric {tune.objective.metric!r} is not a figure a decision rests on; "
+                    f"one of: {', '.join(DECISION_METRICS)}"
+                )
+            arm = next(a for a in self.arms if a.name == tune.arm)
+            tune.candidates(arm)  # too few or too many combinations: said now
         if self.reference is not None:
             workloads = [w.name for w in self.workloads]
             unknown = sorted({f.workload for f in self.reference.figures} - set(workloads))

@@ -73,6 +73,7 @@ from k3pipe.schema.model_source import (
     ModelScopeModel,
     ModelSpec,
 )
+from k3pipe.schema.tune import TuneBudget, TuneCandidate, TuneObjective, TuneSpec
 from k3pipe.schema.workloads import (
     MAX_CLIENT_PROCESSES,
     CapacitySpec,
@@ -147,6 +148,10 @@ __all__ = [
     "ShareGPTDataset",
     "SharedPrefixDataset",
     "TraceSpec",
+    "TuneBudget",
+    "TuneCandidate",
+    "TuneObjective",
+    "TuneSpec",
     "UntilSpec",
     "VariantSpec",
     "WorkloadSpec",
