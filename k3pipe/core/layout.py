@@ -127,6 +127,10 @@ __all__ = [
     "SUPERSEDED_TAG",
     "TIME_PREFIX",
     "TRACE_FILE",
+    "TUNE_FILE",
+    "TUNE_OUTCOME_TAG",
+    "TUNE_WINNER_FILE",
+    "TUNE_WINNER_TAG",
     "TWIN_TAG",
     "VARIANTS_FILE",
     "VARIANT_TAG",
@@ -193,6 +197,10 @@ DECISION_LOOK_TAG = "k3pipe.decision.look"
 DECISION_LOOKS_TAG = "k3pipe.decision.looks"
 DECISION_ALPHA_TAG = "k3pipe.decision.alpha"
 DECISION_STOPPED_TAG = "k3pipe.decision.stopped"
+TUNE_OUTCOME_TAG = "k3pipe.tune.outcome"
+"""A search's end (k3pipe.verdicts.racing): winner, equivalent or undecided."""
+TUNE_WINNER_TAG = "k3pipe.tune.winner"
+"""The candidate a search declared the best (its leader when undecided is in tune.json)."""
 NOISE_TAG = "k3pipe.noise"
 """A study that kept its restart noise for later ones (k3pipe.records.priors)."""
 
@@ -285,6 +293,10 @@ GPU_MEMORY_FILE = "gpu_memory.parquet"
 """A workload's GPU memory series (nvidia-smi samples)."""
 REQUESTS_FILE = "requests.parquet"
 REPLAY_FILE = "replay.parquet"
+TUNE_FILE = "tune.json"
+"""A search's result on the study run: outcome, leader, survivors, each drop and why, rounds, launches."""
+TUNE_WINNER_FILE = "tune-winner.yaml"
+"""The winner (or the undecided search's leader) written out as an experiment arm."""
 TRACE_FILE = "trace.jsonl"
 """The trace a workload replayed (k3pipe's format: no text unless it was captured with text), on its run."""
 """A trace replay's requests: planned, ready, sent and ended seconds from its start, lag, or why skipped."""

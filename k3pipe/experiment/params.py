@@ -177,6 +177,8 @@ class RunRequest(BaseModel):
         """The arms to run, in order: those asked for, each checked to exist (an unknown name is a
         :class:`~k3pipe.core.errors.SpecError` listing the experiment's arms), or every arm."""
         if not self.arms:
+            if spec.tune is not None:  # a search: its candidates
+                return [c.name for c in spec.tune_candidates()]
             return [a.name for a in spec.arms]
         for name in self.arms:
             spec.arm(name)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from k3pipe.core.layout import (
     DECISION_ALPHA_TAG,
     DECISION_LOOK_TAG,
@@ -45,6 +47,10 @@ from k3pipe.core.layout import (
     LAUNCHES_TAG,
     PRIME_TAG,
     STUDY_KIND,
+    TUNE_FILE,
+    TUNE_OUTCOME_TAG,
+    TUNE_WINNER_FILE,
+    TUNE_WINNER_TAG,
     stage_prefix,
 )
 from k3pipe.core.secrets import redact_data, scrub
@@ -63,6 +69,7 @@ from k3pipe.schema.specs import ArmSpec, ExperimentSpec, FleetSpec, LocalModel, 
 from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
 from k3pipe.verdicts import stats
+from k3pipe.verdicts.racing import Race, RaceResult, RaceRules
 
 __all__ = [
     "Study",
@@ -240,7 +247,15 @@ class Study:
         arms = [self.spec.arm(n) for n in names]
         order = launch_order(self.spec, names)
         until = self.spec.decision.until
-        most = {n: max(self.spec.arm(n).launches, until.max_launches if until else 0) for n in names}
+        tune = self.spec.tune
+        most = {
+            n: max(
+                self.spec.arm(n).launches,
+                until.max_launches if until else 0,
+                tune.budget.max_launches if tune else 0,
+            )
+            for n in names
+        }
         if len(order) > len(names):
             self.say("launch order: " + " ".join(f"{a}#{k}" for a, k in order))
             self.tracker.log_params(self.run_id, {"launch_order": " ".join(f"{a}#{k}" for a, k in order)})
@@ -285,6 +300,8 @@ class Study:
             launch_all(order)
             if until is not None:
                 self._until(names, order, launch_all, start)
+            if tune is not None:
+                self._race(names, order, launch_all, outcome)
             status = "FINISHED"
         finally:
             models_pool.shutdown(wait=False, cancel_futures=True)
@@ -345,6 +362,114 @@ class Study:
             launch_all(extra)
             ran.extend(extra)
             round_s.append(time.perf_counter() - began)
+
+    def _race(
+        self,
+        names: list[str],
+        done: list[tuple[str, int]],
+        launch_all: Callable[[list[tuple[str, int]]], None],
+        outcome: StudyOutcome,
+    ) -> RaceResult | None:
+        """The search's race (``tune``; :mod:`k3pipe.verdicts.racing`): after the candidates' first
+        launches, each look drops those the verdict rules find worse than the leader and launches the
+        survivors once more, until a winner, an equivalence or the budget; the result and the winner
+        as an arm are recorded on the study's run."""
+        from k3pipe.core.figures import figure
+        from k3pipe.report.collect import collect
+
+        tune = self.spec.tune
+        assert tune is not None
+        metric, workload = tune.objective.metric, tune.objective.workload
+        rules = RaceRules(
+            alpha=tune.alpha, margin=tune.margin_pct / 100, first_launches=tune.budget.first_launches,
+            max_launches=tune.budget.max_launches, higher_is_better=figure(metric).higher_is_better,
+        )  # fmt: skip
+        race = Race(names, rules)
+        fed = dict.fromkeys(names, 0)
+        seen: set[tuple[str, int]] = set()
+        launched = {n: max((k for a, k in done if a == n), default=0) for n in names}
+        while True:
+            for arm in outcome.arms:  # a launch that failed is the candidate's result
+                key = (arm.arm, arm.launch)
+                if key in seen or arm.arm not in fed:
+                    continue
+                seen.add(key)
+                if arm.status != "FINISHED" and arm.arm in race.alive:
+                    race.fail(arm.arm, f"launch {arm.launch} {arm.status}: {arm.error or 'no reason given'}")
+            cells = {c.arm: c for c in collect(self.tracker, self.run_id).cells if c.workload == workload}
+            for name in race.alive:
+                cell = cells.get(name)
+                launches = cell.launch_values if cell is not None else []
+                for values in launches[fed[name] :]:
+                    if name in race.alive:
+                        race.record(name, values.get(metric, []))
+                fed[name] = len(launches)
+            for name in race.wanted():  # its launches ran, but fewer were counted (cut, or a failed workload)
+                race.fail(name, f"{metric} on {workload} was not measured in launch {fed[name] + 1}")
+            if not race.alive:
+                self.warn("tune: every candidate failed; the study's arm runs say why")
+                self.tracker.set_tags(self.run_id, {TUNE_OUTCOME_TAG: "failed"})
+                return None
+            result = race.close_round()
+            if result is not None:
+                break
+            extra = [(n, launched[n] + 1) for n in race.wanted()]
+            self.say(
+                f"tune: look {race.round} of at most {rules.looks}: {len(race.alive)} candidate(s) left "
+                f"({', '.join(race.alive)}); one more launch each"
+            )
+            for n, k in extra:
+                launched[n] = k
+            launch_all(extra)
+        self._record_race(result, rules)
+        return result
+
+    def _record_race(self, result: RaceResult, rules: RaceRules) -> None:
+        tune = self.spec.tune
+        assert tune is not None
+        settings = {c.name: c.settings for c in self.spec.tune_candidates()}
+        text = result.text()
+        self.say(f"tune: {text}")
+        self.tracker.set_tags(
+            self.run_id,
+            {TUNE_OUTCOME_TAG: result.outcome, **({TUNE_WINNER_TAG: result.winner} if result.winner else {})},
+        )
+        self.tracker.log_dict(
+            self.run_id,
+            {
+                "outcome": result.outcome,
+                "text": text,
+                "winner": result.winner,
+                "leader": result.leader,
+                "survivors": list(result.survivors),
+                "dropped": [
+                    {"name": d.name, "round": d.round, "reason": d.reason, "failed": d.failed}
+                    for d in result.dropped
+                ],
+                "rounds": result.rounds,
+                "launches": result.launches,
+                "full_launches": result.full_launches,
+                "objective": {"metric": tune.objective.metric, "workload": tune.objective.workload},
+                "rules": {"alpha": rules.alpha, "margin": rules.margin,
+                          "first_launches": rules.first_launches, "max_launches": rules.max_launches},
+                "candidates": {
+                    name: {"settings": settings[name],
+                           **({"mean": est.mean} if (est := result.estimates.get(name)) else {})}
+                    for name in settings
+                },
+            },
+            TUNE_FILE,
+        )  # fmt: skip
+        best = self.spec.arm(result.leader)
+        original = tune.arm
+        arm = best.model_copy(update={"name": original, "launches": 2}).model_dump(
+            mode="json", exclude_defaults=True
+        )
+        note = (
+            f"# the search's {'winner' if result.winner else 'leader (undecided)'}: {result.leader} "
+            f"({' '.join(f'{k}={v}' for k, v in settings[result.leader].items())})\n# {text}\n"
+        )
+        self.tracker.log_text(self.run_id, note + yaml.safe_dump([arm], sort_keys=False), TUNE_WINNER_FILE)
 
     def _dispatch(
         self,

@@ -43,7 +43,7 @@ from k3pipe.schema.common import (
 from k3pipe.schema.model_source import (
     ModelSpec,
 )
-from k3pipe.schema.tune import TuneSpec
+from k3pipe.schema.tune import TuneCandidate, TuneSpec
 from k3pipe.schema.workloads import (
     ClientSpec,
     WorkloadSpec,
@@ -698,6 +698,17 @@ class ExperimentSpec(_Spec):
                 )
             arm = next(a for a in self.arms if a.name == tune.arm)
             tune.candidates(arm)  # too few or too many combinations: said now
+            for field, set_ in (
+                ("decision.calibration", self.decision.calibration),
+                ("decision.until", self.decision.until is not None),
+                ("variants", bool(self.variants)),
+                ("fleet", self.fleet is not None),
+            ):
+                if set_:
+                    raise ValueError(
+                        f"tune with {field}: a search races its candidates by its own rules on this "
+                        f"node; remove {field} (a study of the winner can have it)"
+                    )
         if self.reference is not None:
             workloads = [w.name for w in self.workloads]
             unknown = sorted({f.workload for f in self.reference.figures} - set(workloads))
@@ -770,12 +781,21 @@ class ExperimentSpec(_Spec):
                 out.append(arm.model_copy(update={"name": self.calibration_arm_name}))
         return out
 
+    def tune_candidates(self) -> list[TuneCandidate]:
+        """With ``tune``: its candidates, each the searched arm with its settings (none without)."""
+        if self.tune is None:
+            return []
+        return self.tune.candidates(next(a for a in self.arms if a.name == self.tune.arm))
+
     def arm(self, name: str) -> ArmSpec:
         if self.decision.calibration and name == self.calibration_arm_name:
             return next(a for a in self.study_arms() if a.name == name)
         for arm in self.arms:
             if arm.name == name:
                 return arm
+        for candidate in self.tune_candidates():
+            if candidate.name == name:
+                return candidate.arm
         raise SpecError(
             f"experiment {self.name!r} has no arm {name!r}; arms: {', '.join(a.name for a in self.arms)}"
         )

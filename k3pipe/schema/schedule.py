@@ -43,9 +43,14 @@ def models_of(arm: ArmSpec) -> list[str]:
 
 
 def study_arm_names(spec: ExperimentSpec, selected: Iterable[str] | None = None) -> list[str]:
-    """The arms a study of ``spec`` runs, in order: ``selected`` (default every arm) and, with
-    ``decision.calibration``, the baseline's A/A copy right after the baseline."""
-    names = list(selected) if selected else [a.name for a in spec.arms]
+    """The arms a study of ``spec`` runs, in order: ``selected`` (default every arm; with ``tune``, its
+    candidates) and, with ``decision.calibration``, the baseline's A/A copy right after the baseline."""
+    if selected:
+        names = list(selected)
+    elif spec.tune is not None:  # a search: its candidates
+        names = [c.name for c in spec.tune_candidates()]
+    else:
+        names = [a.name for a in spec.arms]
     copy = spec.calibration_arm_name
     if spec.decision.calibration and spec.baseline_arm in names and copy not in names:
         names.insert(names.index(spec.baseline_arm) + 1, copy)
@@ -75,6 +80,7 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
         f"study {spec.name}: {len(names)} arm(s) x {len(spec.workloads)} workload(s), arms one after "
         "another on the node, every arm sending the same prompts"
     ]
+    labels = {c.name: c.label for c in spec.tune_candidates()}
     for i, name in enumerate(names, 1):
         arm = spec.arm(name)
         needs = models_of(arm)
@@ -83,9 +89,10 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
         times = f", launched {arm.launches} times" if arm.launches > 1 else ""
         copy = spec.decision.calibration and name == spec.calibration_arm_name
         aa = " (A/A copy of the baseline)" if copy else ""
-        lines.append(
-            f"  {i}. {arm.name}{aa}: {arm.engine.kind} on launcher {arm.launcher.kind}{image}{times}{extra}"
-        )
+        label = labels.get(name)
+        sets = f" ({label})" if label else ""
+        where = f"{arm.engine.kind} on launcher {arm.launcher.kind}"
+        lines.append(f"  {i}. {arm.name}{aa}{sets}: {where}{image}{times}{extra}")
     primed = prime_order(spec, names)
     if primed:
         lines.append(
@@ -94,12 +101,22 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
         )
     if len(order) > len(names):
         lines.append("  launch order: " + " ".join(f"{a}#{k}" for a, k in order))
+    tune = spec.tune
+    if tune is not None:
+        budget = tune.budget
+        lines.append(
+            f"  a search over arm {tune.arm}'s settings: {len(names)} candidates raced on "
+            f"{tune.objective.metric} in {tune.objective.workload} (docs/tuning.md): {budget.first_launches} "
+            f"launches each first, then one more per candidate still running at each look, the worse "
+            f"dropped by the verdict rules (alpha {tune.alpha:g}, margin +-{tune.margin_pct:g}%), at most "
+            f"{budget.max_launches} each ({len(names) * budget.max_launches} in all)"
+        )
     until = spec.decision.until
     if until is not None:
-        budget = f" or budget_s {until.budget_s:g} s" if until.budget_s is not None else ""
+        budget_s = f" or budget_s {until.budget_s:g} s" if until.budget_s is not None else ""
         lines.append(
             f"  then one more launch of every arm per round while a decision comparison is open (neither "
-            f"decided nor within +-{until.ci_pct:g}%), up to {until.max_launches} launches per arm{budget}"
+            f"decided nor within +-{until.ci_pct:g}%), up to {until.max_launches} launches per arm{budget_s}"
         )
     for w in spec.workloads:
         warmup = (

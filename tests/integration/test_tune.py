@@ -1,0 +1,70 @@
+"""A search over an engine setting through the study job (issue 50, items 1-3 in part): the fake vLLM
+(k3pipe/testing/fake_engine.py, launched by the process launcher as any engine: its command line,
+health gate, /metrics, stop) whose service rate is set by its ``--token-delay-ms``: 2, 6 and 12 ms
+between tokens, so the true order of output throughput is known. The candidates are raced by the
+verdict rules (k3pipe/verdicts/racing.py): each launched twice first, the clearly slower dropped at
+a look, the winner declared and written out as an arm; the study's record says the outcome."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from k3pipe.core.layout import TUNE_FILE, TUNE_OUTCOME_TAG, TUNE_WINNER_FILE, TUNE_WINNER_TAG
+from k3pipe.core.settings import Settings
+from k3pipe.experiment.params import RunRequest
+from k3pipe.jobs.steps import Job
+from k3pipe.jobs.study import study
+from k3pipe.testing import FAKE_ENGINE
+from tests.conftest import TINY_MODEL, free_port
+
+
+def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) -> None:
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.fail(f"no tiny model at {TINY_MODEL}: run the tests with `make test`, which makes it")
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"startup_delay_s": 0.2, "token_delay_ms": 6, "stats_interval_s": 1, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": free_port(), "startup_timeout_s": 60,
+                "stop_timeout_s": 10}  # fmt: skip
+    exp = tmp_path / "tune.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "tune-test",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
+        "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 24, "concurrency": 2,
+                       "num_requests": 6, "warmup_requests": 0, "repeats": 2, "seed": 3}],
+        "tune": {"arm": "fake", "args": {"token_delay_ms": [12, 2, 6]},
+                 "objective": {"metric": "output_throughput_tps", "workload": "w"},
+                 "budget": {"first_launches": 2, "max_launches": 4}},
+    }))  # fmt: skip
+    job = Job.library(Settings())
+    study(RunRequest(experiment=str(exp)), job)
+
+    tracker = job.tracker
+    (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
+    tags = run.data.tags
+    assert tags[TUNE_OUTCOME_TAG] == "winner"
+    assert tags[TUNE_WINNER_TAG] == "fake.t02"  # 2 ms between tokens
+    result = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
+    assert result["candidates"]["fake.t02"]["settings"] == {"token_delay_ms": 2}
+    assert {d["name"] for d in result["dropped"]} == {"fake.t01", "fake.t03"}
+    assert all(not d["failed"] for d in result["dropped"])
+    # a 3x and a 6x gap: decided on the first launches, well under the budget
+    assert result["launches"] < result["full_launches"] == 3 * 4
+    means = {n: c["mean"] for n, c in result["candidates"].items() if "mean" in c}
+    assert means["fake.t02"] > means["fake.t03"] > means["fake.t01"]
+    assert result["text"].startswith("fake.t02 is the best: better than every other candidate")
+    # the winner as an arm, ready for a study: the searched arm's name, its settings
+    written = (tracker.find_artifact(run.info.run_id, TUNE_WINNER_FILE) or b"").decode()
+    assert written.startswith("# the search's winner: fake.t02 (token_delay_ms=2)")
+    (arm,) = yaml.safe_load(written)
+    assert arm["name"] == "fake"
+    assert arm["engine"]["args"]["token_delay_ms"] == 2
+    assert arm["engine"]["args"]["max_model_len"] == 4096
