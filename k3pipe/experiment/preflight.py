@@ -54,6 +54,7 @@ from k3pipe.engines.kvpool import (
     kv_layout,
 )
 from k3pipe.schema.specs import (
+    ArmSpec,
     DocumentsDataset,
     ExperimentSpec,
     HardwareSpec,
@@ -780,6 +781,15 @@ def hardware_mismatches(hardware: HardwareSpec | None, gpus: Sequence[NamedGpu])
     return out
 
 
+def _checked_arms(spec: ExperimentSpec) -> list[ArmSpec]:
+    """The arms preflight checks: the experiment's, with a search's arm replaced by its candidates (a
+    candidate that cannot start is found here, before it costs a launch)."""
+    if spec.tune is None:
+        return list(spec.arms)
+    searched = spec.tune.arm
+    return [a for a in spec.arms if a.name != searched] + [c.arm for c in spec.tune_candidates()]
+
+
 def _hardware_here(spec: ExperimentSpec, gpus: Sequence[NamedGpu]) -> Iterator[Finding]:
     """The experiment's ``hardware:`` against this machine's GPUs, where an arm starts its engine
     here (a warning: the KV capacity check and each cell's cost use the experiment's figures)."""
@@ -876,7 +886,7 @@ def preflight(
         *((rule_port,) if this_machine and spec.fleet is None else ()),
         *extra_rules,
     )
-    for arm in spec.arms:
+    for arm in _checked_arms(spec):
         engine = get_engine(arm.engine.kind)
         ctx = ArmContext(
             experiment=spec, arm=arm, engine=engine, model_config=config, weight_bytes=weight_bytes

@@ -133,17 +133,49 @@ def stop_on_errors(
     tracker: Tracker,
     tags: Mapping[str, str] | None = None,
     parent_id: str | None = None,
+    pruned: dict[str, str] | None = None,
 ) -> None:
     """Preflight errors (of the experiment, or of one of ``arms``) end the job before any launch:
     each arm's run records the findings and why (tagged ``tags``, nested under ``parent_id``), then
-    :class:`~k3pipe.core.errors.PreflightError` names every error."""
+    :class:`~k3pipe.core.errors.PreflightError` names every error. With ``pruned`` (a search's), a
+    candidate's errors take it out of ``arms`` instead, why into ``pruned``."""
     errors = [f for f in findings if f.severity == "error" and f.arm in (None, *arms)]
+    if spec.tune is not None and errors and pruned is not None:
+        errors = _prune(errors, spec, arms, pruned)
     if not errors:
         return
     for arm in arms:
         record_preflight_stop(tracker, spec.name, arm, findings, dict(tags or {}), parent_id)
     summary = "; ".join(f"[{f.arm or 'experiment'}] {f.message}" for f in errors)
     raise PreflightError(f"preflight found {len(errors)} error(s), nothing was launched: {summary}")
+
+
+def _prune(
+    errors: list[Finding], spec: ExperimentSpec, arms: list[str], gone: dict[str, str]
+) -> list[Finding]:
+    """A search's candidates that preflight finds cannot start leave ``arms`` (in place) before any
+    launch, each with why (into ``gone``); the errors left stop the job as any other. Fewer than two
+    candidates left: a search cannot be made, and that is an error naming why each went."""
+    candidates = {c.name for c in spec.tune_candidates()}
+    left = []
+    for f in errors:
+        if f.arm in candidates and f.arm in arms:
+            gone[f.arm] = f.message
+            arms.remove(f.arm)
+        elif f.arm not in gone:
+            left.append(f)
+    if not left and len([a for a in arms if a in candidates]) < 2:
+        why = "; ".join(f"[{name}] {message}" for name, message in gone.items())
+        left.append(
+            Finding(
+                severity="error",
+                rule="tune-candidates",
+                arm=None,
+                message=f"tune: {len(gone)} of {len(candidates)} candidates cannot start, fewer than two "
+                f"are left to race: {why}",
+            )
+        )
+    return left
 
 
 def check_spec(
@@ -153,9 +185,10 @@ def check_spec(
     steps: PrepareSteps,
     tags: Mapping[str, str] | None = None,
     parent_id: str | None = None,
+    pruned: dict[str, str] | None = None,
 ) -> None:
     """Preflight of the spec alone (nothing fetched yet); stops on its errors."""
-    stop_on_errors(steps.preflight(spec, "spec"), spec, arms, tracker, tags, parent_id)
+    stop_on_errors(steps.preflight(spec, "spec"), spec, arms, tracker, tags, parent_id, pruned)
 
 
 def prepare(
@@ -171,6 +204,7 @@ def prepare(
     prompts: dict[str, list[PromptSet]] | None = None,
     extra_models: bool = True,
     spec_checked: bool = False,
+    pruned: dict[str, str] | None = None,
 ) -> Prepared:
     """The sequence for ``arms`` of ``spec``: preflight of the spec (unless ``spec_checked``), the
     orphans reaped, the models (``models`` given are used as they are; else ``model`` and, with
@@ -178,7 +212,7 @@ def prepare(
     given). A preflight error, or a dataset that cannot give its prompts, stops it as
     :func:`stop_on_errors` says."""
     if not spec_checked:
-        check_spec(spec, arms, tracker, steps, tags, parent_id)
+        check_spec(spec, arms, tracker, steps, tags, parent_id, pruned)
     steps.reap_orphans(any(spec.arm(name).launcher.leaves_orphans for name in arms))
     if models:
         have = dict(models)
@@ -188,7 +222,7 @@ def prepare(
             for name, extra in spec.extra_models.items():
                 have[name] = steps.fetch_model(name, extra, home)
     findings = steps.preflight(spec, "model", have["model"].path)
-    stop_on_errors(findings, spec, arms, tracker, tags, parent_id)
+    stop_on_errors(findings, spec, arms, tracker, tags, parent_id, pruned)
     if prompts is None:
         try:
             prompts = steps.prompts(spec, Path(have["model"].path), home)

@@ -111,12 +111,16 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
     with study_lock(job.home, run_id):
         try:
             # the first model now (the prompts are drawn with its tokenizer); the others in the background
-            check_spec(spec, request.arms, tracker, job.steps.prepare, job.tags, run_id)
+            pruned: dict[str, str] = {}  # a search's candidates preflight found cannot start
+            check_spec(spec, request.arms, tracker, job.steps.prepare, job.tags, run_id, pruned)
             began = time.perf_counter()
             prepared = prepare(
                 spec, request.arms, tracker, job.home, job.steps.prepare, tags=job.tags, parent_id=run_id,
                 models=request.models, prompts=request.prompts, extra_models=False, spec_checked=True,
+                pruned=pruned,
             )  # fmt: skip
+            for name, why in pruned.items():
+                job.note("tune: candidate %s cannot start (preflight), left out: %s", name, why)
             before = time.perf_counter() - began
         except BaseException:
             tracker.end_run(run_id, "FAILED")
@@ -124,6 +128,7 @@ def run_study(request: StudyRequest, job: Job) -> StudyResult:
         study = _study(
             spec, run_id, request.experiment, request.arms, prepared, before, request.params, tags, job
         )
+        study.pruned = pruned
         return _finish(study, job)
 
 

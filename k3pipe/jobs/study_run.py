@@ -216,6 +216,8 @@ class Study:
     """The study run's stage times recorded before a resume."""
     prior_wall_s: float = 0.0
     """The study's wall time recorded before a resume."""
+    pruned: Mapping[str, str] = field(default_factory=dict)
+    """A search's candidates preflight found cannot start, each with why: out of the race before it."""
     remote: Remote | None = None
     """With the experiment's ``fleet``: runs a launch on a pool (the study flow's deployment runs)
     and says what a pool is doing; the launches are then spread over the pools
@@ -429,6 +431,8 @@ class Study:
         assert tune is not None
         settings = {c.name: c.settings for c in self.spec.tune_candidates()}
         text = result.text()
+        if self.pruned:
+            text += "; left out by preflight: " + "; ".join(f"{n} ({why})" for n, why in self.pruned.items())
         self.say(f"tune: {text}")
         self.tracker.set_tags(
             self.run_id,
@@ -446,6 +450,7 @@ class Study:
                     {"name": d.name, "round": d.round, "reason": d.reason, "failed": d.failed}
                     for d in result.dropped
                 ],
+                "pruned": dict(self.pruned),
                 "rounds": result.rounds,
                 "launches": result.launches,
                 "full_launches": result.full_launches,

@@ -3,7 +3,8 @@
 health gate, /metrics, stop) whose service rate is set by its ``--token-delay-ms``: 2, 6 and 12 ms
 between tokens, so the true order of output throughput is known. The candidates are raced by the
 verdict rules (k3pipe/verdicts/racing.py): each launched twice first, the clearly slower dropped at
-a look, the winner declared and written out as an arm; the study's record says the outcome."""
+a look, the winner declared and written out as an arm; the study's record says the outcome. The
+candidates whose context cannot hold the workload are left out by preflight, never launched."""
 
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
         "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
         "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 24, "concurrency": 2,
                        "num_requests": 6, "warmup_requests": 0, "repeats": 2, "seed": 3}],
-        "tune": {"arm": "fake", "args": {"token_delay_ms": [12, 2, 6]},
+        "tune": {"arm": "fake", "args": {"token_delay_ms": [12, 2, 6], "max_model_len": [4096, 48]},
                  "objective": {"metric": "output_throughput_tps", "workload": "w"},
                  "budget": {"first_launches": 2, "max_launches": 4}},
-    }))  # fmt: skip
+    }, sort_keys=False))  # fmt: skip
     job = Job.library(Settings())
     study(RunRequest(experiment=str(exp)), job)
 
@@ -51,20 +52,49 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
     (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
     tags = run.data.tags
     assert tags[TUNE_OUTCOME_TAG] == "winner"
-    assert tags[TUNE_WINNER_TAG] == "fake.t02"  # 2 ms between tokens
+    assert tags[TUNE_WINNER_TAG] == "fake.t03"  # 2 ms between tokens, the context that fits
     result = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
-    assert result["candidates"]["fake.t02"]["settings"] == {"token_delay_ms": 2}
-    assert {d["name"] for d in result["dropped"]} == {"fake.t01", "fake.t03"}
+    assert result["candidates"]["fake.t03"]["settings"] == {"token_delay_ms": 2, "max_model_len": 4096}
+    # a 48-token context cannot hold 32 + 24 tokens: preflight left those out before any launch
+    assert set(result["pruned"]) == {"fake.t02", "fake.t04", "fake.t06"}
+    assert all("exceeds the context length" in why for why in result["pruned"].values())
+    launched = {r.data.tags.get("mlflow.runName", "") for r in tracker.children(run.info.run_id)}
+    assert not any(name.startswith(("fake.t02", "fake.t04", "fake.t06")) for name in launched)
+    assert {d["name"] for d in result["dropped"]} == {"fake.t01", "fake.t05"}
     assert all(not d["failed"] for d in result["dropped"])
     # a 3x and a 6x gap: decided on the first launches, well under the budget
-    assert result["launches"] < result["full_launches"] == 3 * 4
+    assert result["launches"] == 6 < result["full_launches"] == 3 * 4
     means = {n: c["mean"] for n, c in result["candidates"].items() if "mean" in c}
-    assert means["fake.t02"] > means["fake.t03"] > means["fake.t01"]
-    assert result["text"].startswith("fake.t02 is the best: better than every other candidate")
+    assert means["fake.t03"] > means["fake.t05"] > means["fake.t01"]
+    assert result["text"].startswith("fake.t03 is the best: better than every other candidate")
+    assert "left out by preflight: fake.t02" in result["text"]
     # the winner as an arm, ready for a study: the searched arm's name, its settings
     written = (tracker.find_artifact(run.info.run_id, TUNE_WINNER_FILE) or b"").decode()
-    assert written.startswith("# the search's winner: fake.t02 (token_delay_ms=2)")
+    assert written.startswith("# the search's winner: fake.t03 (token_delay_ms=2 max_model_len=4096)")
     (arm,) = yaml.safe_load(written)
     assert arm["name"] == "fake"
     assert arm["engine"]["args"]["token_delay_ms"] == 2
     assert arm["engine"]["args"]["max_model_len"] == 4096
+    assert arm["engine"]["args"]["stats_interval_s"] == 1  # the arm's own args kept
+
+
+def test_a_search_left_with_one_candidate_by_preflight_is_refused_before_any_launch(tmp_path: Path) -> None:
+    from k3pipe.core.errors import PreflightError
+
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"max_model_len": 4096},
+    }
+    exp = tmp_path / "tune.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "tune-one-left",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": [{"name": "fake", "engine": engine, "launcher": {"kind": "process", "port": free_port()}}],
+        "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 24, "num_requests": 2}],
+        "tune": {"arm": "fake", "args": {"max_model_len": [4096, 48, 40]},
+                 "objective": {"metric": "output_throughput_tps", "workload": "w"}},
+    }, sort_keys=False))  # fmt: skip
+    job = Job.library(Settings())
+    with pytest.raises(PreflightError, match="tune: 2 of 3 candidates cannot start, fewer than two are left"):
+        study(RunRequest(experiment=str(exp)), job)
