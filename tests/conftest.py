@@ -491,6 +491,7 @@ GROUP_SECONDS = {
     "tests/integration/test_gpu_kit.py": 140,
     "tests/integration/test_stack.py": 115,
     "tests/engine/test_answers_cpu.py": 110,
+    "tests/engine/test_tune_cpu.py": 145,  # eight launches of the real vLLM (2026-12-07, alone: 142 s)
     "tests/engine/test_flow.py": 100,
     "tests/integration/test_secrets.py": 90,
     "tests/browser/test_ui.py": 85,

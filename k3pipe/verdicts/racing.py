@@ -148,8 +148,9 @@ class RaceResult:
         spent = f"{self.launches} launches of {self.full_launches} for measuring every candidate fully"
         failed = [d for d in self.dropped if d.failed]
         failures = "; failed: " + "; ".join(f"{d.name} ({d.reason})" for d in failed) if failed else ""
+        beaten = [d for d in self.dropped if not d.failed]
+        worse = f"; found worse: {', '.join(d.name for d in beaten)}" if beaten else ""
         if self.outcome == "winner":
-            beaten = [d for d in self.dropped if not d.failed]
             if not beaten:
                 return f"{self.leader} is the only candidate measured{failures} ({spent})"
             runner = beaten[-1]
@@ -160,13 +161,13 @@ class RaceResult:
         if self.outcome == "equivalent":
             return (
                 f"{', '.join(self.survivors)}: equivalent within +-{self.verdicts_margin():.0%}: choose "
-                f"any ({self.leader} leads){failures} ({spent})"
+                f"any ({self.leader} leads){worse}{failures} ({spent})"
             )
         mdes = [v.mde for v in self.verdicts if v.mde is not None]
         below = detectable(max(mdes)) if mdes else "an unknown size"
         return (
             f"undecided among {', '.join(self.survivors)}: {self.leader} leads, but differences below "
-            f"{below} cannot be seen with the launches spent{failures} ({spent})"
+            f"{below} cannot be seen with the launches spent{worse}{failures} ({spent})"
         )
 
     def verdicts_margin(self) -> float:
