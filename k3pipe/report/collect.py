@@ -43,6 +43,8 @@ from k3pipe.core.layout import (
     RESUMED_TAG,
     STRUCTURED_FILE,
     STUDY_KIND,
+    TUNE_FILE,
+    TUNE_OUTCOME_TAG,
     TWIN_TAG,
     RunTags,
     stage_times,
@@ -349,6 +351,10 @@ class StudyData(BaseModel):
     )
     answers: dict[str, Any] | None = Field(
         default=None, description="The experiment's answers: (the output probe's settings), if any."
+    )
+    tune: dict[str, Any] | None = Field(
+        default=None,
+        description="A search's result (tune.json: outcome, leader, each candidate's settings and fate).",
     )
     kept_workloads: int = Field(
         default=0,
@@ -677,6 +683,11 @@ def collect(tracker: Tracker, study_ref: str) -> StudyData:
         kept_workloads=kept,
         answers=experiment.get("answers") or None,
         gpus=(experiment.get("hardware") or {}).get("gpu_count"),
+        tune=(
+            _json((tracker.read_artifact(run.info.run_id, TUNE_FILE) or b"").decode() or None) or None
+            if TUNE_OUTCOME_TAG in run.data.tags
+            else None
+        ),
     )
 
 

@@ -712,6 +712,9 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
     if replay is not None:
         head.extend(_replay_warnings(data))
     sections = [Section("Study", head)]
+    search = _search_section(data)
+    if search is not None:
+        sections.append(search)
     answer = _answer(data, analysis)
     if answer:
         sections.append(Section("The answer", answer))
@@ -980,6 +983,52 @@ def _replayed(data: StudyData) -> list[CellData]:
 def _worst(cell: CellData, key: str) -> float | None:
     values = cell.values.get(key)
     return max(values) if values else None
+
+
+def _search_section(data: StudyData) -> Section | None:
+    """A search's answer (``tune``; docs/tuning.md): the outcome in words, then each candidate with its
+    settings, its geometric mean on the objective and what became of it."""
+    tune = data.tune
+    if not tune:
+        return None
+    objective = tune.get("objective") or {}
+    dropped = {d.get("name"): d for d in tune.get("dropped") or []}
+    pruned = tune.get("pruned") or {}
+    table = Table(
+        ["candidate", "settings", f"{objective.get('metric', 'objective')} (geometric mean)", "result"], []
+    )
+    for name, cand in (tune.get("candidates") or {}).items():
+        settings = " ".join(f"{k}={v}" for k, v in (cand.get("settings") or {}).items())
+        mean = cand.get("mean")
+        if name == tune.get("winner"):
+            fate = "the winner"
+        elif name in pruned:
+            fate = f"left out by preflight: {pruned[name]}"
+        elif name in dropped:
+            d = dropped[name]
+            how = "failed" if d.get("failed") else "found worse"
+            fate = f"{how} in round {d.get('round')}: {d.get('reason')}"
+        elif name == tune.get("leader"):
+            fate = "leads (not decided)"
+        else:
+            fate = "still in the race at the end"
+        table.rows.append([name, settings or "-", num(mean) if isinstance(mean, int | float) else "-", fate])
+    rules = tune.get("rules") or {}
+    return Section(
+        "The search",
+        [
+            f"**{tune.get('text', '')}**",
+            f"A search over one arm's settings (docs/tuning.md), raced on {objective.get('metric')} in "
+            f"{objective.get('workload')}: {rules.get('first_launches')} launches of every candidate "
+            f"first, then at each look the verdict rules dropped those found worse than the leader "
+            f"(alpha {rules.get('alpha')}, margin +-{float(rules.get('margin') or 0):.0%}) and launched "
+            f"the rest once more, at most {rules.get('max_launches')} each; {tune.get('launches')} "
+            f"launches of {tune.get('full_launches')} for measuring every candidate fully. The winner (or "
+            "the leader) as an arm: tune-winner.yaml on the study's run. The tables below judge every "
+            "pair of candidates by the study's rules, as descriptive context.",
+            table,
+        ],
+    )
 
 
 def _replay_warnings(data: StudyData) -> list[str]:

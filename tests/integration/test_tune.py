@@ -76,6 +76,17 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
     assert arm["engine"]["args"]["token_delay_ms"] == 2
     assert arm["engine"]["args"]["max_model_len"] == 4096
     assert arm["engine"]["args"]["stats_interval_s"] == 1  # the arm's own args kept
+    # the report opens with the search's answer, every candidate's fate in a table
+    from k3pipe.report import build_report
+
+    md = build_report(tracker, run.info.run_id).markdown
+    search = md[md.index("## The search") : md.index("## The answer")]
+    assert "**fake.t03 is the best: better than every other candidate" in search
+    assert "| fake.t03 | token_delay_ms=2 max_model_len=4096 |" in search
+    assert "| the winner |" in search
+    assert "left out by preflight: workload w: input_tokens 32 + output_tokens 24 = 56 exceeds" in search
+    assert "found worse in round 1: fake.t03 better than fake.t05" in search
+    assert "6 launches of 12 for measuring every candidate fully" in search
 
 
 def test_a_search_left_with_one_candidate_by_preflight_is_refused_before_any_launch(tmp_path: Path) -> None:
