@@ -174,9 +174,11 @@ def test_traffic_captured_at_the_gateway_replays_on_two_arms(
     assert {n.split(".r")[0] for n in names} == {"s000", "s001", "s002"}
     for tag in {n.split(".r")[1] for n in names}:
         again = from_capture([x for x in replayed if x["session"].endswith(f".r{tag}")], "replayed")
-        assert [(r.session is not None, r.turn) for r in again.requests] == [
-            (True, r.turn) for r in trace.requests
-        ]
+        # each session's turns in order (sessions interleave: two sends a few ms apart may swap)
+        assert all(r.session is not None for r in again.requests)
+        assert sorted([r.turn for r in turns] for turns in again.sessions().values()) == sorted(
+            [r.turn for r in turns] for turns in sessions.values()
+        )
         got = sorted(r.input_tokens for r in again.requests)
         assert (
             sum(abs(a - b) for a, b in zip(got, sorted(r.input_tokens for r in trace.requests), strict=True))
