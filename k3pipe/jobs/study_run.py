@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -70,6 +70,9 @@ from k3pipe.sources import ModelRecord, fetch_model
 from k3pipe.sources.images import ImageRecord
 from k3pipe.verdicts import stats
 from k3pipe.verdicts.racing import Race, RaceResult, RaceRules
+
+if TYPE_CHECKING:
+    from k3pipe.report.collect import StudyData
 
 __all__ = [
     "Study",
@@ -398,7 +401,8 @@ class Study:
                 seen.add(key)
                 if arm.status != "FINISHED" and arm.arm in race.alive:
                     race.fail(arm.arm, f"launch {arm.launch} {arm.status}: {arm.error or 'no reason given'}")
-            cells = {c.arm: c for c in collect(self.tracker, self.run_id).cells if c.workload == workload}
+            data = collect(self.tracker, self.run_id)
+            cells = {c.arm: c for c in data.cells if c.workload == workload}
             for name in race.alive:
                 cell = cells.get(name)
                 launches = cell.launch_values if cell is not None else []
@@ -408,6 +412,8 @@ class Study:
                 fed[name] = len(launches)
             for name in race.wanted():  # its launches ran, but fewer were counted (cut, or a failed workload)
                 race.fail(name, f"{metric} on {workload} was not measured in launch {fed[name] + 1}")
+            if self.spec.answers is not None and race.round == 0 and not race.wanted():
+                self._answers_gate(race, data, names)
             if not race.alive:
                 self.warn("tune: every candidate failed; the study's arm runs say why")
                 self.tracker.set_tags(self.run_id, {TUNE_OUTCOME_TAG: "failed"})
@@ -425,6 +431,35 @@ class Study:
             launch_all(extra)
         self._record_race(result, rules)
         return result
+
+    def _answers_gate(self, race: Race, data: StudyData, names: list[str]) -> None:
+        """Before the first look: each candidate's answers (the output probe of its first launch)
+        against the reference candidate's (the searched arm's own settings, else the first), judged
+        against the floor (the reference launched again) by the study's rules
+        (:mod:`k3pipe.report.gate`); a candidate whose answers diverge beyond the floor is not
+        eligible and leaves the race, what it measured kept."""
+        from k3pipe.report.gate import analyse_answers
+
+        tune = self.spec.tune
+        assert tune is not None
+        reference = tune.reference(self.spec.arm(tune.arm), names)
+        answers = analyse_answers(
+            data.model_copy(update={"decision": {**data.decision, "baseline": reference}})
+        )
+        if answers is None:
+            self.warn("tune: no launch answered the output probe; the answers gate judged nothing")
+            return
+        for row in answers.arms:
+            if row.verdict is None:
+                self.warn(f"tune: {row.arm}'s answers not judged against {reference}'s: {row.why_not}")
+            elif row.verdict.diverges and row.arm in race.alive:
+                why = (
+                    f"its answers diverge beyond the floor ({reference} launched again): "
+                    + row.verdict.describe()
+                )
+                self.warn(f"tune: {row.arm} is not eligible: {why}")
+                race.exclude(row.arm, why)
+        self.tracker.log_params(self.run_id, {"tune_answers_reference": reference})
 
     def _record_race(self, result: RaceResult, rules: RaceRules) -> None:
         tune = self.spec.tune
@@ -447,11 +482,17 @@ class Study:
                 "leader": result.leader,
                 "survivors": list(result.survivors),
                 "dropped": [
-                    {"name": d.name, "round": d.round, "reason": d.reason, "failed": d.failed}
+                    {"name": d.name, "round": d.round, "reason": d.reason, "failed": d.failed,
+                     "ineligible": d.ineligible}
                     for d in result.dropped
                 ],
                 "pruned": dict(self.pruned),
                 "rounds": result.rounds,
+                "path": [
+                    {"round": look.round, "leader": look.leader, "means": look.means,
+                     "launches": look.launches, "dropped": list(look.dropped)}
+                    for look in result.path
+                ],
                 "launches": result.launches,
                 "full_launches": result.full_launches,
                 "objective": {"metric": tune.objective.metric, "workload": tune.objective.workload},

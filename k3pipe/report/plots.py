@@ -148,6 +148,42 @@ def _pareto(analysis: Analysis) -> bytes | None:
     return _png(fig)
 
 
+def _search_path(data: StudyData) -> bytes | None:
+    """A search's path (``tune``): each candidate's objective (the geometric mean of its launch means)
+    at every look it was judged, the look it was found worse at crossed, the winner (or the leader)
+    drawn thick."""
+    import matplotlib.pyplot as plt
+
+    tune = data.tune or {}
+    path = tune.get("path") or []
+    if not path:
+        return None
+    best = tune.get("winner") or tune.get("leader")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name in tune.get("candidates") or {}:
+        looks = [look for look in path if name in (look.get("means") or {})]
+        if not looks:
+            continue
+        xs = [int(look["round"]) for look in looks]
+        ys = [float(look["means"][name]) for look in looks]
+        (line,) = ax.plot(xs, ys, marker="o", label=name, linewidth=2.6 if name == best else 1.0,
+                          alpha=1.0 if name == best else 0.75)  # fmt: skip
+        out = [
+            (x, y) for x, y, look in zip(xs, ys, looks, strict=True) if name in (look.get("dropped") or [])
+        ]
+        if out:
+            ax.scatter([x for x, _ in out], [y for _, y in out], marker="x", s=80, color=line.get_color(),
+                       zorder=3)  # fmt: skip
+    objective = tune.get("objective") or {}
+    ax.set_title(f"the search: {tune.get('outcome', '')} ({tune.get('launches')} launches); x: found worse")
+    ax.set_xlabel("look (round)")
+    ax.set_ylabel(f"{objective.get('metric', 'objective')} on {objective.get('workload', '')}")
+    ax.set_xticks(sorted({int(look["round"]) for look in path}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _png(fig)
+
+
 def plot_all(
     analysis: Analysis, data: StudyData, frames: Mapping[tuple[str, str], pd.DataFrame]
 ) -> dict[str, bytes]:
@@ -160,6 +196,7 @@ def plot_all(
         "distributions.png": _distributions(frames),
         "cold_start.png": _cold_start(data),
         "pareto.png": _pareto(analysis),
+        "search_path.png": _search_path(data),
     }
     return {name: png for name, png in made.items() if png is not None}
 

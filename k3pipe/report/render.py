@@ -968,6 +968,7 @@ def build_document(data: StudyData, analysis: Analysis) -> Document:
             "distributions.png": "TTFT and ITL distributions per arm and workload",
             "cold_start.png": "Cold start by phase, per arm",
             "pareto.png": "Pareto fronts: tok/s per user against per GPU, per ladder, arms together",
+            "search_path.png": "The search's path: each candidate's objective at every look (x: found worse)",
         },
     )
 
@@ -1006,7 +1007,7 @@ def _search_section(data: StudyData) -> Section | None:
             fate = f"left out by preflight: {pruned[name]}"
         elif name in dropped:
             d = dropped[name]
-            how = "failed" if d.get("failed") else "found worse"
+            how = "failed" if d.get("failed") else "not eligible" if d.get("ineligible") else "found worse"
             fate = f"{how} in round {d.get('round')}: {d.get('reason')}"
         elif name == tune.get("leader"):
             fate = "leads (not decided)"
@@ -1024,7 +1025,8 @@ def _search_section(data: StudyData) -> Section | None:
             f"(alpha {rules.get('alpha')}, margin +-{float(rules.get('margin') or 0):.0%}) and launched "
             f"the rest once more, at most {rules.get('max_launches')} each; {tune.get('launches')} "
             f"launches of {tune.get('full_launches')} for measuring every candidate fully. The winner (or "
-            "the leader) as an arm: tune-winner.yaml on the study's run. The tables below judge every "
+            "the leader) as an arm: tune-winner.yaml on the study's run; the search's path (each "
+            "candidate's objective at every look): plots/search_path.png. The tables below judge every "
             "pair of candidates by the study's rules, as descriptive context.",
             table,
         ],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -186,6 +186,17 @@ class TuneSpec(_Spec):
             )
             out.append(TuneCandidate(name=name, settings=settings, arm=copy))
         return out
+
+    def reference(self, arm: ArmSpec, among: Sequence[str]) -> str:
+        """The candidate whose answers the others' are compared with (the answers gate): the one with
+        the searched arm's own settings (what is run today), else the first of ``among``."""
+        own = {**arm.engine.args, **{f"env.{k}": v for k, v in arm.engine.env.items()}}
+        for candidate in self.candidates(arm):
+            if candidate.name in among and all(
+                k in own and str(own[k]) == str(v) for k, v in candidate.settings.items()
+            ):
+                return candidate.name
+        return among[0]
 
 
 def _holds(rule: str, settings: dict[str, Any]) -> bool:

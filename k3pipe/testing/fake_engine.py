@@ -48,6 +48,13 @@ as recorded with citations in ``tests/fixtures/engines/`` (see its README.md):
   ``data: [DONE]``. Completions have no role chunk and carry ``choices[0].text``. (This flavor sends
   no running usage: it ignores ``continuous_usage_stats``.)
 
+- the output probe (k3pipe/bench/probe.py), flavor vllm: a completion whose prompt is token ids with
+  ``return_token_ids`` carries ``prompt_token_ids`` and ``token_ids`` (a made-up greedy continuation, a
+  function of the prompt), with ``prompt_logprobs`` one entry per prompt token, the first null, each
+  ``{token id: {logprob, rank, decoded_token}}`` (vLLM's ``CompletionResponseChoice``,
+  vllm/entrypoints/openai/completion/protocol.py); ``--answer-noise-nats X`` moves those
+  log-probabilities by up to X (another arithmetic), so an answers gate has something to find.
+
 Standard library only, and ``openai_wire.py`` must stay beside it: the test image has only python3 and
 these two files (``tests/docker/Dockerfile``).
 
@@ -148,6 +155,7 @@ class Engine:
         env_key = os.environ.get("VLLM_API_KEY") if self.flavor == "vllm" else None
         self.api_key: str | None = args.api_key or env_key or None
         self.token_delay_s = max(0.0, args.token_delay_ms / 1000.0)
+        self.answer_noise = float(args.answer_noise_nats)
         self.max_model_len = int(
             args.max_model_len or args.context_length or model_config.get("max_position_embeddings") or 4096
         )
@@ -327,8 +335,35 @@ def _count_tokens(value: Any) -> int:
     if isinstance(value, str):
         return max(1, len(value.split()))
     if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return len(value)  # token ids
         return sum(_count_tokens(v) for v in value) or 1
     return 1
+
+
+def _ids(value: Any) -> list[int] | None:
+    """A completion prompt given as token ids (the output probe sends them), else None."""
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return value
+    return None
+
+
+def greedy_ids(prompt: list[int], n: int) -> list[int]:
+    """The made-up greedy continuation of a token-id prompt: a function of the prompt alone, so every
+    launch and setting answers alike (a deterministic engine)."""
+    seed = sum((k + 1) * t for k, t in enumerate(prompt)) % 9973
+    return [(seed + 131 * k) % 1000 + 1 for k in range(n)]
+
+
+def prompt_logprob(token: int, position: int, noise: float) -> float:
+    """The made-up log-probability of a prompt token at a position; ``noise`` (nats) moves it by a
+    deterministic amount in [-noise, +noise], as other arithmetic would."""
+    base = -1.0 - ((token * 2654435761 + position * 40503) % 1000) / 500
+    return base + noise * (((token * 7919 + position * 104729) % 2001) / 1000 - 1)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -513,7 +548,7 @@ class Handler(BaseHTTPRequestHandler):
             if body.get("stream"):
                 self._stream(body, chat, model, n_tokens, reason, prompt_tokens)
             else:
-                self._whole(chat, model, n_tokens, reason, prompt_tokens)
+                self._whole(chat, model, n_tokens, reason, prompt_tokens, body)
             finish = reason
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
@@ -523,7 +558,9 @@ class Handler(BaseHTTPRequestHandler):
     def _texts(self, n: int) -> list[str]:
         return [_WORDS[k % len(_WORDS)] for k in range(n)]
 
-    def _whole(self, chat: bool, model: str, n: int, reason: str, prompt_tokens: int) -> None:
+    def _whole(
+        self, chat: bool, model: str, n: int, reason: str, prompt_tokens: int, body: dict[str, Any]
+    ) -> None:
         texts = []
         for text in self._texts(n):
             time.sleep(self.engine.token_delay_s)
@@ -549,6 +586,19 @@ class Handler(BaseHTTPRequestHandler):
                 "finish_reason": reason,
                 "stop_reason": None,
             }
+            ids = _ids(body.get("prompt"))
+            if ids is not None and body.get("return_token_ids"):
+                # vLLM's CompletionResponseChoice: prompt_token_ids and token_ids (the output's)
+                choice["prompt_token_ids"] = ids
+                choice["token_ids"] = greedy_ids(ids, n)
+            if ids is not None and body.get("prompt_logprobs") is not None:
+                # one entry per prompt token, the first null, each a map of token id (a string in JSON)
+                # to {logprob, rank, decoded_token} (vllm/entrypoints/openai/completion/protocol.py)
+                noise = self.engine.answer_noise
+                choice["prompt_logprobs"] = [None] + [
+                    {str(t): {"logprob": prompt_logprob(t, k, noise), "rank": 1, "decoded_token": f"<{t}>"}}
+                    for k, t in enumerate(ids[1:], 1)
+                ]
             out = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", **head}
         out["choices"] = [choice]
         out["usage"] = wire.usage(prompt_tokens, n, 0 if chat else None)
@@ -693,6 +743,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--crash-after-s", type=float, default=None)
     p.add_argument("--token-delay-ms", type=float, default=5.0)
     p.add_argument("--stats-interval-s", type=float, default=10.0)
+    p.add_argument(
+        "--answer-noise-nats", type=float, default=0.0,
+        help="how far its prompt log-probabilities move from the plain ones (another arithmetic)",
+    )  # fmt: skip
     args, unknown = p.parse_known_args(argv)
     if args.port is None:
         args.port = 8000 if args.flavor == "vllm" else 30000

@@ -50,7 +50,7 @@ from k3pipe.verdicts.stats import (
     spend_alpha,
 )
 
-__all__ = ["Drop", "Race", "RaceResult", "RaceRules"]
+__all__ = ["Drop", "Look", "Race", "RaceResult", "RaceRules"]
 
 
 @lru_cache(maxsize=1024)
@@ -116,8 +116,29 @@ class Drop:
     name: str
     round: int
     reason: str
-    """The verdict against the leader of that round, or what failed."""
+    """The verdict against the leader of that round, what failed, or why it is not eligible."""
     failed: bool = False
+    ineligible: bool = False
+    """Measured, but not eligible to win (its answers diverge beyond the floor)."""
+
+    @property
+    def beaten(self) -> bool:
+        """Found worse by the verdict rules (not failed, not ineligible)."""
+        return not (self.failed or self.ineligible)
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look of the race: where every candidate still running stood (the search's path)."""
+
+    round: int
+    means: dict[str, float]
+    """Each candidate judged at this look: the geometric mean of its launch means on the objective."""
+    launches: dict[str, int]
+    """Each candidate's launches counted at this look."""
+    dropped: tuple[str, ...]
+    """The candidates found worse at this look."""
+    leader: str
 
 
 @dataclass(frozen=True)
@@ -135,9 +156,12 @@ class RaceResult:
     full_launches: int
     """What measuring every candidate fully (``max_launches`` each) would have spent."""
     estimates: dict[str, Estimate]
+    """Every candidate that measured something: its estimate from all its launches."""
     verdicts: tuple[Verdict, ...]
     """The last look's verdicts: the leader against each other survivor (and the drops' verdicts are
     in ``dropped``)."""
+    path: tuple[Look, ...] = ()
+    """Every look, in order: the search's path (objective by candidate and round)."""
 
     @property
     def winner(self) -> str | None:
@@ -148,11 +172,15 @@ class RaceResult:
         spent = f"{self.launches} launches of {self.full_launches} for measuring every candidate fully"
         failed = [d for d in self.dropped if d.failed]
         failures = "; failed: " + "; ".join(f"{d.name} ({d.reason})" for d in failed) if failed else ""
-        beaten = [d for d in self.dropped if not d.failed]
+        out = [d for d in self.dropped if d.ineligible]
+        if out:
+            failures += "; not eligible: " + "; ".join(f"{d.name} ({d.reason})" for d in out)
+        beaten = [d for d in self.dropped if d.beaten]
         worse = f"; found worse: {', '.join(d.name for d in beaten)}" if beaten else ""
         if self.outcome == "winner":
             if not beaten:
-                return f"{self.leader} is the only candidate measured{failures} ({spent})"
+                only = "eligible" if out else "measured"
+                return f"{self.leader} is the only candidate {only}{failures} ({spent})"
             runner = beaten[-1]
             return (
                 f"{self.leader} is the best: better than every other candidate; the runner-up, "
@@ -201,6 +229,7 @@ class Race:
             self._alphas = [spent[0], *(b - a for a, b in itertools.pairwise(spent))]
         self.round = 0  # looks made
         self.result: RaceResult | None = None
+        self._path: list[Look] = []
 
     @property
     def alive(self) -> list[str]:
@@ -235,6 +264,13 @@ class Race:
         if entry.drop is None:
             entry.drop = Drop(name, self.round + 1, why, failed=True)
 
+    def exclude(self, name: str, why: str) -> None:
+        """``name`` was measured but may not win (its answers diverge beyond the floor): it leaves the
+        race with why; what it measured stays in the record."""
+        entry = self._entry(name)
+        if entry.drop is None:
+            entry.drop = Drop(name, self.round + 1, why, ineligible=True)
+
     def _entry(self, name: str) -> _Entry:
         try:
             return self._entries[name]
@@ -255,6 +291,7 @@ class Race:
         sign = 1.0 if self.rules.higher_is_better else -1.0
         leader = max(alive, key=lambda n: sign * estimates[n].log_mean)
         if len(alive) == 1:
+            self._look(alive, estimates, leader)
             return self._end("winner", leader, estimates, ())
         design = Design(alpha=self._alphas[self.round - 1], margin=self.rules.margin)
         pooled = self._pooled(alive)
@@ -264,6 +301,7 @@ class Race:
         for name, verdict in verdicts.items():
             if verdict.outcome == "different" and verdict.leader == leader:
                 self._entries[name].drop = Drop(name, self.round, verdict.text())
+        self._look(alive, estimates, leader)
         survivors = self.alive
         if len(survivors) == 1:
             return self._end("winner", leader, estimates, tuple(verdicts.values()))
@@ -273,6 +311,19 @@ class Race:
         if self.round >= self.rules.looks:
             return self._end("undecided", leader, estimates, last)
         return None
+
+    def _look(self, judged: Sequence[str], estimates: dict[str, Estimate], leader: str) -> None:
+        self._path.append(
+            Look(
+                round=self.round,
+                means={n: estimates[n].mean for n in judged},
+                launches={n: len(self._entries[n].launches) for n in judged},
+                dropped=tuple(
+                    n for n in judged if (d := self._entries[n].drop) is not None and d.round == self.round
+                ),
+                leader=leader,
+            )
+        )
 
     def _pooled(self, names: Sequence[str]) -> tuple[float, float] | None:
         """The launch means' variance pooled over ``names`` (log scale) and its degrees of freedom:
@@ -324,6 +375,9 @@ class Race:
         dropped = sorted(
             (e.drop for e in self._entries.values() if e.drop is not None), key=lambda d: (d.round, d.name)
         )
+        measured = {  # every candidate that measured something, from all its launches
+            e.name: est for e in self._entries.values() if e.launches and (est := estimate(e.launches))
+        }
         self.result = RaceResult(
             outcome=outcome,
             leader=leader,
@@ -332,7 +386,8 @@ class Race:
             rounds=self.round,
             launches=sum(len(e.launches) for e in self._entries.values()),
             full_launches=len(self._entries) * self.rules.max_launches,
-            estimates=estimates,
+            estimates={**measured, **estimates},
             verdicts=verdicts,
+            path=tuple(self._path),
         )
         return self.result

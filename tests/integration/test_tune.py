@@ -79,7 +79,15 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
     # the report opens with the search's answer, every candidate's fate in a table
     from k3pipe.report import build_report
 
-    md = build_report(tracker, run.info.run_id).markdown
+    report = build_report(tracker, run.info.run_id)
+    md = report.markdown
+    # the search's path: one look, the two found worse crossed there; drawn in the report
+    assert [(look["round"], sorted(look["dropped"])) for look in result["path"]] == [
+        (1, ["fake.t01", "fake.t05"])
+    ]
+    assert result["path"][0]["launches"] == {"fake.t01": 2, "fake.t03": 2, "fake.t05": 2}
+    assert "search_path.png" in report.figures
+    assert "plots/search_path.png" in md
     search = md[md.index("## The search") : md.index("## The answer")]
     assert "**fake.t03 is the best: better than every other candidate" in search
     assert "| fake.t03 | token_delay_ms=2 max_model_len=4096 |" in search
@@ -109,3 +117,56 @@ def test_a_search_left_with_one_candidate_by_preflight_is_refused_before_any_lau
     job = Job.library(Settings())
     with pytest.raises(PreflightError, match="tune: 2 of 3 candidates cannot start, fewer than two are left"):
         study(RunRequest(experiment=str(exp)), job)
+
+
+def test_a_candidate_whose_answers_diverge_is_not_eligible(tmp_path: Path) -> None:
+    """The answers gate: ``--answer-noise-nats`` moves the fake engine's prompt log-probabilities (as
+    other arithmetic would); the fastest candidate answers differently and may not win. The floor is
+    the reference candidate (the searched arm's own settings) launched again: the fake engine is
+    deterministic, so its floor is nil and any move is beyond it."""
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"startup_delay_s": 0.2, "token_delay_ms": 6, "answer_noise_nats": 0, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": free_port(), "startup_timeout_s": 60,
+                "stop_timeout_s": 10}  # fmt: skip
+    exp = tmp_path / "tune-answers.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "tune-answers",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "answers": {"prompts": 6, "prompt_tokens": 8, "output_tokens": 4, "continuation_tokens": 4},
+        "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
+        "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 24, "concurrency": 2,
+                       "num_requests": 6, "warmup_requests": 0, "repeats": 2, "seed": 3}],
+        "tune": {"arm": "fake", "args": {"token_delay_ms": [2, 6], "answer_noise_nats": [0, 0.5]},
+                 "objective": {"metric": "output_throughput_tps", "workload": "w"},
+                 "budget": {"first_launches": 2, "max_launches": 3}},
+    }, sort_keys=False))  # fmt: skip
+    job = Job.library(Settings())
+    study(RunRequest(experiment=str(exp)), job)
+
+    tracker = job.tracker
+    (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
+    result = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
+    named = {(c["settings"]["token_delay_ms"], c["settings"]["answer_noise_nats"]): n
+             for n, c in result["candidates"].items()}  # fmt: skip
+    # the reference: the searched arm's own settings (6 ms, no noise), launched twice: the floor
+    assert run.data.params["tune_answers_reference"] == named[(6, 0)]
+    out = {d["name"]: d for d in result["dropped"] if d["ineligible"]}
+    assert set(out) == {named[(2, 0.5)], named[(6, 0.5)]}
+    assert all("its answers diverge beyond the floor" in d["reason"] for d in out.values())
+    assert all(d["round"] == 1 and not d["failed"] for d in out.values())
+    # measured all the same: the fastest was the noisy 2 ms one, and it may not win
+    means = {n: c["mean"] for n, c in result["candidates"].items()}
+    assert means[named[(2, 0.5)]] > means[named[(6, 0)]]
+    assert result["winner"] == named[(2, 0)]
+    assert result["text"].startswith(f"{named[(2, 0)]} is the best: better than every other candidate")
+    assert f"not eligible: {named[(2, 0.5)]} (its answers diverge beyond the floor" in result["text"]
+
+    from k3pipe.report import build_report
+
+    md = build_report(tracker, run.info.run_id).markdown
+    search = md[md.index("## The search") : md.index("## The answer")]
+    assert f"| {named[(2, 0.5)]} | token_delay_ms=2 answer_noise_nats=0.5 |" in search
+    assert "not eligible in round 1: its answers diverge beyond the floor" in search

@@ -113,6 +113,17 @@ def test_a_lower_is_better_objective_and_an_undecided_race() -> None:
     assert result.leader in ("a", "c")
     assert result.text().startswith(f"undecided among {', '.join(result.survivors)}: {result.leader} leads")
     assert "cannot be seen with the launches spent" in result.text()
+    # the path: a look per round, b judged until the look it was found worse at, then gone
+    assert [look.round for look in result.path] == list(range(1, result.rounds + 1))
+    (out,) = [look for look in result.path if look.dropped]
+    assert out.dropped == ("b",)
+    assert all("b" not in look.means for look in result.path if look.round > out.round)
+    assert out.means["b"] > max(out.means["a"], out.means["c"])
+    last = result.path[-1]
+    assert last.leader == result.leader
+    assert last.launches == {"a": 3, "c": 3}
+    assert last.means == {n: pytest.approx(result.estimates[n].mean) for n in ("a", "c")}
+    assert result.estimates["b"].launches == out.launches["b"]  # the dropped keep their estimate
     # one launch that measured nothing is a failed launch of its candidate
     race = Race(["p", "q"])
     race.record("p", [float("nan")])
