@@ -166,9 +166,10 @@ def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None
         reopen(tracker, point)
         try:
             began = time.perf_counter()
+            pruned: dict[str, str] = {}  # a search's candidates preflight left out, again
             prepared = prepare(
                 spec, point.arms, tracker, job.home, job.steps.prepare, tags=job.tags, parent_id=run_id,
-                extra_models=False,
+                extra_models=False, pruned=pruned,
             )  # fmt: skip
             check_prompts(point, prepared.prompts)
             before = time.perf_counter() - began
@@ -189,6 +190,7 @@ def resume(run_ref: str, job: Job, experiment: tuple[ExperimentSpec, str] | None
         )
         study.done, study.prior_stages, study.prior_wall_s = point.done, point.stages, point.wall_s
         study.kept = point.kept
+        study.pruned = pruned
         return _finish(study, job)
 
 

@@ -405,11 +405,12 @@ class Study:
             cells = {c.arm: c for c in data.cells if c.workload == workload}
             for name in race.alive:
                 cell = cells.get(name)
-                launches = cell.launch_values if cell is not None else []
-                for values in launches[fed[name] :]:
-                    if name in race.alive:
-                        race.record(name, values.get(metric, []))
-                fed[name] = len(launches)
+                launches = (cell.launch_values or [cell.values]) if cell is not None else []
+                # the round's launches only: a resumed search holds later ones, fed round by round as
+                # the first run would have been (a kept launch is not launched again)
+                while name in race.wanted() and fed[name] < len(launches):
+                    race.record(name, launches[fed[name]].get(metric, []))
+                    fed[name] += 1
             for name in race.wanted():  # its launches ran, but fewer were counted (cut, or a failed workload)
                 race.fail(name, f"{metric} on {workload} was not measured in launch {fed[name] + 1}")
             if self.spec.answers is not None and race.round == 0 and not race.wanted():

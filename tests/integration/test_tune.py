@@ -170,3 +170,75 @@ def test_a_candidate_whose_answers_diverge_is_not_eligible(tmp_path: Path) -> No
     search = md[md.index("## The search") : md.index("## The answer")]
     assert f"| {named[(2, 0.5)]} | token_delay_ms=2 answer_noise_nats=0.5 |" in search
     assert "not eligible in round 1: its answers diverge beyond the floor" in search
+
+
+def test_a_search_cut_short_is_resumed_round_by_round(tmp_path: Path) -> None:
+    """A search stopped in its second round (the KeyboardInterrupt a Ctrl-C or a deadline raises),
+    then resumed (`k3pipe study --resume`): the launches that finished are kept, not launched again;
+    the race is fed from the record round by round as the first run would have been, so its looks
+    are the same; the candidates preflight left out stay out. Two candidates are equal (2 ms
+    between tokens; their contexts differ, which the workload does not feel), so the race goes on
+    past its first look, where the 12 ms pair leaves."""
+    from dataclasses import replace
+
+    from k3pipe.jobs.study import resume
+
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"startup_delay_s": 0.2, "token_delay_ms": 6, "stats_interval_s": 1, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": free_port(), "startup_timeout_s": 60,
+                "stop_timeout_s": 10}  # fmt: skip
+    exp = tmp_path / "tune-resume.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "tune-resume",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
+        "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 24, "concurrency": 2,
+                       "num_requests": 6, "warmup_requests": 0, "repeats": 2, "seed": 3}],
+        "tune": {"arm": "fake", "args": {"token_delay_ms": [2, 12], "max_model_len": [4096, 4097, 48]},
+                 "objective": {"metric": "output_throughput_tps", "workload": "w"},
+                 "budget": {"first_launches": 2, "max_launches": 3}},
+    }, sort_keys=False))  # fmt: skip
+    job = Job.library(Settings())
+    bench = job.steps.arm.benchmark
+    calls: dict[str, int] = {}
+
+    def cut(plan, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[plan.arm] = calls.get(plan.arm, 0) + 1
+        if calls[plan.arm] == 5 and 6 in calls.values():  # the second round's second launch, its first
+            raise KeyboardInterrupt  # repeat: the first survivor's third launch finished and is kept
+        return bench(plan, *args, **kwargs)
+
+    with pytest.raises(KeyboardInterrupt):
+        study(RunRequest(experiment=str(exp)), job.with_steps(arm=replace(job.steps.arm, benchmark=cut)))
+    tracker = job.tracker
+    (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
+    before = {r.info.run_id for r in tracker.children(run.info.run_id) if r.info.status == "FINISHED"}
+    assert len(before) == 9  # the first round (four candidates launched twice), one third launch
+    (cut_arm,) = [a for a, n in calls.items() if n == 5]
+
+    result = resume(run.info.run_id, job)
+    assert result.study_run_id == run.info.run_id
+    after = tracker.children(run.info.run_id)
+    finished = [r for r in after if r.info.status == "FINISHED"]
+    assert before <= {r.info.run_id for r in finished}  # kept, not launched again
+    assert len(finished) == 10
+    added = sorted((r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]) for r in finished
+                   if r.info.run_id not in before)  # fmt: skip
+    tune = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
+    by_settings = {(c["settings"]["token_delay_ms"], c["settings"]["max_model_len"]): n
+                   for n, c in tune["candidates"].items()}  # fmt: skip
+    fast = {by_settings[(2, 4096)], by_settings[(2, 4097)]}
+    assert cut_arm in fast
+    assert added == [(cut_arm, "3")]  # the cut launch again; the other survivor's third was kept
+    assert set(tune["pruned"]) == {by_settings[(2, 48)], by_settings[(12, 48)]}
+    # the looks as a straight run makes them: two launches each at the first, three at the second
+    first, second = tune["path"]
+    assert first["launches"] == dict.fromkeys(sorted(tune["candidates"].keys() - tune["pruned"].keys()), 2)
+    assert set(first["dropped"]) == {by_settings[(12, 4096)], by_settings[(12, 4097)]}
+    assert second["launches"] == dict.fromkeys(sorted(fast), 3)
+    assert tune["launches"] == 10
+    assert tune["outcome"] in ("equivalent", "undecided")
+    assert set(tune["survivors"]) == fast
