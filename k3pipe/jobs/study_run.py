@@ -380,6 +380,7 @@ class Study:
         survivors once more, until a winner, an equivalence or the budget; the result and the winner
         as an arm are recorded on the study's run."""
         from k3pipe.core.figures import figure
+        from k3pipe.report.analysis import hardware_refusal
         from k3pipe.report.collect import collect
 
         tune = self.spec.tune
@@ -415,6 +416,10 @@ class Study:
                 race.fail(name, f"{metric} on {workload} was not measured in launch {fed[name] + 1}")
             if self.spec.answers is not None and race.round == 0 and not race.wanted():
                 self._answers_gate(race, data, names)
+            refusal = None if data.decision.get("mixed_hardware") else hardware_refusal(data, race.alive)
+            if refusal is not None:  # a fleet's nodes differ: no candidate is ranked on another's GPUs
+                self._record_unranked(refusal, rules, launched)
+                return None
             if not race.alive:
                 self.warn("tune: every candidate failed; the study's arm runs say why")
                 self.tracker.set_tags(self.run_id, {TUNE_OUTCOME_TAG: "failed"})
@@ -461,6 +466,29 @@ class Study:
                 self.warn(f"tune: {row.arm} is not eligible: {why}")
                 race.exclude(row.arm, why)
         self.tracker.log_params(self.run_id, {"tune_answers_reference": reference})
+
+    def _record_unranked(self, refusal: str, rules: RaceRules, launched: Mapping[str, int]) -> None:
+        """A search whose candidates ran on different hardware (decision.mixed_hardware off): stopped
+        unranked, said why; no winner written out."""
+        tune = self.spec.tune
+        assert tune is not None
+        text = f"not ranked: {refusal}"
+        self.warn(f"tune: {text}")
+        self.tracker.set_tags(self.run_id, {TUNE_OUTCOME_TAG: "not-ranked"})
+        self.tracker.log_dict(
+            self.run_id,
+            {
+                "outcome": "not-ranked", "text": text, "winner": None, "leader": None, "survivors": [],
+                "dropped": [], "pruned": dict(self.pruned), "rounds": 0, "path": [],
+                "launches": sum(launched.values()),
+                "full_launches": len(launched) * rules.max_launches,
+                "objective": {"metric": tune.objective.metric, "workload": tune.objective.workload},
+                "rules": {"alpha": rules.alpha, "margin": rules.margin,
+                          "first_launches": rules.first_launches, "max_launches": rules.max_launches},
+                "candidates": {c.name: {"settings": c.settings} for c in self.spec.tune_candidates()},
+            },
+            TUNE_FILE,
+        )  # fmt: skip
 
     def _record_race(self, result: RaceResult, rules: RaceRules) -> None:
         tune = self.spec.tune
@@ -529,7 +557,7 @@ class Study:
         came, the node could not read the study) is recorded as a failed arm run, as a launch here is."""
         assert self.remote is not None
         todo = [Ticket(n, k, most[n]) for n, k in launches if (n, k) not in self.done]
-        pools = lambda arm: fleet.pools_of(arm, self.spec.baseline_arm)  # noqa: E731
+        pools = lambda arm: fleet.pools_of(self.spec.searched(arm), self.spec.baseline_arm)  # noqa: E731
         remote = self.remote
         ran = iter(
             dispatch(todo, pools, remote.run_on, self.say, self.warn, probe=remote.probe, waits=remote.waits)

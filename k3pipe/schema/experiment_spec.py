@@ -702,7 +702,6 @@ class ExperimentSpec(_Spec):
                 ("decision.calibration", self.decision.calibration),
                 ("decision.until", self.decision.until is not None),
                 ("variants", bool(self.variants)),
-                ("fleet", self.fleet is not None),
             ):
                 if set_:
                     raise ValueError(
@@ -786,6 +785,14 @@ class ExperimentSpec(_Spec):
         if self.tune is None:
             return []
         return self.tune.candidates(next(a for a in self.arms if a.name == self.tune.arm))
+
+    def searched(self, name: str) -> str:
+        """The arm ``name`` stands for: a search's candidate (``ARM.tNN``) is its searched arm (its
+        fleet pools, say); any other arm is itself."""
+        tune = self.tune
+        if tune is not None and any(c.name == name for c in self.tune_candidates()):
+            return tune.arm
+        return name
 
     def arm(self, name: str) -> ArmSpec:
         if self.decision.calibration and name == self.calibration_arm_name:

@@ -7,11 +7,15 @@ Prefect's side (the deployment runs on two pools with two workers) is flows/flee
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,16 @@ import yaml
 
 from benchmarks.faults import MlflowServer
 from k3pipe.core.errors import SpecError
-from k3pipe.core.layout import NODE_TAG, POOL_TAG, PROMPTS_INDEX_FILE, SUPERSEDED_TAG
+from k3pipe.core.layout import (
+    NODE_TAG,
+    POOL_TAG,
+    PROMPTS_INDEX_FILE,
+    SUPERSEDED_TAG,
+    TUNE_FILE,
+    TUNE_OUTCOME_TAG,
+    TUNE_WINNER_FILE,
+    TUNE_WINNER_TAG,
+)
 from k3pipe.core.settings import Settings
 from k3pipe.experiment.params import RunRequest
 from k3pipe.jobs.arm_run import ArmOutcome
@@ -36,10 +49,12 @@ from k3pipe.jobs.launch import LaunchRequest, run_launch
 from k3pipe.jobs.rerun import read_record
 from k3pipe.jobs.steps import Job
 from k3pipe.jobs.study import StudyResult, resume, study
+from k3pipe.machine.node import GpuInfo, NodeInfo
 from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
+from k3pipe.testing import FAKE_ENGINE
 from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
-from tests.conftest import TINY_MODEL
+from tests.conftest import TINY_MODEL, free_port
 from tests.stores import seed_mlflow_db
 
 WORKLOADS = [
@@ -101,21 +116,24 @@ def servers():  # type: ignore[no-untyped-def]
 
 
 def _run(
-    tmp_path: Path, experiment: dict[str, Any], nodes: dict[str, Job | None]
+    tmp_path: Path, experiment: dict[str, Any], nodes: dict[str, Job | None], one_at_a_time: bool = False
 ) -> tuple[Job, StudyResult | BaseException]:
     """The study started by a job whose fleet runs each launch with ``nodes[pool]`` (None: a pool
-    whose worker never comes)."""
+    whose worker never comes). ``one_at_a_time``: the nodes' launches take turns (two nodes on this
+    one machine share a launched engine's port; two machines would not)."""
     tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
     parent = _job(tmp_path / "parent", tracking, artifacts)
+    turn = threading.Lock() if one_at_a_time else contextlib.nullcontext()
 
     def fleet(spec: Any, study_run_id: str) -> Any:
         def run_on(pool: str, ticket: Ticket) -> ArmOutcome:
             node = nodes[pool]
             if node is None:
                 raise PoolUnavailable(f"no worker of pool {pool} started launch {ticket.label} within 1 s")
-            return run_launch(
-                LaunchRequest(study_run_id, ticket.arm, ticket.launch, ticket.launches, pool), node
-            )
+            with turn:
+                return run_launch(
+                    LaunchRequest(study_run_id, ticket.arm, ticket.launch, ticket.launches, pool), node
+                )
 
         return Remote(run_on)
 
@@ -231,3 +249,79 @@ def test_a_fleet_study_needs_the_study_flow(tmp_path: Path) -> None:
     job = _job(tmp_path / "home", _SERVER["uri"], tmp_path / "artifacts")
     with pytest.raises(SpecError, match="only the study flow on a Prefect server"):
         study(RunRequest(experiment=str(exp)), job)
+
+
+def _search(port: int) -> dict[str, Any]:
+    """A search over the fake vLLM's service rate (k3pipe/testing/fake_engine.py, launched by each node's
+    process launcher): 2 or 12 ms between tokens, two launches each, spread over both nodes."""
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"startup_delay_s": 0.2, "token_delay_ms": 6, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": port, "startup_timeout_s": 60,
+                "stop_timeout_s": 10}  # fmt: skip
+    return {
+        "name": "fleet-tune",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
+        "workloads": WORKLOADS,
+        "fleet": {"pools": ["node-a", "node-b"], "arms": {"fake": ["node-a", "node-b"]}},
+        "tune": {"arm": "fake", "args": {"token_delay_ms": [12, 2]},
+                 "objective": {"metric": "output_throughput_tps", "workload": "in32"},
+                 "budget": {"first_launches": 2, "max_launches": 3}},
+    }  # fmt: skip
+
+
+def _on_gpu(node: Job, gpu: str) -> Job:
+    """``node`` as if its GPU were ``gpu`` (the facts its launches record)."""
+    facts = NodeInfo(
+        gpus=[GpuInfo(index=0, name=gpu, memory_total_mib=81559, driver_version="580.159.04")],
+        cuda_version="13.0", nvidia_smi="",
+    )  # fmt: skip
+    return node.with_steps(arm=replace(node.steps.arm, probe_node=lambda plan, settings: facts))
+
+
+def test_a_search_spread_over_two_nodes_is_raced_as_one(tmp_path: Path) -> None:
+    """The candidates' launches dispatched over the searched arm's pools (both nodes), each launch's
+    pool and node recorded, the race judged on them all, the winner written out."""
+    tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
+    nodes: dict[str, Job | None] = {n: _job(tmp_path / n, tracking, artifacts) for n in ("node-a", "node-b")}
+    job, result = _run(tmp_path, _search(free_port()), nodes, one_at_a_time=True)
+    assert isinstance(result, StudyResult), result
+    tracker = job.tracker
+    arm_runs = tracker.children(result.study_run_id)
+    assert sorted((r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]) for r in arm_runs) == [
+        ("fake.t01", "1"), ("fake.t01", "2"), ("fake.t02", "1"), ("fake.t02", "2")
+    ]  # fmt: skip
+    assert {r.data.tags[POOL_TAG] for r in arm_runs} == {"node-a", "node-b"}
+    assert all(r.data.tags[NODE_TAG] for r in arm_runs)
+    run = tracker.client.get_run(result.study_run_id)
+    tune = json.loads(tracker.find_artifact(result.study_run_id, TUNE_FILE) or b"{}")
+    assert run.data.tags[TUNE_OUTCOME_TAG] == "winner"
+    assert run.data.tags[TUNE_WINNER_TAG] == tune["winner"] == "fake.t02"  # 2 ms between tokens
+    assert tune["launches"] == 4
+
+
+def test_a_search_over_nodes_of_different_gpus_is_not_ranked(tmp_path: Path) -> None:
+    """node-a an H100, node-b an H200: the candidates' launches ran on both, so no candidate is ranked
+    against another's GPUs (decision.mixed_hardware off): the search stops unranked, saying why, and
+    writes no winner."""
+    tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
+    nodes: dict[str, Job | None] = {
+        "node-a": _on_gpu(_job(tmp_path / "node-a", tracking, artifacts), "NVIDIA H100 80GB HBM3"),
+        "node-b": _on_gpu(_job(tmp_path / "node-b", tracking, artifacts), "NVIDIA H200"),
+    }
+    job, result = _run(tmp_path, _search(free_port()), nodes, one_at_a_time=True)
+    assert isinstance(result, StudyResult), result
+    tracker = job.tracker
+    run = tracker.client.get_run(result.study_run_id)
+    assert run.data.tags[TUNE_OUTCOME_TAG] == "not-ranked"
+    assert TUNE_WINNER_TAG not in run.data.tags
+    assert tracker.find_artifact(result.study_run_id, TUNE_WINNER_FILE) is None
+    tune = json.loads(tracker.find_artifact(result.study_run_id, TUNE_FILE) or b"{}")
+    assert tune["text"].startswith("not ranked: Not ranked: the arms were measured on different hardware")
+    assert "NVIDIA H100 80GB HBM3" in tune["text"]
+    assert "NVIDIA H200" in tune["text"]
+    md = build_report(tracker, result.study_run_id).markdown
+    assert "**not ranked: Not ranked: the arms were measured on different hardware" in md

@@ -83,3 +83,27 @@ def test_a_bad_search_is_refused_naming_the_field(change: dict[str, Any], expect
     with pytest.raises(SpecError) as err:
         parse_experiment({**BASE, "tune": {**TUNE, **change}}, "e.yaml")
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"decision": {"calibration": True}}, "decision.calibration"),
+        ({"decision": {"until": {"ci_pct": 5, "max_launches": 4}}}, "decision.until"),
+        ({"variants": [{"name": "v", "arms": {"vllm": {"args": {"max_num_seqs": 4}}}}]}, "variants"),
+    ],
+)
+def test_a_search_refuses_the_designs_it_replaces(extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError, match=f"tune with {field}: a search races its candidates by its own rules"):
+        parse_experiment({**BASE, **extra, "tune": TUNE}, "e.yaml")
+
+
+def test_a_search_over_a_fleet_runs_each_candidate_on_its_arms_pools() -> None:
+    fleet = {"pools": ["node-a", "node-b", "node-c"], "arms": {"vllm": ["node-a", "node-b"]}}
+    spec = parse_experiment({**BASE, "fleet": fleet, "tune": TUNE}, "e.yaml")
+    assert spec.fleet is not None
+    names = [c.name for c in spec.tune_candidates()]
+    assert {spec.searched(n) for n in names} == {"vllm"}
+    assert spec.fleet.pools_of(spec.searched(names[0])) == ["node-a", "node-b"]
+    assert spec.searched("vllm.t99") == "vllm.t99"  # no such candidate: itself
+    assert spec.searched("vllm") == "vllm"
