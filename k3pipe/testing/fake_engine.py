@@ -48,6 +48,8 @@ as recorded with citations in ``tests/fixtures/engines/`` (see its README.md):
   ``data: [DONE]``. Completions have no role chunk and carry ``choices[0].text``. (This flavor sends
   no running usage: it ignores ``continuous_usage_stats``.)
 
+- ``--max-num-seqs N`` (vLLM's flag): at most N requests are served at once, the others wait for a
+  slot (their time to first token grows with the queue), so a capacity under an SLO depends on it.
 - the output probe (k3pipe/bench/probe.py), flavor vllm: a completion whose prompt is token ids with
   ``return_token_ids`` carries ``prompt_token_ids`` and ``token_ids`` (a made-up greedy continuation, a
   function of the prompt), with ``prompt_logprobs`` one entry per prompt token, the first null, each
@@ -67,6 +69,7 @@ carry many). SIGTERM/SIGINT end it within a fraction of a second (it may be PID 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -156,6 +159,10 @@ class Engine:
         self.api_key: str | None = args.api_key or env_key or None
         self.token_delay_s = max(0.0, args.token_delay_ms / 1000.0)
         self.answer_noise = float(args.answer_noise_nats)
+        # vLLM's --max-num-seqs: at most this many requests decode at once, the others wait
+        self.slots: Any = (
+            threading.BoundedSemaphore(args.max_num_seqs) if args.max_num_seqs else contextlib.nullcontext()
+        )
         self.max_model_len = int(
             args.max_model_len or args.context_length or model_config.get("max_position_embeddings") or 4096
         )
@@ -542,6 +549,13 @@ class Handler(BaseHTTPRequestHandler):
             prompt_tokens += 4 * len(body["messages"])  # a chat template's worth
         else:
             prompt_tokens = _count_tokens(body["prompt"])
+        with eng.slots:  # --max-num-seqs: a request beyond the batch waits for a slot (its TTFT grows)
+            self._serve(body, chat, model, n_tokens, reason, prompt_tokens)
+
+    def _serve(
+        self, body: dict[str, Any], chat: bool, model: str, n_tokens: int, reason: str, prompt_tokens: int
+    ) -> None:
+        eng = self.engine
         eng.begin(prompt_tokens)
         finish = "abort"
         try:
@@ -738,6 +752,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--api-key", default=None)
     p.add_argument("--enable-metrics", action="store_true", help="SGLang: serve /metrics")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded at once (others wait)")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--startup-delay-s", type=float, default=1.0)
     p.add_argument("--crash-after-s", type=float, default=None)

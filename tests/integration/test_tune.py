@@ -242,3 +242,42 @@ def test_a_search_cut_short_is_resumed_round_by_round(tmp_path: Path) -> None:
     assert tune["launches"] == 10
     assert tune["outcome"] in ("equivalent", "undecided")
     assert set(tune["survivors"]) == fast
+
+
+def test_a_search_on_capacity_under_an_slo(tmp_path: Path) -> None:
+    """The objective a capacity search's figure: the fake vLLM serves at most ``--max-num-seqs``
+    requests at once (the rest wait a whole request, 24 tokens of 5 ms), so under a 120 ms TTFT SLO
+    (its first token comes about 45 ms after the request here) one sequence sustains one stream and
+    four sustain four. The race reads each launch's capacity (one search a repeat) and names the
+    four-sequence setting."""
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"startup_delay_s": 0.2, "token_delay_ms": 5, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": free_port(), "startup_timeout_s": 60,
+                "stop_timeout_s": 10}  # fmt: skip
+    exp = tmp_path / "tune-capacity.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "tune-capacity",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
+        "workloads": [{"name": "cap", "input_tokens": 32, "output_tokens": 24, "num_requests": 16,
+                       "warmup_requests": 0, "repeats": 2, "seed": 5, "slo": {"ttft_ms": 120},
+                       "capacity": {"over": "concurrency", "low": 1, "high": 8}}],
+        "tune": {"arm": "fake", "args": {"max_num_seqs": [1, 4]},
+                 "objective": {"metric": "capacity_concurrency", "workload": "cap"},
+                 "budget": {"first_launches": 2, "max_launches": 3}},
+    }, sort_keys=False))  # fmt: skip
+    job = Job.library(Settings())
+    study(RunRequest(experiment=str(exp)), job)
+
+    tracker = job.tracker
+    (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
+    result = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
+    means = {c["settings"]["max_num_seqs"]: c["mean"] for c in result["candidates"].values()}
+    assert means[1] < 2
+    assert 3 <= means[4] < 5
+    assert run.data.tags[TUNE_OUTCOME_TAG] == "winner"
+    assert result["candidates"][result["winner"]]["settings"] == {"max_num_seqs": 4}
+    assert result["launches"] == 4
