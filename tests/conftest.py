@@ -476,29 +476,32 @@ SHARED_ENGINE_MODULES = frozenset(
     }
 )
 # The heaviest groups start first (worker-seconds each took in `make test`'s parallel phase, three
-# workers on two cores, from its --durations=0, 2026-12-06; test_fleet_prefect's after its retest
-# stopped cold-starting the real vLLM twice), so that the workers end at about the same time; the
-# others follow in collection order.
+# workers on two cores, from its --durations=0, 2026-12-07), so that the workers end at about the same
+# time; the others follow in collection order.
 GROUP_SECONDS = {
-    "tests/integration/test_study.py": 545,  # three of its tests start `k3pipe study` themselves
-    "tests/integration/test_faults.py": 505,
-    "tests/integration/test_fleet_prefect.py": 340,
-    "tests/integration/test_bundle.py": 220,
-    SHARED_ENGINE: 175,
-    "tests/integration/test_spool.py": 175,
-    "tests/integration/test_alerts.py": 170,
+    "tests/engine/test_tune_cpu.py": 355,  # eight cold starts of the real vLLM on busy cores
+    "tests/integration/test_faults.py": 350,
+    "tests/integration/test_study.py": 270,  # three of its tests start `k3pipe study` themselves
+    "tests/integration/test_fleet_prefect.py": 240,
+    SHARED_ENGINE: 240,
+    "tests/integration/test_tune.py": 190,  # five searches with the fake vLLM
+    "tests/engine/test_answers_cpu.py": 170,
+    "tests/integration/test_spool.py": 165,
     "tests/docker": 160,
-    "tests/integration/test_gpu_kit.py": 140,
-    "tests/integration/test_stack.py": 115,
-    "tests/engine/test_answers_cpu.py": 110,
-    "tests/engine/test_tune_cpu.py": 145,  # eight launches of the real vLLM (2026-12-07, alone: 142 s)
-    "tests/engine/test_flow.py": 100,
-    "tests/integration/test_secrets.py": 90,
+    "tests/integration/test_bundle.py": 155,
+    "tests/integration/test_alerts.py": 145,
+    "tests/integration/test_stack.py": 140,
+    "tests/integration/test_fleet.py": 140,  # two of its studies launch the fake vLLM on both nodes
+    "tests/engine/test_flow.py": 125,
+    "tests/integration/test_gpu_kit.py": 110,
+    "tests/integration/test_secrets.py": 110,
     "tests/browser/test_ui.py": 85,
-    "tests/integration/test_jobs.py": 75,
-    "tests/integration/test_fleet.py": 70,
-    "tests/engine/test_gateway.py": 50,
-    "tests/integration/test_gpustack_real.py": 40,  # the real GPUStack server, its start most of it
+    "tests/integration/test_jobs.py": 60,
+    "tests/integration/test_gpustack.py": 35,
+    "tests/integration/test_gpustack_real.py": 30,  # the real GPUStack server, its start most of it
+    "tests/integration/bench/test_client_rates.py": 30,
+    "tests/integration/test_trace_study.py": 30,
+    "tests/engine/test_gateway.py": 26,
 }
 
 
