@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         from k3pipe.experiment.load import parse_experiment
 
-        candidates = parse_experiment(yaml.safe_load(yaml.safe_dump(search))).tune_candidates()
+        # named as the study names them (the grid in the file's order), so both studies share names
+        spec = parse_experiment(yaml.safe_load(yaml.safe_dump(search, sort_keys=False)))
+        candidates = spec.tune_candidates()
         print(f"search: {len(candidates)} candidates, 2 launches each first, at most {args.max_launches}")
         search_run, search_s = _study(search, folder)
         tune = json.loads(tracker.find_artifact(search_run, "tune.json") or b"{}")
