@@ -178,7 +178,7 @@ def test_a_search_cut_short_is_resumed_round_by_round(tmp_path: Path) -> None:
     the race is fed from the record round by round as the first run would have been, so its looks
     are the same; the candidates preflight left out stay out. Two candidates are equal (2 ms
     between tokens; their contexts differ, which the workload does not feel), so the race goes on
-    past its first look, where the 12 ms pair leaves."""
+    past its first look (its margin too narrow to call them equivalent), where the 12 ms pair leaves."""
     from dataclasses import replace
 
     from k3pipe.jobs.study import resume
@@ -197,9 +197,12 @@ def test_a_search_cut_short_is_resumed_round_by_round(tmp_path: Path) -> None:
         "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
         "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 24, "concurrency": 2,
                        "num_requests": 6, "warmup_requests": 0, "repeats": 2, "seed": 3}],
+        # a margin no two launches can meet: the equal pair is never called equivalent at the first
+        # look (in CI it was, at 3%, and the race ended there); alpha 0.001: a difference claimed
+        # between them, which would end it too, at most once in a thousand runs
         "tune": {"arm": "fake", "args": {"token_delay_ms": [2, 12], "max_model_len": [4096, 4097, 48]},
                  "objective": {"metric": "output_throughput_tps", "workload": "w"},
-                 "budget": {"first_launches": 2, "max_launches": 3}},
+                 "budget": {"first_launches": 2, "max_launches": 3}, "margin_pct": 0.01, "alpha": 0.001},
     }, sort_keys=False))  # fmt: skip
     job = Job.library(Settings())
     bench = job.steps.arm.benchmark
@@ -240,7 +243,7 @@ def test_a_search_cut_short_is_resumed_round_by_round(tmp_path: Path) -> None:
     assert set(first["dropped"]) == {by_settings[(12, 4096)], by_settings[(12, 4097)]}
     assert second["launches"] == dict.fromkeys(sorted(fast), 3)
     assert tune["launches"] == 10
-    assert tune["outcome"] in ("equivalent", "undecided")
+    assert tune["outcome"] == "undecided"
     assert set(tune["survivors"]) == fast
 
 
@@ -276,8 +279,8 @@ def test_a_search_on_capacity_under_an_slo(tmp_path: Path) -> None:
     (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
     result = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
     means = {c["settings"]["max_num_seqs"]: c["mean"] for c in result["candidates"].values()}
-    assert means[1] < 2
-    assert 3 <= means[4] < 5
+    assert means[1] < 2  # a second stream waits a whole request (120 ms) before its first token
+    assert 2 <= means[4] < 5  # four at once; a fifth waits (two cores' load may cost it the fourth)
     assert run.data.tags[TUNE_OUTCOME_TAG] == "winner"
     assert result["candidates"][result["winner"]]["settings"] == {"max_num_seqs": 4}
     assert result["launches"] == 4
