@@ -472,7 +472,7 @@ class Study:
         unranked, said why; no winner written out."""
         tune = self.spec.tune
         assert tune is not None
-        text = f"not ranked: {refusal}"
+        text = refusal.replace("the arms were measured", "the candidates were measured", 1)
         self.warn(f"tune: {text}")
         self.tracker.set_tags(self.run_id, {TUNE_OUTCOME_TAG: "not-ranked"})
         self.tracker.log_dict(

@@ -320,8 +320,8 @@ def test_a_search_over_nodes_of_different_gpus_is_not_ranked(tmp_path: Path) -> 
     assert TUNE_WINNER_TAG not in run.data.tags
     assert tracker.find_artifact(result.study_run_id, TUNE_WINNER_FILE) is None
     tune = json.loads(tracker.find_artifact(result.study_run_id, TUNE_FILE) or b"{}")
-    assert tune["text"].startswith("not ranked: Not ranked: the arms were measured on different hardware")
+    assert tune["text"].startswith("Not ranked: the candidates were measured on different hardware")
     assert "NVIDIA H100 80GB HBM3" in tune["text"]
     assert "NVIDIA H200" in tune["text"]
     md = build_report(tracker, result.study_run_id).markdown
-    assert "**not ranked: Not ranked: the arms were measured on different hardware" in md
+    assert "**Not ranked: the candidates were measured on different hardware" in md
