@@ -56,7 +56,7 @@ _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 _NOT_FOUND_CODE = 10010205001
 
 
-@dataclass(frozen=True)
+@dataclass
 class HubRequest:
     """One request the fake hub received."""
 
@@ -205,11 +205,18 @@ class _Handler(BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         path = unquote(split.path)
         query = dict(parse_qsl(split.query, keep_blank_values=True))
-        status = self._answer(path, query, head=head)
+        # logged before it is answered, so a client that has its answer finds its request in the log;
+        # send_response fills in the status before the client can read it
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        self._logged = HubRequest(self.command, path, query, 0, headers)
         with self.fake._lock:
-            self.fake.requests.append(
-                HubRequest(self.command, path, query, status, {k.lower(): v for k, v in self.headers.items()})
-            )
+            self.fake.requests.append(self._logged)
+        self._answer(path, query, head=head)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        with self.fake._lock:
+            self._logged.status = code
+        super().send_response(code, message)
 
     def _answer(self, path: str, query: dict[str, str], *, head: bool) -> int:
         fake = self.fake
