@@ -496,7 +496,9 @@ GROUP_SECONDS = {
     "tests/integration/test_gpu_kit.py": 110,
     "tests/integration/test_secrets.py": 110,
     "tests/browser/test_ui.py": 85,
+    "tests/integration/test_schedules.py": 60,  # timed alone: 55 s (2026-12-07)
     "tests/integration/test_jobs.py": 60,
+    "tests/integration/test_retest.py": 40,  # timed alone: 38 s with its Prefect harness
     "tests/integration/test_gpustack.py": 35,
     "tests/integration/test_gpustack_real.py": 30,  # the real GPUStack server, its start most of it
     "tests/integration/bench/test_client_rates.py": 30,

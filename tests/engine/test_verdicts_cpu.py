@@ -16,7 +16,10 @@ Power sets the launches. Launch means are the unit, so two launches per arm leav
 freedom: at alpha 0.01 the A/B is then found only when log(ratio) exceeds 9.92 pooled launch-to-launch
 standard deviations (log scale). On 2 busy cores (the parallel phase) that deviation reached 0.34 and
 a CI run missed a 17x A/B (2026-12-03). Three launches leave 4 degrees of freedom (t 4.60, and the
-mean of three): the A/B is found while that deviation stays below about 0.75.
+mean of three): the A/B is found while that deviation stays below about 0.75. Not three against two
+(two fewer cold starts): unequal launch counts are compared by Welch's rule, not pooled, and the
+two-launch side's variance has one degree of freedom; a 12x A/B with every launch mean within 10% of
+its arm's came out "inconclusive: differences below 327x cannot be seen" (2026-12-07).
 
 Serial (alone on the machine, in `make test`'s timing phase): beside the other worker the launches'
 TTFT p50 moved tenfold with what that worker ran (25 to 560 ms for the same arm, 2026-12-04), the

@@ -26,8 +26,10 @@ from k3pipe.records.tracking import Tracker
 from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
 from tests.conftest import PREFECT, REPO, TINY_MODEL, running_prefect_server, stop_group
 
-# serial: beside the other worker, its server's SQLite answered 503 to a second flow run (2026-12-03)
-pytestmark = [pytest.mark.flow, pytest.mark.serial]
+# Not serial: beside the other worker its server's SQLite once answered 503 to a second flow run
+# (2026-12-03): a write waited out SQLite's lock timeout, Prefect's 10 s default
+# (PREFECT_SERVER_DATABASE_TIMEOUT); the server below waits 60 s, as a loaded machine may need.
+pytestmark = pytest.mark.flow
 
 # the schedule prefect.yaml gives the retest deployment
 SMOKE = {
@@ -93,6 +95,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         # a deployment's schedule is turned into flow runs within a second or two, not a minute
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
         PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS="1",
+        PREFECT_SERVER_DATABASE_TIMEOUT="60",  # SQLite's wait for a lock that another write holds
     ) as prefect:
         isolated = {k: v for k, v in os.environ.items() if not k.startswith(("K3PIPE_", "MLFLOW_"))}
         env = {
