@@ -26,7 +26,7 @@ import contextvars
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from k3pipe.core.layout import (
+    ARM_TAG,
     DECISION_ALPHA_TAG,
     DECISION_LOOK_TAG,
     DECISION_LOOKS_TAG,
@@ -427,6 +428,11 @@ class Study:
             result = race.close_round()
             if result is not None:
                 break
+            over = self._over_device_budget(names, len(race.wanted()))
+            if over is not None:
+                self.say(f"tune: stopping after look {race.round}: {over}")
+                result = race.stop(over)
+                break
             extra = [(n, launched[n] + 1) for n in race.wanted()]
             self.say(
                 f"tune: look {race.round} of at most {rules.looks}: {len(race.alive)} candidate(s) left "
@@ -437,6 +443,35 @@ class Study:
             launch_all(extra)
         self._record_race(result, rules)
         return result
+
+    def _device_s(self, names: Sequence[str]) -> tuple[float, int]:
+        """The device time the candidates' launches held (seconds, each launch's run from its start to
+        its teardown: on several nodes they add), and how many launches ended."""
+        ended = [
+            (run.info.end_time - run.info.start_time) / 1000
+            for run in self.tracker.children(self.run_id)
+            if run.data.tags.get(ARM_TAG) in names and run.info.end_time
+        ]
+        return math.fsum(ended), len(ended)
+
+    def _over_device_budget(self, names: Sequence[str], launches: int) -> str | None:
+        """Why the next round (``launches`` launches) may not start under ``tune.budget.device_minutes``:
+        it would pass the budget at the launches' mean so far. None when it may, or there is no budget."""
+        tune = self.spec.tune
+        assert tune is not None
+        budget = tune.budget.device_minutes
+        if budget is None:
+            return None
+        spent, ended = self._device_s(names)
+        if not ended:
+            return None
+        cost = spent / ended * launches
+        if spent + cost <= budget * 60:
+            return None
+        return (
+            f"the device-time budget ({budget:g} min) would be passed by another round: {spent / 60:.1f} "
+            f"min spent on {ended} launches, the next {launches} about {cost / 60:.1f} min more"
+        )
 
     def _answers_gate(self, race: Race, data: StudyData, names: list[str]) -> None:
         """Before the first look: each candidate's answers (the output probe of its first launch)
@@ -484,7 +519,8 @@ class Study:
                 "full_launches": len(launched) * rules.max_launches,
                 "objective": {"metric": tune.objective.metric, "workload": tune.objective.workload},
                 "rules": {"alpha": rules.alpha, "margin": rules.margin,
-                          "first_launches": rules.first_launches, "max_launches": rules.max_launches},
+                          "first_launches": rules.first_launches, "max_launches": rules.max_launches,
+                          "device_minutes": tune.budget.device_minutes},
                 "candidates": {c.name: {"settings": c.settings} for c in self.spec.tune_candidates()},
             },
             TUNE_FILE,
@@ -497,6 +533,8 @@ class Study:
         text = result.text()
         if self.pruned:
             text += "; left out by preflight: " + "; ".join(f"{n} ({why})" for n, why in self.pruned.items())
+        device_s, _ = self._device_s([c.name for c in self.spec.tune_candidates()])
+        text += f"; device time {device_s / 60:.1f} min"
         self.say(f"tune: {text}")
         self.tracker.set_tags(
             self.run_id,
@@ -524,9 +562,12 @@ class Study:
                 ],
                 "launches": result.launches,
                 "full_launches": result.full_launches,
+                "device_s": round(device_s, 1),
+                "stopped": result.stopped,
                 "objective": {"metric": tune.objective.metric, "workload": tune.objective.workload},
                 "rules": {"alpha": rules.alpha, "margin": rules.margin,
-                          "first_launches": rules.first_launches, "max_launches": rules.max_launches},
+                          "first_launches": rules.first_launches, "max_launches": rules.max_launches,
+                          "device_minutes": tune.budget.device_minutes},
                 "candidates": {
                     name: {"settings": settings[name],
                            **({"mean": est.mean} if (est := result.estimates.get(name)) else {})}

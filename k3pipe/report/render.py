@@ -1015,6 +1015,10 @@ def _search_section(data: StudyData) -> Section | None:
             fate = "still in the race at the end"
         table.rows.append([name, settings or "-", num(mean) if isinstance(mean, int | float) else "-", fate])
     rules = tune.get("rules") or {}
+    budget = rules.get("device_minutes")
+    cap = f", no round started past {budget:g} min of device time" if isinstance(budget, int | float) else ""
+    held = tune.get("device_s")
+    spent = f", {held / 60:.1f} min of device time" if isinstance(held, int | float) else ""
     return Section(
         "The search",
         [
@@ -1023,9 +1027,9 @@ def _search_section(data: StudyData) -> Section | None:
             f"{objective.get('workload')}: {rules.get('first_launches')} launches of every candidate "
             f"first, then at each look the verdict rules dropped those found worse than the leader "
             f"(alpha {rules.get('alpha')}, margin +-{float(rules.get('margin') or 0):.0%}) and launched "
-            f"the rest once more, at most {rules.get('max_launches')} each; {tune.get('launches')} "
-            f"launches of {tune.get('full_launches')} for measuring every candidate fully. The winner (or "
-            "the leader) as an arm: tune-winner.yaml on the study's run; the search's path (each "
+            f"the rest once more, at most {rules.get('max_launches')} each{cap}; {tune.get('launches')} "
+            f"launches of {tune.get('full_launches')} for measuring every candidate fully{spent}. The "
+            "winner (or the leader) as an arm: tune-winner.yaml on the study's run; the search's path (each "
             "candidate's objective at every look): plots/search_path.png. The tables below judge every "
             "pair of candidates by the study's rules, as descriptive context.",
             table,

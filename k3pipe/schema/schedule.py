@@ -110,6 +110,11 @@ def describe_study(spec: ExperimentSpec) -> list[str]:
             f"launches each first, then one more per candidate still running at each look, the worse "
             f"dropped by the verdict rules (alpha {tune.alpha:g}, margin +-{tune.margin_pct:g}%), at most "
             f"{budget.max_launches} each ({len(names) * budget.max_launches} in all)"
+            + (
+                f", and no round past {budget.device_minutes:g} min of device time"
+                if budget.device_minutes is not None
+                else ""
+            )
         )
     until = spec.decision.until
     if until is not None:

@@ -49,13 +49,22 @@ class TuneObjective(_Spec):
 
 
 class TuneBudget(_Spec):
-    """How many launches the search may spend."""
+    """What the search may spend: launches, and device time."""
 
     first_launches: int = Field(
         default=2, ge=2, le=MAX_LAUNCHES, description="Launches of every candidate before the first look."
     )
     max_launches: int = Field(
         default=8, ge=2, le=MAX_LAUNCHES, description="Launches of a candidate at most."
+    )
+    device_minutes: float | None = _finite(
+        default=None,
+        gt=0,
+        description="Device time the search may hold, in minutes: the candidates' launches added up, "
+        "each from its engine's start to its teardown (a node's time, so launches on several nodes "
+        "add). The first round always runs (nothing is known before it); no further round starts "
+        "that would pass the budget at the launches' mean so far, and the search ends 'undecided', "
+        "saying so. None: launches bound it alone.",
     )
 
     @model_validator(mode="after")

@@ -6,7 +6,8 @@ the round's leader are dropped, and the survivors get one launch more each, unti
 
 - one candidate is left: the **winner**, better than every other by a detected difference;
 - the survivors are all **equivalent** within the margin: choose any;
-- the budget (``max_launches`` per candidate) is spent: **undecided** among the survivors, the leader
+- the budget (``max_launches`` per candidate) is spent, or the caller stops the race between rounds
+  (:meth:`Race.stop`: its device time would run out): **undecided** among the survivors, the leader
   named with what the data could and could not see.
 
 The rules are the study's (:mod:`k3pipe.verdicts.stats`): a candidate's estimate is the mean of its
@@ -31,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -162,6 +163,8 @@ class RaceResult:
     in ``dropped``)."""
     path: tuple[Look, ...] = ()
     """Every look, in order: the search's path (objective by candidate and round)."""
+    stopped: str | None = None
+    """Why the race was stopped before its launches were spent (:meth:`Race.stop`), if it was."""
 
     @property
     def winner(self) -> str | None:
@@ -193,9 +196,10 @@ class RaceResult:
             )
         mdes = [v.mde for v in self.verdicts if v.mde is not None]
         below = detectable(max(mdes)) if mdes else "an unknown size"
+        stopped = f"; stopped after round {self.rounds}: {self.stopped}" if self.stopped else ""
         return (
             f"undecided among {', '.join(self.survivors)}: {self.leader} leads, but differences below "
-            f"{below} cannot be seen with the launches spent{worse}{failures} ({spent})"
+            f"{below} cannot be seen with the launches spent{stopped}{worse}{failures} ({spent})"
         )
 
     def verdicts_margin(self) -> float:
@@ -230,6 +234,8 @@ class Race:
         self.round = 0  # looks made
         self.result: RaceResult | None = None
         self._path: list[Look] = []
+        # the last look's leader, estimates and verdicts while no launch of the next round is in (stop)
+        self._open: tuple[str, dict[str, Estimate], tuple[Verdict, ...]] | None = None
 
     @property
     def alive(self) -> list[str]:
@@ -248,6 +254,7 @@ class Race:
     def record(self, name: str, values: Sequence[float]) -> None:
         """One launch of ``name``: its repeats' values of the objective."""
         entry = self._entry(name)
+        self._open = None
         if entry.drop is not None:
             raise ValueError(
                 f"candidate {name!r} left the race in round {entry.drop.round}: {entry.drop.reason}"
@@ -261,6 +268,7 @@ class Race:
     def fail(self, name: str, why: str) -> None:
         """``name`` cannot be measured (did not start, crashed, answers diverged): it leaves the race."""
         entry = self._entry(name)
+        self._open = None
         if entry.drop is None:
             entry.drop = Drop(name, self.round + 1, why, failed=True)
 
@@ -310,7 +318,21 @@ class Race:
             return self._end("equivalent", leader, estimates, last)
         if self.round >= self.rules.looks:
             return self._end("undecided", leader, estimates, last)
+        self._open = (leader, estimates, last)
         return None
+
+    def stop(self, why: str) -> RaceResult:
+        """End the race between rounds (after :meth:`close_round` returned None), ``why`` given: undecided
+        among the survivors, as the last look judged them (a budget other than launches ran out)."""
+        if self.result is not None:
+            return self.result
+        if self._open is None:
+            raise ValueError("a race is stopped between rounds: close a round first")
+        leader, estimates, last = self._open
+        self._end("undecided", leader, estimates, last)
+        assert self.result is not None
+        self.result = replace(self.result, stopped=why)
+        return self.result
 
     def _look(self, judged: Sequence[str], estimates: dict[str, Estimate], leader: str) -> None:
         self._path.append(

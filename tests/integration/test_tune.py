@@ -68,6 +68,15 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
     assert means["fake.t03"] > means["fake.t05"] > means["fake.t01"]
     assert result["text"].startswith("fake.t03 is the best: better than every other candidate")
     assert "left out by preflight: fake.t02" in result["text"]
+    # the device time the search held: its launches' runs added up, stated in the answer
+    runs = [
+        r for r in tracker.children(run.info.run_id) if r.data.tags.get("k3pipe.arm", "").startswith("fake.")
+    ]
+    held = sum(r.info.end_time - r.info.start_time for r in runs) / 1000
+    assert len(runs) == 6
+    assert result["device_s"] == pytest.approx(held, abs=0.1)
+    assert result["text"].endswith(f"; device time {held / 60:.1f} min")
+    assert result["stopped"] is None
     # the winner as an arm, ready for a study: the searched arm's name, its settings
     written = (tracker.find_artifact(run.info.run_id, TUNE_WINNER_FILE) or b"").decode()
     assert written.startswith("# the search's winner: fake.t03 (token_delay_ms=2 max_model_len=4096)")
@@ -94,7 +103,7 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
     assert "| the winner |" in search
     assert "left out by preflight: workload w: input_tokens 32 + output_tokens 24 = 56 exceeds" in search
     assert "found worse in round 1: fake.t03 better than fake.t05" in search
-    assert "6 launches of 12 for measuring every candidate fully" in search
+    assert f"6 launches of 12 for measuring every candidate fully, {held / 60:.1f} min of device" in search
 
 
 def test_a_search_left_with_one_candidate_by_preflight_is_refused_before_any_launch(tmp_path: Path) -> None:
@@ -286,3 +295,53 @@ def test_a_search_on_capacity_under_an_slo(tmp_path: Path) -> None:
     assert run.data.tags[TUNE_OUTCOME_TAG] == "winner"
     assert result["candidates"][result["winner"]]["settings"] == {"max_num_seqs": 4}
     assert result["launches"] == 4
+
+
+def test_a_search_stops_where_another_round_would_pass_its_device_time(tmp_path: Path) -> None:
+    """Two candidates that serve alike (``stats_interval_s`` changes only how often the fake engine logs)
+    and a margin of 0.1%: no look can tell them apart or call them equivalent, so the race would spend its
+    four launches each. A device-time budget of 1.2 s stops it after the first round (which always
+    runs), undecided, saying why, the leader written out as what was found."""
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.fail(f"no tiny model at {TINY_MODEL}: run the tests with `make test`, which makes it")
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"startup_delay_s": 0.2, "token_delay_ms": 4, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": free_port(), "startup_timeout_s": 60,
+                "stop_timeout_s": 10}  # fmt: skip
+    exp = tmp_path / "tune.yaml"
+    exp.write_text(yaml.safe_dump({
+        "name": "tune-budget",
+        "model": {"source": "local", "path": str(TINY_MODEL)},
+        "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
+        "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 16, "concurrency": 2,
+                       "num_requests": 4, "warmup_requests": 0, "repeats": 2, "seed": 3}],
+        "tune": {"arm": "fake", "args": {"stats_interval_s": [1, 2]}, "margin_pct": 0.1,
+                 "objective": {"metric": "output_throughput_tps", "workload": "w"},
+                 "budget": {"first_launches": 2, "max_launches": 4, "device_minutes": 0.02}},
+    }, sort_keys=False))  # fmt: skip
+    job = Job.library(Settings())
+    study(RunRequest(experiment=str(exp)), job)
+
+    tracker = job.tracker
+    (run,) = tracker.client.search_runs([tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'")
+    assert run.data.tags[TUNE_OUTCOME_TAG] == "undecided"
+    result = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
+    assert result["launches"] == 4 < result["full_launches"] == 8  # the first round only
+    assert len(tracker.children(run.info.run_id)) == 4
+    assert result["rounds"] == 1
+    assert result["rules"]["device_minutes"] == 0.02
+    assert result["stopped"].startswith("the device-time budget (0.02 min) would be passed by another round")
+    assert "min spent on 4 launches, the next 2 about" in result["stopped"]
+    assert result["device_s"] > 1
+    assert result["text"].startswith("undecided among fake.t01, fake.t02: ")
+    assert "; stopped after round 1: the device-time budget" in result["text"]
+    written = (tracker.find_artifact(run.info.run_id, TUNE_WINNER_FILE) or b"").decode()
+    assert written.startswith(f"# the search's leader (undecided): {result['leader']}")
+    from k3pipe.report import build_report
+
+    search = build_report(tracker, run.info.run_id).markdown.split("## The search", 1)[1]
+    assert "; stopped after round 1: the device-time budget (0.02 min)" in search
+    assert "at most 4 each, no round started past 0.02 min of device time; 4 launches of 8" in search

@@ -138,6 +138,40 @@ def test_a_lower_is_better_objective_and_an_undecided_race() -> None:
     )
 
 
+def test_a_race_stopped_between_rounds_is_undecided_as_its_last_look_left_it() -> None:
+    # a and c 2% apart: the first look cannot part them; the caller's budget stops the race there
+    rng = random.Random(5)
+    race = Race(["a", "b", "c"], RaceRules(max_launches=6))
+    with pytest.raises(ValueError, match="a race is stopped between rounds: close a round first"):
+        race.stop("no device time left")
+    for name, level in [("a", 100.0), ("b", 60.0), ("c", 102.0)] * 2:
+        race.record(name, [level * math.exp(rng.gauss(0, RESTART_SD)) for _ in range(2)])
+    assert race.close_round() is None
+    result = race.stop("the device-time budget would be passed")
+    assert result.outcome == "undecided"
+    assert result.stopped == "the device-time budget would be passed"
+    assert result.rounds == 1
+    assert result.launches == 6 < result.full_launches == 18
+    assert [d.name for d in result.dropped] == ["b"]
+    assert set(result.survivors) == {"a", "c"}
+    assert result.leader == result.path[-1].leader
+    (verdict,) = result.verdicts  # the leader against the other survivor, at the look's level
+    assert verdict.outcome == "inconclusive"
+    text = result.text()
+    assert text.startswith(f"undecided among a, c: {result.leader} leads, but differences below ")
+    assert "; stopped after round 1: the device-time budget would be passed; found worse: b" in text
+    assert race.stop("again") is result  # the race has ended
+    # once a launch of the next round is in, the last look no longer stands for the race
+    other = Race(["p", "q"], RaceRules(max_launches=4))
+    for p, q in ((100.0, 104.0), (110.0, 96.0)):  # noisy launches: neither apart nor alike
+        other.record("p", [p])
+        other.record("q", [q])
+    assert other.close_round() is None
+    other.record("p", [100.0])
+    with pytest.raises(ValueError, match="a race is stopped between rounds"):
+        other.stop("late")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [

@@ -77,6 +77,8 @@ def test_the_candidates_are_the_arm_with_each_combination_that_meets_the_constra
          "72 candidates, more than 64"),
         ({"budget": {"first_launches": 4, "max_launches": 3}}, "budget.max_launches=3 is below"),
         ({"budget": {"first_launches": 1}}, "first_launches"),
+        ({"budget": {"device_minutes": 0}}, "budget.device_minutes"),
+        ({"budget": {"device_minutes": "2h"}}, "budget.device_minutes"),
     ],
 )  # fmt: skip
 def test_a_bad_search_is_refused_naming_the_field(change: dict[str, Any], expected: str) -> None:
@@ -107,3 +109,15 @@ def test_a_search_over_a_fleet_runs_each_candidate_on_its_arms_pools() -> None:
     assert spec.fleet.pools_of(spec.searched(names[0])) == ["node-a", "node-b"]
     assert spec.searched("vllm.t99") == "vllm.t99"  # no such candidate: itself
     assert spec.searched("vllm") == "vllm"
+
+
+def test_render_states_the_device_time_budget() -> None:
+    from k3pipe.schema.schedule import describe_study
+
+    budget = {"first_launches": 2, "max_launches": 6, "device_minutes": 90}
+    spec = parse_experiment({**BASE, "tune": {**TUNE, "budget": budget}}, "e.yaml")
+    (line,) = [ln for ln in describe_study(spec) if "a search over arm vllm's settings" in ln]
+    assert line.endswith("at most 6 each (72 in all), and no round past 90 min of device time")
+    plain = parse_experiment({**BASE, "tune": TUNE}, "e.yaml")
+    (line,) = [ln for ln in describe_study(plain) if "a search over arm vllm's settings" in ln]
+    assert line.endswith("at most 8 each (96 in all)")
