@@ -1,4 +1,5 @@
-"""A ladder and a capacity search on the real engine, through the study flow and its report: the real
+"""A ladder and a capacity search on the real engine, through the study job (what the study flow runs;
+the Prefect path with the real engine: tests/engine/test_flow.py) and its report: the real
 vLLM (CPU build) serving the tiny model, the demo's two arms (max_num_seqs 4 against 1), one launch
 each, with a GPU-hour price so every cell has its cost.
 
@@ -25,13 +26,12 @@ import pytest
 import yaml
 
 from k3pipe.core.settings import Settings
-from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
 from tests.conftest import ASSETS_HOME, REPO, free_port, require_engine
 
 # the arms' order is the engine's timing: alone in `make test`'s first phase (beside three workers the
 # machine's load made batch4's second point slower than its first, 2026-12-05, and its ladder ended there)
-pytestmark = [pytest.mark.engine, pytest.mark.flow, pytest.mark.serial]
+pytestmark = [pytest.mark.engine, pytest.mark.serial]
 
 PRICE = 0.12  # $ per "GPU" hour: the CPU machine's, for the arithmetic
 
@@ -54,27 +54,30 @@ def _experiment() -> dict:
     data["workloads"] = [
         {"name": "lad", "input_tokens": 256, "output_tokens": 64, "num_requests": 16, "warmup_requests": 1,
          "seed": 1, "ladder": {"over": "concurrency", "points": [1, 2, 4, 8]}},
-        # two searches (an interval needs two); 12 requests a probe: batch1 serves them one by one
-        {"name": "cap", "input_tokens": 256, "output_tokens": 64, "num_requests": 12, "warmup_requests": 1,
+        # two searches (an interval needs two); batch4's capacity (about 10 streams) stays below the
+        # requests a probe sends and below high: a search that passes at high finds no capacity
+        {"name": "cap", "input_tokens": 256, "output_tokens": 64, "num_requests": 16, "warmup_requests": 1,
          "seed": 21, "repeats": 2, "slo": {"ttft_ms": 400},
-         "capacity": {"over": "concurrency", "low": 1, "high": 12}},
+         "capacity": {"over": "concurrency", "low": 1, "high": 32}},
     ]  # fmt: skip
     return data
 
 
-def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None, tmp_path: Path) -> None:
+def test_a_ladder_and_a_capacity_search_on_the_real_engine(tmp_path: Path) -> None:
     require_engine()
-    from k3pipe.flows.study import study
+    from k3pipe.experiment.params import RunRequest
+    from k3pipe.jobs.steps import Job
+    from k3pipe.jobs.study import study
 
     exp = tmp_path / "capacity-cpu.yaml"
     exp.write_text(yaml.safe_dump(_experiment()))
-    result = study(str(exp))
-    arms = {o["arm"]: o for o in result["arms"]}
-    assert {a: o["status"] for a, o in arms.items()} == {"batch4": "FINISHED", "batch1": "FINISHED"}
+    job = Job.library(Settings())
+    result = study(RunRequest(experiment=str(exp)), job)
+    arms = {o.arm: o for o in result.arms}
+    assert {a: o.status for a, o in arms.items()} == {"batch4": "FINISHED", "batch1": "FINISHED"}
 
-    settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment, settings.artifact_root())
-    runs = {a: tracker.client.get_run(o["mlflow_run_id"]) for a, o in arms.items()}
+    tracker = job.tracker
+    runs = {a: tracker.client.get_run(o.mlflow_run_id) for a, o in arms.items()}
 
     # the ladders: one engine start each, a run per point, ended past saturation
     ladders = {a: r.data.tags["k3pipe.ladder.lad"] for a, r in runs.items()}
@@ -119,7 +122,7 @@ def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None
     capacity = {a: r.data.metrics["cap.capacity_concurrency"] for a, r in runs.items()}
     assert capacity["batch4"] > capacity["batch1"] >= 1, capacity
 
-    report = build_report(tracker, result["study_run_id"])
+    report = build_report(tracker, result.study_run_id)
     rows = {(r.workload, r.metric.key): r for r in report.analysis.rows}
     cap = rows[("cap", "capacity_concurrency")]
     assert cap.decision
@@ -139,5 +142,5 @@ def test_a_ladder_and_a_capacity_search_on_the_real_engine(prefect_harness: None
     warning = next(ln for ln in text.splitlines() if "The prefix cache was not emptied" in ln)
     assert "batch1's" in warning
     assert "batch4" not in warning
-    artifacts = {a.path for a in tracker.client.list_artifacts(result["study_run_id"], "report/plots")}
+    artifacts = {a.path for a in tracker.client.list_artifacts(result.study_run_id, "report/plots")}
     assert "report/plots/pareto.png" in artifacts

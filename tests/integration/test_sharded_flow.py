@@ -1,6 +1,7 @@
-"""A workload sent by two client processes through the whole flow (the scripted engine,
-k3pipe/testing/fake_engine.py, under the process launcher, pinned to CPU 0 with launcher.cpus): its
-records equal those of the same workload sent by one process, and what the client used is recorded."""
+"""A workload sent by two client processes through the benchmark job (what the benchmark flow runs),
+the scripted engine (k3pipe/testing/fake_engine.py) under the process launcher, pinned to CPU 0 with
+launcher.cpus: its records equal those of the same workload sent by one process, and what the client
+used is recorded."""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ import pytest
 import yaml
 
 from k3pipe.core.settings import Settings
-from k3pipe.records.tracking import Tracker
 from k3pipe.testing import FAKE_ENGINE
 from tests.conftest import TINY_MODEL, free_port, require_engine
 
-pytestmark = [pytest.mark.flow, pytest.mark.serial]
+pytestmark = pytest.mark.serial  # the engine pinned to CPU 0, the client off it: a quiet machine
 
 COLUMNS = ["index", "warmup", "usage_output_tokens", "prompt_tokens", "max_tokens", "error"]
 
@@ -57,15 +57,17 @@ def _experiment(name: str, client: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(name: str, client: dict[str, Any], tmp_path: Path) -> tuple[Any, Any, pd.DataFrame, list[dict]]:
-    from k3pipe.flows.benchmark import benchmark
+    from k3pipe.experiment.params import RunRequest
+    from k3pipe.jobs.benchmark import BenchmarkRequest, benchmark
+    from k3pipe.jobs.steps import Job
 
     exp = tmp_path / f"{name}.yaml"
     exp.write_text(yaml.safe_dump(_experiment(name, client)))
-    (outcome,) = benchmark(str(exp))
-    assert outcome["status"] == "FINISHED", outcome
-    settings = Settings()
-    tracker = Tracker(settings.tracking_uri(), settings.mlflow_experiment)
-    run = tracker.client.get_run(outcome["mlflow_run_id"])
+    job = Job.library(Settings())
+    (outcome,) = benchmark(BenchmarkRequest(RunRequest(experiment=str(exp))), job).arms
+    assert outcome.status == "FINISHED", outcome
+    tracker = job.tracker
+    run = tracker.client.get_run(outcome.mlflow_run_id)
     child = tracker.children(run.info.run_id)[0]
     out = Path(tracker.client.download_artifacts(child.info.run_id, "", str(tmp_path / name)))
     requests = pd.read_parquet(out / "requests.parquet")
@@ -74,7 +76,7 @@ def _run(name: str, client: dict[str, Any], tmp_path: Path) -> tuple[Any, Any, p
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins the engine to CPU 0 and the client off it")
-def test_two_client_processes_record_what_one_does(prefect_harness: None, tmp_path: Path) -> None:
+def test_two_client_processes_record_what_one_does(tmp_path: Path) -> None:
     require_engine()  # the tiny model's tokenizer
     _, child1, requests1, load1 = _run("one-process", {"processes": 1}, tmp_path)
     run2, child2, requests2, load2 = _run("two-processes", {"processes": 2}, tmp_path)
