@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from k3pipe.testing import FAKE_ENGINE
+from k3pipe.testing import FAKE_ENGINE, restartable_port
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("K3PIPE_HOME", REPO / ".k3pipe")).resolve()
@@ -485,7 +485,7 @@ class MlflowServer:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = restartable_port()  # it is stopped and started again on this port
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
