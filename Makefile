@@ -160,18 +160,23 @@ docker:
 # pytest-xdist workers; both run, and the first failure's status is the target's. Three workers on
 # two cores: most of that phase is waiting (servers, engines, timeouts); it took 10 min 23 s on three
 # and 14 min 41 s on two (2026-12-04), the machine still 18% idle; four took 18 min 3 s against
-# three's 17 min 1 s (2026-12-05): the two cores bound it now.
+# three's 17 min 1 s (2026-12-05): the two cores bound it now. The last line says how long each part
+# took (the README's table; CI shows only the tail of the output).
 TEST_WORKERS ?= 3
 SUBMAKE = $(MAKE) --no-print-directory
 test: system test-system
 	$(ON_SIGNAL_EXIT); trap 'status=$$?; kill $$(jobs -p) 2>/dev/null; wait; scripts/docker-env.sh down; exit $$status' EXIT; \
+	start=$$(date +%s); \
 	{ scripts/docker-env.sh up && eval "$$(scripts/docker-env.sh env)" || exit; }; \
 	{ scripts/build-base-image.sh && scripts/build-test-image.sh && scripts/build-vllm-image.sh >/dev/null; } & \
 	images=$$!; $(SUBMAKE) -j3 venv engine gateway gpustack && $(SUBMAKE) -j3 model compile lint && \
 	$(VENV)/bin/python -m tests.stores >/dev/null && wait $$images && { \
-	serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
+	ready=$$(date +%s); serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
+	timed=$$(date +%s); rest=0; \
 	$(VENV)/bin/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
-		--durations=40 && exit $$serial; }
+		--durations=40 || rest=$$?; \
+	echo "make test: set-up $$((ready - start)) s, timing phase $$((timed - ready)) s, parallel phase $$(($$(date +%s) - timed)) s (after the system packages)"; \
+	[ $$rest = 0 ] && exit $$serial; exit $$rest; }
 
 clean:
 	rm -rf $(VENV) $(K3PIPE_HOME)
