@@ -34,7 +34,10 @@ LAG_MAX_S = 0.25
 """Its largest, a busy machine's scheduling hiccup included."""
 RATE_TOLERANCE = 0.01
 """The achieved rate, sends and arrivals alike, against the offered (constant arrivals): within 1%,
-which at 80 req/s over 3 s is 30 ms of drift between the first send and the last."""
+which at 80 req/s over 3 s is 30 ms of drift between the first send and the last. The rate is the
+least-squares slope of the stamps over the requests' order, not the first and last stamps alone: one
+late last send (within LAG_MAX_S) made 80 req/s read 78.0 on a loaded machine (2026-12-07), a
+hiccup the lag bounds judge, not a drift."""
 DURATION_S = 3.0
 
 
@@ -77,7 +80,7 @@ def test_constant_arrivals_go_out_at_the_offered_rate(
     arrivals = np.array(sorted(q.t_received for q in quick.requests))
     assert (arrivals >= scheduled).all()  # none reached the server before it was due
     for stamps in (sends, arrivals):
-        achieved = (requests - 1) / (stamps[-1] - stamps[0])
+        achieved = 1 / np.polyfit(np.arange(len(stamps)), stamps, 1)[0]
         assert achieved == pytest.approx(rate, rel=RATE_TOLERANCE)
     lags = _lags_s(result)
     assert float(np.median(lags)) <= LAG_P50_S, lags
