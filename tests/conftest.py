@@ -479,10 +479,10 @@ SHARED_ENGINE_MODULES = frozenset(
 # workers on two cores, from its --durations=0, 2026-12-07), so that the workers end at about the same
 # time; the others follow in collection order.
 GROUP_SECONDS = {
-    "tests/engine/test_tune_cpu.py": 355,  # eight cold starts of the real vLLM on busy cores
+    "tests/engine/test_tune_cpu.py": 180,  # four cold starts of the real vLLM on busy cores
     "tests/integration/test_faults.py": 350,
     "tests/integration/test_study.py": 270,  # three of its tests start `k3pipe study` themselves
-    "tests/integration/test_fleet_prefect.py": 240,
+    "tests/integration/test_fleet_prefect.py": 330,  # 298 s before its search (35 s alone), 2026-12-07
     SHARED_ENGINE: 240,
     "tests/integration/test_tune.py": 190,  # five searches with the fake vLLM
     "tests/engine/test_answers_cpu.py": 170,
@@ -491,7 +491,7 @@ GROUP_SECONDS = {
     "tests/integration/test_bundle.py": 155,
     "tests/integration/test_alerts.py": 145,
     "tests/integration/test_stack.py": 140,
-    "tests/integration/test_fleet.py": 140,  # two of its studies launch the fake vLLM on both nodes
+    "tests/integration/test_fleet.py": 110,  # two of its searches launch the fake vLLM on both nodes at once
     "tests/engine/test_flow.py": 125,
     "tests/integration/test_gpu_kit.py": 110,
     "tests/integration/test_secrets.py": 110,

@@ -24,7 +24,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from k3pipe.core.errors import K3pipeError
-from k3pipe.core.procs import GroupRegistry, file_lock, stop_group
+from k3pipe.core.procs import GroupRegistry, file_lock, free_port, stop_group
 from k3pipe.launchers.base import tail_file
 
 __all__ = ["LocalPrefect", "PrefectServerError"]
@@ -41,12 +40,6 @@ __all__ = ["LocalPrefect", "PrefectServerError"]
 
 class PrefectServerError(K3pipeError):
     """The command's temporary Prefect server did not start."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LocalPrefect:
@@ -92,7 +85,7 @@ class LocalPrefect:
         env.pop("PREFECT_API_URL", None)
         self._lock.enter_context(file_lock(self.home / "run" / "prefect-start.lock"))
         try:
-            self.port = _free_port()
+            self.port = free_port()
             argv = [
                 sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory",
                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),

@@ -98,6 +98,11 @@ def render(
                 f"engine {plan.engine}, launcher {plan.launcher}"
                 + (f", image {plan.image}" if plan.image else "")
             )
+            if a.launcher.port == "auto":
+                print(
+                    f"# launcher.port auto: {plan.launch.port} is free here now; each launch draws its own "
+                    "where it is planned"
+                )
             print("# environment")
             for k, v in plan.command.redacted_env().items():
                 print(f"{k}={v}")

@@ -102,6 +102,14 @@ def stop_group(
     return f"stopped (pid {pgid})", group_members(pgid)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's pick: bound to port 0, then released)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 def listening(host: str, port: int, timeout_s: float = 0.5) -> bool:
     """Whether something accepts TCP connections on ``host:port``."""
     try:

@@ -457,6 +457,8 @@ def rule_port(ctx: ArmContext) -> Iterator[Finding]:
     if not (launcher.starts_engine and launcher.runs_here):
         return  # an endpoint, or an engine a cluster manager starts elsewhere
     port = launcher.port or ctx.engine.default_port
+    if isinstance(port, str):
+        return  # launcher.port 'auto': drawn free on the node when the launch is planned
     if port and port_taken(launcher.host, port):
         yield ctx.finding(
             "error",

@@ -448,8 +448,9 @@ def plan_arm(
     """
     engine = get_engine(arm.engine.kind)
     engine.check_args(arm.engine.args)
+    launcher = arm.launcher.drawn()  # a port 'auto' drawn free here, where the launch is planned
     # the engine checks the endpoint's key itself (not a gateway in front of it)
-    key_env = arm.endpoint.api_key_env if arm.launcher.engine_checks_key else None
+    key_env = arm.endpoint.api_key_env if launcher.engine_checks_key else None
     key_args = engine.key_args(key_env, arm.engine.args)
     dirs = dict(model_dirs) if model_dirs is not None else default_model_dirs(exp, home)
     # each arm sees the model and the extra models it names, not another arm's (a vLLM container
@@ -457,12 +458,12 @@ def plan_arm(
     needed = {"model", *(f"models.{name}" for name in models_of(arm)[1:])}
     dirs = {key: value for key, value in dirs.items() if key in needed}
     host_dirs = dict(dirs)
-    dirs, mounts = arm.launcher.place_models(dirs)
-    for host_path, inside in arm.launcher.extra_mounts().items():
+    dirs, mounts = launcher.place_models(dirs)
+    for host_path, inside in launcher.extra_mounts().items():
         mounts[str(Path(expand_home(host_path, home)).expanduser().absolute())] = inside
-    port = arm.launcher.port or engine.default_port
+    port = launcher.port or engine.default_port
     served = exp.model.served_name
-    binding = arm.launcher.binding(engine.default_port, served)
+    binding = launcher.binding(engine.default_port, served)
     argv = [
         *(expand_home(part, home) for part in (arm.engine.executable or [])),
         *engine.managed_args(dirs["model"], binding.served_name, binding.host, binding.port),
@@ -471,19 +472,19 @@ def plan_arm(
     ]
     env = {k: expand_home(v, home) for k, v in arm.engine.env.items()}
     # an engine bound to all interfaces is still reached through loopback from here
-    host = "127.0.0.1" if arm.launcher.host in ("0.0.0.0", "::") else arm.launcher.host
+    host = "127.0.0.1" if launcher.host in ("0.0.0.0", "::") else launcher.host
     root = f"http://{host}:{port}"
     # an engine elsewhere (an endpoint, a cluster manager's worker) is reached through its base URL only
-    external = not arm.launcher.runs_here
+    external = not launcher.runs_here
     # a cluster manager's own OpenAI route (GPUStack's /v1) is where the engine is reached
-    route = arm.launcher.gateway(exp.name, arm.name)
+    route = launcher.gateway(exp.name, arm.name)
     base_url = arm.endpoint.base_url or (route.base_url if route else f"{root}/v1")
     return ArmPlan(
         experiment=exp.name,
         arm=arm.name,
         engine=engine.kind,
         engine_version=arm.engine.version,
-        launcher=arm.launcher.kind,
+        launcher=launcher.kind,
         image=arm.engine.image,
         command=RenderedCommand(argv=argv, env=env),
         base_url=base_url,
@@ -495,9 +496,9 @@ def plan_arm(
         watch_url=None if external or engine.watch_path is None else root + engine.watch_path,
         version_url=None if external or not engine.version_path else root + engine.version_path,
         metrics_url=arm.endpoint.metrics_url if external else root + "/metrics",
-        startup_timeout_s=arm.launcher.startup_timeout_s,
-        stop_timeout_s=arm.launcher.stop_timeout_s,
-        launch=arm.launcher,
+        startup_timeout_s=launcher.startup_timeout_s,
+        stop_timeout_s=launcher.stop_timeout_s,
+        launch=launcher,
         mounts=mounts,
         compile_cache=_compile_cache(engine, arm, home, host_dirs, model_digests, env),
         client=exp.client,

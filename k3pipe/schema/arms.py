@@ -26,7 +26,7 @@ from k3pipe.schema.common import (
     _usage_stats_field,
     safe_name,
 )
-from k3pipe.schema.launcher_specs import LauncherSpec, ProcessLauncherSpec
+from k3pipe.schema.launcher_specs import AUTO_PORT, LauncherSpec, ProcessLauncherSpec
 
 
 class EngineSpec(_Spec):
@@ -273,6 +273,12 @@ class ArmSpec(_Spec):
                 "an engine k3pipe starts; for an endpoint that is already up (a gateway included) "
                 "remove gateway and give its URL, key variable and model id as endpoint.base_url, "
                 "endpoint.api_key_env and endpoint.model"
+            )
+        if self.launcher.port == AUTO_PORT:
+            raise ValueError(
+                "launcher.port is 'auto' beside gateway: the gateway routes to a port fixed in its own "
+                "configuration, and a port drawn at launch would not be it; give launcher.port the "
+                "number the gateway routes to"
             )
         if self.endpoint.base_url is not None:
             raise ValueError(

@@ -16,15 +16,16 @@ import contextlib
 import ipaddress
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Protocol
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Protocol, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from k3pipe.core import secrets
-from k3pipe.core.procs import parse_cpu_list
+from k3pipe.core.procs import free_port, parse_cpu_list
 
 __all__ = [
+    "AUTO_PORT",
     "LAUNCHER_SPECS",
     "Binding",
     "DockerLauncherSpec",
@@ -57,6 +58,8 @@ def _container_path(value: str) -> bool:
 
 MODEL_PATH = "{{model_path}}"
 PORT = "{{port}}"
+AUTO_PORT = "auto"
+"""launcher.port's value for a port drawn free on the node at launch."""
 MODEL_NAME = "{{model_name}}"
 
 
@@ -142,12 +145,12 @@ class LauncherSpecBase(BaseModel):
 
     kind: str
     host: str = Field(default="127.0.0.1", description="Address the engine binds to.")
-    port: int | None = Field(
+    port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = Field(
         default=None,
-        strict=True,
-        ge=1,
-        le=65535,
-        description="Port the engine listens on (default: the engine's).",
+        description="Port the engine listens on (default: the engine's). 'auto': a port free on the "
+        "node, drawn where and when the launch is planned (engines of one arm launched at once on one "
+        "host: two workers of a pool on one machine, half-node pools); the arm's recorded plan and "
+        "command say the port drawn.",
     )
     startup_timeout_s: float = Field(
         default=900.0,
@@ -165,6 +168,37 @@ class LauncherSpecBase(BaseModel):
         le=3_600.0,
         description="Grace period after SIGTERM before SIGKILL of the group (at most an hour).",
     )
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _port(cls, value: Any) -> Any:
+        """One message for every wrong port (a number, or 'auto'; not a numeric string, not a bool)."""
+        if value is None or value == AUTO_PORT:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+            raise ValueError(
+                f"port {value!r} must be a port number from 1 to 65535, or 'auto' (a free port drawn "
+                "on the node at launch)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _auto_port_here(self) -> Self:
+        if self.port == AUTO_PORT and not (self.starts_engine and self.runs_here):
+            raise ValueError(
+                f"port 'auto' with kind {self.kind!r}: k3pipe draws a port only for an engine it starts "
+                "on this machine (process, docker); remove launcher.port"
+            )
+        return self
+
+    def drawn(self) -> Self:
+        """This spec, an 'auto' port replaced by a port free on this machine now (its launch's plan).
+        Two launches drawing at once get the kernel's ephemeral ports, which it hands out spread at
+        random: they coincide about once in tens of thousands of pairs, and a port taken by the time
+        the engine starts is refused before the start."""
+        if self.port != AUTO_PORT:
+            return self
+        return self.model_copy(update={"port": free_port(self.host)})
 
     @field_validator("host")
     @classmethod
@@ -210,6 +244,8 @@ class LauncherSpecBase(BaseModel):
 
     def binding(self, default_port: int, served_name: str | None) -> Binding:
         """The host, port and served name the engine's command line gets."""
+        if self.port == AUTO_PORT:
+            raise ValueError("launcher.port 'auto' is drawn before the binding: plan with drawn()")
         return Binding(self.host, self.port or default_port, served_name)
 
     def gateway(self, experiment: str, arm: str) -> Gateway | None:

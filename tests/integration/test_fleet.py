@@ -7,17 +7,16 @@ Prefect's side (the deployment runs on two pools with two workers) is flows/flee
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -54,7 +53,7 @@ from k3pipe.records.tracking import Tracker
 from k3pipe.report import build_report
 from k3pipe.testing import FAKE_ENGINE
 from k3pipe.testing.scripted_openai import Script, ScriptedOpenAI
-from tests.conftest import TINY_MODEL, free_port
+from tests.conftest import TINY_MODEL
 from tests.stores import seed_mlflow_db
 
 WORKLOADS = [
@@ -116,24 +115,21 @@ def servers():  # type: ignore[no-untyped-def]
 
 
 def _run(
-    tmp_path: Path, experiment: dict[str, Any], nodes: dict[str, Job | None], one_at_a_time: bool = False
+    tmp_path: Path, experiment: dict[str, Any], nodes: dict[str, Job | None]
 ) -> tuple[Job, StudyResult | BaseException]:
     """The study started by a job whose fleet runs each launch with ``nodes[pool]`` (None: a pool
-    whose worker never comes). ``one_at_a_time``: the nodes' launches take turns (two nodes on this
-    one machine share a launched engine's port; two machines would not)."""
+    whose worker never comes)."""
     tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
     parent = _job(tmp_path / "parent", tracking, artifacts)
-    turn = threading.Lock() if one_at_a_time else contextlib.nullcontext()
 
     def fleet(spec: Any, study_run_id: str) -> Any:
         def run_on(pool: str, ticket: Ticket) -> ArmOutcome:
             node = nodes[pool]
             if node is None:
                 raise PoolUnavailable(f"no worker of pool {pool} started launch {ticket.label} within 1 s")
-            with turn:
-                return run_launch(
-                    LaunchRequest(study_run_id, ticket.arm, ticket.launch, ticket.launches, pool), node
-                )
+            return run_launch(
+                LaunchRequest(study_run_id, ticket.arm, ticket.launch, ticket.launches, pool), node
+            )
 
         return Remote(run_on)
 
@@ -251,15 +247,17 @@ def test_a_fleet_study_needs_the_study_flow(tmp_path: Path) -> None:
         study(RunRequest(experiment=str(exp)), job)
 
 
-def _search(port: int) -> dict[str, Any]:
+def _search() -> dict[str, Any]:
     """A search over the fake vLLM's service rate (k3pipe/testing/fake_engine.py, launched by each node's
-    process launcher): 2 or 12 ms between tokens, two launches each, spread over both nodes."""
+    process launcher): 2 or 12 ms between tokens, two launches each, spread over both nodes, which
+    launch at once: both nodes are this machine, so each launch binds a port drawn free at its plan
+    (launcher.port 'auto')."""
     engine = {
         "kind": "vllm",
         "executable": [sys.executable, str(FAKE_ENGINE)],
         "args": {"startup_delay_s": 0.2, "token_delay_ms": 6, "max_model_len": 4096},
     }
-    launcher = {"kind": "process", "host": "127.0.0.1", "port": port, "startup_timeout_s": 60,
+    launcher = {"kind": "process", "host": "127.0.0.1", "port": "auto", "startup_timeout_s": 60,
                 "stop_timeout_s": 10}  # fmt: skip
     return {
         "name": "fleet-tune",
@@ -287,7 +285,7 @@ def test_a_search_spread_over_two_nodes_is_raced_as_one(tmp_path: Path) -> None:
     pool and node recorded, the race judged on them all, the winner written out."""
     tracking, artifacts = _SERVER["uri"], tmp_path / "artifacts"
     nodes: dict[str, Job | None] = {n: _job(tmp_path / n, tracking, artifacts) for n in ("node-a", "node-b")}
-    job, result = _run(tmp_path, _search(free_port()), nodes, one_at_a_time=True)
+    job, result = _run(tmp_path, _search(), nodes)
     assert isinstance(result, StudyResult), result
     tracker = job.tracker
     arm_runs = tracker.children(result.study_run_id)
@@ -301,6 +299,12 @@ def test_a_search_spread_over_two_nodes_is_raced_as_one(tmp_path: Path) -> None:
     assert run.data.tags[TUNE_OUTCOME_TAG] == "winner"
     assert run.data.tags[TUNE_WINNER_TAG] == tune["winner"] == "fake.t02"  # 2 ms between tokens
     assert tune["launches"] == 4
+    # the nodes launched at once, each launch on a port of its own
+    ports = [urlsplit(r.data.params["base_url"]).port for r in arm_runs]
+    assert len(set(ports)) == 4, ports
+    on = {pool: [(r.info.start_time, r.info.end_time) for r in arm_runs if r.data.tags[POOL_TAG] == pool]
+          for pool in ("node-a", "node-b")}  # fmt: skip
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in on["node-a"] for b0, b1 in on["node-b"]), on
 
 
 def test_a_search_over_nodes_of_different_gpus_is_not_ranked(tmp_path: Path) -> None:
@@ -312,7 +316,7 @@ def test_a_search_over_nodes_of_different_gpus_is_not_ranked(tmp_path: Path) -> 
         "node-a": _on_gpu(_job(tmp_path / "node-a", tracking, artifacts), "NVIDIA H100 80GB HBM3"),
         "node-b": _on_gpu(_job(tmp_path / "node-b", tracking, artifacts), "NVIDIA H200"),
     }
-    job, result = _run(tmp_path, _search(free_port()), nodes, one_at_a_time=True)
+    job, result = _run(tmp_path, _search(), nodes)
     assert isinstance(result, StudyResult), result
     tracker = job.tracker
     run = tracker.client.get_run(result.study_run_id)

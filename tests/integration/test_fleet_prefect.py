@@ -21,13 +21,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import yaml
 from mlflow import MlflowClient
 
-from k3pipe.core.layout import POOL_TAG
+from k3pipe.core.layout import POOL_TAG, TUNE_OUTCOME_TAG, TUNE_WINNER_FILE, TUNE_WINNER_TAG
 from k3pipe.jobs.fleet import heartbeat_key
 from k3pipe.ops.stack import StackConfig, client_env
 from k3pipe.testing import FAKE_ENGINE
@@ -317,3 +318,46 @@ def test_a_retest_over_two_workers_with_a_launched_engine_on_one(fleet: Fleet) -
         assert placed == {"vllm": "node-a", "scripted": "node-b"}
         assert all(r.info.status == "FINISHED" for r in arms)
     assert "retest verdicts:" in out
+
+
+def test_a_search_over_two_workers_launches_on_both_at_once(fleet: Fleet) -> None:
+    """A settings search (issue 50) over the two nodes' workers: the fake vLLM (k3pipe/testing/fake_engine.py)
+    with 2 or 12 ms between tokens, two launches of each candidate, dispatched over both pools. The two
+    workers run on this one machine and launch at once, so each launch's engine binds a port drawn free
+    where its launch is planned (launcher.port 'auto'): four launches, four ports, the two nodes' launches
+    overlapping; the race is judged on both nodes' launches and the winner written out."""
+    engine = {
+        "kind": "vllm",
+        "executable": [sys.executable, str(FAKE_ENGINE)],
+        "args": {"startup_delay_s": 0.2, "token_delay_ms": 6, "max_model_len": 4096},
+    }
+    launcher = {"kind": "process", "port": "auto", "startup_timeout_s": 60, "stop_timeout_s": 10}
+    data = {
+        **_experiment("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1"),
+        "name": "fleet-tune",
+        "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
+        "decision": {"metrics": ["output_throughput_tps"]},
+        "tune": {"arm": "fake", "args": {"token_delay_ms": [12, 2]},
+                 "objective": {"metric": "output_throughput_tps", "workload": "in32"},
+                 "budget": {"first_launches": 2, "max_launches": 2}},
+    }  # fmt: skip
+    proc = fleet.study(data)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{out[-6000:]}\n{fleet.logs()}"
+
+    study, arm_runs = _runs(fleet)
+    assert sorted((r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]) for r in arm_runs) == [
+        ("fake.t01", "1"), ("fake.t01", "2"), ("fake.t02", "1"), ("fake.t02", "2")
+    ]  # fmt: skip
+    assert all(r.info.status == "FINISHED" for r in arm_runs)
+    ports = [urlsplit(r.data.params["base_url"]).port for r in arm_runs]
+    assert len(set(ports)) == 4, ports
+    on = {pool: [(r.info.start_time, r.info.end_time) for r in arm_runs if r.data.tags[POOL_TAG] == pool]
+          for pool in POOLS}  # fmt: skip
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in on["node-a"] for b0, b1 in on["node-b"]), on
+    assert study.data.tags[TUNE_WINNER_TAG] == "fake.t02", study.data.tags.get(TUNE_OUTCOME_TAG)
+    written = MlflowClient().download_artifacts(study.info.run_id, TUNE_WINNER_FILE, str(fleet.tmp / "dl"))
+    (arm,) = yaml.safe_load(Path(written).read_text())
+    assert arm["name"] == "fake"
+    assert arm["engine"]["args"]["token_delay_ms"] == 2
+    assert arm["launcher"]["port"] == "auto"  # the written arm draws its own port too
