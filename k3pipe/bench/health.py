@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from k3pipe.bench.client import stream_options
 from k3pipe.core.errors import EndpointAuthError, HealthError, LaunchError, ModelNotServedError
+from k3pipe.core.http import tls
 from k3pipe.core.secrets import scrub
 from k3pipe.engines import get_engine
 from k3pipe.launchers.base import Launcher
@@ -115,7 +116,7 @@ def wait_until_healthy(
     last_report = t0
     last_error = "no answer yet"
     where = url or f"its {launcher.kind} launcher"
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
+    with httpx.Client(timeout=5.0, trust_env=False, verify=tls(False)) as client:
         while True:
             ready = launcher.ready(progress)  # raises where the launcher knows why the start failed
             if not launcher.alive():
@@ -208,7 +209,7 @@ def check_endpoint(
     """
     target = target or GateTarget()
     own = client is None
-    http = client or httpx.Client(timeout=timeout_s, trust_env=False)
+    http = client or httpx.Client(timeout=timeout_s, trust_env=False, verify=tls(False))
     try:
         try:
             resp = http.get(f"{base_url}/models", headers=_headers(api_key))
@@ -350,7 +351,7 @@ def engine_version(plan: ArmPlan) -> str | None:
     if not plan.version_url:
         return plan.engine_version
     try:
-        resp = httpx.get(plan.version_url, timeout=10.0, trust_env=False)
+        resp = httpx.get(plan.version_url, timeout=10.0, trust_env=False, verify=tls(False))
         if resp.status_code == 200:
             return get_engine(plan.engine).version_from(resp.json()) or plan.engine_version
     except (httpx.HTTPError, ValueError):
@@ -366,7 +367,9 @@ def reset_prefix_cache(plan: ArmPlan, api_key: SecretStr | None, timeout_s: floa
     if path is None:
         return False
     try:
-        resp = httpx.post(server_root(plan.base_url) + path, headers=_headers(api_key), timeout=timeout_s)
+        resp = httpx.post(
+            server_root(plan.base_url) + path, headers=_headers(api_key), timeout=timeout_s, verify=tls()
+        )
     except httpx.HTTPError:
         return False
     return resp.is_success

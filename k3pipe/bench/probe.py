@@ -51,6 +51,7 @@ import httpx
 from tokenizers import Tokenizer
 
 from k3pipe.core.errors import BenchmarkError
+from k3pipe.core.http import tls
 from k3pipe.verdicts.answers import ProbeAnswer
 
 __all__ = [
@@ -341,7 +342,7 @@ def run_probe(
     t0 = time.perf_counter()
 
     async def go() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), verify=tls()) as client:
             for prompt in prompts:  # one by one, so what was answered before an error is kept
                 got = await ask(
                     client, base_url, model, [prompt], output_tokens=output_tokens, score=score,

@@ -23,6 +23,7 @@ from k3pipe.bench.replay import ReplayOutcome, ReplayRecord, fidelity, replay_pl
 from k3pipe.bench.shards import client_layout, run_sharded
 from k3pipe.bench.summary import WorkloadSummary, retokenize, summarize
 from k3pipe.bench.watch import EngineWatch, Liveness
+from k3pipe.core.http import tls
 from k3pipe.engines import get_engine
 from k3pipe.machine.metrics import (
     Discrepancy,
@@ -135,7 +136,7 @@ def benchmark_workload(
     async def go(abort: Abort) -> WorkloadResult:
         # the workload sends through its own transports (run_sharded: one per client process); the scraper has
         # an httpx client of its own
-        async with httpx.AsyncClient(trust_env=False) as metrics_client:
+        async with httpx.AsyncClient(trust_env=False, verify=tls(False)) as metrics_client:
             stop = asyncio.Event()
             task = None
             url = plan.metrics_url

@@ -27,6 +27,7 @@ import httpx
 from pydantic import SecretStr
 
 from k3pipe.bench.client import Abort
+from k3pipe.core.http import tls
 
 __all__ = ["EngineWatch", "Liveness"]
 
@@ -64,7 +65,9 @@ class EngineWatch:
         last_ok = time.monotonic()
         failures = refused = 0
         last_error = ""
-        client = httpx.AsyncClient(timeout=self.probe_timeout_s, trust_env=False, headers=headers)
+        client = httpx.AsyncClient(
+            timeout=self.probe_timeout_s, trust_env=False, verify=tls(False), headers=headers
+        )
         async with client:
             while not stop.is_set() and not abort.is_set():
                 if self.launcher is not None and not self.launcher.alive():
@@ -117,7 +120,13 @@ class EngineWatch:
                 self.lost = f"the engine exited with code {self.launcher.exit_code()} during the workload"
             return
         try:
-            httpx.get(self.url, timeout=self.probe_timeout_s, trust_env=False, headers=self._headers())
+            httpx.get(
+                self.url,
+                timeout=self.probe_timeout_s,
+                trust_env=False,
+                verify=tls(False),
+                headers=self._headers(),
+            )
         except httpx.ConnectError:
             self.lost = f"the endpoint at {self.url} refuses connections (it went down during the workload)"
         except httpx.HTTPError:
