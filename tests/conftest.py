@@ -479,7 +479,7 @@ SHARED_ENGINE_MODULES = frozenset(
 # workers on two cores, from its --durations=0, 2026-12-07), so that the workers end at about the same
 # time; the others follow in collection order.
 GROUP_SECONDS = {
-    "tests/engine/test_tune_cpu.py": 180,  # four cold starts of the real vLLM on busy cores
+    "tests/engine/test_tune_cpu.py": 300,  # eight cold starts of the real vLLM on busy cores
     "tests/integration/test_faults.py": 350,
     "tests/integration/test_study.py": 270,  # three of its tests start `k3pipe study` themselves
     "tests/integration/test_fleet_prefect.py": 330,  # 298 s before its search (35 s alone), 2026-12-07

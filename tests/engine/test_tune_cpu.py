@@ -1,8 +1,7 @@
 """A short search on the real engine here through the study flow (issue 50, "Done when"): the real vLLM
-(CPU build) serving the tiny model, its `max_num_seqs` 1 or 4, two candidates each launched twice
-(the budget: one look; the crossing of several arguments is tests/integration/test_tune.py's, on the
-fake vLLM, where it costs no cold starts of 15 to 35 s), raced on the median time to first token at
-four streams, and the result written out as an arm.
+(CPU build) serving the tiny model, its `max_num_seqs` (1 or 4) crossed with its
+`max_num_batched_tokens` (2,048 or 4,096), four candidates each launched twice (the budget: one look),
+raced on the median time to first token at four streams, and the result written out as an arm.
 
 What must hold: every candidate is launched, a real engine each time, its cold start and record as any
 study arm's; one sequence at a time queues three of the four streams behind whole answers, so the
@@ -44,7 +43,7 @@ def _experiment() -> dict:
     ]  # fmt: skip
     data["tune"] = {
         "arm": arm["name"],
-        "args": {"max_num_seqs": [1, 4]},
+        "args": {"max_num_seqs": [1, 4], "max_num_batched_tokens": [2048, 4096]},
         "objective": {"metric": "ttft_ms_p50", "workload": "in256-out64"},
         "budget": {"first_launches": 2, "max_launches": 2},
     }
@@ -59,7 +58,7 @@ def test_a_short_search_on_the_real_engine_through_the_flow(prefect_harness: Non
     exp.write_text(yaml.safe_dump(_experiment(), sort_keys=False))
     result = study(str(exp))
     launched = sorted((o["arm"], o["launch"]) for o in result["arms"])
-    assert launched == [(f"vllm-cpu.t0{i}", k) for i in (1, 2) for k in (1, 2)]
+    assert launched == [(f"vllm-cpu.t0{i}", k) for i in range(1, 5) for k in (1, 2)]
     assert {o["status"] for o in result["arms"]} == {"FINISHED"}
 
     settings = Settings()
@@ -68,7 +67,7 @@ def test_a_short_search_on_the_real_engine_through_the_flow(prefect_harness: Non
     outcome = run.data.tags[TUNE_OUTCOME_TAG]
     assert outcome in ("winner", "undecided", "equivalent")
     tune = json.loads(tracker.find_artifact(run.info.run_id, TUNE_FILE) or b"{}")
-    assert tune["launches"] == 4 == tune["full_launches"]
+    assert tune["launches"] == 8 == tune["full_launches"]
     leader = tune["leader"]
     assert tune["candidates"][leader]["settings"]["max_num_seqs"] == 4, tune
     dropped = {d["name"] for d in tune["dropped"]}
@@ -77,6 +76,6 @@ def test_a_short_search_on_the_real_engine_through_the_flow(prefect_harness: Non
     (arm,) = yaml.safe_load(written)
     assert arm["name"] == "vllm-cpu"
     assert arm["engine"]["args"]["max_num_seqs"] == 4
-    assert arm["engine"]["args"]["max_model_len"] == 4096  # the arm's own, not searched
+    assert arm["engine"]["args"]["max_num_batched_tokens"] in (2048, 4096)
     assert arm["engine"]["args"]["enforce_eager"] is True  # the arm's own args kept
     print(tune["text"])  # the measured answer, in the test's log
