@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,18 +86,25 @@ def test_an_a_a_and_an_a_b_on_the_real_engine_and_a_launch_cut_by_a_deadline(tmp
     bench = job.steps.arm.benchmark
     calls: dict[str, int] = {}
 
-    def deadline() -> None:
-        time.sleep(0.5)  # into the repeat: its warm-up request or its measured ones are in flight
-        os.kill(os.getpid(), signal.SIGINT)
+    def deadline(message: str) -> None:
+        # the repeat's first progress line (2 of its 9 requests answered): the rest are in flight. Not
+        # a timer: a batch4 repeat takes about 0.4 s, and one that began later than a timer thought
+        # ran to its end before the signal (a fresh-clone run, 2026-12-07: "3 + 3 + 2 cut")
+        if "requests done" in message and not fired:
+            fired.append(message)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    fired: list[str] = []
 
     def cut(plan, workload, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls[plan.arm] = calls.get(plan.arm, 0) + 1
         if plan.arm == "batch4-aa" and calls[plan.arm] == 8:  # its third launch, second repeat
-            threading.Thread(target=deadline, daemon=True).start()
+            kwargs["progress"] = deadline
         return bench(plan, workload, *args, **kwargs)
 
     with pytest.raises(KeyboardInterrupt):
         study(RunRequest(experiment=str(exp)), job.with_steps(arm=replace(job.steps.arm, benchmark=cut)))
+    assert fired, "the deadline's signal was never sent"
     tracker = job.tracker
     (study_run,) = tracker.client.search_runs(
         [tracker.require_experiment_id()], "tags.`k3pipe.kind` = 'study'"
