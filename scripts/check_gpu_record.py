@@ -251,9 +251,18 @@ class Store:
 
 def study_arms(spec: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
     """Every arm a study of ``spec`` runs (with ``decision.calibration``, the baseline's A/A copy
-    ``<arm>-aa`` too) and the launches it plans (unset: k3pipe's default, 2 where arms are compared)."""
+    ``<arm>-aa`` too; a search's candidates) and the launches it plans (unset: k3pipe's default, 2
+    where arms are compared; a search: its first round's)."""
     from k3pipe.schema.specs import CALIBRATION_SUFFIX, DEFAULT_LAUNCHES
 
+    if spec.get("tune"):
+        # a search's study runs its candidates (ARM.tNN), each launched first_launches times at least
+        from k3pipe.experiment.load import parse_experiment
+
+        parsed = parse_experiment(spec)
+        assert parsed.tune is not None
+        first = parsed.tune.budget.first_launches
+        return [(c.arm.model_dump(mode="json", exclude_unset=True), first) for c in parsed.tune_candidates()]
     arms = list(spec["arms"])
     decision = spec.get("decision") or {}
     compares = len(arms) >= 2 or bool(spec.get("variants")) or decision.get("calibration") is True

@@ -121,3 +121,28 @@ def test_render_states_the_device_time_budget() -> None:
     plain = parse_experiment({**BASE, "tune": TUNE}, "e.yaml")
     (line,) = [ln for ln in describe_study(plain) if "a search over arm vllm's settings" in ln]
     assert line.endswith("at most 8 each (96 in all)")
+
+
+def test_the_gpu_record_check_expects_each_candidates_first_round() -> None:
+    """scripts/check_gpu_record.py on a search's record: the candidates' arm runs (ARM.tNN, each with its
+    settings), each launched budget.first_launches times at least; not the searched arm by its own name."""
+    import importlib.util
+    import sys
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    path = REPO / "scripts" / "check_gpu_record.py"
+    spec = importlib.util.spec_from_file_location("check_gpu_record", path)
+    assert spec is not None
+    assert spec.loader is not None
+    checker = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = checker  # its dataclasses look their module up
+    spec.loader.exec_module(checker)
+    experiment = yaml.safe_load((REPO / "experiments" / "tune-h100.yaml").read_text())
+    arms = checker.study_arms(experiment)
+    assert [(a["name"], a["engine"]["args"]["max_num_seqs"], n) for a, n in arms] == [
+        ("vllm.t01", 64, 2), ("vllm.t02", 128, 2)
+    ]  # fmt: skip
+    assert all(a["engine"]["args"]["max_num_batched_tokens"] == 8192 for a, _ in arms)
