@@ -294,7 +294,9 @@ def test_a_search_on_capacity_under_an_slo(tmp_path: Path) -> None:
     assert 2 <= means[4] < 5  # four at once; a fifth waits (two cores' load may cost it the fourth)
     assert run.data.tags[TUNE_OUTCOME_TAG] == "winner"
     assert result["candidates"][result["winner"]]["settings"] == {"max_num_seqs": 4}
-    assert result["launches"] == 4
+    # one look where the two launches a side agree; a second round where the machine's load spread them
+    # (a fresh-clone run beside a bundle's download, 2026-12-07: six launches, the same winner)
+    assert result["launches"] in (4, 6), result["launches"]
 
 
 def test_a_search_stops_where_another_round_would_pass_its_device_time(tmp_path: Path) -> None:
