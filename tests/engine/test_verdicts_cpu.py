@@ -77,6 +77,7 @@ def _seen(report: Report) -> str:
 def test_an_a_a_and_an_a_b_on_the_real_engine_and_a_launch_cut_by_a_deadline(tmp_path: Path) -> None:
     require_engine()
     from k3pipe.experiment.params import RunRequest
+    from k3pipe.jobs.arm_run import benchmark as arm_benchmark
     from k3pipe.jobs.steps import Job
     from k3pipe.jobs.study import study
 
@@ -99,7 +100,7 @@ def test_an_a_a_and_an_a_b_on_the_real_engine_and_a_launch_cut_by_a_deadline(tmp
     def cut(plan, workload, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls[plan.arm] = calls.get(plan.arm, 0) + 1
         if plan.arm == "batch4-aa" and calls[plan.arm] == 8:  # its third launch, second repeat
-            kwargs["progress"] = deadline
+            return arm_benchmark(plan, workload, *args, progress=deadline, **kwargs)
         return bench(plan, workload, *args, **kwargs)
 
     with pytest.raises(KeyboardInterrupt):
