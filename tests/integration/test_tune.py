@@ -62,8 +62,10 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
     assert not any(name.startswith(("fake.t02", "fake.t04", "fake.t06")) for name in launched)
     assert {d["name"] for d in result["dropped"]} == {"fake.t01", "fake.t05"}
     assert all(not d["failed"] for d in result["dropped"])
-    # a 3x and a 6x gap: decided on the first launches, well under the budget
-    assert result["launches"] == 6 < result["full_launches"] == 3 * 4
+    # a 3x and a 6x gap: decided on the first launches (6) on a quiet machine, well under the budget; on
+    # two cores beside eight real-vLLM cold starts one candidate took a second look (8, 2026-12-07)
+    assert result["launches"] in (6, 7, 8)
+    assert result["full_launches"] == 3 * 4
     means = {n: c["mean"] for n, c in result["candidates"].items() if "mean" in c}
     assert means["fake.t03"] > means["fake.t05"] > means["fake.t01"]
     assert result["text"].startswith("fake.t03 is the best: better than every other candidate")
@@ -73,7 +75,7 @@ def test_a_search_finds_the_fastest_setting_and_writes_it_out(tmp_path: Path) ->
         r for r in tracker.children(run.info.run_id) if r.data.tags.get("k3pipe.arm", "").startswith("fake.")
     ]
     held = sum(r.info.end_time - r.info.start_time for r in runs) / 1000
-    assert len(runs) == 6
+    assert len(runs) == result["launches"]
     assert result["device_s"] == pytest.approx(held, abs=0.1)
     assert result["text"].endswith(f"; device time {held / 60:.1f} min")
     assert result["stopped"] is None
