@@ -70,6 +70,7 @@ def experiment(name: str, port: int, engine: str = "fake", external: bool = Fals
                 "executable": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
                 "env": {
                     "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "OMP_WAIT_POLICY": "PASSIVE",
                     "HF_HUB_OFFLINE": "1",
                     "VLLM_NO_USAGE_STATS": "1",
                     "VLLM_CACHE_ROOT": str(ASSETS / "cache" / "vllm"),

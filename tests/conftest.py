@@ -41,6 +41,10 @@ _ISOLATED_PREFIXES = ("K3PIPE_", "MLFLOW_", "MODELSCOPE_")
 # disposition a terminal gives it; children get SIG_DFL and install Python's own handler.
 # Prefect servers the tests start (the in-process harness too) send no telemetry: tests reach loopback only
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# OpenMP threads of the torch processes the tests start (vLLM, the GPU kit's model builders) sleep
+# when idle instead of spinning: on two shared cores a spinning vLLM took 10x the CPU and 17x the time
+# for the same requests (experiments/demo-cpu.yaml sets it for its engines too)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
