@@ -490,6 +490,7 @@ GROUP_SECONDS = {
     SHARED_ENGINE: 240,
     "tests/integration/test_tune.py": 190,  # five searches with the fake vLLM
     "tests/engine/test_answers_cpu.py": 170,
+    "tests/engine/test_capacity_cpu.py": 130,  # moved from the timing phase (111 s there), 2026-12-07
     "tests/integration/test_spool.py": 165,
     "tests/docker": 160,
     "tests/integration/test_bundle.py": 155,

@@ -186,7 +186,8 @@ _COMPILE_NEUTRAL_FLAGS = frozenset(
     }
 )  # fmt: skip
 # Environment variables of the spec that do not change compilation either (logging, telemetry, hub
-# access, the key, how idle OpenMP threads wait); every other one is in the key (VLLM_USE_V2_MODEL_RUNNER, VLLM_USE_AOT_COMPILE ...).
+# access, the key, how idle OpenMP threads wait); every other one is in the key
+# (VLLM_USE_V2_MODEL_RUNNER, VLLM_USE_AOT_COMPILE ...).
 _COMPILE_NEUTRAL_ENV = re.compile(
     r"^(VLLM_CACHE_ROOT|VLLM_API_KEY|VLLM_LOGGING_.*|VLLM_CONFIGURE_LOGGING|VLLM_NO_USAGE_STATS|"
     r"VLLM_DO_NOT_TRACK|DO_NOT_TRACK|NO_COLOR|HF_HUB_OFFLINE|HF_TOKEN|HF_HOME|TRANSFORMERS_OFFLINE|"

@@ -29,9 +29,13 @@ from k3pipe.core.settings import Settings
 from k3pipe.report import build_report
 from tests.conftest import ASSETS_HOME, REPO, free_port, require_engine
 
-# the arms' order is the engine's timing: alone in `make test`'s first phase (beside three workers the
-# machine's load made batch4's second point slower than its first, 2026-12-05, and its ladder ended there)
-pytestmark = [pytest.mark.engine, pytest.mark.serial]
+# In the parallel phase since 2026-12-07: what is asserted is the order the engine's batch size
+# imposes, with margins load does not close once vLLM's OpenMP threads sleep when idle
+# (OMP_WAIT_POLICY=PASSIVE, experiments/demo-study.yaml): beside two pytest workers running the fault
+# and study tests, batch1's best point was 204 tok/s against batch4's 1,275 (asserted: below 0.6x)
+# and the capacities 1 against 9 streams. (With spinning threads, beside three workers, batch4's
+# second point came out slower than its first, 2026-12-05, and its ladder ended there.)
+pytestmark = [pytest.mark.engine]
 
 PRICE = 0.12  # $ per "GPU" hour: the CPU machine's, for the arithmetic
 
