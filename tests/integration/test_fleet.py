@@ -289,19 +289,23 @@ def test_a_search_spread_over_two_nodes_is_raced_as_one(tmp_path: Path) -> None:
     assert isinstance(result, StudyResult), result
     tracker = job.tracker
     arm_runs = tracker.children(result.study_run_id)
-    assert sorted((r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]) for r in arm_runs) == [
-        ("fake.t01", "1"), ("fake.t01", "2"), ("fake.t02", "1"), ("fake.t02", "2")
-    ]  # fmt: skip
+    # two launches each, and a third each where the busy machine's noise hid the difference at the first
+    # look (a fresh-clone run, 2026-12-07: six launches, the suite's three workers beside it)
+    launched = sorted((r.data.tags["k3pipe.arm"], r.data.tags["k3pipe.launch"]) for r in arm_runs)
+    assert launched in (
+        [(f"fake.t0{c}", str(k)) for c in (1, 2) for k in (1, 2)],
+        [(f"fake.t0{c}", str(k)) for c in (1, 2) for k in (1, 2, 3)],
+    ), launched
     assert {r.data.tags[POOL_TAG] for r in arm_runs} == {"node-a", "node-b"}
     assert all(r.data.tags[NODE_TAG] for r in arm_runs)
     run = tracker.client.get_run(result.study_run_id)
     tune = json.loads(tracker.find_artifact(result.study_run_id, TUNE_FILE) or b"{}")
     assert run.data.tags[TUNE_OUTCOME_TAG] == "winner"
     assert run.data.tags[TUNE_WINNER_TAG] == tune["winner"] == "fake.t02"  # 2 ms between tokens
-    assert tune["launches"] == 4
+    assert tune["launches"] == len(arm_runs)
     # the nodes launched at once, each launch on a port of its own
     ports = [urlsplit(r.data.params["base_url"]).port for r in arm_runs]
-    assert len(set(ports)) == 4, ports
+    assert len(set(ports)) == len(arm_runs), ports
     on = {pool: [(r.info.start_time, r.info.end_time) for r in arm_runs if r.data.tags[POOL_TAG] == pool]
           for pool in ("node-a", "node-b")}  # fmt: skip
     assert any(a0 < b1 and b0 < a1 for a0, a1 in on["node-a"] for b0, b1 in on["node-b"]), on
