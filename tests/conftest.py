@@ -465,8 +465,9 @@ def tier_of(path: str) -> str | None:
 # checks the pin and the method's shape.
 # The modules whose tests need only a live vLLM (the session's `vllm_engine`), not a start of their own, are
 # one group: one worker starts the engine once for all of them (a cold start costs 35-45 s of two busy
-# cores). None of them is serial; the timing phase starts the engine only for
-# tests/engine/test_verdicts_cpu.py, whose A/B must stand out of the machine's noise.
+# cores). None of them is serial, and the timing phase starts no engine: the real-engine tests whose
+# verdicts it once held (tests/engine/test_verdicts_cpu.py, test_capacity_cpu.py) hold beside the
+# other workers since vLLM's OpenMP threads sleep when idle (their docstrings say how measured).
 # pytest_collection_modifyitems refuses a module outside this list that asks for `vllm_engine`.
 SHARED_ENGINE = "tests/engine: the shared vLLM"
 SHARED_ENGINE_MODULES = frozenset(
@@ -484,6 +485,7 @@ SHARED_ENGINE_MODULES = frozenset(
 # time; the others follow in collection order.
 GROUP_SECONDS = {
     "tests/engine/test_tune_cpu.py": 300,  # eight cold starts of the real vLLM on busy cores
+    "tests/engine/test_verdicts_cpu.py": 300,  # nine cold starts: 290-305 s beside two workers, 2026-12-07
     "tests/integration/test_faults.py": 350,
     "tests/integration/test_study.py": 270,  # three of its tests start `k3pipe study` themselves
     "tests/integration/test_fleet_prefect.py": 330,  # 298 s before its search (35 s alone), 2026-12-07

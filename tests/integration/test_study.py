@@ -281,25 +281,36 @@ def test_until_adds_rounds_of_launches_while_the_decision_is_open(  # type: igno
     assert "stopped at look 3 of at most 3" in report.markdown
 
 
-def test_until_stops_at_once_when_the_decision_is_reached(  # type: ignore[no-untyped-def]
-    servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_until_stops_at_once_when_the_decision_is_reached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # two launches planned (one holds no restart noise: a design of one launch is never decided), at
     # most 3: 2 looks, the first may spend 0.0056 of alpha 0.05 (O'Brien-Fleming), so the 10x is
     # decided at the first while the launch means' spread stays under about 15% (2 df); at most 4
     # looks the first may spend 0.00009, and beside the other worker the fast server's spread broke
-    # that (CI, 2026-12-03)
-    fast, slow = servers
+    # that (CI, 2026-12-03). 4 and 60 ms a token, and answers of 24 tokens, so that the tokens' pace
+    # sets the throughput (about 13x apart): the module's servers (2 and 20 ms) with 8-token answers
+    # read about 3x apart, a request's fixed cost most of the fast one's time, and beside the verdicts
+    # test and two workers the fast server's spread kept the first look from deciding (2026-12-07)
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.skip(f"no tiny model at {TINY_MODEL} (make model)")
     monkeypatch.setenv("K3PIPE_HOME", str(tmp_path / "home"))
-    arms = [{**_arm("fast", fast.base_url), "launches": 2}, {**_arm("slow", slow.base_url), "launches": 2}]
-    spec = parse_experiment(
-        {
-            **_experiment(arms),
-            "workloads": [{**WORKLOADS[0], "repeats": 3}],
-            "decision": {"metrics": ["output_throughput_tps"], "until": {"max_launches": 3}},
-        }
-    )
-    tracker, run_id, outcome = _run_study(spec, tmp_path)
+    with (
+        ScriptedOpenAI(Script(inter_token_s=0.004), model="m") as fast,
+        ScriptedOpenAI(Script(inter_token_s=0.06), model="m") as slow,
+    ):
+        arms = [
+            {**_arm("fast", fast.base_url), "launches": 2},
+            {**_arm("slow", slow.base_url), "launches": 2},
+        ]
+        spec = parse_experiment(
+            {
+                **_experiment(arms),
+                "workloads": [{**WORKLOADS[0], "output_tokens": 24, "repeats": 3}],
+                "decision": {"metrics": ["output_throughput_tps"], "until": {"max_launches": 3}},
+            }
+        )
+        tracker, run_id, outcome = _run_study(spec, tmp_path)
     assert [(o.arm, o.launch) for o in outcome.arms] == [("fast", 1), ("slow", 1), ("slow", 2), ("fast", 2)]
     tags = tracker.client.get_run(run_id).data.tags
     assert tags["k3pipe.decision.look"] == "1"
