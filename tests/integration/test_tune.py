@@ -305,7 +305,10 @@ def test_a_search_stops_where_another_round_would_pass_its_device_time(tmp_path:
     """Two candidates that serve alike (``stats_interval_s`` changes only how often the fake engine logs)
     and a margin of 0.1%: no look can tell them apart or call them equivalent, so the race would spend its
     four launches each. A device-time budget of 1.2 s stops it after the first round (which always
-    runs), undecided, saying why, the leader written out as what was found."""
+    runs), undecided, saying why, the leader written out as what was found. At alpha 0.001 (the first
+    look spends 0.0001): at the default 0.05 a fresh-clone run's busy cores (the bundle's install and
+    two real-engine tests beside it) once set the equal pair's two launches apart enough to call a
+    winner at the first look (2026-12-07); what is tested here is the budget's stop, not the rate."""
     if not (TINY_MODEL / "config.json").is_file():
         pytest.fail(f"no tiny model at {TINY_MODEL}: run the tests with `make test`, which makes it")
     engine = {
@@ -322,7 +325,7 @@ def test_a_search_stops_where_another_round_would_pass_its_device_time(tmp_path:
         "arms": [{"name": "fake", "engine": engine, "launcher": launcher}],
         "workloads": [{"name": "w", "input_tokens": 32, "output_tokens": 16, "concurrency": 2,
                        "num_requests": 4, "warmup_requests": 0, "repeats": 2, "seed": 3}],
-        "tune": {"arm": "fake", "args": {"stats_interval_s": [1, 2]}, "margin_pct": 0.1,
+        "tune": {"arm": "fake", "args": {"stats_interval_s": [1, 2]}, "margin_pct": 0.1, "alpha": 0.001,
                  "objective": {"metric": "output_throughput_tps", "workload": "w"},
                  "budget": {"first_launches": 2, "max_launches": 4, "device_minutes": 0.02}},
     }, sort_keys=False))  # fmt: skip
