@@ -39,8 +39,12 @@ def _experiment() -> dict:
     data["name"] = "tune-cpu"
     data["workloads"] = [
         {"name": "in256-out64", "input_tokens": 256, "output_tokens": 64, "concurrency": 4,
-         "num_requests": 12, "warmup_requests": 1, "repeats": 2, "seed": 5},
+         "num_requests": 12, "warmup_requests": 1, "repeats": 1, "seed": 5},
     ]  # fmt: skip
+    # one repeat a launch: the race's unit is the launch (a launch's value is its repeats' mean), and
+    # one sequence at a time queues three of four streams in every repeat alike; a second repeat cost
+    # each launch about 5 s of CPU and 10 s on busy cores (2026-12-07 profile: the test's eight
+    # launches took 225 CPU-s, about 18 of each the cold start)
     data["tune"] = {
         "arm": arm["name"],
         "args": {"max_num_seqs": [1, 4], "max_num_batched_tokens": [2048, 4096]},
