@@ -153,9 +153,10 @@ docker:
 	$(DOCKER_UP)
 
 # Set-up overlaps where nothing is shared: the Docker images build (Debian's mirror, dockerd: the base,
-# the scripted engine's, the real vLLM's runtime) while the venvs install (-j3: uv, the wheel cache),
-# then the tiny model is made while lint runs (mypy: 15 s) and the sources compile, and the tests'
-# store templates are made (tests/stores.py). Then two
+# the scripted engine's, the real vLLM's runtime) while the venvs install (uv, the wheel cache), lint
+# (mypy: 21 s) and the sources' compiling start as soon as the pipeline's venv is in, the tiny model as
+# soon as the engine's (one make, -j4: each waits only for what it needs), then the tests' store
+# templates are made (tests/stores.py). Then two
 # phases (tests/conftest.py says why): the timing tests alone, then the rest on TEST_WORKERS
 # pytest-xdist workers; both run, and the first failure's status is the target's. Three workers on
 # two cores: most of that phase is waiting (servers, engines, timeouts); it took 10 min 23 s on three
@@ -169,7 +170,7 @@ test: system test-system
 	start=$$(date +%s); \
 	{ scripts/docker-env.sh up && eval "$$(scripts/docker-env.sh env)" || exit; }; \
 	{ scripts/build-base-image.sh && scripts/build-test-image.sh && scripts/build-vllm-image.sh >/dev/null; } & \
-	images=$$!; $(SUBMAKE) -j3 venv engine gateway gpustack && $(SUBMAKE) -j3 model compile lint && \
+	images=$$!; $(SUBMAKE) -j4 model compile lint gateway gpustack && \
 	$(VENV)/bin/python -m tests.stores >/dev/null && wait $$images && { \
 	ready=$$(date +%s); serial=0; $(VENV)/bin/python -m pytest -m serial --durations=15 || serial=$$?; \
 	timed=$$(date +%s); rest=0; \
