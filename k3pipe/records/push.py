@@ -143,6 +143,19 @@ def ensure_experiment(client: MlflowClient, tracking_uri: str, name: str, artifa
 _Record = Mapping[str, Any]
 
 
+# What MLflow's SQL store answers when two writers insert the same row at once (its look for an
+# existing row and its insert are not atomic): PostgreSQL (psycopg2), SQLite, MySQL
+_UNIQUE_VIOLATION = ("UniqueViolation", "duplicate key value violates unique constraint",
+                     "UNIQUE constraint failed", "Duplicate entry")  # fmt: skip
+
+
+def _lost_a_create_race(exc: MlflowException) -> bool:
+    """Whether ``exc`` is MLflow's SQL store refusing a row that another writer inserted first (a
+    fleet study's two nodes logging one dataset: "(psycopg2.errors.UniqueViolation) duplicate key
+    value violates unique constraint", seen 2026-12-07 on the team stack's PostgreSQL)."""
+    return any(mark in str(exc) for mark in _UNIQUE_VIOLATION)
+
+
 class Pusher:
     """Pushes spooled records (k3pipe.records.spool) to one tracking URI, in order and idempotently: a record
     that was being pushed when a push failed or the process died is checked against MLflow first
@@ -267,7 +280,17 @@ class Pusher:
             profile=fields.get("profile"),
         )
         tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=record["context"])]
-        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset=entity, tags=tags)])
+        inputs = [DatasetInput(dataset=entity, tags=tags)]
+        try:
+            self.client.log_inputs(run_id, datasets=inputs)
+        except MlflowException as exc:
+            if not _lost_a_create_race(exc):
+                raise
+            # Another run (a launch on another node, at the same moment) created the same dataset between
+            # this call's look for it and its insert: MLflow rolled this call back whole, and the
+            # dataset is there now, so the same call links it (MLflow reuses a dataset of the same
+            # name and digest, and an input already linked)
+            self.client.log_inputs(run_id, datasets=inputs)
 
     def _push_end(self, run_id: str, journal: Journal, record: _Record, uncertain: bool) -> None:
         self.client.set_terminated(run_id, status=record["status"], end_time=int(record["end_ms"]))

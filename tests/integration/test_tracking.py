@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pandas as pd
@@ -193,3 +194,55 @@ def test_log_file_keeps_a_binary_file_byte_for_byte_and_scrubs_text(tmp_path: Pa
     tracker.log_file(run, tmp_path / "engine.log", "logs")
     assert tracker.read_artifact(run, "report/plots/figure.png") == png
     assert tracker.read_artifact(run, "logs/engine.log") == b"key *** in a log line\n"
+
+
+def test_a_dataset_another_run_created_at_the_same_moment_is_linked_not_a_failure(
+    tracker: Tracker, tmp_path: Path
+) -> None:
+    """Two launches on two nodes log one dataset at once: MLflow's SQL store looks for it, finds
+    nothing, inserts, and the second insert is refused ("(psycopg2.errors.UniqueViolation) duplicate
+    key value violates unique constraint", a fleet study's arm failed so on the team stack's
+    PostgreSQL, 2026-12-07). The race, made here at will: the other run's log lands first, then this
+    one's call gets the refusal the server returned; the push must link the existing dataset."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import BAD_REQUEST, INVALID_PARAMETER_VALUE
+
+    first, second = tracker.start_run("a/w"), tracker.start_run("b/w")
+    dataset = {"name": "random-in32-s2", "digest": "00ff00ff00ff00ff", "source_type": "generated",
+               "source": "generated:random", "profile": {"count": 4}}  # fmt: skip
+    pusher = tracker._writer.pusher
+    real = pusher.client
+    raced: list[str] = []
+
+    class Racing:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def log_inputs(self, run_id: str, datasets: list) -> None:
+            if not raced:
+                raced.append(run_id)
+                real.log_inputs(first, datasets=datasets)  # the other node's, first
+                raise MlflowException(
+                    "(psycopg2.errors.UniqueViolation) duplicate key value violates unique constraint "
+                    '"dataset_pk"', error_code=BAD_REQUEST
+                )  # fmt: skip
+            real.log_inputs(run_id, datasets=datasets)
+
+    pusher.client = Racing()
+    tracker.log_dataset(second, dataset)
+    assert raced == [second]
+    for run in (first, second):
+        (linked,) = real.get_run(run).inputs.dataset_inputs
+        assert (linked.dataset.name, linked.dataset.digest) == ("random-in32-s2", "00ff00ff00ff00ff")
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:  # one dataset row, the two runs' inputs to it
+        rows = db.execute("SELECT name, digest FROM datasets").fetchall()
+    assert rows == [("random-in32-s2", "00ff00ff00ff00ff")]
+
+    # any other refusal is still the tracker's error, said with the dataset and the run
+    class Refusing(Racing):
+        def log_inputs(self, run_id: str, datasets: list) -> None:
+            raise MlflowException("a dataset input is refused", error_code=INVALID_PARAMETER_VALUE)
+
+    pusher.client = Refusing()
+    with pytest.raises(TrackingError, match=r"could not log dataset 'random-in32-s2'.*is refused"):
+        tracker.log_dataset(second, dataset)
