@@ -125,24 +125,6 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError | requests.exceptions.RequestException | httpx.HTTPError)
 
 
-def ensure_experiment(client: MlflowClient, tracking_uri: str, name: str, artifact_root: Path | None) -> str:
-    """The experiment's id, created (with :data:`EXPERIMENT_TAGS`) when missing."""
-    found = client.get_experiment_by_name(name)
-    if found is None:
-        # a local store keeps artifacts under K3PIPE_HOME; a tracking server decides itself
-        # (its proxied artifact store), so that no worker writes artifacts to its own disk
-        local = not tracking_uri.startswith(("http://", "https://", "databricks"))
-        location = artifact_root.resolve().as_uri() if artifact_root and local else None
-        return str(client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS))
-    missing = {k: v for k, v in EXPERIMENT_TAGS.items() if k not in found.tags}
-    for key, value in missing.items():
-        client.set_experiment_tag(found.experiment_id, key, value)
-    return str(found.experiment_id)
-
-
-_Record = Mapping[str, Any]
-
-
 # What MLflow's SQL store answers when two writers insert the same row at once (its look for an
 # existing row and its insert are not atomic): PostgreSQL (psycopg2), SQLite, MySQL
 _UNIQUE_VIOLATION = ("UniqueViolation", "duplicate key value violates unique constraint",
@@ -154,6 +136,32 @@ def _lost_a_create_race(exc: MlflowException) -> bool:
     fleet study's two nodes logging one dataset: "(psycopg2.errors.UniqueViolation) duplicate key
     value violates unique constraint", seen 2026-12-07 on the team stack's PostgreSQL)."""
     return any(mark in str(exc) for mark in _UNIQUE_VIOLATION)
+
+
+def ensure_experiment(client: MlflowClient, tracking_uri: str, name: str, artifact_root: Path | None) -> str:
+    """The experiment's id, created (with :data:`EXPERIMENT_TAGS`) when missing."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        # a local store keeps artifacts under K3PIPE_HOME; a tracking server decides itself
+        # (its proxied artifact store), so that no worker writes artifacts to its own disk
+        local = not tracking_uri.startswith(("http://", "https://", "databricks"))
+        location = artifact_root.resolve().as_uri() if artifact_root and local else None
+        try:
+            return str(client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS))
+        except MlflowException as exc:
+            # another process (a node's launch, on a tracking server) created it since the look
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS" and not _lost_a_create_race(exc):
+                raise
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise
+    missing = {k: v for k, v in EXPERIMENT_TAGS.items() if k not in found.tags}
+    for key, value in missing.items():
+        client.set_experiment_tag(found.experiment_id, key, value)
+    return str(found.experiment_id)
+
+
+_Record = Mapping[str, Any]
 
 
 class Pusher:

@@ -100,10 +100,10 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     }
     server = type("T", (), fields)()
     # MLflow 3's UI opens in its GenAI view unless the link asks for the model-training one
-    assert Tracker.run_link(server, "abc") == (  # type: ignore[arg-type]
+    assert Tracker.run_link(server, "abc") == (
         "http://127.0.0.1:5999/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
-    assert Tracker.experiment_link(server) == (  # type: ignore[arg-type]
+    assert Tracker.experiment_link(server) == (
         "http://127.0.0.1:5999/#/experiments/3/runs?workflowType=machine_learning"
     )
 
@@ -246,3 +246,29 @@ def test_a_dataset_another_run_created_at_the_same_moment_is_linked_not_a_failur
     pusher.client = Refusing()
     with pytest.raises(TrackingError, match=r"could not log dataset 'random-in32-s2'.*is refused"):
         tracker.log_dataset(second, dataset)
+
+
+def test_an_experiment_another_process_created_since_the_look_is_used(tmp_path: Path) -> None:
+    """Two nodes' first runs on a new experiment of a tracking server: both look, neither finds it,
+    both create; the second create is refused (RESOURCE_ALREADY_EXISTS, MLflow's own answer here on a
+    real SQLite store), and that node uses the experiment the other made, its tags set."""
+    from mlflow import MlflowClient
+
+    from k3pipe.records.push import EXPERIMENT_TAGS, ensure_experiment
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    real = MlflowClient(tracking_uri=uri)
+    other = real.create_experiment("fleet")  # the other node's, after this one's look
+    looks: list[str] = []
+
+    class LookedFirst:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def get_experiment_by_name(self, name: str) -> object:
+            looks.append(name)
+            return None if len(looks) == 1 else real.get_experiment_by_name(name)
+
+    assert ensure_experiment(LookedFirst(), uri, "fleet", tmp_path / "artifacts") == other
+    assert looks == ["fleet", "fleet"]
+    assert EXPERIMENT_TAGS.items() <= real.get_experiment(other).tags.items()
