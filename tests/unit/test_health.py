@@ -87,3 +87,62 @@ def test_a_gateway_path_that_is_wrong_names_gateway_base_url() -> None:
         )
     assert "the gateway at" in str(info.value)
     assert "answered 404: gateway.base_url's path is probably wrong" in str(info.value)
+
+
+class _Clock:
+    """A virtual clock for the health gate's polls: ``sleep`` moves it, nothing waits."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class _ReadyAt:
+    """A launcher whose engine is ready from ``at_s`` on the virtual clock (only the launcher tells)."""
+
+    kind = "process"
+    log_path = None
+
+    def __init__(self, clock: _Clock, at_s: float) -> None:
+        self.clock, self.at_s, self.asked = clock, at_s, 0
+
+    def ready(self, progress: object = None) -> bool:
+        self.asked += 1
+        return self.clock.now >= self.at_s
+
+    def alive(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("ready_at_s", [0.3, 4.0, 600.0])
+def test_the_gate_sees_a_start_within_a_twentieth_of_its_time_or_poll_s(
+    ready_at_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seconds waited are the launch's cold start: a fixed 1 s poll made a 0.3 s start read (and
+    take) 1 s. Polls start 50 ms apart and grow with the wait, up to poll_s."""
+    from k3pipe.bench import health
+
+    clock = _Clock()
+    monkeypatch.setattr(health, "time", clock)
+    launcher = _ReadyAt(clock, ready_at_s)
+    waited = health.wait_until_healthy(None, launcher, timeout_s=3600, poll_s=1.0)  # type: ignore[arg-type]
+    assert ready_at_s <= waited <= ready_at_s + max(health.POLL_FIRST_S, min(1.0, ready_at_s / 20)) + 1e-9
+    assert max(clock.sleeps) <= 1.0
+    # not a busy loop: about 20 polls per e-fold of the wait, then one a second
+    assert launcher.asked <= 20 + 20 * 3 + ready_at_s / 1.0, launcher.asked
+
+
+def test_poll_gap_bounds() -> None:
+    from k3pipe.bench.health import POLL_FIRST_S, poll_gap
+
+    assert poll_gap(0.0, 1.0) == POLL_FIRST_S
+    assert poll_gap(4.0, 1.0) == pytest.approx(0.2)
+    assert poll_gap(600.0, 1.0) == 1.0
+    assert poll_gap(600.0, 0.2) == 0.2  # a caller's poll_s is the most
