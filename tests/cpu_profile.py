@@ -74,7 +74,8 @@ _KINDS = (
     ("prefect-server", ("prefect.server.api.server", "prefect server start")),
     ("mlflow-server", ("mlflow server", "mlflow.server", "uvicorn_log_config")),
     ("prefect-worker", ("prefect worker start",)),
-    ("flow-run", ("_workspace_supervisor", "prefect.engine")),
+    ("flow-supervisor", ("_workspace_supervisor",)),
+    ("flow-run", ("prefect.engine",)),
     ("k3pipe", ("k3pipe.cli.main", "k3pipe.flows", "bin/k3pipe")),
     ("pytest-worker", ("execnet", "sys.stdin.readline")),
 )
