@@ -25,7 +25,6 @@ __all__ = [
     "GateTarget",
     "check_endpoint",
     "gate_target",
-    "poll_gap",
     "reset_prefix_cache",
     "server_root",
     "wait_until_healthy",
@@ -100,19 +99,6 @@ def server_root(base_url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-POLL_FIRST_S = 0.05
-"""The health gate's first gap between polls; each later gap is a twentieth of the time waited so far,
-up to ``poll_s``."""
-
-
-def poll_gap(elapsed_s: float, poll_s: float) -> float:
-    """The gap before the next poll after ``elapsed_s`` of waiting: a twentieth of it, at least
-    :data:`POLL_FIRST_S` and at most ``poll_s``. The seconds waited are the launch's cold start (a
-    recorded figure), so they are late by at most one gap: 5% of a short start, ``poll_s`` of a long
-    one; a fixed 1 s gap made a 0.3 s start read as 1 s and every such launch wait that long."""
-    return min(poll_s, max(POLL_FIRST_S, elapsed_s / 20))
-
-
 def wait_until_healthy(
     url: str | None,
     launcher: Launcher,
@@ -123,7 +109,6 @@ def wait_until_healthy(
 ) -> float:
     """Poll until the launcher says ready (:meth:`Launcher.ready`, its start's changes reported to
     ``progress``) and ``url`` (None: the launcher alone tells) answers 200; the seconds waited.
-    Polls often at first and every ``poll_s`` once the wait is long (:func:`poll_gap`).
 
     Fails fast with the log tail when the engine exits first, and with the tail on timeout.
     """
@@ -161,7 +146,7 @@ def wait_until_healthy(
             if on_wait and now - last_report >= 10:
                 on_wait(now - t0)
                 last_report = now
-            time.sleep(poll_gap(now - t0, poll_s))
+            time.sleep(poll_s)
 
 
 def _headers(api_key: SecretStr | None) -> dict[str, str]:

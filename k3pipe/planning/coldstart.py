@@ -68,10 +68,7 @@ class ColdStart(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    cold_start_s: float | None = Field(
-        description="k3pipe's wall clock: launch to healthy (the health gate polls at a twentieth of the "
-        "time waited, at most every second: late by at most 5% of it or 1 s)."
-    )
+    cold_start_s: float | None = Field(description="k3pipe's wall clock: launch to healthy.")
     phases: list[ColdStartPhase] = Field(default_factory=list)
     compile_cache: CompileCacheOutcome | None = None
     warm_over_cold: float | None = Field(
